@@ -1,0 +1,146 @@
+"""Typed configuration per stage: YAML file + CLI options + dotted ``--set`` overrides.
+
+Precedence, lowest to highest: field defaults < the stage's section of the YAML file < options
+given on the command line < ``--set key=value``. Unknown keys anywhere are errors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import EagletError
+
+DEFAULT_DRAFT_VOCAB_CAP = 32000
+
+
+class StrictModel(BaseModel):
+    """Unknown keys are errors; assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class PrepareConfig(StrictModel):
+    inputs: list[str] = Field(min_length=1, description="conversation files (.jsonl, .json, .parquet)")
+    out: str = Field(description="output directory")
+    target: str = "embedded"
+    chat_template: str | None = Field(default=None, description="a .jinja file replacing the target's template")
+    max_len: int = Field(default=2048, ge=8, description="tokens per sample; longer samples are truncated")
+    draft_vocab: int | None = Field(default=None, ge=1, description="draft vocabulary size; default min(32000, V)")
+    on_bad_row: Literal["error", "skip"] = "error"
+    overwrite: bool = False
+    trust_remote_code: bool = False
+
+
+class RegenerateConfig(StrictModel):
+    prompts: list[str] = Field(min_length=1, description="prompt or conversation files")
+    out: str = Field(description="output .jsonl")
+    target: str = "embedded"
+    backend: Literal["hf", "openai"] = "hf"
+    max_new_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0, description="0 means greedy")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, description="answers per prompt")
+    seed: int = 0
+    batch_size: int = Field(default=0, ge=0, description="hf: prompts per batch (0 = 64 on GPU, 8 on CPU)")
+    max_prompts: int | None = Field(default=None, ge=1)
+    split: Literal["all", "train", "heldout"] = Field(default="all", description="rows whose `split` field matches")
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # openai backend
+    base_url: str = "http://127.0.0.1:8000/v1"
+    model: str | None = Field(default=None, description="openai: model name sent to the server")
+    api_key_env: str = "OPENAI_API_KEY"
+    concurrency: int = Field(default=16, ge=1)
+    timeout_s: float = Field(default=120.0, gt=0)
+    max_retries: int = Field(default=5, ge=0)
+    on_bad_row: Literal["error", "skip"] = "error"
+    trust_remote_code: bool = False
+
+
+ConfigT = TypeVar("ConfigT", bound=StrictModel)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise EagletError(f"--set {dotted}: '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``a.b=3`` -> ("a.b", 3); values are parsed as YAML scalars/lists."""
+    if "=" not in text:
+        raise EagletError(f"--set {text!r}: expected KEY=VALUE, e.g. --set max_len=4096")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise EagletError(f"--set {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise EagletError(f"config {path}: file not found")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise EagletError(f"config {path}{where}: invalid YAML ({getattr(exc, 'problem', exc)})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise EagletError(f"config {path}: top level must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def _describe(error: ValidationError, source: str) -> str:
+    first = error.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "(root)"
+    if first["type"] == "extra_forbidden":
+        return f"{source}: unknown key '{loc}' (check the spelling; `eaglet <stage> --help` lists the options)"
+    if first["type"] == "missing":
+        return f"{source}: required key '{loc}' is missing"
+    return f"{source}: '{loc}': {first['msg']} (got {first.get('input')!r})"
+
+
+def build_config(
+    cls: type[ConfigT],
+    stage: str,
+    config_file: str | Path | None = None,
+    cli_values: dict[str, Any] | None = None,
+    overrides: list[str] | None = None,
+) -> ConfigT:
+    """Merge the layers and validate. A YAML file may be flat or hold a section named ``stage``."""
+    merged: dict[str, Any] = {}
+    source = "command line"
+    if config_file is not None:
+        path = Path(config_file)
+        data = _read_yaml(path)
+        section = data[stage] if stage in data else data
+        if not isinstance(section, dict):
+            raise EagletError(f"config {path}: section '{stage}' must be a mapping")
+        merged.update(section)
+        source = f"config {path}"
+    for key, value in (cli_values or {}).items():
+        if value is not None:
+            merged[key] = value
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _set_dotted(merged, key, value)
+    try:
+        return cls.model_validate(merged)
+    except ValidationError as exc:
+        raise EagletError(_describe(exc, source)) from None

@@ -1,0 +1,1 @@
+"""Data: conversation readers, chat rendering with loss masks, draft vocabulary, regeneration."""

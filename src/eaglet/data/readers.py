@@ -1,0 +1,238 @@
+"""Read conversation files into one normalised form, reporting every bad row as ``file:line: what``.
+
+Accepted row forms (in .jsonl, .json and .parquet files):
+- ShareGPT: ``{"conversations": [{"from": "human", "value": "..."}, ...]}`` (or role/content keys)
+- OpenAI:   ``{"messages": [{"role": "user", "content": "..."}, ...]}`` (content may be text parts)
+- prompt-only: ``{"prompt": "...", "system": "..."?}``
+Optional per row: ``id`` (string or integer), ``category``, ``split``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from ..errors import EagletError
+
+ROLE_ALIASES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+    "bot": "assistant",
+    "system": "system",
+}
+CONVERSATION_KEYS = ("conversations", "messages", "prompt")
+SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+@dataclass
+class Conversation:
+    source: str  # "file:line" for messages
+    id: str
+    messages: list[dict[str, str]]  # [{"role": "system"|"user"|"assistant", "content": str}]
+    meta: dict[str, Any] = field(default_factory=dict)  # category, split, ...
+
+    @property
+    def has_assistant(self) -> bool:
+        return any(m["role"] == "assistant" for m in self.messages)
+
+
+@dataclass
+class BadRow:
+    source: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.source}: {self.reason}"
+
+
+class RowError(ValueError):
+    """Raised inside row parsing; becomes a BadRow carrying the row's location."""
+
+
+def _text_of(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        text = content
+    elif isinstance(content, list):  # OpenAI content parts
+        pieces = []
+        for index, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RowError(f"{where}: content part {index} is {kind!r}; only text parts are supported")
+            pieces.append(part["text"])
+        text = "".join(pieces)
+    else:
+        raise RowError(f"{where}: content must be a string, got {type(content).__name__}")
+    if not text.strip():
+        raise RowError(f"{where}: empty content")
+    return text
+
+
+def _parse_turn(turn: Any, index: int) -> dict[str, str]:
+    where = f"turn {index}"
+    if not isinstance(turn, dict):
+        raise RowError(f"{where} must be an object, got {type(turn).__name__}")
+    if "from" in turn or "value" in turn:
+        role_key, content_key = "from", "value"
+    else:
+        role_key, content_key = "role", "content"
+    if role_key not in turn:
+        raise RowError(f"{where}: missing '{role_key}'")
+    if content_key not in turn:
+        raise RowError(f"{where}: missing '{content_key}'")
+    raw_role = turn[role_key]
+    if not isinstance(raw_role, str) or raw_role.strip().lower() not in ROLE_ALIASES:
+        known = ", ".join(sorted(ROLE_ALIASES))
+        raise RowError(f"{where}: unknown role {raw_role!r} (known: {known})")
+    return {"role": ROLE_ALIASES[raw_role.strip().lower()], "content": _text_of(turn[content_key], where)}
+
+
+def _check_order(messages: list[dict[str, str]]) -> None:
+    roles = [m["role"] for m in messages]
+    systems = [i for i, r in enumerate(roles) if r == "system"]
+    if len(systems) > 1:
+        raise RowError(f"{len(systems)} system messages; at most one is allowed")
+    if systems and systems[0] != 0:
+        raise RowError(f"system message at turn {systems[0]}; it must be the first turn")
+    dialog = roles[1:] if systems else roles
+    if not dialog:
+        raise RowError("no user or assistant turn")
+    if dialog[0] != "user":
+        raise RowError("the first non-system turn must be from the user")
+    for index in range(1, len(dialog)):
+        if dialog[index] == dialog[index - 1]:
+            turn = index + (1 if systems else 0)
+            raise RowError(f"turn {turn}: two {dialog[index]} turns in a row; roles must alternate")
+
+
+def parse_row(row: Any, source: str, default_id: str) -> Conversation:
+    """One raw row (already JSON-decoded) -> Conversation, or RowError naming the problem."""
+    if not isinstance(row, dict):
+        raise RowError(f"row must be a JSON object, got {type(row).__name__}")
+    present = [key for key in CONVERSATION_KEYS if row.get(key) is not None]
+    if not present:
+        raise RowError("no 'conversations', 'messages' or 'prompt' field")
+    if len(present) > 1:
+        raise RowError(f"ambiguous row: has both {present[0]!r} and {present[1]!r}")
+    key = present[0]
+    if key == "prompt":
+        messages = []
+        if row.get("system") is not None:
+            messages.append({"role": "system", "content": _text_of(row["system"], "'system'")})
+        messages.append({"role": "user", "content": _text_of(row["prompt"], "'prompt'")})
+    else:
+        turns = row[key]
+        if not isinstance(turns, list):
+            raise RowError(f"'{key}' must be a list of turns, got {type(turns).__name__}")
+        if not turns:
+            raise RowError(f"'{key}' is empty")
+        messages = [_parse_turn(turn, index) for index, turn in enumerate(turns)]
+    _check_order(messages)
+    raw_id = row.get("id", default_id)
+    if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)) or (isinstance(raw_id, str) and not raw_id):
+        raise RowError(f"'id' must be a non-empty string or an integer, got {raw_id!r}")
+    meta = {k: row[k] for k in ("category", "split") if isinstance(row.get(k), str)}
+    return Conversation(source=source, id=str(raw_id), messages=messages, meta=meta)
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+
+
+def _raw_rows(path: Path) -> Iterator[tuple[str, Any | BadRow]]:
+    """Yield (location, decoded row or BadRow) for every row in the file."""
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        yield from _jsonl_rows(path)
+    elif suffix == ".json":
+        yield from _json_rows(path)
+    elif suffix == ".parquet":
+        yield from _parquet_rows(path)
+    else:
+        raise EagletError(f"{path}: unsupported file type {suffix or '(none)'}; use .jsonl, .json or .parquet")
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any | BadRow]]:
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            where = f"{path}:{number}"
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            if not raw.strip():
+                continue  # blank lines are allowed
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield where, BadRow(where, f"not valid UTF-8 (byte {exc.start}); re-encode the file as UTF-8")
+                continue
+            try:
+                yield where, json.loads(text)
+            except json.JSONDecodeError as exc:
+                yield where, BadRow(where, f"invalid JSON ({exc.msg} at column {exc.colno})")
+
+
+def _json_rows(path: Path) -> Iterator[tuple[str, Any | BadRow]]:
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise EagletError(f"{path}: not valid UTF-8 (byte {exc.start}); re-encode the file as UTF-8") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise EagletError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+    if isinstance(data, dict) and isinstance(data.get("data"), list):
+        data = data["data"]
+    if not isinstance(data, list):
+        raise EagletError(f"{path}: a .json file must hold a list of rows (or {{\"data\": [...]}})")
+    for index, row in enumerate(data):
+        yield f"{path}:[{index}]", row
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, Any | BadRow]]:
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as exc:
+        raise EagletError(f"{path}: not a readable parquet file ({str(exc).splitlines()[0]})") from None
+    number = 0
+    for batch in parquet.iter_batches(batch_size=4096):
+        for row in batch.to_pylist():
+            yield f"{path}:row {number}", {k: v for k, v in row.items() if v is not None}
+            number += 1
+
+
+def read_conversations(paths: list[str | Path]) -> Iterator[Conversation | BadRow]:
+    """Every row of every file, in order: a Conversation or a BadRow. File-level problems raise."""
+    seen_ids: dict[str, str] = {}
+    for raw_path in paths:
+        path = Path(raw_path)
+        if not path.exists():
+            raise EagletError(f"{path}: file not found")
+        if path.is_dir():
+            raise EagletError(f"{path}: is a directory; pass the data files inside it")
+        if path.stat().st_size == 0:
+            raise EagletError(f"{path}: file is empty")
+        count = 0
+        for where, row in _raw_rows(path):
+            count += 1
+            if isinstance(row, BadRow):
+                yield row
+                continue
+            try:
+                conversation = parse_row(row, where, default_id=f"{path.stem}:{count}")
+            except RowError as exc:
+                yield BadRow(where, str(exc))
+                continue
+            if conversation.id in seen_ids:
+                yield BadRow(where, f"duplicate id {conversation.id!r} (first at {seen_ids[conversation.id]})")
+                continue
+            seen_ids[conversation.id] = where
+            yield conversation
+        if count == 0:
+            raise EagletError(f"{path}: no rows (the file holds only blank lines)")

@@ -1,0 +1,387 @@
+"""`eaglet regenerate`: the target writes the assistant answers (self-distillation data).
+
+A draft learns to predict what the *target* would write; answers written by another model teach it
+the wrong distribution. Each prompt (the conversation up to its last user turn) is answered ``n``
+times, greedily or by sampling. Output rows are OpenAI ``messages`` plus provenance.
+
+Crash safety: rows are appended in whole batches with fsync; a restarted run reads the file,
+drops a torn last line, and skips every (prompt id, sample) already written. The finished file is
+rewritten once in plan order, so a resumed run ends byte-identical to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from rich.console import Console
+
+from .. import __version__
+from ..config import RegenerateConfig
+from ..errors import EagletError
+from ..fsio import append_lines_durable, sha256_file, write_bytes_atomic, write_json_atomic
+from ..progress import progress_bar
+from .readers import BadRow, read_conversations
+
+MANIFEST_SUFFIX = ".manifest.json"
+CPU_BATCH = 8
+GPU_BATCH = 64
+
+
+@dataclass(frozen=True)
+class Request:
+    order: int  # position in the plan (prompt order x sample index)
+    prompt_id: str
+    sample_index: int
+    messages: list[dict[str, str]]  # the prompt: everything before the answer to write
+    category: str | None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.prompt_id, self.sample_index)
+
+
+@dataclass
+class Answer:
+    text: str
+    finish_reason: str  # "stop" | "length"
+    new_tokens: int
+
+
+def settings_of(config: RegenerateConfig) -> dict[str, Any]:
+    """The settings that decide the answers; a resumed run must use the same ones."""
+    return {
+        "target": config.target if config.backend == "hf" else (config.model or config.target),
+        "backend": config.backend,
+        "temperature": config.temperature,
+        "top_p": config.top_p,
+        "max_new_tokens": config.max_new_tokens,
+        "seed": config.seed,
+    }
+
+
+def plan_requests(config: RegenerateConfig, console: Console) -> list[Request]:
+    requests: list[Request] = []
+    bad: list[BadRow] = []
+    prompts = 0
+    for item in read_conversations(config.prompts):
+        if isinstance(item, BadRow):
+            bad.append(item)
+            continue
+        if config.split != "all" and item.meta.get("split", "train") != config.split:
+            continue
+        if config.max_prompts is not None and prompts >= config.max_prompts:
+            break
+        messages = item.messages
+        last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        prompt = messages[: last_user + 1]
+        for sample in range(config.n):
+            requests.append(Request(len(requests), item.id, sample, prompt, item.meta.get("category")))
+        prompts += 1
+    if bad:
+        if config.on_bad_row == "error":
+            for row in bad[:20]:
+                console.print(f"[red]bad row[/] {row}", highlight=False, soft_wrap=True)
+            raise EagletError(f"{bad[0]}; {len(bad)} bad row(s): fix them, or pass --on-bad-row skip")
+        console.print(f"[yellow]skipped {len(bad)} bad row(s)[/]; first: {bad[0]}")
+    if not requests:
+        raise EagletError(f"{', '.join(config.prompts)}: no prompts selected (split={config.split})")
+    return requests
+
+
+# ---------------------------------------------------------------------------------------------
+# Output file: append, resume, finalize
+
+
+def output_row(request: Request, answer: Answer, settings: dict[str, Any]) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "id": request.prompt_id if request.sample_index == 0 else f"{request.prompt_id}#{request.sample_index}",
+        "messages": request.messages + [{"role": "assistant", "content": answer.text}],
+    }
+    if request.category:
+        row["category"] = request.category
+    row["provenance"] = settings | {
+        "prompt_id": request.prompt_id,
+        "sample_index": request.sample_index,
+        "finish_reason": answer.finish_reason,
+        "new_tokens": answer.new_tokens,
+        "eaglet_version": __version__,
+    }
+    return row
+
+
+def load_done(out: Path, settings: dict[str, Any]) -> dict[tuple[str, int], str]:
+    """Rows already written, keyed by (prompt id, sample); a torn trailing line is cut off."""
+    if not out.exists():
+        return {}
+    data = out.read_bytes()
+    if data and not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        with open(out, "r+b") as handle:
+            handle.truncate(cut)
+            os.fsync(handle.fileno())
+        data = data[:cut]
+    done: dict[tuple[str, int], str] = {}
+    for number, line in enumerate(data.decode("utf-8").splitlines(), start=1):
+        try:
+            row = json.loads(line)
+            provenance = row["provenance"]
+            key = (provenance["prompt_id"], int(provenance["sample_index"]))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise EagletError(
+                f"{out}:{number}: not a row written by `eaglet regenerate`; use another --out or delete the file"
+            ) from None
+        differing = {k: (provenance.get(k), v) for k, v in settings.items() if provenance.get(k) != v}
+        if differing:
+            name, (was, now) = next(iter(differing.items()))
+            raise EagletError(
+                f"{out}:{number}: written with {name}={was!r}, this run asks for {now!r}; "
+                "use another --out or the same settings to resume"
+            )
+        done[key] = line
+    return done
+
+
+def finalize(out: Path, requests: list[Request], done: dict[tuple[str, int], str]) -> None:
+    """Rewrite the file in plan order (atomically)."""
+    lines = [done[r.key] for r in requests if r.key in done]
+    write_bytes_atomic(out, "".join(line + "\n" for line in lines).encode("utf-8"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends
+
+
+def _length_buckets(requests: list[Request], lengths: dict[int, int], batch_size: int) -> list[list[Request]]:
+    """Sort by prompt length so a batch pads little; the plan is fixed given the inputs."""
+    ordered = sorted(requests, key=lambda r: (lengths[r.order], r.order))
+    return [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
+
+
+class HFBackend:
+    """In-process generation with the target's KV cache, length-bucketed left-padded batches."""
+
+    def __init__(self, config: RegenerateConfig):
+        import torch
+
+        from ..target import load_model, load_tokenizer, pick_device, resolve_target
+
+        self.config = config
+        resolved = resolve_target(config.target, config.trust_remote_code)
+        self.tokenizer = load_tokenizer(resolved.path, config.trust_remote_code)
+        if not isinstance(self.tokenizer.chat_template, str):
+            raise EagletError(f"target {config.target}: no chat template, so prompts cannot be rendered")
+        self.device = pick_device(config.device)
+        self.model = load_model(resolved.path, self.device, config.dtype, config.trust_remote_code)
+        self.batch_size = config.batch_size or (GPU_BATCH if self.device.startswith("cuda") else CPU_BATCH)
+        stop = self.model.generation_config.eos_token_id
+        stop_ids = set(stop if isinstance(stop, list) else [stop] if stop is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            stop_ids.add(self.tokenizer.eos_token_id)
+        self.stop_ids = sorted(stop_ids)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self.torch = torch
+
+    def encode(self, request: Request) -> list[int]:
+        text = self.tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+    def plan(self, requests: list[Request]) -> tuple[list[list[Request]], dict[int, list[int]]]:
+        encoded = {r.order: self.encode(r) for r in requests}
+        lengths = {k: len(v) for k, v in encoded.items()}
+        return _length_buckets(requests, lengths, self.batch_size), encoded
+
+    def generate(self, batch: list[Request], encoded: dict[int, list[int]], batch_seed: int) -> list[Answer]:
+        torch = self.torch
+        rows = [encoded[r.order] for r in batch]
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):  # left padding: every prompt ends at the same column
+            input_ids[i, width - len(row) :] = torch.tensor(row)
+            attention[i, width - len(row) :] = 1
+        sampling = self.config.temperature > 0
+        torch.manual_seed(batch_seed)
+        with torch.inference_mode():
+            output = self.model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention.to(self.device),
+                max_new_tokens=self.config.max_new_tokens,
+                do_sample=sampling,
+                temperature=self.config.temperature if sampling else None,
+                top_p=self.config.top_p if sampling else None,
+                top_k=None,
+                eos_token_id=self.stop_ids,
+                pad_token_id=self.pad_id,
+            )
+        new = output[:, width:].tolist()
+        answers = []
+        for tokens in new:
+            stop_at = next((i for i, t in enumerate(tokens) if t in self.stop_ids), None)
+            kept = tokens if stop_at is None else tokens[:stop_at]
+            text = self.tokenizer.decode(kept, skip_special_tokens=True)
+            answers.append(Answer(text, "length" if stop_at is None else "stop", len(kept) + (stop_at is not None)))
+        return answers
+
+
+class OpenAIBackend:
+    """Any OpenAI-compatible server (vLLM, SGLang, llama.cpp): concurrent requests, retries, timeouts."""
+
+    RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+    BACKOFF_BASE_S = 0.5
+    BACKOFF_MAX_S = 30.0
+
+    def __init__(self, config: RegenerateConfig):
+        import httpx
+
+        self.config = config
+        headers = {}
+        if os.environ.get(config.api_key_env):
+            headers["Authorization"] = f"Bearer {os.environ[config.api_key_env]}"
+        self.client = httpx.Client(base_url=config.base_url.rstrip("/"), headers=headers, timeout=config.timeout_s)
+        self.httpx = httpx
+
+    def complete(self, request: Request) -> Answer:
+        payload = {
+            "model": self.config.model or self.config.target,
+            "messages": request.messages,
+            "max_tokens": self.config.max_new_tokens,
+            "temperature": self.config.temperature,
+            "top_p": self.config.top_p,
+            "seed": self.config.seed + request.sample_index,
+        }
+        last_problem = ""
+        for attempt in range(self.config.max_retries + 1):
+            if attempt:
+                time.sleep(min(self.BACKOFF_MAX_S, self.BACKOFF_BASE_S * 2 ** (attempt - 1)))
+            try:
+                response = self.client.post("/chat/completions", json=payload)
+            except self.httpx.HTTPError as exc:  # timeouts, refused connections, resets
+                last_problem = f"{type(exc).__name__}: {exc}"
+                continue
+            if response.status_code in self.RETRY_STATUS:
+                last_problem = f"HTTP {response.status_code}"
+                continue
+            if response.status_code != 200:
+                raise EagletError(
+                    f"{self.config.base_url}: HTTP {response.status_code} for prompt {request.prompt_id} "
+                    f"({response.text[:200]}); check --base-url and --model"
+                )
+            try:
+                choice = response.json()["choices"][0]
+                text = choice["message"]["content"]
+                usage = response.json().get("usage") or {}
+            except (ValueError, KeyError, IndexError, TypeError):
+                raise EagletError(f"{self.config.base_url}: response is not an OpenAI chat completion") from None
+            finish = "length" if choice.get("finish_reason") == "length" else "stop"
+            return Answer(text or "", finish, int(usage.get("completion_tokens") or 0))
+        raise EagletError(
+            f"{self.config.base_url}: prompt {request.prompt_id} failed after {self.config.max_retries + 1} "
+            f"attempts ({last_problem}); is the server up? raise --max-retries or --timeout-s"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage
+
+
+@dataclass
+class RegenerateResult:
+    out: Path
+    written: int
+    skipped_done: int
+    new_tokens: int
+    seconds: float
+    manifest: dict[str, Any]
+
+
+def _run_batches(
+    batches: Iterable[tuple[int, list[Request]]],
+    produce: Callable[[int, list[Request]], list[Answer]],
+    settings: dict[str, Any],
+    out: Path,
+    done: dict[tuple[str, int], str],
+    advance: Callable[[int], None],
+) -> int:
+    new_tokens = 0
+    for index, batch in batches:
+        answers = produce(index, batch)
+        lines = []
+        for request, answer in zip(batch, answers):
+            if request.key in done:
+                continue
+            line = json.dumps(output_row(request, answer, settings), ensure_ascii=False)
+            done[request.key] = line
+            lines.append(line)
+            new_tokens += answer.new_tokens
+        append_lines_durable(out, lines)
+        advance(len(batch))
+    return new_tokens
+
+
+def run_regenerate(config: RegenerateConfig, console: Console | None = None) -> RegenerateResult:
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    console = console or Console(stderr=True)
+    out = Path(config.out)
+    if out.suffix != ".jsonl":
+        raise EagletError(f"{out}: --out must be a .jsonl file")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = settings_of(config)
+    requests = plan_requests(config, console)
+    done = load_done(out, settings)
+    skipped = sum(r.key in done for r in requests)
+    todo = [r for r in requests if r.key not in done]
+    started = time.perf_counter()
+    new_tokens = 0
+    if todo:
+        with progress_bar("answers", console) as progress:
+            task = progress.add_task("regenerate", total=len(requests), completed=skipped)
+            advance = lambda n: progress.advance(task, n)  # noqa: E731
+            if config.backend == "hf":
+                backend = HFBackend(config)
+                batches, encoded = backend.plan(requests)  # plan over all requests: fixed batch seeds
+                pending = [(i, b) for i, b in enumerate(batches) if any(r.key not in done for r in b)]
+                new_tokens = _run_batches(
+                    pending,
+                    lambda i, b: backend.generate(b, encoded, config.seed * 1_000_003 + i),
+                    settings, out, done, advance,
+                )
+            else:
+                client = OpenAIBackend(config)
+                with ThreadPoolExecutor(max_workers=config.concurrency) as pool:
+                    futures = {pool.submit(client.complete, r): r for r in todo}
+                    finished = {}
+
+                    def completed() -> Iterable[tuple[int, list[Request]]]:
+                        for future in as_completed(futures):  # write each answer as soon as it arrives
+                            finished[futures[future].order] = future
+                            yield futures[future].order, [futures[future]]
+
+                    try:
+                        new_tokens = _run_batches(
+                            completed(), lambda i, b: [finished[i].result()], settings, out, done, advance
+                        )
+                    except BaseException:
+                        pool.shutdown(wait=False, cancel_futures=True)
+                        raise
+    seconds = time.perf_counter() - started
+    finalize(out, requests, done)
+    manifest = {
+        "schema": "eaglet.regenerated/1",
+        "eaglet_version": __version__,
+        "settings": settings,
+        "config": config.model_dump(),
+        "inputs": [{"path": str(p), "sha256": sha256_file(p)} for p in config.prompts],
+        "counts": {"requests": len(requests), "written_this_run": len(todo), "already_done": skipped},
+        "new_tokens_this_run": new_tokens,
+        "seconds_this_run": round(seconds, 3),
+        "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 and new_tokens else None,
+        "output_sha256": sha256_file(out),
+    }
+    write_json_atomic(out.with_name(out.name + MANIFEST_SUFFIX), manifest)
+    return RegenerateResult(out, len(todo), skipped, new_tokens, seconds, manifest)

