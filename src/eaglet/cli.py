@@ -25,8 +25,8 @@ app = typer.Typer(
 target_app = typer.Typer(help="Inspect targets.", no_args_is_help=True)
 app.add_typer(target_app, name="target")
 
-out_console = Console()
-err_console = Console(stderr=True)
+out_console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
 
 TARGET_HELP = "'embedded' (SmolLM2-135M-Instruct), an HF model directory, a .gguf file or a hub id"
 CONFIG_HELP = "YAML config file (flat, or with a section named after the stage)"

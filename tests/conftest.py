@@ -1,0 +1,107 @@
+"""Shared fixtures: tokenizers built from the template families, tiny random models, the embedded target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+# Special tokens each family's template emits; eot first.
+FAMILY_SPECIALS = {
+    "llama3": {"bos": "<|begin_of_text|>", "eos": "<|eot_id|>",
+               "extra": ["<|start_header_id|>", "<|end_header_id|>", "<|end_of_text|>"]},
+    "qwen3": {"bos": None, "eos": "<|im_end|>", "extra": ["<|im_start|>", "<|endoftext|>"]},
+    "gemma": {"bos": "<bos>", "eos": "<end_of_turn>", "extra": ["<start_of_turn>", "<eos>"]},
+}
+# Non-special added tokens (Qwen3's think markers are added but not special).
+FAMILY_PLAIN_ADDED = {"qwen3": ["<think>", "</think>"]}
+
+CORPUS = [
+    "Hello there! How can I help you today?",
+    "The capital of France is Paris. It is known for the Eiffel Tower.",
+    "def add(a, b):\n    return a + b\n",
+    "Let me think step by step. First, 2 + 2 = 4. Then 4 * 3 = 12.",
+    "You are a helpful assistant. Answer briefly and precisely.",
+    "system user assistant model Cutting Knowledge Date: December 2023 Today Date: 26 Jul 2024",
+] * 20
+
+
+def build_tokenizer(family: str):
+    """A small byte-level BPE tokenizer with the family's special tokens and real chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    spec = FAMILY_SPECIALS[family]
+    specials = [t for t in [spec["bos"], spec["eos"], *spec["extra"]] if t]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    backend.train_from_iterator(CORPUS, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=spec["bos"], eos_token=spec["eos"],
+        additional_special_tokens=spec["extra"],
+    )
+    if family in FAMILY_PLAIN_ADDED:
+        tokenizer.add_tokens(FAMILY_PLAIN_ADDED[family])
+    tokenizer.chat_template = (TEMPLATES / f"{family}.jinja").read_text()
+    return tokenizer
+
+
+def tiny_llama_dir(root: Path, tokenizer_family: str = "qwen3", layers: int = 8):
+    """A random 8-layer Llama saved with a family tokenizer: an HF directory eaglet can use as a target."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer(tokenizer_family)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> Path:
+    return tiny_llama_dir(tmp_path_factory.mktemp("tiny-target"))
+
+
+@pytest.fixture(scope="session")
+def embedded_target():
+    from eaglet.target import resolve_target
+
+    return resolve_target("embedded")
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    """Run the real `eaglet` entry point in process; return (exit code, stdout, stderr)."""
+    import sys
+
+    from eaglet.cli import main
+
+    argv = sys.argv
+    sys.argv = ["eaglet", *[str(a) for a in args]]
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = argv
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err

@@ -1,0 +1,85 @@
+"""`eaglet prepare` end to end: outputs, manifest, atomicity, speed-relevant batching."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from conftest import run_cli, write_jsonl
+from eaglet.data.vocab import DraftVocab
+
+
+def conversations(n: int) -> list[dict]:
+    return [
+        {"id": f"c{i}", "messages": [{"role": "user", "content": f"Question number {i}?"},
+                                     {"role": "assistant", "content": f"Answer {i}: " + "word " * (i % 7 + 1)}]}
+        for i in range(n)
+    ]
+
+
+def test_prepare_embedded_outputs(tmp_path, capsys, embedded_target):
+    data = write_jsonl(tmp_path / "d.jsonl", conversations(40))
+    out = tmp_path / "prepared"
+    code, stdout, err = run_cli(["prepare", data, "--out", out, "--draft-vocab", "64", "--max-len", "45"], capsys)
+    assert code == 0, err
+    table = pq.read_table(out / "samples.parquet")
+    assert table.schema.field("input_ids").type.value_type.bit_width == 32
+    assert str(table.schema.field("loss_mask").type.value_type) == "uint8"
+    rows = table.to_pylist()
+    assert [r["id"] for r in rows] == [f"c{i}" for i in range(40)]
+    assert all(len(r["input_ids"]) == len(r["loss_mask"]) <= 45 for r in rows)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["schema"] == "eaglet.prepared/1"
+    assert manifest["target"]["name"] == "SmolLM2-135M-Instruct"
+    assert manifest["counts"]["truncated_to_max_len"] > 0
+    assert manifest["inputs"][0]["sha256"] and manifest["files"]["samples.parquet"]
+    vocab = DraftVocab.load(out / "vocab.safetensors")
+    assert vocab.size == 64 and vocab.t2d.shape == (49152,)
+    masked = np.concatenate([np.array(r["input_ids"])[np.array(r["loss_mask"], bool)] for r in rows])
+    assert vocab.counts.sum() == len(masked)
+    assert abs(manifest["draft_vocab"]["coverage"] - vocab.coverage) < 1e-6
+    assert "coverage" in stdout
+
+
+def test_existing_out_is_not_clobbered(tmp_path, capsys, tiny_target):
+    data = write_jsonl(tmp_path / "d.jsonl", conversations(3))
+    out = tmp_path / "prepared"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, _, err = run_cli(["prepare", data, "--target", tiny_target, "--out", out], capsys)
+    assert code == 2 and "already exists; pass --overwrite" in err
+    assert (out / "keep.txt").read_text() == "mine"
+    code, _, err = run_cli(["prepare", data, "--target", tiny_target, "--out", out, "--overwrite"], capsys)
+    assert code == 0 and not (out / "keep.txt").exists() and (out / "manifest.json").exists()
+
+
+def test_deterministic(tmp_path, capsys, tiny_target):
+    data = write_jsonl(tmp_path / "d.jsonl", conversations(20))
+    for name in ("a", "b"):
+        assert run_cli(["prepare", data, "--target", tiny_target, "--out", tmp_path / name], capsys)[0] == 0
+    for file in ("samples.parquet", "vocab.safetensors"):
+        assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes()
+
+
+def test_killed_prepare_leaves_no_output(tmp_path, tiny_target):
+    """SIGKILL in the middle of the work: no DIR appears (only a hidden .partial sibling may remain)."""
+    data = write_jsonl(tmp_path / "d.jsonl", conversations(60000))
+    out = tmp_path / "prepared"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eaglet.cli", "prepare", str(data), "--target", str(tiny_target), "--out", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(p.name.endswith(".partial") for p in tmp_path.iterdir()):
+        time.sleep(0.05)
+    time.sleep(0.3)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not out.exists()

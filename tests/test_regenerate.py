@@ -1,0 +1,166 @@
+"""`eaglet regenerate`: hf backend, kill/resume byte-identical, openai backend with retries."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from conftest import run_cli, write_jsonl
+
+
+def prompts_file(tmp_path, n=24):
+    rows = [{"id": f"p{i}", "prompt": f"Question {i}: " + "think " * (i % 5), "category": "math"} for i in range(n)]
+    return write_jsonl(tmp_path / "prompts.jsonl", rows)
+
+
+def regen_args(prompts, out, target, *extra):
+    return ["regenerate", prompts, "--out", out, "--target", target, "--max-new-tokens", "12", "--batch-size", "4",
+            "--device", "cpu", *extra]
+
+
+def test_hf_backend_rows_and_manifest(tmp_path, capsys, tiny_target):
+    prompts = prompts_file(tmp_path, 6)
+    out = tmp_path / "answers.jsonl"
+    code, stdout, err = run_cli(regen_args(prompts, out, tiny_target), capsys)
+    assert code == 0, err
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [f"p{i}" for i in range(6)]
+    for row in rows:
+        assert row["messages"][0]["role"] == "user" and row["messages"][-1]["role"] == "assistant"
+        assert row["provenance"]["backend"] == "hf" and row["provenance"]["temperature"] == 0.0
+        assert row["category"] == "math"
+    manifest = json.loads((tmp_path / "answers.jsonl.manifest.json").read_text())
+    assert manifest["counts"]["requests"] == 6 and manifest["new_tokens_this_run"] > 0
+    # a second run finds everything done and writes nothing new
+    code, stdout, _ = run_cli(regen_args(prompts, out, tiny_target), capsys)
+    assert code == 0 and "wrote 0 answers" in stdout and "(6 already there)" in stdout
+
+
+def test_resume_refuses_other_settings(tmp_path, capsys, tiny_target):
+    prompts = prompts_file(tmp_path, 2)
+    out = tmp_path / "a.jsonl"
+    assert run_cli(regen_args(prompts, out, tiny_target), capsys)[0] == 0
+    code, _, err = run_cli(regen_args(prompts, out, tiny_target, "--temperature", "0.7"), capsys)
+    assert code == 2 and "written with temperature=0.0, this run asks for 0.7" in err
+
+
+def test_torn_last_line_is_dropped_and_redone(tmp_path, capsys, tiny_target):
+    prompts = prompts_file(tmp_path, 4)
+    out = tmp_path / "a.jsonl"
+    assert run_cli(regen_args(prompts, out, tiny_target), capsys)[0] == 0
+    complete = out.read_bytes()
+    lines = complete.splitlines(keepends=True)
+    out.write_bytes(b"".join(lines[:2]) + lines[2][:25])  # a kill mid-write
+    assert run_cli(regen_args(prompts, out, tiny_target), capsys)[0] == 0
+    assert out.read_bytes() == complete
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", [[], ["--temperature", "0.9", "--top-p", "0.9", "--n", "2"]], ids=["greedy", "sampled"])
+def test_sigkill_resume_is_byte_identical(tmp_path, capsys, tiny_target, sampling):
+    prompts = prompts_file(tmp_path, 40)
+    reference = tmp_path / "reference.jsonl"
+    assert run_cli(regen_args(prompts, reference, tiny_target, *sampling), capsys)[0] == 0
+    out = tmp_path / "killed.jsonl"
+    cmd = [sys.executable, "-m", "eaglet.cli", *map(str, regen_args(prompts, out, tiny_target, *sampling))]
+    for kill_after_lines in (3, 11, 30):
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            if out.exists() and out.read_bytes().count(b"\n") >= kill_after_lines:
+                break
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert subprocess.run(cmd, capture_output=True).returncode == 0
+    assert out.read_bytes() == reference.read_bytes()
+
+
+class StubServer:
+    """A local OpenAI-compatible server: answers with the reversed prompt; fails the first call per prompt."""
+
+    def __init__(self, fail_first: int = 1):
+        self.calls: dict[str, int] = {}
+        self.lock = threading.Lock()
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                prompt = body["messages"][-1]["content"]
+                with stub.lock:
+                    stub.calls[prompt] = stub.calls.get(prompt, 0) + 1
+                    attempt = stub.calls[prompt]
+                if attempt <= fail_first:
+                    self.send_response(503)
+                    self.end_headers()
+                    return
+                payload = {"choices": [{"message": {"role": "assistant", "content": prompt[::-1]}, "finish_reason": "stop"}],
+                           "usage": {"completion_tokens": 5}}
+                data = json.dumps(payload).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+
+
+def test_openai_backend_retries_and_order(tmp_path, capsys):
+    prompts = prompts_file(tmp_path, 10)
+    out = tmp_path / "a.jsonl"
+    with StubServer(fail_first=1) as url:
+        code, stdout, err = run_cli(["regenerate", prompts, "--out", out, "--backend", "openai", "--base-url", url,
+                                     "--model", "stub", "--concurrency", "4", "--max-retries", "2"], capsys)
+    assert code == 0, err
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [f"p{i}" for i in range(10)]  # plan order despite concurrency
+    assert rows[3]["messages"][-1]["content"] == rows[3]["messages"][0]["content"][::-1]
+    assert rows[0]["provenance"]["target"] == "stub"
+
+
+def test_openai_backend_gives_up_with_one_line(tmp_path, capsys):
+    prompts = prompts_file(tmp_path, 2)
+    with StubServer(fail_first=100) as url:
+        code, _, err = run_cli(["regenerate", prompts, "--out", tmp_path / "a.jsonl", "--backend", "openai",
+                                "--base-url", url, "--max-retries", "1"], capsys)
+    assert code == 2 and "failed after 2 attempts (HTTP 503)" in err
+
+
+def test_openai_unreachable_server(tmp_path, capsys):
+    prompts = prompts_file(tmp_path, 1)
+    code, _, err = run_cli(["regenerate", prompts, "--out", tmp_path / "a.jsonl", "--backend", "openai",
+                            "--base-url", "http://127.0.0.1:9/v1", "--max-retries", "0", "--timeout-s", "2"], capsys)
+    assert code == 2 and "is the server up?" in err
+
+
+def test_split_and_demo_prompts(tmp_path, capsys):
+    from eaglet.data.readers import Conversation, read_conversations
+    from eaglet.resources import demo_prompts_path
+
+    rows = [r for r in read_conversations([demo_prompts_path()]) if isinstance(r, Conversation)]
+    assert len(rows) >= 1000 and len({r.messages[-1]["content"] for r in rows}) == len(rows)
+    categories = {r.meta["category"] for r in rows}
+    assert categories == {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+    for category in categories:
+        assert sum(r.meta["category"] == category and r.meta["split"] == "heldout" for r in rows) >= 10
