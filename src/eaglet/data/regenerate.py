@@ -336,14 +336,14 @@ def run_regenerate(config: RegenerateConfig, console: Console | None = None) -> 
     done = load_done(out, settings)
     skipped = sum(r.key in done for r in requests)
     todo = [r for r in requests if r.key not in done]
-    started = time.perf_counter()
     new_tokens = 0
+    backend = HFBackend(config) if todo and config.backend == "hf" else None  # load before the clock starts
+    started = time.perf_counter()
     if todo:
         with progress_bar("answers", console) as progress:
             task = progress.add_task("regenerate", total=len(requests), completed=skipped)
             advance = lambda n: progress.advance(task, n)  # noqa: E731
-            if config.backend == "hf":
-                backend = HFBackend(config)
+            if backend is not None:
                 batches, encoded = backend.plan(requests)  # plan over all requests: fixed batch seeds
                 pending = [(i, b) for i, b in enumerate(batches) if any(r.key not in done for r in b)]
                 new_tokens = _run_batches(
