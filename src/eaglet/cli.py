@@ -24,6 +24,8 @@ app = typer.Typer(
 )
 target_app = typer.Typer(help="Inspect targets.", no_args_is_help=True)
 app.add_typer(target_app, name="target")
+store_app = typer.Typer(help="Inspect and verify hidden-state stores.", no_args_is_help=True)
+app.add_typer(store_app, name="store")
 
 out_console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
@@ -174,6 +176,94 @@ def regenerate(
         f"wrote {result.written} answers to {result.out} ({result.skipped_done} already there), "
         f"{result.new_tokens:,} new tokens in {result.seconds:.1f} s ({rate})"
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# extract and store
+
+
+@app.command()
+def extract(
+    prepared: Optional[str] = typer.Option(None, "--prepared", "-p", help="prepared set directory"),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="store directory (resumed if it exists with the same settings)"),
+    target: Optional[str] = typer.Option(None, "--target", "-t", help=TARGET_HELP),
+    layers: Optional[str] = typer.Option(None, help="aux layer ids, e.g. 2,15,27 (default: 2,N//2,N-3)"),
+    storage_dtype: Optional[str] = typer.Option(None, help="bf16 (default) or fp8 (e4m3, per-token scales; half the disk)"),
+    shard_mb: Optional[float] = typer.Option(None, help="shard size on disk in MB (default: 1024)"),
+    batch_tokens: Optional[int] = typer.Option(None, help="tokens per forward pass (default: 32768 GPU / 4096 CPU)"),
+    max_samples: Optional[int] = typer.Option(None, help="only the first N prepared samples"),
+    device: Optional[str] = typer.Option(None, help="auto (this rank's GPU, else cpu), cpu, cuda:1 ..."),
+    dtype: Optional[str] = typer.Option(None, help="compute dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16"),
+    reserve_gb: Optional[float] = typer.Option(None, help="free disk to keep beyond the store (default: 1)"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
+    overrides: List[str] = typer.Option([], "--set", help=SET_HELP),
+) -> None:
+    """Target hidden states (aux layers + final-normed last) for a prepared set, into a crash-safe store."""
+    from .config import ExtractConfig, build_config
+    from .extract import run_extract
+
+    layer_list = None
+    if layers is not None:
+        try:
+            layer_list = [int(x) for x in layers.split(",")]
+        except ValueError:
+            raise EagletError(f"--layers {layers!r}: expected comma-separated integers, e.g. 2,15,27") from None
+    cfg = build_config(
+        ExtractConfig, "extract", config,
+        dict(prepared=prepared, out=out, target=target, layers=layer_list, storage_dtype=storage_dtype,
+             shard_mb=shard_mb, batch_tokens=batch_tokens, max_samples=max_samples, device=device, dtype=dtype,
+             reserve_gb=reserve_gb),
+        overrides,
+    )
+    result = run_extract(cfg, err_console)
+    totals = result.manifest["totals"]
+    rate = f"{result.tokens_computed / result.seconds:,.0f} tok/s" if result.seconds > 0 and result.tokens_computed else "-"
+    out_console.print(
+        f"store {result.out}: {len(result.manifest['shards'])}/{result.manifest['num_shards']} shards, "
+        f"{totals['samples']:,} samples, {totals['tokens']:,} tokens, {totals['bytes'] / 1e6:,.1f} MB; "
+        f"computed {result.shards_computed} shard(s) this run ({rate})"
+    )
+
+
+@store_app.command("verify")
+def store_verify(
+    store: Path = typer.Argument(..., help="store directory"),
+    repair: bool = typer.Option(False, "--repair", help="re-extract only the bad shards"),
+    no_prepared: bool = typer.Option(False, "--no-prepared", help="skip the token check against the prepared set"),
+) -> None:
+    """Check checksums, shapes, dtypes, finite values and token ids of every shard; name each bad one."""
+    from .store_check import repair_store, verify_store
+
+    problems = verify_store(store, check_prepared=not no_prepared, console=err_console)
+    for problem in problems:
+        err_console.print(f"[red]bad shard[/] {store / problem.file}: {problem.reason}", highlight=False)
+    if problems and repair:
+        repair_store(store, problems, err_console)
+        problems = verify_store(store, check_prepared=not no_prepared, console=err_console)
+        if not problems:
+            out_console.print(f"store {store}: repaired; all shards verify")
+            return
+    if problems:
+        raise EagletError(f"{store}: {len(problems)} bad shard(s); run `eaglet store verify {store} --repair`")
+    out_console.print(f"store {store}: all shards verify")
+
+
+@store_app.command("info")
+def store_info(
+    store: Path = typer.Argument(..., help="store directory"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+) -> None:
+    """Summarise a store: target, aux layers, dtype, shards, samples, tokens, size."""
+    from .store_check import store_summary
+
+    summary = store_summary(store)
+    if as_json:
+        out_console.print_json(json.dumps(summary))
+        return
+    table = Table(title=f"store {store}", show_header=False)
+    for key, value in summary.items():
+        table.add_row(key, escape(f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)))
+    out_console.print(table)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -144,3 +144,18 @@ def build_config(
         return cls.model_validate(merged)
     except ValidationError as exc:
         raise EagletError(_describe(exc, source)) from None
+
+
+class ExtractConfig(StrictModel):
+    prepared: str = Field(description="a prepared set directory (`eaglet prepare`)")
+    out: str = Field(description="store directory; an existing incomplete store with the same settings is resumed")
+    target: str = "embedded"
+    layers: list[int] | None = Field(default=None, description="aux layer ids; default (2, N//2, N-3)")
+    storage_dtype: Literal["bf16", "fp8"] = "bf16"
+    shard_mb: float = Field(default=1024.0, gt=0, description="approximate shard size on disk")
+    batch_tokens: int = Field(default=0, ge=0, description="tokens per forward pass (0 = 32768 on GPU, 4096 on CPU)")
+    max_samples: int | None = Field(default=None, ge=1)
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    reserve_gb: float = Field(default=1.0, ge=0, description="free disk to keep beyond the store's estimated size")
+    trust_remote_code: bool = False

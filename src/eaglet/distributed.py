@@ -1,0 +1,45 @@
+"""torch.distributed set-up for runs under torchrun (one process per GPU or CPU worker)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def device(self, requested: str) -> str:
+        """``auto`` -> this rank's GPU (cuda:LOCAL_RANK) when there is one, else cpu."""
+        if requested != "auto":
+            return requested
+        if torch.cuda.is_available():
+            return f"cuda:{self.local_rank}"
+        return "cpu"
+
+
+def init_distributed() -> Dist:
+    """Join the process group torchrun describes in the environment; a plain run is rank 0 of 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    if dist.is_initialized():
+        return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+    return Dist(0, 1, 0)

@@ -1,0 +1,208 @@
+"""The hidden-state store: shards of packed tokens with their target features, a manifest, checksums.
+
+Layout::
+
+    STORE/manifest.json               schema, target identity, aux ids + convention, prepared set, shard list
+    STORE/shard-00000.safetensors     input_ids [T] int32, loss_mask [T] uint8, offsets [N+1] int64,
+                                      sample_index [N] int64, aux [T,3,H], last [T,H] (bf16, or fp8 e4m3
+                                      with aux_scale [T,3] / last_scale [T] float32 per-token scales)
+    STORE/shard-00000.json            the shard's record (sha256, bytes, samples, tokens), written after it
+
+Shards cover contiguous runs of the prepared set, planned from the sample lengths alone, so the plan
+(and every shard's bytes) is the same whoever computes it: one process, K torchrun ranks, or a resumed run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import EagletError
+from .fsio import read_json, sha256_bytes, sha256_file, write_bytes_atomic, write_json_atomic
+
+STORE_SCHEMA = "eaglet.store/1"
+MANIFEST_FILE = "manifest.json"
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_MIN_SCALE = 1e-12
+BYTES_PER_DTYPE = {"bf16": 2, "fp8": 1}
+SCALE_BYTES = 4
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def record_name(index: int) -> str:
+    return f"shard-{index:05d}.json"
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    index: int
+    first_sample: int  # index into the prepared set
+    num_samples: int
+    tokens: int
+
+
+def bytes_per_token(hidden_size: int, storage_dtype: str) -> int:
+    """Disk bytes per token: 4 feature vectors (3 aux + last), scales for fp8, ids and mask."""
+    features = 4 * hidden_size * BYTES_PER_DTYPE[storage_dtype]
+    scales = 4 * SCALE_BYTES if storage_dtype == "fp8" else 0
+    return features + scales + 4 + 1
+
+
+def plan_shards(lengths: np.ndarray, tokens_per_shard: int) -> list[ShardPlan]:
+    """Consecutive samples, a new shard once one holds ``tokens_per_shard`` tokens."""
+    plans: list[ShardPlan] = []
+    first, tokens = 0, 0
+    for index, length in enumerate(lengths.tolist()):
+        tokens += length
+        if tokens >= tokens_per_shard:
+            plans.append(ShardPlan(len(plans), first, index + 1 - first, tokens))
+            first, tokens = index + 1, 0
+    if first < len(lengths):
+        plans.append(ShardPlan(len(plans), first, len(lengths) - first, tokens))
+    return plans
+
+
+# ---------------------------------------------------------------------------------------------
+# Feature encoding
+
+
+def _fp8_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-vector (last dim) absmax scaling into float8_e4m3fn."""
+    scale = x.float().abs().amax(dim=-1, keepdim=True).clamp_min(FP8_MIN_SCALE) / FP8_MAX
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
+
+
+def encode_features(aux: torch.Tensor, last: torch.Tensor, storage_dtype: str) -> dict[str, torch.Tensor]:
+    """aux [T,3,H], last [T,H] -> the tensors stored for them."""
+    if storage_dtype == "bf16":
+        return {"aux": aux.to(torch.bfloat16), "last": last.to(torch.bfloat16)}
+    if storage_dtype == "fp8":
+        aux_q, aux_scale = _fp8_encode(aux)
+        last_q, last_scale = _fp8_encode(last)
+        return {"aux": aux_q, "aux_scale": aux_scale, "last": last_q, "last_scale": last_scale}
+    raise EagletError(f"unknown storage dtype {storage_dtype!r} (use bf16 or fp8)")
+
+
+def decode_features(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    aux, last = tensors["aux"], tensors["last"]
+    if "aux_scale" in tensors:
+        aux = aux.float() * tensors["aux_scale"].unsqueeze(-1)
+        last = last.float() * tensors["last_scale"].unsqueeze(-1)
+    return aux.to(dtype), last.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shards
+
+
+def write_shard(store: Path, plan: ShardPlan, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Atomically write a shard, then its record. Returns the record."""
+    from safetensors.torch import save
+
+    data = save({k: v.contiguous() for k, v in sorted(tensors.items())})
+    write_bytes_atomic(store / shard_name(plan.index), data)
+    record = {
+        "file": shard_name(plan.index),
+        **asdict(plan),
+        "bytes": len(data),
+        "sha256": sha256_bytes(data),
+    }
+    write_json_atomic(store / record_name(plan.index), record)
+    return record
+
+
+def read_record(store: Path, index: int) -> dict[str, Any] | None:
+    """A shard's record if the shard is complete (record present, file of the recorded size)."""
+    path = store / record_name(index)
+    if not path.is_file():
+        return None
+    try:
+        record = read_json(path)
+    except ValueError:
+        return None
+    shard = store / record["file"]
+    if not shard.is_file() or shard.stat().st_size != record["bytes"]:
+        return None
+    return record
+
+
+def load_shard(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def read_manifest(store: Path) -> dict[str, Any]:
+    path = Path(store) / MANIFEST_FILE
+    if not path.is_file():
+        raise EagletError(f"{store}: not a store (no {MANIFEST_FILE}); run `eaglet extract` first")
+    try:
+        manifest = read_json(path)
+    except ValueError as exc:
+        raise EagletError(f"{path}: unreadable manifest ({exc})") from None
+    if manifest.get("schema") != STORE_SCHEMA:
+        raise EagletError(f"{path}: schema {manifest.get('schema')!r}, this eaglet reads {STORE_SCHEMA!r}")
+    return manifest
+
+
+def check_same_target(store_manifest: dict[str, Any], target: dict[str, Any], what: str) -> None:
+    """Refuse a store made from another target or tokenizer, naming both."""
+    stored = store_manifest["target"]
+    for key, label in (("config_hash", "target"), ("tokenizer_hash", "tokenizer")):
+        if stored.get(key) != target.get(key):
+            raise EagletError(
+                f"{what}: extracted from {label} {stored.get('name')} ({key} {str(stored.get(key))[:12]}), "
+                f"but this run uses {target.get('name')} ({str(target.get(key))[:12]}); use the matching target or re-extract"
+            )
+
+
+def verify_shard(store: Path, entry: dict[str, Any], hidden_size: int, prepared: Any | None) -> str | None:
+    """None if the shard is sound, else what is wrong with it."""
+    path = store / entry["file"]
+    if not path.is_file():
+        return "file missing"
+    if path.stat().st_size != entry["bytes"]:
+        return f"size {path.stat().st_size} bytes, manifest says {entry['bytes']}"
+    if sha256_file(path) != entry["sha256"]:
+        return "sha256 mismatch (the file changed after it was written)"
+    try:
+        tensors = load_shard(path)
+    except Exception as exc:  # a corrupt header
+        return f"unreadable safetensors ({str(exc).splitlines()[0]})"
+    tokens, samples = entry["tokens"], entry["num_samples"]
+    expected = {
+        "input_ids": ((tokens,), torch.int32),
+        "loss_mask": ((tokens,), torch.uint8),
+        "offsets": ((samples + 1,), torch.int64),
+        "sample_index": ((samples,), torch.int64),
+        "aux": ((tokens, 3, hidden_size), None),
+        "last": ((tokens, hidden_size), None),
+    }
+    for key, (shape, dtype) in expected.items():
+        if key not in tensors:
+            return f"tensor '{key}' missing"
+        if tuple(tensors[key].shape) != shape:
+            return f"tensor '{key}' has shape {tuple(tensors[key].shape)}, expected {shape}"
+        if dtype is not None and tensors[key].dtype != dtype:
+            return f"tensor '{key}' has dtype {tensors[key].dtype}, expected {dtype}"
+    offsets = tensors["offsets"]
+    if offsets[0] != 0 or offsets[-1] != tokens or bool((offsets[1:] < offsets[:-1]).any()):
+        return "offsets are not a valid packing of the tokens"
+    expected_index = torch.arange(entry["first_sample"], entry["first_sample"] + samples)
+    if not torch.equal(tensors["sample_index"], expected_index):
+        return "sample_index does not match the shard's sample range"
+    aux, last = decode_features(tensors)
+    if not (torch.isfinite(aux).all() and torch.isfinite(last).all()):
+        return "non-finite feature values"
+    if prepared is not None:
+        ids, mask = prepared.token_range(entry["first_sample"], entry["first_sample"] + samples)
+        if not np.array_equal(ids, tensors["input_ids"].numpy()) or not np.array_equal(mask, tensors["loss_mask"].numpy()):
+            return "token ids or loss mask differ from the prepared set"
+    return None
