@@ -1,0 +1,185 @@
+"""Feature sources: what the trainer consumes, offline (a store) or online (the live target).
+
+Both yield the same ``FeatureBatch``es for the same seed and epoch: samples are ordered by
+``epoch_order`` (shards shuffled, then samples within each shard) and packed greedily into a fixed
+token budget. So online and offline training share one code path and one data order.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Protocol
+
+import numpy as np
+import torch
+
+from .capture import FeatureCapture
+from .data.prepared import PreparedSet
+from .errors import EagletError
+from .extract import batches_by_length
+from .store import ShardPlan, check_same_target, decode_features, load_shard, plan_shards, read_manifest
+
+PREFETCH_SHARDS = 2
+
+
+@dataclass
+class FeatureBatch:
+    input_ids: torch.Tensor  # [T] int64, samples packed back to back
+    loss_mask: torch.Tensor  # [T] uint8
+    aux: torch.Tensor  # [T, 3, H]
+    last: torch.Tensor  # [T, H], final-normed: teacher logits = lm_head(last)
+    doc_offsets: torch.Tensor  # [n+1] int64, sample boundaries inside the batch
+    sample_index: torch.Tensor  # [n] int64, rows of the prepared set
+
+    @property
+    def tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+
+class FeatureSource(Protocol):
+    hidden_size: int
+    layer_ids: tuple[int, ...]
+
+    def batches(self, epoch: int) -> Iterator[FeatureBatch]: ...
+
+
+def epoch_order(plans: list[ShardPlan], seed: int, epoch: int) -> list[int]:
+    """Sample indices for an epoch: shard order shuffled, samples shuffled within each shard."""
+    rng = np.random.default_rng([seed, epoch])
+    order: list[int] = []
+    for shard in rng.permutation(len(plans)).tolist():
+        plan = plans[shard]
+        order.extend((plan.first_sample + rng.permutation(plan.num_samples)).tolist())
+    return order
+
+
+def pack_stream(items: Iterable[tuple[int, int]], token_budget: int) -> Iterator[list[int]]:
+    """Greedy packing of (sample, length) in order: a batch closes when the next sample would overflow."""
+    current: list[int] = []
+    used = 0
+    for index, length in items:
+        length = min(length, token_budget)  # longer samples are truncated to the budget
+        if current and used + length > token_budget:
+            yield current
+            current, used = [], 0
+        current.append(index)
+        used += length
+    if current:
+        yield current
+
+
+def _assemble(pieces: list[tuple[int, dict[str, torch.Tensor]]], token_budget: int) -> FeatureBatch:
+    """pieces: (sample index, {input_ids, loss_mask, aux, last} for that sample)."""
+    cut = [{k: v[:token_budget] for k, v in piece.items()} for _, piece in pieces]
+    lengths = torch.tensor([len(p["input_ids"]) for p in cut])
+    return FeatureBatch(
+        input_ids=torch.cat([p["input_ids"] for p in cut]).long(),
+        loss_mask=torch.cat([p["loss_mask"] for p in cut]),
+        aux=torch.cat([p["aux"] for p in cut]),
+        last=torch.cat([p["last"] for p in cut]),
+        doc_offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+        sample_index=torch.tensor([index for index, _ in pieces], dtype=torch.int64),
+    )
+
+
+class StoreSource:
+    """Streams a store's shards (a prefetch thread reads ahead) in the epoch's order."""
+
+    def __init__(self, store: str | Path, token_budget: int, seed: int = 0, expect_target: dict | None = None):
+        self.store = Path(store)
+        self.manifest = read_manifest(self.store)
+        if not self.manifest["complete"]:
+            raise EagletError(f"{store}: extraction incomplete; run the same `eaglet extract` command again to finish it")
+        if expect_target is not None:
+            check_same_target(self.manifest, expect_target, f"store {store}")
+        self.plans = [ShardPlan(s["index"], s["first_sample"], s["num_samples"], s["tokens"]) for s in self.manifest["shards"]]
+        self.by_index = {s["index"]: s for s in self.manifest["shards"]}
+        self.token_budget = token_budget
+        self.seed = seed
+        self.hidden_size = self.manifest["hidden_size"]
+        self.layer_ids = tuple(self.manifest["aux_layer_ids"])
+
+    def _shard_samples(self, index: int) -> dict[int, dict[str, torch.Tensor]]:
+        tensors = load_shard(self.store / self.by_index[index]["file"])
+        aux, last = decode_features(tensors, torch.bfloat16 if tensors["aux"].dtype == torch.bfloat16 else torch.float32)
+        offsets = tensors["offsets"].tolist()
+        samples = {}
+        for row, sample in enumerate(tensors["sample_index"].tolist()):
+            begin, end = offsets[row], offsets[row + 1]
+            samples[sample] = {"input_ids": tensors["input_ids"][begin:end], "loss_mask": tensors["loss_mask"][begin:end],
+                               "aux": aux[begin:end], "last": last[begin:end]}
+        return samples
+
+    def _prefetched(self, shards: list[int]) -> Iterator[tuple[int, dict[int, dict[str, torch.Tensor]]]]:
+        """Shards in the given order, read ahead by a background thread."""
+        loaded: queue.Queue = queue.Queue(maxsize=PREFETCH_SHARDS)
+
+        def reader() -> None:
+            for shard in shards:
+                loaded.put((shard, self._shard_samples(shard)))
+            loaded.put(None)
+
+        threading.Thread(target=reader, name="eaglet-shard-prefetch", daemon=True).start()
+        while (item := loaded.get()) is not None:
+            yield item
+
+    def batches(self, epoch: int) -> Iterator[FeatureBatch]:
+        order = epoch_order(self.plans, self.seed, epoch)
+        by_shard: dict[int, list[int]] = {plan.index: [] for plan in self.plans}
+        shard_of = {s: p.index for p in self.plans for s in range(p.first_sample, p.first_sample + p.num_samples)}
+        for sample in order:
+            by_shard[shard_of[sample]].append(sample)
+        shard_sequence = list(dict.fromkeys(shard_of[s] for s in order))
+        pieces: dict[int, dict[str, torch.Tensor]] = {}
+
+        def stream() -> Iterator[tuple[int, int]]:
+            for shard, samples in self._prefetched(shard_sequence):
+                for sample in by_shard[shard]:
+                    pieces[sample] = samples[sample]
+                    yield sample, len(samples[sample]["input_ids"])
+
+        for group in pack_stream(stream(), self.token_budget):
+            yield _assemble([(sample, pieces.pop(sample)) for sample in group], self.token_budget)
+
+
+class LiveSource:
+    """The target computes features on the fly for the same batches a store would give."""
+
+    def __init__(self, prepared: PreparedSet, model: torch.nn.Module, layer_ids: tuple[int, ...], token_budget: int,
+                 tokens_per_shard: int, seed: int = 0, forward_tokens: int = 4096):
+        self.prepared = prepared
+        self.capture = FeatureCapture(model, layer_ids)
+        self.device = next(model.parameters()).device
+        self.plans = plan_shards(prepared.lengths, tokens_per_shard)
+        self.token_budget = token_budget
+        self.seed = seed
+        self.forward_tokens = forward_tokens
+        self.hidden_size = model.config.hidden_size
+        self.layer_ids = tuple(layer_ids)
+
+    def batches(self, epoch: int) -> Iterator[FeatureBatch]:
+        order = epoch_order(self.plans, self.seed, epoch)
+        lengths = self.prepared.lengths
+        for group in pack_stream(((s, int(lengths[s])) for s in order), self.token_budget):
+            yield _assemble(list(zip(group, self._features_many(group))), self.token_budget)
+
+    def _features_many(self, samples: list[int]) -> list[dict[str, torch.Tensor]]:
+        lengths = np.array([min(len(self.prepared.sample(s)[0]), self.token_budget) for s in samples])
+        out: list[dict[str, torch.Tensor] | None] = [None] * len(samples)
+        for batch in batches_by_length(lengths, self.forward_tokens):
+            width = int(lengths[batch].max())
+            padded = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, position in enumerate(batch.tolist()):
+                ids, _ = self.prepared.sample(samples[position])
+                padded[row, : lengths[position]] = torch.from_numpy(ids[: lengths[position]].astype(np.int64))
+            aux, last = self.capture(padded.to(self.device))
+            for row, position in enumerate(batch.tolist()):
+                length = int(lengths[position])
+                ids, mask = self.prepared.sample(samples[position])
+                out[position] = {"input_ids": torch.from_numpy(ids[:length].astype(np.int64)),
+                                 "loss_mask": torch.from_numpy(mask[:length].astype(np.uint8)),
+                                 "aux": aux[row, :length], "last": last[row, :length]}
+        return out  # type: ignore[return-value]
