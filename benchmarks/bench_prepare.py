@@ -12,28 +12,15 @@ import argparse
 import json
 import os
 import platform
-import random
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-WORDS = ("the model answers each question with care and detail while keeping the style clear and the facts "
-         "right so that a reader can follow every step of the reasoning from start to end").split()
+sys.path.insert(0, str(Path(__file__).parent))
+from synthetic import write_conversations  # noqa: E402
 
-
-def synthetic_conversation(rng: random.Random, index: int) -> dict:
-    """~500 tokens: a system prompt half the time, 1-3 user/assistant exchanges."""
-    messages = []
-    if rng.random() < 0.5:
-        messages.append({"role": "system", "content": "You are a careful assistant. Answer clearly."})
-    exchanges = rng.randint(1, 3)
-    budget_words = 380  # ~500 tokens with the template's headers
-    for _ in range(exchanges):
-        user = " ".join(rng.choices(WORDS, k=rng.randint(10, 30))) + "?"
-        answer = " ".join(rng.choices(WORDS, k=budget_words // exchanges)) + "."
-        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
-    return {"id": f"bench-{index}", "messages": messages}
-
+ANSWER_WORDS = 380  # ~460 tokens per conversation with the template's headers
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -48,12 +35,8 @@ def main() -> None:
     from eaglet.data.prepare import run_prepare
     from eaglet.target import load_tokenizer, resolve_target
 
-    rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "conversations.jsonl"
-        with open(data, "w") as handle:
-            for i in range(args.conversations):
-                handle.write(json.dumps(synthetic_conversation(rng, i)) + "\n")
+        data = write_conversations(Path(tmp) / "conversations.jsonl", args.conversations, ANSWER_WORDS)
         load_started = time.perf_counter()
         load_tokenizer(resolve_target(args.target).path)  # warm the target cache; counted separately
         load_s = time.perf_counter() - load_started

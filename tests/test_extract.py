@@ -217,3 +217,26 @@ def test_store_and_live_sources_give_the_same_batches(reference_store, prepared,
     assert not torch.equal(list(store_source.batches(0))[0].sample_index, list(store_source.batches(1))[0].sample_index)
     seen = torch.cat([b.sample_index for b in store_source.batches(0)]).sort().values
     assert seen.tolist() == list(range(60))  # every sample exactly once per epoch
+
+
+def test_shard_writer_output_reads_back_with_safetensors(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from eaglet.fsio import sha256_file
+    from eaglet.store import write_safetensors
+
+    tensors = {
+        "aux": torch.randn(5, 3, 7).bfloat16(), "last": torch.randn(5, 7).to(torch.float8_e4m3fn),
+        "scale": torch.rand(5), "input_ids": torch.arange(5, dtype=torch.int32),
+        "loss_mask": torch.tensor([0, 1, 1, 0, 1], dtype=torch.uint8), "offsets": torch.tensor([0, 2, 5]),
+        "empty": torch.empty(0, dtype=torch.int64),
+    }
+    size, digest = write_safetensors(tmp_path / "x.safetensors", tensors)
+    assert size == (tmp_path / "x.safetensors").stat().st_size and digest == sha256_file(tmp_path / "x.safetensors")
+    loaded = load_file(str(tmp_path / "x.safetensors"))
+    assert set(loaded) == set(tensors)
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name].view(torch.uint8), tensor.view(torch.uint8))
+    with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as handle:
+        assert handle.get_slice("aux").get_shape() == [5, 3, 7]

@@ -32,6 +32,7 @@ err_console = Console(stderr=True, soft_wrap=True)
 
 TARGET_HELP = "'embedded' (SmolLM2-135M-Instruct), an HF model directory, a .gguf file or a hub id"
 CONFIG_HELP = "YAML config file (flat, or with a section named after the stage)"
+DISK_BOUND_SHARE = 0.2  # extract warns when more than this share of its time went to waiting on writes
 SET_HELP = "override a config key: --set key=value (repeatable)"
 
 
@@ -189,7 +190,7 @@ def extract(
     target: Optional[str] = typer.Option(None, "--target", "-t", help=TARGET_HELP),
     layers: Optional[str] = typer.Option(None, help="aux layer ids, e.g. 2,15,27 (default: 2,N//2,N-3)"),
     storage_dtype: Optional[str] = typer.Option(None, help="bf16 (default) or fp8 (e4m3, per-token scales; half the disk)"),
-    shard_mb: Optional[float] = typer.Option(None, help="shard size on disk in MB (default: 1024)"),
+    shard_mb: Optional[float] = typer.Option(None, help="shard size on disk in MB (default: 512)"),
     batch_tokens: Optional[int] = typer.Option(None, help="tokens per forward pass (default: 32768 GPU / 4096 CPU)"),
     max_samples: Optional[int] = typer.Option(None, help="only the first N prepared samples"),
     device: Optional[str] = typer.Option(None, help="auto (this rank's GPU, else cpu), cpu, cuda:1 ..."),
@@ -223,6 +224,11 @@ def extract(
         f"{totals['samples']:,} samples, {totals['tokens']:,} tokens, {totals['bytes'] / 1e6:,.1f} MB; "
         f"computed {result.shards_computed} shard(s) this run ({rate})"
     )
+    if result.seconds > 0 and result.writer_stall_s > DISK_BOUND_SHARE * result.seconds:
+        err_console.print(
+            f"[yellow]note:[/] the target waited {result.writer_stall_s:.1f} s of {result.seconds:.1f} s on the disk; "
+            "--storage-dtype fp8 halves the bytes, a faster disk removes the wait"
+        )
 
 
 @store_app.command("verify")

@@ -45,7 +45,8 @@ from .target import load_model, load_tokenizer, pick_dtype, resolve_target, targ
 
 GPU_BATCH_TOKENS = 32768
 CPU_BATCH_TOKENS = 4096
-WRITE_QUEUE_DEPTH = 1  # shards waiting for the disk while the next one computes
+WRITE_QUEUE_DEPTH = 3  # finished shards waiting for a writer while the next one computes
+WRITER_THREADS = 4  # shards written (hashed, written, fsynced) in parallel: one stream does not fill the disk
 GIB = 1 << 30
 
 
@@ -67,54 +68,77 @@ def batches_by_length(lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray
 class ShardExtractor:
     """One shard's stored tensors from the target: ids, mask, offsets, sample index and features."""
 
-    def __init__(self, model: torch.nn.Module, layer_ids: tuple[int, ...], storage_dtype: str, batch_tokens: int):
+    def __init__(self, model: torch.nn.Module, layer_ids: tuple[int, ...], storage_dtype: str, batch_tokens: int,
+                 max_shard_tokens: int):
         self.capture = FeatureCapture(model, layer_ids)
         self.device = next(model.parameters()).device
         self.storage_dtype = storage_dtype
         self.batch_tokens = batch_tokens
+        self.max_shard_tokens = max_shard_tokens
+        # Host buffers are pinned (fast, asynchronous device->host copies) and pinning costs ~0.3 s/GB,
+        # so every shard's buffers have the same capacity and are recycled once the writer is done.
+        self.free_buffers: queue.SimpleQueue = queue.SimpleQueue()
+        self.sync_wait_s = 0.0  # host waiting for the device at shard ends
 
-    def __call__(self, prepared: PreparedSet, plan: ShardPlan) -> dict[str, torch.Tensor]:
-        first, stop = plan.first_sample, plan.first_sample + plan.num_samples
-        ids, mask = prepared.token_range(first, stop)
-        offsets = prepared.offsets[first : stop + 1] - prepared.offsets[first]
-        lengths = np.diff(offsets)
-        chunks: dict[str, list[torch.Tensor]] = {}
-        destinations: list[np.ndarray] = []
-        for batch in batches_by_length(lengths, self.batch_tokens):
+    def _buffers(self, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        try:
+            return self.free_buffers.get_nowait()
+        except queue.Empty:
+            pin = self.device.type == "cuda"
+            return {k: torch.empty((self.max_shard_tokens, *v.shape[1:]), dtype=v.dtype, pin_memory=pin)
+                    for k, v in template.items()}
+
+    def release(self, buffers: dict[str, torch.Tensor]) -> None:
+        """The writer is done with a shard: its feature buffers can take the next one."""
+        self.free_buffers.put(buffers)
+
+    def __call__(self, prepared: PreparedSet, plan: ShardPlan) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The shard's tensors, and the pooled buffers behind them (give those back with ``release``).
+
+        Samples are computed and stored longest first; ``sample_index`` records that order. Encoded
+        features go straight from the device into one pinned host buffer per tensor: no gather, no concat."""
+        first = plan.first_sample
+        lengths = prepared.lengths[first : first + plan.num_samples]
+        batches = batches_by_length(lengths, self.batch_tokens)
+        order = np.concatenate(batches)  # local sample indices in computed order
+        stored_lengths = lengths[order]
+        offsets = np.concatenate([[0], np.cumsum(stored_lengths)]).astype(np.int64)
+        tokens = int(offsets[-1])
+        pooled: dict[str, torch.Tensor] = {}
+        position = 0
+        for batch in batches:
             width = int(lengths[batch].max())
             padded = np.zeros((len(batch), width), dtype=np.int64)
             for row, sample in enumerate(batch.tolist()):
-                padded[row, : lengths[sample]] = ids[offsets[sample] : offsets[sample + 1]]
+                padded[row, : lengths[sample]] = prepared.sample(first + sample)[0]
             aux, last = self.capture(torch.from_numpy(padded).to(self.device))  # [B,S,3,H], [B,S,H]
             valid = torch.arange(width, device=self.device)[None, :] < torch.as_tensor(lengths[batch], device=self.device)[:, None]
-            aux, last = aux[valid], last[valid]  # [sum L, 3, H], [sum L, H] in batch order
+            aux, last = aux[valid], last[valid]  # [sum L, 3, H], [sum L, H]: samples back to back
             if not (torch.isfinite(aux).all() and torch.isfinite(last).all()):
                 bad = self._first_non_finite(aux, last, lengths[batch])
                 raise EagletError(
                     f"non-finite features for sample {prepared.ids[first + int(batch[bad])]!r}; "
                     "check the target's dtype (--dtype float32) and weights"
                 )
-            for key, value in encode_features(aux, last, self.storage_dtype).items():
-                chunks.setdefault(key, []).append(value.to("cpu", non_blocking=True))
-            destinations.append(batch)
+            encoded = encode_features(aux, last, self.storage_dtype)
+            pooled = pooled or self._buffers(encoded)
+            for key, value in encoded.items():
+                pooled[key][position : position + len(value)].copy_(value, non_blocking=True)
+            position += len(aux)
         if self.device.type == "cuda":
+            started = time.perf_counter()
             torch.cuda.synchronize(self.device)
-        # Put samples back in prepared order: batch order -> positions [offsets[s], offsets[s+1]).
-        order = np.concatenate(destinations)
-        batch_lengths = lengths[order]
-        source_starts = np.concatenate([[0], np.cumsum(batch_lengths)[:-1]])
-        gather = np.empty(int(offsets[-1]), dtype=np.int64)
-        for sample, start, length in zip(order.tolist(), source_starts.tolist(), batch_lengths.tolist()):
-            gather[offsets[sample] : offsets[sample] + length] = np.arange(start, start + length)
-        index = torch.from_numpy(gather)
-        tensors = {key: torch.cat(values)[index] for key, values in chunks.items()}
-        tensors.update(
+            self.sync_wait_s += time.perf_counter() - started
+        ids = np.concatenate([prepared.sample(first + s)[0] for s in order.tolist()])
+        mask = np.concatenate([prepared.sample(first + s)[1] for s in order.tolist()])
+        buffers = {key: value[:tokens] for key, value in pooled.items()}
+        buffers.update(
             input_ids=torch.from_numpy(ids.astype(np.int32)),
             loss_mask=torch.from_numpy(mask.astype(np.uint8)),
-            offsets=torch.from_numpy(offsets.astype(np.int64)),
-            sample_index=torch.arange(first, stop, dtype=torch.int64),
+            offsets=torch.from_numpy(offsets),
+            sample_index=torch.from_numpy((first + order).astype(np.int64)),
         )
-        return tensors
+        return buffers, pooled
 
     @staticmethod
     def _first_non_finite(aux: torch.Tensor, last: torch.Tensor, lengths: np.ndarray) -> int:
@@ -126,34 +150,49 @@ class ShardExtractor:
 class ShardWriter:
     """A thread that writes finished shards (and refreshes the manifest) while the next one computes."""
 
-    def __init__(self, store: Path, on_written: Any):
+    def __init__(self, store: Path, on_written: Any, release: Any):
         self.store = store
         self.on_written = on_written
+        self.release = release
         self.queue: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE_DEPTH)
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="eaglet-shard-writer", daemon=True)
-        self.thread.start()
+        self.stall_s = 0.0  # the compute loop blocked because every writer was busy (disk-bound)
+        self.lock = threading.Lock()  # manifest refreshes happen one at a time
+        self.threads = [threading.Thread(target=self._run, name=f"eaglet-shard-writer-{i}", daemon=True)
+                        for i in range(WRITER_THREADS)]
+        for thread in self.threads:
+            thread.start()
 
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
             if self.error is None:
                 try:
-                    plan, tensors = item
-                    self.on_written(write_shard(self.store, plan, tensors))
+                    plan, tensors, pooled = item
+                    record = write_shard(self.store, plan, tensors)
+                    del tensors
+                    self.release(pooled)
+                    with self.lock:
+                        self.on_written(record)
                 except BaseException as exc:  # surfaced in the main thread
                     self.error = exc
 
-    def submit(self, plan: ShardPlan, tensors: dict[str, torch.Tensor]) -> None:
+    def submit(self, plan: ShardPlan, shard: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]) -> None:
         self.check()
-        self.queue.put((plan, tensors))
+        started = time.perf_counter()
+        self.queue.put((plan, *shard))
+        self.stall_s += time.perf_counter() - started
 
     def check(self) -> None:
         if self.error is not None:
             raise self.error
 
     def close(self) -> None:
-        self.queue.put(None)
-        self.thread.join()
+        started = time.perf_counter()
+        for _ in self.threads:
+            self.queue.put(None)
+        for thread in self.threads:
+            thread.join()
+        self.stall_s += time.perf_counter() - started
         self.check()
 
 
@@ -168,6 +207,8 @@ class ExtractResult:
     shards_computed: int
     tokens_computed: int
     seconds: float
+    writer_stall_s: float = 0.0  # compute waiting on the disk: the share of `seconds` the disk cost
+    device_wait_s: float = 0.0
 
 
 def store_identity(config: ExtractConfig, info: Any, layers: tuple[int, ...], prepared: PreparedSet,
@@ -256,14 +297,16 @@ def run_extract(config: ExtractConfig, console: Console | None = None, model: to
     dist.barrier()
 
     started = time.perf_counter()
+    stall_s = wait_s = 0.0
     if mine:
         if model is None:
             model = load_model(resolved.path, device, config.dtype, config.trust_remote_code)
         batch_tokens = config.batch_tokens or (GPU_BATCH_TOKENS if device.startswith("cuda") else CPU_BATCH_TOKENS)
-        extractor = ShardExtractor(model, layers, config.storage_dtype, batch_tokens)
+        max_shard_tokens = max(p.tokens for p in mine)
+        extractor = ShardExtractor(model, layers, config.storage_dtype, batch_tokens, max_shard_tokens)
         refresh = (lambda record: write_json_atomic(store / MANIFEST_FILE, _manifest(store, identity, plans, config))) \
             if dist.is_main and dist.world == 1 else (lambda record: None)
-        writer = ShardWriter(store, refresh)
+        writer = ShardWriter(store, refresh, extractor.release)
         with progress_bar("tok", console) as progress:
             task = progress.add_task(f"extract{'' if dist.world == 1 else f' rank {dist.rank}'}",
                                      total=sum(p.tokens for p in mine))
@@ -273,12 +316,13 @@ def run_extract(config: ExtractConfig, console: Console | None = None, model: to
                     progress.advance(task, plan.tokens)
             finally:
                 writer.close()
+                stall_s, wait_s = writer.stall_s, extractor.sync_wait_s
     seconds = time.perf_counter() - started
     dist.barrier()
     manifest = _manifest(store, identity, plans, config)
     if dist.is_main:
         write_json_atomic(store / MANIFEST_FILE, manifest)
-    return ExtractResult(store, manifest, len(mine), sum(p.tokens for p in mine), seconds)
+    return ExtractResult(store, manifest, len(mine), sum(p.tokens for p in mine), seconds, stall_s, wait_s)
 
 
 def _check_disk(store: Path, needed_bytes: int, reserve_gb: float) -> None:

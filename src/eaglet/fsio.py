@@ -48,14 +48,16 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+@contextlib.contextmanager
+def atomic_file(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; after the block writes it, fsync and rename into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
+        yield Path(tmp)
+        with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
         fsync_dir(path.parent)
@@ -63,6 +65,11 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:

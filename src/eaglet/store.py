@@ -4,7 +4,8 @@ Layout::
 
     STORE/manifest.json               schema, target identity, aux ids + convention, prepared set, shard list
     STORE/shard-00000.safetensors     input_ids [T] int32, loss_mask [T] uint8, offsets [N+1] int64,
-                                      sample_index [N] int64, aux [T,3,H], last [T,H] (bf16, or fp8 e4m3
+                                      sample_index [N] int64 (the shard's samples, longest first: the
+                                      order they were computed in), aux [T,3,H], last [T,H] (bf16, or fp8 e4m3
                                       with aux_scale [T,3] / last_scale [T] float32 per-token scales)
     STORE/shard-00000.json            the shard's record (sha256, bytes, samples, tokens), written after it
 
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from .errors import EagletError
-from .fsio import read_json, sha256_bytes, sha256_file, write_bytes_atomic, write_json_atomic
+from .fsio import atomic_file, read_json, sha256_file, write_json_atomic
 
 STORE_SCHEMA = "eaglet.store/1"
 MANIFEST_FILE = "manifest.json"
@@ -102,17 +103,60 @@ def decode_features(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch
 # Shards
 
 
+SAFETENSORS_DTYPES = {
+    torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.int64: "I64", torch.int32: "I32",
+    torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3",
+}
+SAFETENSORS_HEADER_ALIGN = 8
+WRITE_CHUNK_BYTES = 64 << 20
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, str]:
+    """Write a safetensors file straight from the tensors' memory, hashing as it goes.
+
+    ``safetensors.torch.save_file`` first copies every tensor to bytes (0.8 GB/s measured on the
+    H200 host, below the disk's 1.4 GB/s); this writes the same format (header: JSON, space-padded
+    to 8 bytes; then the raw little-endian data) from zero-copy views with the GIL released, so
+    several writer threads run in parallel. Files are read back with the safetensors library.
+    Returns (bytes written, sha256 of the file).
+    """
+    import hashlib
+    import json as _json
+
+    names = sorted(tensors)
+    views, header, offset = [], {}, 0
+    for name in names:
+        tensor = tensors[name].contiguous()
+        data = tensor.view(torch.uint8).reshape(-1).numpy() if tensor.numel() else np.empty(0, np.uint8)
+        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + data.nbytes]}
+        offset += data.nbytes
+        views.append(data)
+    head = _json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % SAFETENSORS_HEADER_ALIGN)
+    prefix = len(head).to_bytes(8, "little") + head
+    digest = hashlib.sha256(prefix)
+    with open(path, "wb") as handle:
+        handle.write(prefix)
+        for data in views:
+            memory = memoryview(data)
+            for begin in range(0, len(memory), WRITE_CHUNK_BYTES):
+                chunk = memory[begin : begin + WRITE_CHUNK_BYTES]
+                digest.update(chunk)  # hashlib and file writes release the GIL on large buffers
+                handle.write(chunk)
+    return len(prefix) + offset, digest.hexdigest()
+
+
 def write_shard(store: Path, plan: ShardPlan, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Atomically write a shard, then its record. Returns the record."""
-    from safetensors.torch import save
-
-    data = save({k: v.contiguous() for k, v in sorted(tensors.items())})
-    write_bytes_atomic(store / shard_name(plan.index), data)
+    final = store / shard_name(plan.index)
+    with atomic_file(final) as tmp:
+        size, digest = write_safetensors(tmp, tensors)
     record = {
         "file": shard_name(plan.index),
         **asdict(plan),
-        "bytes": len(data),
-        "sha256": sha256_bytes(data),
+        "bytes": size,
+        "sha256": digest,
     }
     write_json_atomic(store / record_name(plan.index), record)
     return record
@@ -196,13 +240,15 @@ def verify_shard(store: Path, entry: dict[str, Any], hidden_size: int, prepared:
     if offsets[0] != 0 or offsets[-1] != tokens or bool((offsets[1:] < offsets[:-1]).any()):
         return "offsets are not a valid packing of the tokens"
     expected_index = torch.arange(entry["first_sample"], entry["first_sample"] + samples)
-    if not torch.equal(tensors["sample_index"], expected_index):
+    if not torch.equal(tensors["sample_index"].sort().values, expected_index):
         return "sample_index does not match the shard's sample range"
     aux, last = decode_features(tensors)
     if not (torch.isfinite(aux).all() and torch.isfinite(last).all()):
         return "non-finite feature values"
     if prepared is not None:
-        ids, mask = prepared.token_range(entry["first_sample"], entry["first_sample"] + samples)
+        order = tensors["sample_index"].tolist()
+        ids = np.concatenate([prepared.sample(i)[0] for i in order])
+        mask = np.concatenate([prepared.sample(i)[1] for i in order])
         if not np.array_equal(ids, tensors["input_ids"].numpy()) or not np.array_equal(mask, tensors["loss_mask"].numpy()):
             return "token ids or loss mask differ from the prepared set"
     return None

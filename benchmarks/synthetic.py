@@ -1,0 +1,32 @@
+"""Synthetic conversations for benchmarks (deterministic given a seed)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+WORDS = ("the model answers each question with care and detail while keeping the style clear and the facts "
+         "right so that a reader can follow every step of the reasoning from start to end").split()
+
+
+def conversation(rng: random.Random, index: int, answer_words: int) -> dict:
+    """A system prompt half the time, then 1-3 user/assistant exchanges sharing ``answer_words`` words."""
+    messages = []
+    if rng.random() < 0.5:
+        messages.append({"role": "system", "content": "You are a careful assistant. Answer clearly."})
+    exchanges = rng.randint(1, 3)
+    for _ in range(exchanges):
+        user = " ".join(rng.choices(WORDS, k=rng.randint(10, 30))) + "?"
+        answer = " ".join(rng.choices(WORDS, k=max(1, answer_words // exchanges))) + "."
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    return {"id": f"bench-{index}", "messages": messages}
+
+
+def write_conversations(path: Path, count: int, answer_words: int | tuple[int, int], seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    with open(path, "w") as handle:
+        for i in range(count):
+            words = answer_words if isinstance(answer_words, int) else rng.randint(*answer_words)
+            handle.write(json.dumps(conversation(rng, i, words)) + "\n")
+    return path
