@@ -10,6 +10,7 @@ Killed at any moment and restarted with the same command, only the missing shard
 from __future__ import annotations
 
 import queue
+from contextlib import nullcontext
 import shutil
 import threading
 import time
@@ -106,29 +107,48 @@ class ShardExtractor:
         tokens = int(offsets[-1])
         pooled: dict[str, torch.Tensor] = {}
         position = 0
+        cuda = self.device.type == "cuda"
+        # The loop never waits on the device: gathers use host-computed indices, the non-finite check
+        # is kept on the device until the shard ends, and device->host copies run on a side stream.
+        copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        first_bad: list[tuple[np.ndarray, torch.Tensor]] = []  # (batch, device scalar: first bad token or -1)
         for batch in batches:
             width = int(lengths[batch].max())
             padded = np.zeros((len(batch), width), dtype=np.int64)
             for row, sample in enumerate(batch.tolist()):
                 padded[row, : lengths[sample]] = prepared.sample(first + sample)[0]
-            aux, last = self.capture(torch.from_numpy(padded).to(self.device))  # [B,S,3,H], [B,S,H]
-            valid = torch.arange(width, device=self.device)[None, :] < torch.as_tensor(lengths[batch], device=self.device)[:, None]
-            aux, last = aux[valid], last[valid]  # [sum L, 3, H], [sum L, H]: samples back to back
-            if not (torch.isfinite(aux).all() and torch.isfinite(last).all()):
-                bad = self._first_non_finite(aux, last, lengths[batch])
-                raise EagletError(
-                    f"non-finite features for sample {prepared.ids[first + int(batch[bad])]!r}; "
-                    "check the target's dtype (--dtype float32) and weights"
-                )
+            keep = np.concatenate([row * width + np.arange(lengths[s]) for row, s in enumerate(batch.tolist())])
+            input_ids, keep_index = torch.from_numpy(padded), torch.from_numpy(keep)
+            if cuda:
+                input_ids, keep_index = input_ids.pin_memory(), keep_index.pin_memory()
+            input_ids = input_ids.to(self.device, non_blocking=True)
+            keep_index = keep_index.to(self.device, non_blocking=True)
+            aux, last = self.capture(input_ids)  # [B,S,3,H], [B,S,H]
+            aux = aux.flatten(0, 1).index_select(0, keep_index)  # [sum L, 3, H]: samples back to back
+            last = last.flatten(0, 1).index_select(0, keep_index)  # [sum L, H]
+            bad = ~(torch.isfinite(aux).flatten(1).all(1) & torch.isfinite(last).all(1))
+            first_bad.append((batch, torch.where(bad.any(), bad.int().argmax(), -1)))
             encoded = encode_features(aux, last, self.storage_dtype)
             pooled = pooled or self._buffers(encoded)
-            for key, value in encoded.items():
-                pooled[key][position : position + len(value)].copy_(value, non_blocking=True)
+            if copy_stream is not None:
+                copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(copy_stream) if copy_stream is not None else nullcontext():
+                for key, value in encoded.items():
+                    pooled[key][position : position + len(value)].copy_(value, non_blocking=True)
+                    if copy_stream is not None:
+                        value.record_stream(copy_stream)  # keep the device memory until the copy is done
             position += len(aux)
-        if self.device.type == "cuda":
+        if cuda:
             started = time.perf_counter()
             torch.cuda.synchronize(self.device)
             self.sync_wait_s += time.perf_counter() - started
+        for batch, flag in first_bad:
+            if int(flag) >= 0:
+                sample = int(batch[np.searchsorted(np.cumsum(lengths[batch]), int(flag), side="right")])
+                raise EagletError(
+                    f"non-finite features for sample {prepared.ids[first + sample]!r}; "
+                    "check the target's dtype (--dtype float32) and weights"
+                )
         ids = np.concatenate([prepared.sample(first + s)[0] for s in order.tolist()])
         mask = np.concatenate([prepared.sample(first + s)[1] for s in order.tolist()])
         buffers = {key: value[:tokens] for key, value in pooled.items()}
@@ -139,12 +159,6 @@ class ShardExtractor:
             sample_index=torch.from_numpy((first + order).astype(np.int64)),
         )
         return buffers, pooled
-
-    @staticmethod
-    def _first_non_finite(aux: torch.Tensor, last: torch.Tensor, lengths: np.ndarray) -> int:
-        finite = torch.isfinite(aux).flatten(1).all(1) & torch.isfinite(last).all(1)
-        first_bad_token = int((~finite).nonzero()[0, 0])
-        return int(np.searchsorted(np.cumsum(lengths), first_bad_token, side="right"))
 
 
 class ShardWriter:
