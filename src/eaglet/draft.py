@@ -1,0 +1,239 @@
+"""The EAGLE-3 draft: one Llama-style decoder layer over fused target features, predicting the draft vocab.
+
+Parameter names are the serving names vLLM and SGLang load (``fc``, ``midlayer.*``, ``norm``,
+``lm_head``, ``d2t``, ``t2d``), so export is a copy plus a config. ``embed_tokens`` is the target's
+embedding, frozen and not saved (engines share the target's).
+
+Per position ``t`` (shapes for one packed sequence of T tokens)::
+
+    h      = fc(cat(aux_t))                                    [T, H]    (step 0; later steps: the layer's own output)
+    x      = cat(input_layernorm(embed(token)), hidden_norm(h)) [T, 2H]
+    h'     = h + o_proj(attn(q/k/v_proj(x)))                   residual is the un-normed h
+    h'     = h' + mlp(post_attention_layernorm(h'))
+    logits = lm_head(norm(h'))                                  [T, Vd]
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import EagletError
+from .layers import AUX_CONVENTION
+
+DRAFT_CONFIG_FILE = "config.json"
+DRAFT_WEIGHTS_FILE = "model.safetensors"
+DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+@dataclass
+class DraftConfig:
+    """Written as an HF-style config.json; rope settings are inherited from the target."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    target_hidden_size: int
+    eagle_aux_hidden_state_layer_ids: list[int]
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    num_hidden_layers: int = 1
+    hidden_act: str = "silu"
+    norm_before_residual: bool = False
+    tie_word_embeddings: bool = False
+    architectures: list[str] = field(default_factory=lambda: [DRAFT_ARCHITECTURE])
+    model_type: str = "llama"
+    aux_layer_convention: str = AUX_CONVENTION
+    target: dict[str, Any] = field(default_factory=dict)  # name, config_hash, tokenizer_hash
+
+    @classmethod
+    def from_target(cls, target_config: dict[str, Any], draft_vocab_size: int, layer_ids: tuple[int, ...],
+                    target_identity: dict[str, Any] | None = None, num_layers: int = 1) -> "DraftConfig":
+        heads = int(target_config["num_attention_heads"])
+        hidden = int(target_config["hidden_size"])
+        rope = target_config.get("rope_parameters") or {}
+        return cls(
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=int(target_config.get("num_key_value_heads") or heads),
+            head_dim=int(target_config.get("head_dim") or hidden // heads),
+            intermediate_size=int(target_config["intermediate_size"]),
+            vocab_size=int(target_config["vocab_size"]),
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=hidden,
+            eagle_aux_hidden_state_layer_ids=list(layer_ids),
+            rms_norm_eps=float(target_config.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(target_config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rope_scaling=target_config.get("rope_scaling"),
+            max_position_embeddings=int(target_config.get("max_position_embeddings", 4096)),
+            num_hidden_layers=num_layers,
+            target=dict(target_identity or {}),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, head_dim] for integer positions [T] (Llama's rotate-half layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [heads, T, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+# attention(q [Hq,T,d], k [Hkv,T,d], v [Hkv,T,d], step) -> [Hq,T,d]; the TTT module supplies it
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, config: DraftConfig, input_size: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.q_proj = nn.Linear(input_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(input_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(input_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttentionFn) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.heads, self.head_dim).transpose(0, 1)  # [Hq, T, d]
+        k = self.k_proj(x).view(tokens, self.kv_heads, self.head_dim).transpose(0, 1)  # [Hkv, T, d]
+        v = self.v_proj(x).view(tokens, self.kv_heads, self.head_dim).transpose(0, 1)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attend(q, k, v)  # [Hq, T, d]
+        return self.o_proj(out.transpose(0, 1).reshape(tokens, self.heads * self.head_dim))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """The EAGLE-3 midlayer: attention over [normed embedding ; normed hidden] (2H wide)."""
+
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DraftAttention(config, 2 * config.hidden_size)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DraftMLP(config)
+        self.norm_before_residual = config.norm_before_residual
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attend: AttentionFn) -> torch.Tensor:
+        normed_hidden = self.hidden_norm(hidden)
+        residual = normed_hidden if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)  # [T, 2H]
+        h = residual + self.self_attn(x, cos, sin, attend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        if config.num_hidden_layers != 1:
+            raise EagletError("drafts with more than one decoder layer are not supported yet (num_hidden_layers=1)")
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
+        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        self.midlayer = DraftLayer(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [T, 3, H_target] -> [T, H]."""
+        return self.fc(aux.flatten(1))
+
+    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             attend: AttentionFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step: (new hidden [T, H], draft-vocab logits [T, Vd])."""
+        hidden = self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, attend)
+        return hidden, self.lm_head(self.norm(hidden))
+
+    def init_from_target(self, embed: torch.Tensor, lm_head: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Copy the target's embedding and its lm_head rows for the draft vocabulary."""
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(embed)
+            used = torch.arange(len(d2t)) + d2t
+            self.lm_head.weight.copy_(lm_head[used])
+            self.d2t.copy_(d2t)
+            self.t2d.copy_(t2d)
+
+    def serving_state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything but the (shared, frozen) embedding, under the serving names."""
+        return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("embed_tokens")}
+
+
+def save_draft(model: Eagle3Draft, directory: str | Path) -> None:
+    from safetensors.torch import save_file
+
+    from .fsio import atomic_file, write_json_atomic
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    with atomic_file(directory / DRAFT_WEIGHTS_FILE) as tmp:
+        save_file(model.serving_state_dict(), str(tmp))
+    write_json_atomic(directory / DRAFT_CONFIG_FILE, model.config.to_dict())
+
+
+def load_draft(directory: str | Path, embed: torch.Tensor | None = None) -> Eagle3Draft:
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    if not (directory / DRAFT_CONFIG_FILE).is_file():
+        raise EagletError(f"{directory}: not a draft (no {DRAFT_CONFIG_FILE})")
+    config = DraftConfig(**json.loads((directory / DRAFT_CONFIG_FILE).read_text()))
+    model = Eagle3Draft(config)
+    state = load_file(str(directory / DRAFT_WEIGHTS_FILE))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if not m.startswith("embed_tokens")]:
+        raise EagletError(f"{directory}: weights do not match the config (missing {missing}, unexpected {unexpected})")
+    if embed is not None:
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(embed)
+    return model
+

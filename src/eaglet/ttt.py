@@ -1,0 +1,214 @@
+"""Training-time test (TTT): the draft unrolled K steps on a packed batch, with the EAGLE-3 loss.
+
+Step k at position t feeds token x[t+1+k] and (k=0) the fused target features at t, or (k>0) the
+draft's own step-(k-1) output at t; it predicts x[t+2+k], whose teacher distribution is the target's
+softmax at t+1+k restricted to the draft vocabulary. Step 0 attends causally inside its document;
+step k also sees its own position's keys from steps 1..k (the "diagonal"), exactly what the draft
+sees when it runs autoregressively in serving. Loss: Σ_k decay^k · soft-CE_k over positions where
+the target token is an assistant token and the teacher's full-vocab argmax lies in the draft vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .draft import Eagle3Draft, rope_tables
+
+TEACHER_CHUNK_TOKENS = 1024  # teacher logits over the full vocab are computed this many tokens at a time
+
+
+@dataclass
+class TTTInputs:
+    """One packed batch on the device. T tokens, documents back to back."""
+
+    input_ids: torch.Tensor  # [T] int64
+    aux: torch.Tensor  # [T, 3, H_target]
+    loss_mask: torch.Tensor  # [T] bool: token t is an assistant token
+    doc_ids: torch.Tensor  # [T] int64: which document each token belongs to
+    positions: torch.Tensor  # [T] int64: position inside its document (RoPE)
+    doc_end: torch.Tensor  # [T] int64: exclusive end index of the token's document
+    teacher_logits: torch.Tensor  # [T, Vd] float32: target logits at t over the draft vocab (predict t+1)
+    teacher_in_vocab: torch.Tensor  # [T] bool: the target's full-vocab argmax at t is in the draft vocab
+
+
+@dataclass
+class TTTOutput:
+    loss: torch.Tensor  # scalar, Σ decay^k loss_k
+    step_losses: list[torch.Tensor]  # K scalars (detached)
+    step_correct: list[torch.Tensor]  # K counts of top-1 matches (detached)
+    step_counts: list[torch.Tensor]  # K counts of positions that contributed
+
+
+class TeacherHead:
+    """The target's frozen LM head: draft-vocab logits and whether the full argmax is in the draft vocab."""
+
+    def __init__(self, lm_head: torch.Tensor, d2t: torch.Tensor, softcap: float | None = None):
+        self.lm_head = lm_head  # [V, H]
+        self.used = torch.arange(len(d2t), device=d2t.device) + d2t  # [Vd] target ids of the draft vocab
+        self.in_vocab = torch.zeros(lm_head.shape[0], dtype=torch.bool, device=lm_head.device)
+        self.in_vocab[self.used] = True
+        self.softcap = softcap
+
+    @torch.no_grad()
+    def __call__(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """last [T, H] -> (logits over the draft vocab [T, Vd] float32, in-vocab argmax [T] bool)."""
+        draft_logits, in_vocab = [], []
+        for chunk in last.split(TEACHER_CHUNK_TOKENS):
+            logits = chunk.to(self.lm_head.dtype) @ self.lm_head.T  # [c, V]: only one chunk alive at a time
+            if self.softcap:
+                logits = torch.tanh(logits / self.softcap) * self.softcap
+            in_vocab.append(self.in_vocab[logits.argmax(-1)])
+            draft_logits.append(logits[:, self.used].float())
+        return torch.cat(draft_logits), torch.cat(in_vocab)
+
+
+def documents(doc_offsets: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """doc_offsets [n+1] -> doc_ids [T], positions [T], doc_end [T]."""
+    lengths = doc_offsets[1:] - doc_offsets[:-1]
+    doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    positions = torch.arange(int(doc_offsets[-1])) - doc_offsets[:-1][doc_ids]
+    doc_end = doc_offsets[1:][doc_ids]
+    return doc_ids.to(device), positions.to(device), doc_end.to(device)
+
+
+def shift(x: torch.Tensor, k: int, fill: float | int | bool = 0) -> torch.Tensor:
+    """x[t + k] at t, ``fill`` past the end."""
+    if k == 0:
+        return x
+    pad = torch.full((k, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
+    return torch.cat([x[k:], pad])
+
+
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=0)
+
+
+class TTTAttention:
+    """Attention for step k: causal over step 0's keys (same document) + diagonal over steps 1..k.
+
+    Dense path: the causal part is one masked [Hq, T, T] score matrix; the diagonal part is an
+    elementwise product per earlier step, so cost grows by T (not T²) per extra step. Numbers are the
+    same as running the steps one by one with explicit masks (tested)."""
+
+    def __init__(self, doc_ids: torch.Tensor):
+        self.doc_ids = doc_ids
+        tokens = len(doc_ids)
+        index = torch.arange(tokens, device=doc_ids.device)
+        self.causal = (index[None, :] <= index[:, None]) & (doc_ids[None, :] == doc_ids[:, None])  # [T, T]
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.keys.append(k)
+        self.values.append(v)
+        groups = q.shape[0] // k.shape[0]
+        scale = q.shape[-1] ** -0.5
+        acc = torch.promote_types(q.dtype, torch.float32)  # softmax in at least fp32
+        k0, v0 = _expand_kv(self.keys[0], groups), _expand_kv(self.values[0], groups)
+        scores = (q @ k0.transpose(-1, -2)).to(acc) * scale  # [Hq, T, T]
+        scores = scores.masked_fill(~self.causal, float("-inf"))
+        extra_k = [_expand_kv(key, groups) for key in self.keys[1:]]
+        extra_v = [_expand_kv(value, groups) for value in self.values[1:]]
+        if extra_k:
+            diagonal = torch.stack([(q * key).sum(-1) for key in extra_k], dim=-1).to(acc) * scale  # [Hq, T, k]
+            weights = torch.softmax(torch.cat([scores, diagonal], dim=-1), dim=-1)
+            tokens = scores.shape[-1]
+            out = weights[..., :tokens].to(v0.dtype) @ v0
+            for j, value in enumerate(extra_v):
+                out = out + weights[..., tokens + j, None].to(value.dtype) * value
+            return out
+        return torch.softmax(scores, dim=-1).to(v0.dtype) @ v0
+
+
+def ttt_forward(draft: Eagle3Draft, inputs: TTTInputs, steps: int, decay: float = 0.8,
+                attention_factory=TTTAttention, feature_noise_std: float = 0.0) -> TTTOutput:
+    """Unroll ``steps`` draft steps and return the weighted loss plus per-step statistics."""
+    config = draft.config
+    cos, sin = rope_tables(inputs.positions, config.head_dim, config.rope_theta)
+    attend = attention_factory(inputs.doc_ids)
+    aux = inputs.aux
+    if feature_noise_std > 0:
+        aux = aux + torch.randn_like(aux) * feature_noise_std
+    hidden = draft.fuse(aux.to(draft.fc.weight.dtype))
+    index = torch.arange(len(inputs.input_ids), device=inputs.input_ids.device)
+    total = torch.zeros((), device=hidden.device)
+    step_losses, step_correct, step_counts = [], [], []
+    for k in range(steps):
+        ids = torch.where(index + 1 + k < inputs.doc_end, shift(inputs.input_ids, 1 + k), 0)
+        hidden, logits = draft.step(ids, hidden, cos, sin, attend)
+        teacher = shift(inputs.teacher_logits, 1 + k)  # [T, Vd]: predicts x[t+2+k]
+        mask = ((index + 2 + k < inputs.doc_end) & shift(inputs.loss_mask, 2 + k, False)
+                & shift(inputs.teacher_in_vocab, 1 + k, False))
+        log_probs = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        cross_entropy = -(F.softmax(teacher, dim=-1) * log_probs).sum(-1)  # [T]
+        count = mask.sum()
+        loss = (cross_entropy * mask).sum() / count.clamp_min(1)
+        total = total + decay**k * loss
+        step_losses.append(loss.detach())
+        step_correct.append(((logits.argmax(-1) == teacher.argmax(-1)) & mask).sum().detach())
+        step_counts.append(count.detach())
+    return TTTOutput(total, step_losses, step_correct, step_counts)
+
+
+def simulated_acceptance(accuracies: list[float]) -> float:
+    """Chain acceptance length Σ_k Π_{j<=k} acc_j (draft tokens accepted per target forward, bonus excluded)."""
+    total, running = 0.0, 1.0
+    for accuracy in accuracies:
+        running *= accuracy
+        total += running
+    return total
+
+
+class FlexTTTAttention:
+    """The same attention through FlexAttention block masks (GPU; compiled): keys of steps 0..k are
+    concatenated, and the mask allows step-0 keys causally within the document and step-j keys (j>=1)
+    only at the query's own position. Never materialises a [T, T] score matrix."""
+
+    _compiled = None
+
+    def __init__(self, doc_ids: torch.Tensor):
+        self.doc_ids = doc_ids
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    @classmethod
+    def _kernel(cls, device: torch.device):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        if device.type != "cuda":
+            return flex_attention
+        if cls._compiled is None:
+            cls._compiled = torch.compile(flex_attention, dynamic=False)
+        return cls._compiled
+
+    def _block_mask(self, steps: int):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        tokens = len(self.doc_ids)
+        doc_ids = self.doc_ids
+
+        def allowed(batch, head, query, key):
+            position = key % tokens
+            same_doc = doc_ids[position] == doc_ids[query]
+            return torch.where(key < tokens, (key <= query) & same_doc, position == query)
+
+        return create_block_mask(allowed, None, None, tokens, tokens * steps, device=self.doc_ids.device,
+                                 _compile=self.doc_ids.device.type == "cuda")
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.keys.append(k)
+        self.values.append(v)
+        keys = torch.cat(self.keys, dim=1)[None]  # [1, Hkv, T*(k+1), d]
+        values = torch.cat(self.values, dim=1)[None]
+        kernel = self._kernel(q.device)
+        out = kernel(q[None], keys, values, block_mask=self._block_mask(len(self.keys)),
+                     enable_gqa=q.shape[0] != k.shape[0])
+        return out[0]
+
+
+def attention_for(device: torch.device):
+    """FlexAttention on GPU, the dense path elsewhere (FlexAttention has no CPU backward)."""
+    return FlexTTTAttention if device.type == "cuda" else TTTAttention

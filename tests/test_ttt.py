@@ -1,0 +1,134 @@
+"""The TTT fast path equals a naive reference that runs the steps one by one with explicit masks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eaglet.draft import DraftConfig, Eagle3Draft
+from eaglet.ttt import TeacherHead, TTTAttention, TTTInputs, documents, simulated_acceptance, ttt_forward
+
+
+class NaiveAttention:
+    """Reference: keys of all steps so far concatenated ([T*(k+1)]), one explicit boolean mask.
+    Query t may see step-0 key s iff s <= t in the same document, and step-j key s (j >= 1) iff s == t."""
+
+    def __init__(self, doc_ids):
+        self.doc_ids = doc_ids
+        self.keys, self.values = [], []
+
+    def __call__(self, q, k, v):
+        self.keys.append(k)
+        self.values.append(v)
+        tokens = q.shape[1]
+        groups = q.shape[0] // k.shape[0]
+        keys = torch.cat(self.keys, dim=1).repeat_interleave(groups, 0)  # [Hq, T*(k+1), d]
+        values = torch.cat(self.values, dim=1).repeat_interleave(groups, 0)
+        allowed = torch.zeros(tokens, tokens * len(self.keys), dtype=torch.bool)
+        for t in range(tokens):
+            for s in range(tokens):
+                allowed[t, s] = s <= t and self.doc_ids[s] == self.doc_ids[t]
+            for j in range(1, len(self.keys)):
+                allowed[t, j * tokens + t] = True
+        scores = (q @ keys.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        return torch.softmax(scores, -1) @ values
+
+
+def tiny_setup(seed=0):
+    torch.manual_seed(seed)
+    vocab, draft_vocab, hidden = 50, 20, 32
+    config = DraftConfig(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         intermediate_size=64, vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=hidden,
+                         eagle_aux_hidden_state_layer_ids=[1, 2, 3])
+    draft = Eagle3Draft(config).double()
+    used = torch.sort(torch.randperm(vocab)[:draft_vocab]).values
+    d2t = used - torch.arange(draft_vocab)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[used] = True
+    lm_head = torch.randn(vocab, hidden, dtype=torch.float64)
+    draft.init_from_target(torch.randn(vocab, hidden, dtype=torch.float64), lm_head, d2t, t2d)
+    doc_offsets = torch.tensor([0, 7, 12, 19])
+    tokens = 19
+    doc_ids, positions, doc_end = documents(doc_offsets, torch.device("cpu"))
+    last = torch.randn(tokens, hidden, dtype=torch.float64)
+    teacher_logits, in_vocab = TeacherHead(lm_head, d2t)(last)
+    inputs = TTTInputs(
+        input_ids=torch.randint(0, vocab, (tokens,)), aux=torch.randn(tokens, 3, hidden, dtype=torch.float64),
+        loss_mask=torch.rand(tokens) > 0.3, doc_ids=doc_ids, positions=positions, doc_end=doc_end,
+        teacher_logits=teacher_logits.double(), teacher_in_vocab=in_vocab | (torch.rand(tokens) > 0.5),
+    )
+    return draft, inputs
+
+
+@pytest.mark.parametrize("steps", [1, 3, 5])
+def test_fast_path_equals_naive_reference(steps):
+    draft, inputs = tiny_setup()
+    fast = ttt_forward(draft, inputs, steps, attention_factory=TTTAttention)
+    fast.loss.backward()
+    fast_grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+    draft.zero_grad()
+    naive = ttt_forward(draft, inputs, steps, attention_factory=NaiveAttention)
+    naive.loss.backward()
+    torch.testing.assert_close(fast.loss, naive.loss, rtol=1e-10, atol=1e-10)
+    for name, grad in fast_grads.items():
+        torch.testing.assert_close(grad, dict(draft.named_parameters())[name].grad, rtol=1e-8, atol=1e-10, msg=name)
+    assert "embed_tokens.weight" not in fast_grads  # frozen
+    for a, b in zip(fast.step_counts, naive.step_counts):
+        assert int(a) == int(b)
+
+
+def test_masks_respect_documents_and_shift():
+    """Step k counts position t only if t+2+k is inside t's document, an assistant token, with an in-vocab teacher."""
+    draft, inputs = tiny_setup()
+    inputs.loss_mask[:] = True
+    inputs.teacher_in_vocab[:] = True
+    out = ttt_forward(draft, inputs, 3)
+    lengths = [7, 5, 7]
+    for k, count in enumerate(out.step_counts):
+        assert int(count) == sum(max(0, length - 2 - k) for length in lengths)
+
+
+def test_documents_helper():
+    doc_ids, positions, doc_end = documents(torch.tensor([0, 3, 5]), torch.device("cpu"))
+    assert doc_ids.tolist() == [0, 0, 0, 1, 1] and positions.tolist() == [0, 1, 2, 0, 1]
+    assert doc_end.tolist() == [3, 3, 3, 5, 5]
+
+
+def test_simulated_acceptance():
+    assert simulated_acceptance([1.0, 1.0, 1.0]) == 3.0
+    assert simulated_acceptance([0.5, 0.5]) == pytest.approx(0.75)
+    assert simulated_acceptance([]) == 0.0
+
+
+def test_flex_attention_mask_matches_dense_forward():
+    """FlexAttention's block mask (the GPU path) gives the dense path's outputs; forward only on CPU."""
+    from eaglet.ttt import FlexTTTAttention
+
+    draft, inputs = tiny_setup()
+    draft = draft.float()
+    inputs.aux = inputs.aux.float()
+    inputs.teacher_logits = inputs.teacher_logits.float()
+    with torch.no_grad():
+        dense = ttt_forward(draft, inputs, 3, attention_factory=TTTAttention)
+        flex = ttt_forward(draft, inputs, 3, attention_factory=FlexTTTAttention)
+    torch.testing.assert_close(flex.loss, dense.loss, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs a GPU")
+def test_flex_attention_gradients_match_on_gpu():
+    from eaglet.ttt import FlexTTTAttention
+
+    draft, inputs = tiny_setup()
+    device = torch.device("cuda")
+    draft = draft.float().to(device)
+    moved = TTTInputs(**{k: (v.float() if v.is_floating_point() else v).to(device) for k, v in vars(inputs).items()})
+    dense = ttt_forward(draft, moved, 3, attention_factory=TTTAttention)
+    dense.loss.backward()
+    grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+    draft.zero_grad()
+    flex = ttt_forward(draft, moved, 3, attention_factory=FlexTTTAttention)
+    flex.loss.backward()
+    torch.testing.assert_close(flex.loss, dense.loss, rtol=1e-4, atol=1e-4)
+    for name, grad in grads.items():
+        torch.testing.assert_close(dict(draft.named_parameters())[name].grad, grad, rtol=1e-3, atol=1e-4)
