@@ -19,6 +19,8 @@ FAMILY_SPECIALS = {
 # Non-special added tokens (Qwen3's think markers are added but not special).
 FAMILY_PLAIN_ADDED = {"qwen3": ["<think>", "</think>"]}
 
+LM_HEAD_SHARPEN = 40.0
+
 CORPUS = [
     "Hello there! How can I help you today?",
     "The capital of France is Paris. It is known for the Eiffel Tower.",
@@ -66,6 +68,8 @@ def tiny_llama_dir(root: Path, tokenizer_family: str = "qwen3", layers: int = 8)
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
     )
     model = LlamaForCausalLM(config)
+    with torch.no_grad():  # a sharper head: a random model's teacher is otherwise near-uniform
+        model.lm_head.weight.mul_(LM_HEAD_SHARPEN)
     model.save_pretrained(root)
     tokenizer.save_pretrained(root)
     return root
@@ -105,3 +109,47 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
         sys.argv = argv
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+def small_conversations(n: int, seed: int = 0) -> list[dict]:
+    """Short random conversations over a small word list (fast to prepare, extract and train on)."""
+    import random
+
+    rng = random.Random(seed)
+    words = "the cat sat on a mat while two dogs ran past and one bird sang".split()
+    return [{"id": f"c{i}", "messages": [
+        {"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(3, 12)))},
+        {"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(5, 60)))}]} for i in range(n)]
+
+
+def extract_args(prepared, out, target, *extra):
+    return ["extract", "--prepared", prepared, "--out", out, "--target", target, "--shard-mb", "0.05",
+            "--batch-tokens", "256", "--reserve-gb", "0", *extra]
+
+
+def store_bytes(store: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(store.iterdir()) if not p.name.startswith(".")}
+
+
+@pytest.fixture(scope="session")
+def tiny_prepared(tmp_path_factory, tiny_target):
+    from eaglet.config import PrepareConfig
+    from eaglet.data.prepare import run_prepare
+
+    root = tmp_path_factory.mktemp("prepared")
+    data = write_jsonl(root / "d.jsonl", small_conversations(60))
+    run_prepare(PrepareConfig(inputs=[str(data)], out=str(root / "prepared"), target=str(tiny_target)))
+    return root / "prepared"
+
+
+@pytest.fixture(scope="session")
+def tiny_store(tmp_path_factory, tiny_prepared, tiny_target):
+    """A store extracted by the real CLI in a subprocess (the reference for byte-identity tests)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("ref") / "store"
+    proc = subprocess.run([sys.executable, "-m", "eaglet.cli", *map(str, extract_args(tiny_prepared, out, tiny_target))],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return out

@@ -16,59 +16,22 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_cli, write_jsonl
+from conftest import extract_args, run_cli, store_bytes
 from eaglet.capture import FeatureCapture, teacher_logits
 from eaglet.data.prepared import load_prepared
 from eaglet.store import decode_features, load_shard, read_manifest
 from eaglet.target import load_model, resolve_target
 
 
-def conversations(n: int, seed: int = 0) -> list[dict]:
-    rng = random.Random(seed)
-    words = "the cat sat on a mat while two dogs ran past and one bird sang".split()
-    return [{"id": f"c{i}", "messages": [
-        {"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(3, 12)))},
-        {"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(5, 60)))}]} for i in range(n)]
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory, tiny_target):
-    from eaglet.config import PrepareConfig
-    from eaglet.data.prepare import run_prepare
-
-    root = tmp_path_factory.mktemp("prepared")
-    data = write_jsonl(root / "d.jsonl", conversations(60))
-    run_prepare(PrepareConfig(inputs=[str(data)], out=str(root / "prepared"), target=str(tiny_target)))
-    return root / "prepared"
-
-
-def extract_args(prepared, out, target, *extra):
-    return ["extract", "--prepared", prepared, "--out", out, "--target", target, "--shard-mb", "0.05",
-            "--batch-tokens", "256", "--reserve-gb", "0", *extra]
-
-
-def store_bytes(store: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(store.iterdir()) if not p.name.startswith(".")}
-
-
-@pytest.fixture(scope="module")
-def reference_store(tmp_path_factory, prepared, tiny_target):
-    out = tmp_path_factory.mktemp("ref") / "store"
-    proc = subprocess.run([sys.executable, "-m", "eaglet.cli", *map(str, extract_args(prepared, out, tiny_target))],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    return out
-
-
-def test_store_features_equal_direct_capture(reference_store, prepared, tiny_target):
-    manifest = read_manifest(reference_store)
+def test_store_features_equal_direct_capture(tiny_store, tiny_prepared, tiny_target):
+    manifest = read_manifest(tiny_store)
     assert manifest["complete"] and manifest["num_shards"] > 3
     assert manifest["aux_layer_ids"] == [2, 4, 5] and manifest["aux_convention"] == "input_of_layer"
     model = load_model(resolve_target(str(tiny_target)).path, device="cpu")
     capture = FeatureCapture(model, (2, 4, 5))
-    prep = load_prepared(prepared)
+    prep = load_prepared(tiny_prepared)
     for entry in manifest["shards"]:
-        tensors = load_shard(reference_store / entry["file"])
+        tensors = load_shard(tiny_store / entry["file"])
         aux, last = decode_features(tensors)
         offsets = tensors["offsets"].tolist()
         for row, sample in enumerate(tensors["sample_index"].tolist()):
@@ -82,10 +45,10 @@ def test_store_features_equal_direct_capture(reference_store, prepared, tiny_tar
     assert sum(e["num_samples"] for e in manifest["shards"]) == len(prep)
 
 
-def test_sigkill_at_random_points_resumes_byte_identical(tmp_path, reference_store, prepared, tiny_target):
+def test_sigkill_at_random_points_resumes_byte_identical(tmp_path, tiny_store, tiny_prepared, tiny_target):
     """Ten SIGKILLs: during start-up, between shards and mid-write; the resumed store is byte-identical."""
     out = tmp_path / "store"
-    cmd = [sys.executable, "-m", "eaglet.cli", *map(str, extract_args(prepared, out, tiny_target))]
+    cmd = [sys.executable, "-m", "eaglet.cli", *map(str, extract_args(tiny_prepared, out, tiny_target))]
     rng = random.Random(1)
     kills_mid_work = 0
     for attempt in range(10):
@@ -105,12 +68,12 @@ def test_sigkill_at_random_points_resumes_byte_identical(tmp_path, reference_sto
     assert kills_mid_work >= 5
     final = subprocess.run(cmd, capture_output=True, text=True)
     assert final.returncode == 0, final.stderr
-    assert store_bytes(out) == store_bytes(reference_store)
+    assert store_bytes(out) == store_bytes(tiny_store)
 
 
-def test_verify_names_flipped_byte_and_repair_restores(tmp_path, capsys, reference_store):
+def test_verify_names_flipped_byte_and_repair_restores(tmp_path, capsys, tiny_store):
     store = tmp_path / "store"
-    shutil.copytree(reference_store, store)
+    shutil.copytree(tiny_store, store)
     shard = store / "shard-00002.safetensors"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -121,53 +84,53 @@ def test_verify_names_flipped_byte_and_repair_restores(tmp_path, capsys, referen
     code, out, err = run_cli(["store", "verify", store, "--repair"], capsys)
     assert code == 0, err
     assert "repaired" in out
-    assert store_bytes(store) == store_bytes(reference_store)
+    assert store_bytes(store) == store_bytes(tiny_store)
 
 
-def test_torchrun_two_cpu_processes_equal_one(tmp_path, reference_store, prepared, tiny_target):
+def test_torchrun_two_cpu_processes_equal_one(tmp_path, tiny_store, tiny_prepared, tiny_target):
     out = tmp_path / "store"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
-           "-m", "eaglet.cli", *map(str, extract_args(prepared, out, tiny_target))]
+           "-m", "eaglet.cli", *map(str, extract_args(tiny_prepared, out, tiny_target))]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert store_bytes(out) == store_bytes(reference_store)
+    assert store_bytes(out) == store_bytes(tiny_store)
 
 
-def test_disk_too_small_is_refused_before_any_work(tmp_path, capsys, prepared, tiny_target):
+def test_disk_too_small_is_refused_before_any_work(tmp_path, capsys, tiny_prepared, tiny_target):
     out = tmp_path / "store"
     started = time.perf_counter()
-    code, _, err = run_cli(extract_args(prepared, out, tiny_target)[:-2] + ["--reserve-gb", "1000000"], capsys)
+    code, _, err = run_cli(extract_args(tiny_prepared, out, tiny_target)[:-2] + ["--reserve-gb", "1000000"], capsys)
     assert code == 2 and "GiB are free" in err
     assert not out.exists()
     assert time.perf_counter() - started < 5
 
 
-def test_other_tokenizer_refused_by_name(tmp_path, capsys, prepared):
+def test_other_tokenizer_refused_by_name(tmp_path, capsys, tiny_prepared):
     from conftest import tiny_llama_dir
 
     other = tiny_llama_dir(tmp_path / "other", tokenizer_family="llama3")
-    code, _, err = run_cli(extract_args(prepared, tmp_path / "s", other), capsys)
+    code, _, err = run_cli(extract_args(tiny_prepared, tmp_path / "s", other), capsys)
     assert code == 2 and "prepared with tokenizer of tiny-target" in err and "prepare again with this target" in err
 
 
-def test_resume_with_other_settings_refused(tmp_path, capsys, reference_store, prepared, tiny_target):
+def test_resume_with_other_settings_refused(tmp_path, capsys, tiny_store, tiny_prepared, tiny_target):
     store = tmp_path / "store"
-    shutil.copytree(reference_store, store)
-    code, _, err = run_cli(extract_args(prepared, store, tiny_target, "--layers", "1,3,6"), capsys)
+    shutil.copytree(tiny_store, store)
+    code, _, err = run_cli(extract_args(tiny_prepared, store, tiny_target, "--layers", "1,3,6"), capsys)
     assert code == 2 and "different 'aux_layer_ids'" in err
 
 
-def test_store_from_other_target_refused_by_source(reference_store):
+def test_store_from_other_target_refused_by_source(tiny_store):
     from eaglet.errors import EagletError
     from eaglet.features import StoreSource
 
-    manifest = read_manifest(reference_store)
+    manifest = read_manifest(tiny_store)
     other = dict(manifest["target"], config_hash="0" * 64, name="OtherModel")
     with pytest.raises(EagletError, match=r"extracted from target tiny-target0 .* but this run uses OtherModel"):
-        StoreSource(reference_store, token_budget=128, expect_target=other)
+        StoreSource(tiny_store, token_budget=128, expect_target=other)
 
 
-def test_non_finite_features_name_the_sample(tmp_path, prepared, tiny_target):
+def test_non_finite_features_name_the_sample(tmp_path, tiny_prepared, tiny_target):
     from eaglet.config import ExtractConfig
     from eaglet.errors import EagletError
     from eaglet.extract import run_extract
@@ -175,18 +138,18 @@ def test_non_finite_features_name_the_sample(tmp_path, prepared, tiny_target):
     model = load_model(resolve_target(str(tiny_target)).path, device="cpu")
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
-    config = ExtractConfig(prepared=str(prepared), out=str(tmp_path / "s"), target=str(tiny_target), reserve_gb=0)
+    config = ExtractConfig(prepared=str(tiny_prepared), out=str(tmp_path / "s"), target=str(tiny_target), reserve_gb=0)
     with pytest.raises(EagletError, match=r"non-finite features for sample 'c\d+'"):
         run_extract(config, model=model)
 
 
-def test_fp8_storage_quality(tmp_path, prepared, tiny_target):
+def test_fp8_storage_quality(tmp_path, tiny_prepared, tiny_target):
     from eaglet.config import ExtractConfig
     from eaglet.extract import run_extract
 
     outs = {}
     for dtype in ("bf16", "fp8"):
-        run_extract(ExtractConfig(prepared=str(prepared), out=str(tmp_path / dtype), target=str(tiny_target),
+        run_extract(ExtractConfig(prepared=str(tiny_prepared), out=str(tmp_path / dtype), target=str(tiny_target),
                                   storage_dtype=dtype, reserve_gb=0, max_samples=20))
         outs[dtype] = decode_features(load_shard(next((tmp_path / dtype).glob("*.safetensors"))))
     (aux16, last16), (aux8, last8) = outs["bf16"], outs["fp8"]
@@ -199,13 +162,13 @@ def test_fp8_storage_quality(tmp_path, prepared, tiny_target):
     assert read_manifest(tmp_path / "fp8")["totals"]["bytes"] < 0.6 * read_manifest(tmp_path / "bf16")["totals"]["bytes"]
 
 
-def test_store_and_live_sources_give_the_same_batches(reference_store, prepared, tiny_target):
+def test_store_and_live_sources_give_the_same_batches(tiny_store, tiny_prepared, tiny_target):
     from eaglet.features import LiveSource, StoreSource
 
-    manifest = read_manifest(reference_store)
-    store_source = StoreSource(reference_store, token_budget=200, seed=3)
+    manifest = read_manifest(tiny_store)
+    store_source = StoreSource(tiny_store, token_budget=200, seed=3)
     model = load_model(resolve_target(str(tiny_target)).path, device="cpu")
-    live = LiveSource(load_prepared(prepared), model, (2, 4, 5), token_budget=200,
+    live = LiveSource(load_prepared(tiny_prepared), model, (2, 4, 5), token_budget=200,
                       tokens_per_shard=manifest["tokens_per_shard"], seed=3)
     for epoch in (0, 1):
         offline, online = list(store_source.batches(epoch)), list(live.batches(epoch))

@@ -273,6 +273,48 @@ def store_info(
 
 
 # ---------------------------------------------------------------------------------------------
+# train
+
+
+@app.command()
+def train(
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="run directory (resumed from its last checkpoint)"),
+    store: Optional[str] = typer.Option(None, help="offline: a store from `eaglet extract`"),
+    prepared: Optional[str] = typer.Option(None, help="online: a prepared set; the target computes features live"),
+    target: Optional[str] = typer.Option(None, "--target", "-t", help=TARGET_HELP),
+    ttt_steps: Optional[int] = typer.Option(None, help="training-time-test unroll K (default: 7)"),
+    token_budget: Optional[int] = typer.Option(None, help="tokens per packed micro-batch (default: 4096)"),
+    grad_accum: Optional[int] = typer.Option(None, help="micro-batches per optimizer step and rank (default: 1)"),
+    lr: Optional[float] = typer.Option(None, help="peak learning rate (default: 3e-4)"),
+    max_steps: Optional[int] = typer.Option(None, help="stop after N optimizer steps"),
+    epochs: Optional[float] = typer.Option(None, help="stop after E epochs (default: 1)"),
+    tokens: Optional[int] = typer.Option(None, help="stop after N training tokens"),
+    seed: Optional[int] = typer.Option(None, help="data order, init and noise (default: 0)"),
+    eval_every: Optional[int] = typer.Option(None, help="held-out evaluation every N steps (default: 100)"),
+    log_every: Optional[int] = typer.Option(None, help="metrics every N steps (default: 10)"),
+    save_every: Optional[int] = typer.Option(None, help="checkpoint every N steps (default: 200)"),
+    device: Optional[str] = typer.Option(None, help="auto (this rank's GPU, else cpu), cpu, cuda:1 ..."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
+    overrides: List[str] = typer.Option([], "--set", help=SET_HELP),
+) -> None:
+    """Train the EAGLE-3 draft (training-time test) on a store or online; resumable; torchrun for DDP."""
+    from .config import TrainConfig, build_config
+    from .train import run_train
+
+    cfg = build_config(
+        TrainConfig, "train", config,
+        dict(out=out, store=store, prepared=prepared, target=target, ttt_steps=ttt_steps, token_budget=token_budget,
+             grad_accum=grad_accum, lr=lr, max_steps=max_steps, epochs=epochs, tokens=tokens, seed=seed,
+             eval_every=eval_every, log_every=log_every, save_every=save_every, device=device),
+        overrides,
+    )
+    result = run_train(cfg, err_console)
+    evaluation = result.final_eval
+    tau = f", simulated τ {evaluation['tau']:.2f} (acc by step {evaluation['acc']})" if evaluation else ""
+    out_console.print(f"draft {result.out}: step {result.steps} in {result.seconds:.1f} s{tau}")
+
+
+# ---------------------------------------------------------------------------------------------
 # demo
 
 

@@ -159,3 +159,37 @@ class ExtractConfig(StrictModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     reserve_gb: float = Field(default=1.0, ge=0, description="free disk to keep beyond the store's estimated size")
     trust_remote_code: bool = False
+
+
+class TrainConfig(StrictModel):
+    out: str = Field(description="run directory: the draft, metrics, plots and checkpoints")
+    store: str | None = Field(default=None, description="offline: a store from `eaglet extract`")
+    prepared: str | None = Field(default=None, description="online: a prepared set; the target computes features live")
+    target: str = "embedded"
+    ttt_steps: int = Field(default=7, ge=1, le=32)
+    loss_decay: float = Field(default=0.8, gt=0, le=1)
+    token_budget: int = Field(default=4096, ge=16, description="tokens per packed micro-batch")
+    grad_accum: int = Field(default=1, ge=1)
+    lr: float = Field(default=3e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(default=0.0, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(default=20, ge=0)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    clip: float = Field(default=0.5, gt=0)
+    max_steps: int | None = Field(default=None, ge=1)
+    epochs: float | None = Field(default=None, gt=0)
+    tokens: int | None = Field(default=None, ge=1, description="stop after this many training tokens")
+    feature_noise_std: float = Field(default=0.0, ge=0)
+    eval_fraction: float = Field(default=0.05, ge=0, lt=1, description="samples held out for the simulated acceptance")
+    eval_every: int = Field(default=100, ge=1)
+    log_every: int = Field(default=10, ge=1)
+    save_every: int = Field(default=200, ge=1)
+    keep_last: int = Field(default=2, ge=1)
+    seed: int = 0
+    device: str = "auto"
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    online_chunk_tokens: int = Field(default=262144, ge=1, description="online: samples shuffled in chunks of this many tokens")
+    online_forward_tokens: int = Field(default=8192, ge=1, description="online: tokens per target forward")
+    draft_vocab_file: str | None = Field(default=None, description="vocab.safetensors (default: the prepared set's)")
+    trust_remote_code: bool = False

@@ -11,7 +11,7 @@ import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Protocol
+from typing import Callable, Iterable, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -39,21 +39,30 @@ class FeatureBatch:
         return int(self.input_ids.numel())
 
 
+SampleFilter = Callable[[int], bool]
+
+
 class FeatureSource(Protocol):
     hidden_size: int
     layer_ids: tuple[int, ...]
 
-    def batches(self, epoch: int) -> Iterator[FeatureBatch]: ...
+    def batches(self, epoch: int, select: SampleFilter | None = None) -> Iterator[FeatureBatch]: ...
 
 
-def epoch_order(plans: list[ShardPlan], seed: int, epoch: int) -> list[int]:
-    """Sample indices for an epoch: shard order shuffled, samples shuffled within each shard."""
+def epoch_order(plans: list[ShardPlan], seed: int, epoch: int, select: SampleFilter | None = None) -> list[int]:
+    """Sample indices for an epoch: shard order shuffled, samples shuffled within each shard;
+    ``select`` keeps a subset (a train/held-out split)."""
     rng = np.random.default_rng([seed, epoch])
     order: list[int] = []
     for shard in rng.permutation(len(plans)).tolist():
         plan = plans[shard]
         order.extend((plan.first_sample + rng.permutation(plan.num_samples)).tolist())
-    return order
+    return [s for s in order if select(s)] if select is not None else order
+
+
+def held_out(sample: int, seed: int, fraction: float) -> bool:
+    """A fixed pseudo-random split of sample indices (independent of the epoch)."""
+    return float(np.random.default_rng([seed, sample, 7]).random()) < fraction
 
 
 def pack_stream(items: Iterable[tuple[int, int]], token_budget: int) -> Iterator[list[int]]:
@@ -126,8 +135,8 @@ class StoreSource:
         while (item := loaded.get()) is not None:
             yield item
 
-    def batches(self, epoch: int) -> Iterator[FeatureBatch]:
-        order = epoch_order(self.plans, self.seed, epoch)
+    def batches(self, epoch: int, select: SampleFilter | None = None) -> Iterator[FeatureBatch]:
+        order = epoch_order(self.plans, self.seed, epoch, select)
         by_shard: dict[int, list[int]] = {plan.index: [] for plan in self.plans}
         shard_of = {s: p.index for p in self.plans for s in range(p.first_sample, p.first_sample + p.num_samples)}
         for sample in order:
@@ -160,8 +169,8 @@ class LiveSource:
         self.hidden_size = model.config.hidden_size
         self.layer_ids = tuple(layer_ids)
 
-    def batches(self, epoch: int) -> Iterator[FeatureBatch]:
-        order = epoch_order(self.plans, self.seed, epoch)
+    def batches(self, epoch: int, select: SampleFilter | None = None) -> Iterator[FeatureBatch]:
+        order = epoch_order(self.plans, self.seed, epoch, select)
         lengths = self.prepared.lengths
         for group in pack_stream(((s, int(lengths[s])) for s in order), self.token_budget):
             yield _assemble(list(zip(group, self._features_many(group))), self.token_budget)

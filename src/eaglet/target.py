@@ -290,3 +290,39 @@ def load_model(path: Path, device: str = "auto", dtype: str = "auto", trust_remo
     except Exception as exc:
         raise EagletError(f"target {path}: weights could not be loaded ({str(exc).splitlines()[0]})") from None
     return model.to(device).eval()
+
+
+def load_head_weights(path: Path) -> tuple[Any, Any, float | None]:
+    """The target's input embedding [V, H] and LM head [V, H] (+ logit softcap), read from its
+    safetensors without loading the rest of the model. Tied heads return the embedding twice."""
+    import json
+
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise EagletError(f"target {path}: no .safetensors weights (eaglet reads the embedding and LM head from them)")
+    index_file = path / "model.safetensors.index.json"
+    locations: dict[str, Path] = {}
+    if index_file.is_file():
+        for key, file in json.loads(index_file.read_text())["weight_map"].items():
+            locations[key] = path / file
+    else:
+        for file in files:
+            with safe_open(file, framework="pt") as handle:
+                for key in handle.keys():
+                    locations[key] = file
+
+    def read(suffix: str):
+        matches = sorted(k for k in locations if k.endswith(suffix))
+        if not matches:
+            return None
+        with safe_open(locations[matches[0]], framework="pt") as handle:
+            return handle.get_tensor(matches[0])
+
+    embed = read("embed_tokens.weight")
+    if embed is None:
+        raise EagletError(f"target {path}: no '*embed_tokens.weight' tensor in its safetensors")
+    lm_head = read("lm_head.weight")
+    config = read_config(path)
+    return embed, (lm_head if lm_head is not None else embed), config.get("final_logit_softcapping")

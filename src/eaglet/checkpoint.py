@@ -1,0 +1,87 @@
+"""Trainer checkpoints: model, optimizer, scheduler, RNG and data position; atomic; the last N kept.
+
+Layout: ``RUN/checkpoints/step-000200/`` with ``draft.safetensors`` (trainable weights + buffers),
+``optimizer.pt`` (loaded with ``weights_only=True``: tensors and plain containers only, no pickled
+objects), ``rng.safetensors`` and ``trainer.json`` (step, epoch, position in the epoch, scheduler).
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import EagletError
+from .fsio import atomic_directory, read_json, write_json_atomic
+
+CHECKPOINTS_DIR = "checkpoints"
+STATE_FILE = "trainer.json"
+
+
+@dataclass
+class TrainerState:
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    micro_in_epoch: int = 0  # micro-batches of this epoch already consumed
+    tokens: int = 0  # training tokens seen
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for index, cuda_state in enumerate(torch.cuda.get_rng_state_all()):
+            state[f"cuda{index}"] = cuda_state
+    return state
+
+
+def save_checkpoint(run: Path, model_state: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
+                    scheduler: Any, state: TrainerState, identity: dict[str, Any], keep_last: int) -> Path:
+    from safetensors.torch import save_file
+
+    final = run / CHECKPOINTS_DIR / f"step-{state.step:06d}"
+    with atomic_directory(final, overwrite=True) as tmp:
+        save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, str(tmp / "draft.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        save_file(_rng_state(), str(tmp / "rng.safetensors"))
+        write_json_atomic(tmp / STATE_FILE, {"state": state.as_dict(), "scheduler": scheduler.state_dict(),
+                                             "identity": identity})
+    checkpoints = sorted((run / CHECKPOINTS_DIR).glob("step-*"))
+    for old in checkpoints[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run: Path) -> Path | None:
+    candidates = sorted(p for p in (run / CHECKPOINTS_DIR).glob("step-*") if (p / STATE_FILE).is_file())
+    return candidates[-1] if candidates else None
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                    identity: dict[str, Any]) -> TrainerState:
+    from safetensors.torch import load_file
+
+    saved = read_json(path / STATE_FILE)
+    for key, value in identity.items():
+        if saved["identity"].get(key) != value:
+            raise EagletError(
+                f"{path}: checkpoint was trained with {key}={saved['identity'].get(key)!r}, this run has {value!r}; "
+                "use another --out or the same settings"
+            )
+    missing, unexpected = model.load_state_dict(load_file(str(path / "draft.safetensors")), strict=False)
+    if unexpected or [m for m in missing if "embed_tokens" not in m]:
+        raise EagletError(f"{path}: checkpoint weights do not match the draft ({missing or unexpected})")
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
+    scheduler.load_state_dict(saved["scheduler"])
+    rng = load_file(str(path / "rng.safetensors"))
+    torch.set_rng_state(rng["cpu"])
+    if torch.cuda.is_available():
+        cuda_states = [rng[k] for k in sorted(rng) if k.startswith("cuda")]
+        if cuda_states:
+            torch.cuda.set_rng_state_all(cuda_states[: torch.cuda.device_count()])
+    return TrainerState(**saved["state"])

@@ -1,0 +1,107 @@
+"""Training metrics: JSONL (always), TensorBoard (when installed), PNG plots, FLOPs for MFU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .draft import DraftConfig
+
+H200_BF16_DENSE_FLOPS = 989.4e12  # the MFU denominator used by every eaglet benchmark
+
+
+def draft_train_flops_per_token(config: DraftConfig, steps: int, mean_context: float) -> float:
+    """Forward + backward (3x forward) FLOPs per token for a TTT unroll of ``steps``."""
+    hidden, heads, kv_heads, head_dim = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    projections = 2 * hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+    mlp = 3 * hidden * config.intermediate_size
+    head = hidden * config.draft_vocab_size
+    attention = 2 * heads * head_dim * mean_context  # QK^T and AV over the causal context
+    per_step = 2 * (projections + mlp + head) + 2 * attention
+    fuse = 2 * 3 * config.target_hidden_size * hidden
+    return 3 * (fuse + steps * per_step)
+
+
+class MetricsLog:
+    def __init__(self, run: Path, enabled: bool, tensorboard: bool = True):
+        self.path = run / "metrics.jsonl"
+        self.enabled = enabled
+        self.writer = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(run / "tensorboard"))
+            except ImportError:  # tensorboard is optional: `pip install eaglet[tensorboard]`
+                self.writer = None
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.writer.add_scalar(key, value, record["step"])
+                elif isinstance(value, list):
+                    for index, item in enumerate(value):
+                        self.writer.add_scalar(f"{key}/{index}", item, record["step"])
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def read_metrics(run: Path) -> list[dict[str, Any]]:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_run(run: Path) -> list[Path]:
+    """loss.png, accuracy.png (per TTT step) and tau.png (simulated acceptance vs training tokens)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run)
+    train = [r for r in records if r.get("kind") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    written = []
+    if train:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="total (Σ decay^k loss_k)")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("loss")
+        ax.set_title("training loss")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(run / "loss.png", dpi=120)
+        plt.close(fig)
+        written.append(run / "loss.png")
+    if evals:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        steps = len(evals[-1]["acc"])
+        for k in range(steps):
+            ax.plot([r["step"] for r in evals], [r["acc"][k] for r in evals], label=f"step {k}")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("held-out top-1 accuracy")
+        ax.set_title("accuracy per TTT step")
+        ax.legend(ncol=2, fontsize=8)
+        fig.tight_layout()
+        fig.savefig(run / "accuracy.png", dpi=120)
+        plt.close(fig)
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot([r["tokens"] for r in evals], [r["tau"] for r in evals], marker="o")
+        ax.set_xlabel("training tokens")
+        ax.set_ylabel("simulated chain acceptance τ")
+        ax.set_title("simulated τ on held-out samples")
+        fig.tight_layout()
+        fig.savefig(run / "tau.png", dpi=120)
+        plt.close(fig)
+        written += [run / "accuracy.png", run / "tau.png"]
+    return written

@@ -1,0 +1,353 @@
+"""`eaglet train`: the EAGLE-3 draft trained with training-time test, offline (a store) or online (the target).
+
+One short loop joins separate pieces: a FeatureSource (data), the draft + TTT loss (model),
+DDP/FSDP2 under torchrun (parallelism), checkpoint.py (resume) and metrics.py (logging/plots).
+A step consumes ``world x grad_accum`` packed micro-batches in a fixed order, so one process with
+``--grad-accum 2`` takes the same steps as two processes with ``--grad-accum 1``.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from rich.console import Console
+
+from . import __version__
+from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import TrainConfig
+from .data.prepared import load_prepared
+from .data.vocab import DraftVocab
+from .distributed import Dist, init_distributed
+from .draft import DraftConfig, Eagle3Draft, save_draft
+from .errors import EagletError
+from .features import FeatureBatch, LiveSource, StoreSource, epoch_order, held_out, pack_stream
+from .fsio import sha256_json, write_json_atomic
+from .layers import default_aux_layer_ids
+from .metrics import H200_BF16_DENSE_FLOPS, MetricsLog, draft_train_flops_per_token, plot_run
+from .progress import progress_bar
+from .store import ShardPlan, check_same_target, plan_shards, read_manifest
+from .target import load_head_weights, load_model, load_tokenizer, read_config, resolve_target, target_info
+from .ttt import TeacherHead, TTTInputs, attention_for, documents, simulated_acceptance, ttt_forward
+
+
+class TTTModule(torch.nn.Module):
+    """The draft plus its TTT loss as one forward, so DDP/FSDP see a single module call."""
+
+    def __init__(self, draft: Eagle3Draft, steps: int, decay: float, noise_std: float):
+        super().__init__()
+        self.draft = draft
+        self.steps, self.decay, self.noise_std = steps, decay, noise_std
+
+    def forward(self, inputs: TTTInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = ttt_forward(self.draft, inputs, self.steps, self.decay, attention_for(inputs.input_ids.device),
+                          self.noise_std if self.training else 0.0)
+        return out.loss, torch.stack(out.step_losses), torch.stack(out.step_correct), torch.stack(out.step_counts)
+
+
+@dataclass
+class Setup:
+    source: Any
+    plans: list[ShardPlan]
+    lengths: np.ndarray
+    vocab: DraftVocab
+    layer_ids: tuple[int, ...]
+    identity: dict[str, Any]  # what a checkpoint must match
+    target_path: Path
+    target_config: dict[str, Any]
+
+
+def _setup(config: TrainConfig, device: str) -> Setup:
+    if (config.store is None) == (config.prepared is None):
+        raise EagletError("train needs exactly one input: --store STORE (offline) or --prepared DIR (online)")
+    resolved = resolve_target(config.target, config.trust_remote_code)
+    info = target_info(resolved, load_tokenizer(resolved.path, config.trust_remote_code))
+    target_identity = {"name": info.name, "config_hash": info.config_hash, "tokenizer_hash": info.tokenizer_hash}
+    if config.store is not None:
+        manifest = read_manifest(Path(config.store))
+        check_same_target(manifest, target_identity, f"store {config.store}")
+        if not manifest["complete"]:
+            raise EagletError(f"{config.store}: extraction incomplete; run the same `eaglet extract` again to finish it")
+        prepared = load_prepared(manifest["prepared"]["path"])
+        if prepared.manifest_sha256 != manifest["prepared"]["manifest_sha256"]:
+            raise EagletError(f"{config.store}: its prepared set {prepared.path} changed since extraction; re-extract")
+        source = StoreSource(config.store, config.token_budget, config.seed)
+        plans = source.plans
+        layer_ids = tuple(manifest["aux_layer_ids"])
+    else:
+        prepared = load_prepared(config.prepared)
+        if prepared.manifest["target"]["tokenizer_hash"] != info.tokenizer_hash:
+            raise EagletError(
+                f"{config.prepared}: prepared with the tokenizer of {prepared.manifest['target']['name']}, not "
+                f"{info.name}'s; prepare again with --target {config.target}"
+            )
+        layer_ids = default_aux_layer_ids(info.num_layers)
+        model = load_model(resolved.path, device, "auto", config.trust_remote_code)
+        source = LiveSource(prepared, model, layer_ids, config.token_budget, config.online_chunk_tokens, config.seed,
+                            config.online_forward_tokens)
+        plans = source.plans
+    vocab = DraftVocab.load(config.draft_vocab_file or prepared.vocab_path)
+    identity = {"target": target_identity, "layer_ids": list(layer_ids), "draft_vocab_size": vocab.size,
+                "ttt_steps": config.ttt_steps, "token_budget": config.token_budget, "seed": config.seed,
+                "input": "store" if config.store else "online", "eval_fraction": config.eval_fraction}
+    return Setup(source, plans, prepared.lengths, vocab, layer_ids, identity, resolved.path, read_config(resolved.path))
+
+
+def _inputs(batch: FeatureBatch, teacher: TeacherHead, device: torch.device, dtype: torch.dtype) -> TTTInputs:
+    doc_ids, positions, doc_end = documents(batch.doc_offsets, device)
+    last = batch.last.to(device, non_blocking=True)
+    teacher_logits, in_vocab = teacher(last)
+    return TTTInputs(
+        input_ids=batch.input_ids.to(device, non_blocking=True),
+        aux=batch.aux.to(device, dtype, non_blocking=True),
+        loss_mask=batch.loss_mask.to(device).bool(),
+        doc_ids=doc_ids, positions=positions, doc_end=doc_end,
+        teacher_logits=teacher_logits, teacher_in_vocab=in_vocab,
+    )
+
+
+def _schedule(config: TrainConfig, total_steps: int):
+    def factor(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / (config.warmup_steps + 1)
+        if config.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if config.schedule == "cosine" else 1 - progress
+        return config.min_lr_ratio + (1 - config.min_lr_ratio) * shape
+
+    return factor
+
+
+def _micro_batches_per_epoch(setup: Setup, config: TrainConfig, select) -> tuple[int, int]:
+    order = epoch_order(setup.plans, config.seed, 0, select)
+    groups = list(pack_stream(((s, int(setup.lengths[s])) for s in order), config.token_budget))
+    tokens = sum(min(int(setup.lengths[s]), config.token_budget) for group in groups for s in group)
+    return len(groups), tokens
+
+
+def _total_steps(config: TrainConfig, per_step: int, micro_per_epoch: int, tokens_per_epoch: int) -> int:
+    steps_per_epoch = micro_per_epoch // per_step
+    if steps_per_epoch == 0:
+        raise EagletError(
+            f"one optimizer step needs {per_step} micro-batches but an epoch has only {micro_per_epoch}; "
+            "lower --grad-accum or --token-budget, or add data"
+        )
+    if config.max_steps:
+        return config.max_steps
+    if config.tokens:
+        return max(1, math.ceil(config.tokens / (tokens_per_epoch / steps_per_epoch)))
+    return max(1, math.floor((config.epochs or 1.0) * steps_per_epoch))
+
+
+class StopFlag:
+    """SIGTERM (a scheduler preempting the job) asks for a checkpoint at the next step boundary."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self.previous)
+
+
+def _any_rank(flag: bool, dist: Dist, device: torch.device) -> bool:
+    """Every rank stops at the same step when any of them was asked to."""
+    if dist.world == 1:
+        return flag
+    import torch.distributed as tdist
+
+    value = torch.tensor([int(flag)], device=device)
+    tdist.all_reduce(value, op=tdist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def _reduce(tensors: list[torch.Tensor], dist: Dist) -> list[torch.Tensor]:
+    if dist.world == 1:
+        return tensors
+    import torch.distributed as tdist
+
+    for tensor in tensors:
+        tdist.all_reduce(tensor)
+    return tensors
+
+
+@torch.no_grad()
+def evaluate(module: TTTModule, setup: Setup, config: TrainConfig, teacher: TeacherHead, device: torch.device,
+             dtype: torch.dtype, dist: Dist, autocast) -> dict[str, Any]:
+    """Per-step accuracy and simulated τ on the held-out samples."""
+    module.eval()
+    correct = torch.zeros(config.ttt_steps, device=device)
+    counts = torch.zeros(config.ttt_steps, device=device)
+    losses = torch.zeros(config.ttt_steps, device=device)
+    select = lambda s: held_out(s, config.seed, config.eval_fraction)  # noqa: E731
+    for index, batch in enumerate(setup.source.batches(0, select)):
+        if index % dist.world != dist.rank:
+            continue
+        with autocast():
+            _, step_losses, step_correct, step_counts = module(_inputs(batch, teacher, device, dtype))
+        correct += step_correct.float()
+        counts += step_counts.float()
+        losses += step_losses.float() * step_counts.float()
+    correct, counts, losses = _reduce([correct, counts, losses], dist)
+    module.train()
+    accuracy = (correct / counts.clamp_min(1)).tolist()
+    return {"acc": [round(a, 5) for a in accuracy], "tau": round(simulated_acceptance(accuracy), 4),
+            "eval_loss": [round(v, 5) for v in (losses / counts.clamp_min(1)).tolist()], "eval_tokens": int(counts[0])}
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    steps: int
+    final_eval: dict[str, Any]
+    seconds: float
+    resumed_from: int
+
+
+def run_train(config: TrainConfig, console: Console | None = None) -> TrainResult:
+    console = console or Console(stderr=True)
+    dist = init_distributed()
+    device = torch.device(dist.device(config.device))
+    run = Path(config.out)
+    setup = _setup(config, str(device))
+    use_bf16 = config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda")
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
+
+    embed, lm_head, softcap = load_head_weights(setup.target_path)
+    draft_config = DraftConfig.from_target(setup.target_config, setup.vocab.size, setup.layer_ids, setup.identity["target"])
+    torch.manual_seed(config.seed)
+    draft = Eagle3Draft(draft_config)
+    d2t, t2d = torch.from_numpy(setup.vocab.d2t), torch.from_numpy(setup.vocab.t2d)
+    draft.init_from_target(embed.float(), lm_head.float(), d2t, t2d)
+    draft.to(device)
+    teacher = TeacherHead(lm_head.to(device, torch.bfloat16 if use_bf16 else torch.float32), d2t.to(device), softcap)
+    module = TTTModule(draft, config.ttt_steps, config.loss_decay, config.feature_noise_std).to(device)
+    wrapped: torch.nn.Module = module
+    if dist.world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+    parameters = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+
+    train_select = (lambda s: not held_out(s, config.seed, config.eval_fraction)) if config.eval_fraction > 0 else None
+    per_step = dist.world * config.grad_accum
+    micro_per_epoch, tokens_per_epoch = _micro_batches_per_epoch(setup, config, train_select)
+    total_steps = _total_steps(config, per_step, micro_per_epoch, tokens_per_epoch)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config, total_steps))
+
+    state = TrainerState()
+    checkpoint = latest_checkpoint(run)
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint, module.draft, optimizer, scheduler, setup.identity)
+        console.print(f"resuming from {checkpoint} (step {state.step})")
+    resumed_from = state.step
+    run.mkdir(parents=True, exist_ok=True)
+    if dist.is_main:
+        write_json_atomic(run / "train_config.json", {"config": config.model_dump(), "identity": setup.identity,
+                                                      "total_steps": total_steps, "eaglet_version": __version__})
+    metrics = MetricsLog(run, dist.is_main)
+    mean_context = float(np.mean(np.minimum(setup.lengths, config.token_budget))) / 2
+    flops_per_token = draft_train_flops_per_token(draft_config, config.ttt_steps, mean_context)
+    stop = StopFlag()
+    started = time.perf_counter()
+    window_tokens, window_started = 0, time.perf_counter()
+    final_eval: dict[str, Any] = {}
+    module.train()
+    try:
+        with progress_bar("steps", console) as progress:
+            task = progress.add_task("train", total=total_steps, completed=state.step)
+            while state.step < total_steps and not stop.requested:
+                batches = _micro_batches(setup, config, state, train_select, per_step)
+                for group in batches:
+                    mine = group[dist.rank :: dist.world]
+                    step_losses = torch.zeros(config.ttt_steps, device=device)
+                    step_correct = torch.zeros(config.ttt_steps, device=device)
+                    step_counts = torch.zeros(config.ttt_steps, device=device)
+                    loss_sum = torch.zeros((), device=device)
+                    for index, batch in enumerate(mine):
+                        sync = wrapped.no_sync() if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel) and index < len(mine) - 1 else nullcontext()
+                        with sync, autocast():
+                            loss, losses_k, correct_k, counts_k = wrapped(_inputs(batch, teacher, device, torch.float32))
+                            (loss / len(mine)).backward()
+                        loss_sum += loss.detach() / len(mine)
+                        step_losses += losses_k.detach().float() * counts_k.float()
+                        step_correct += correct_k.float()
+                        step_counts += counts_k.float()
+                    torch.nn.utils.clip_grad_norm_(parameters, config.clip)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    group_tokens = sum(b.tokens for b in group)
+                    state.step += 1
+                    state.micro_in_epoch += len(group)
+                    state.tokens += group_tokens
+                    window_tokens += group_tokens
+                    progress.advance(task)
+                    if state.step % config.log_every == 0 or state.step == total_steps:
+                        loss_sum, step_losses, step_correct, step_counts = _reduce(
+                            [loss_sum, step_losses, step_correct, step_counts], dist)
+                        elapsed = time.perf_counter() - window_started
+                        tokens_per_s = window_tokens / elapsed if elapsed > 0 else 0.0
+                        metrics.log({
+                            "kind": "train", "step": state.step, "epoch": state.epoch, "tokens": state.tokens,
+                            "lr": scheduler.get_last_lr()[0], "loss": round(float(loss_sum) / dist.world, 6),
+                            "loss_k": [round(v, 5) for v in (step_losses / step_counts.clamp_min(1)).tolist()],
+                            "acc_k": [round(v, 5) for v in (step_correct / step_counts.clamp_min(1)).tolist()],
+                            "tokens_per_s": round(tokens_per_s, 1),
+                            "mfu": round(tokens_per_s * flops_per_token / (H200_BF16_DENSE_FLOPS * dist.world), 5)
+                            if device.type == "cuda" else None,
+                        })
+                        window_tokens, window_started = 0, time.perf_counter()
+                    if config.eval_fraction > 0 and (state.step % config.eval_every == 0 or state.step == total_steps):
+                        final_eval = evaluate(module, setup, config, teacher, device, torch.float32, dist, autocast)
+                        metrics.log({"kind": "eval", "step": state.step, "tokens": state.tokens, **final_eval})
+                    stopping = _any_rank(stop.requested, dist, device)
+                    stop.requested = stopping
+                    if state.step % config.save_every == 0 or state.step == total_steps or stopping:
+                        _save(run, module, optimizer, scheduler, state, setup, config, dist)
+                    if state.step >= total_steps or stop.requested:
+                        break
+                else:
+                    state.epoch += 1
+                    state.micro_in_epoch = 0
+    finally:
+        stop.restore()
+        metrics.close()
+    if stop.requested:
+        console.print(f"[yellow]stopped by SIGTERM at step {state.step}; checkpoint saved, rerun the same command to resume[/]")
+    if dist.is_main:
+        plot_run(run)
+    return TrainResult(run, state.step, final_eval, time.perf_counter() - started, resumed_from)
+
+
+def _micro_batches(setup: Setup, config: TrainConfig, state: TrainerState, select, per_step: int) -> Iterator[list[FeatureBatch]]:
+    """This epoch's micro-batches from the resume position, in groups of ``per_step``; a short last group is dropped."""
+    group: list[FeatureBatch] = []
+    for index, batch in enumerate(setup.source.batches(state.epoch, select)):
+        if index < state.micro_in_epoch:
+            continue
+        group.append(batch)
+        if len(group) == per_step:
+            yield group
+            group = []
+
+
+def _save(run: Path, module: TTTModule, optimizer, scheduler, state: TrainerState, setup: Setup,
+          config: TrainConfig, dist: Dist) -> None:
+    model_state = {k: v for k, v in module.draft.state_dict().items() if not k.startswith("embed_tokens")}
+    if dist.is_main:
+        save_checkpoint(run, model_state, optimizer, scheduler, state, setup.identity, config.keep_last)
+        save_draft(module.draft, run)
+    dist.barrier()

@@ -1,0 +1,117 @@
+"""`eaglet train`: learns, writes the draft and metrics, resumes exactly, online == offline, DDP == accumulation."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import run_cli
+from eaglet.metrics import read_metrics
+
+BASE = ["--token-budget", "128", "--log-every", "1", "--eval-every", "10", "--lr", "3e-3", "--seed", "1"]
+
+
+def train_args(store, out, target, *extra):
+    return ["train", "--store", store, "--out", out, "--target", target, *BASE, *extra]
+
+
+def train_losses(run):
+    return [r["loss"] for r in read_metrics(run) if r["kind"] == "train"]
+
+
+def test_train_offline_learns_and_writes_everything(tmp_path, capsys, tiny_store, tiny_target):
+    out = tmp_path / "run"
+    code, stdout, err = run_cli(train_args(tiny_store, out, tiny_target, "--max-steps", "30", "--save-every", "10"), capsys)
+    assert code == 0, err
+    losses = train_losses(out)
+    assert len(losses) == 30 and sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    for name in ("config.json", "model.safetensors", "metrics.jsonl", "loss.png", "accuracy.png", "tau.png", "train_config.json"):
+        assert (out / name).is_file(), name
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000020", "step-000030"]  # keep_last 2
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5] and config["target_hidden_size"] == 64
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), framework="pt") as handle:
+        names = set(handle.keys())
+        assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight", "norm.weight",
+                "lm_head.weight", "d2t", "t2d"} <= names and not any("embed" in n for n in names)
+        assert handle.get_slice("midlayer.self_attn.q_proj.weight").get_shape() == [64, 128]  # takes 2H
+        assert handle.get_slice("fc.weight").get_shape() == [64, 192]  # 3H -> H
+    evals = [r for r in read_metrics(out) if r["kind"] == "eval"]
+    assert len(evals) == 3 and len(evals[-1]["acc"]) == 7 and evals[-1]["tau"] >= 0
+    assert "simulated τ" in stdout
+
+
+@pytest.mark.slow
+def test_sigterm_then_resume_gives_the_same_losses(tmp_path, capsys, tiny_store, tiny_target):
+    reference = tmp_path / "reference"
+    assert run_cli(train_args(tiny_store, reference, tiny_target, "--max-steps", "40"), capsys)[0] == 0
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "eaglet.cli", *map(str, train_args(tiny_store, out, tiny_target, "--max-steps", "40"))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None and len(train_losses(out) if out.exists() else []) < 13:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert b"stopped by SIGTERM" in err
+    interrupted_at = len(train_losses(out))
+    assert 13 <= interrupted_at < 40
+    resumed = subprocess.run(cmd, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stderr
+    assert train_losses(out) == pytest.approx(train_losses(reference), rel=1e-6)
+
+
+def test_online_takes_the_same_steps_as_offline(tmp_path, capsys, tiny_store, tiny_target, tiny_prepared):
+    from eaglet.store import read_manifest
+
+    chunk = read_manifest(tiny_store)["tokens_per_shard"]
+    offline, online = tmp_path / "offline", tmp_path / "online"
+    assert run_cli(train_args(tiny_store, offline, tiny_target, "--max-steps", "8"), capsys)[0] == 0
+    args = ["train", "--prepared", tiny_prepared, "--out", online, "--target", tiny_target, *BASE, "--max-steps", "8",
+            "--set", f"online_chunk_tokens={chunk}"]
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    # the store holds bf16 features, the live target float32: equal up to that rounding
+    assert train_losses(online) == pytest.approx(train_losses(offline), rel=2e-2)
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_equal_one_process_with_accumulation(tmp_path, capsys, tiny_store, tiny_target):
+    single = tmp_path / "single"
+    assert run_cli(train_args(tiny_store, single, tiny_target, "--max-steps", "6", "--grad-accum", "2"), capsys)[0] == 0
+    ddp = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+           "-m", "eaglet.cli", *map(str, train_args(tiny_store, ddp, tiny_target, "--max-steps", "6"))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert train_losses(ddp) == pytest.approx(train_losses(single), rel=1e-5)
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(single / "model.safetensors")), load_file(str(ddp / "model.safetensors"))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6)
+
+
+def test_store_from_another_target_is_refused(tmp_path, capsys, tiny_store):
+    from conftest import tiny_llama_dir
+
+    other = tiny_llama_dir(tmp_path / "other", tokenizer_family="gemma")
+    code, _, err = run_cli(train_args(tiny_store, tmp_path / "run", other, "--max-steps", "2"), capsys)
+    assert code == 2 and "extracted from target tiny-target0" in err
+
+
+def test_needs_exactly_one_input(tmp_path, capsys, tiny_target):
+    code, _, err = run_cli(["train", "--out", tmp_path / "r", "--target", tiny_target], capsys)
+    assert code == 2 and "exactly one input" in err
