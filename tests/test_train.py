@@ -64,7 +64,7 @@ def test_sigterm_then_resume_gives_the_same_losses(tmp_path, capsys, tiny_store,
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
-    assert b"stopped by SIGTERM" in err
+    assert b"stopped at step" in err
     interrupted_at = len(train_losses(out))
     assert 13 <= interrupted_at < 40
     resumed = subprocess.run(cmd, capture_output=True, text=True)
@@ -115,3 +115,14 @@ def test_store_from_another_target_is_refused(tmp_path, capsys, tiny_store):
 def test_needs_exactly_one_input(tmp_path, capsys, tiny_target):
     code, _, err = run_cli(["train", "--out", tmp_path / "r", "--target", tiny_target], capsys)
     assert code == 2 and "exactly one input" in err
+
+
+def test_time_budget_and_separate_eval_store(tmp_path, capsys, tiny_store, tiny_target):
+    out = tmp_path / "run"
+    code, _, err = run_cli(train_args(tiny_store, out, tiny_target, "--max-steps", "500", "--max-minutes", "0.0001",
+                                      "--eval-store", tiny_store), capsys)
+    assert code == 0, err
+    assert "stopped at step 1" in err
+    assert (out / "checkpoints" / "step-000001").is_dir()
+    evals = [r for r in read_metrics(out) if r["kind"] == "eval"]
+    assert len(evals) == 1 and evals[0]["eval_tokens"] > 0

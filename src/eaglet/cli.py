@@ -289,6 +289,8 @@ def train(
     max_steps: Optional[int] = typer.Option(None, help="stop after N optimizer steps"),
     epochs: Optional[float] = typer.Option(None, help="stop after E epochs (default: 1)"),
     tokens: Optional[int] = typer.Option(None, help="stop after N training tokens"),
+    max_minutes: Optional[float] = typer.Option(None, help="stop with a checkpoint after M minutes"),
+    eval_store: Optional[str] = typer.Option(None, help="evaluate on this store (e.g. held-out prompts)"),
     seed: Optional[int] = typer.Option(None, help="data order, init and noise (default: 0)"),
     eval_every: Optional[int] = typer.Option(None, help="held-out evaluation every N steps (default: 100)"),
     log_every: Optional[int] = typer.Option(None, help="metrics every N steps (default: 10)"),
@@ -304,7 +306,8 @@ def train(
     cfg = build_config(
         TrainConfig, "train", config,
         dict(out=out, store=store, prepared=prepared, target=target, ttt_steps=ttt_steps, token_budget=token_budget,
-             grad_accum=grad_accum, lr=lr, max_steps=max_steps, epochs=epochs, tokens=tokens, seed=seed,
+             grad_accum=grad_accum, lr=lr, max_steps=max_steps, epochs=epochs, tokens=tokens, max_minutes=max_minutes,
+             eval_store=eval_store, seed=seed,
              eval_every=eval_every, log_every=log_every, save_every=save_every, device=device),
         overrides,
     )

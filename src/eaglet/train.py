@@ -62,6 +62,7 @@ class Setup:
     identity: dict[str, Any]  # what a checkpoint must match
     target_path: Path
     target_config: dict[str, Any]
+    eval_source: Any = None  # a separate held-out store, when given
 
 
 def _setup(config: TrainConfig, device: str) -> Setup:
@@ -94,10 +95,18 @@ def _setup(config: TrainConfig, device: str) -> Setup:
                             config.online_forward_tokens)
         plans = source.plans
     vocab = DraftVocab.load(config.draft_vocab_file or prepared.vocab_path)
+    eval_source = None
+    if config.eval_store is not None:
+        eval_manifest = read_manifest(Path(config.eval_store))
+        check_same_target(eval_manifest, target_identity, f"eval store {config.eval_store}")
+        if tuple(eval_manifest["aux_layer_ids"]) != tuple(layer_ids):
+            raise EagletError(f"eval store {config.eval_store}: aux layers {eval_manifest['aux_layer_ids']}, training uses {list(layer_ids)}")
+        eval_source = StoreSource(config.eval_store, config.token_budget, config.seed)
     identity = {"target": target_identity, "layer_ids": list(layer_ids), "draft_vocab_size": vocab.size,
                 "ttt_steps": config.ttt_steps, "token_budget": config.token_budget, "seed": config.seed,
                 "input": "store" if config.store else "online", "eval_fraction": config.eval_fraction}
-    return Setup(source, plans, prepared.lengths, vocab, layer_ids, identity, resolved.path, read_config(resolved.path))
+    return Setup(source, plans, prepared.lengths, vocab, layer_ids, identity, resolved.path, read_config(resolved.path),
+                 eval_source)
 
 
 def _inputs(batch: FeatureBatch, teacher: TeacherHead, device: torch.device, dtype: torch.dtype) -> TTTInputs:
@@ -190,8 +199,11 @@ def evaluate(module: TTTModule, setup: Setup, config: TrainConfig, teacher: Teac
     correct = torch.zeros(config.ttt_steps, device=device)
     counts = torch.zeros(config.ttt_steps, device=device)
     losses = torch.zeros(config.ttt_steps, device=device)
-    select = lambda s: held_out(s, config.seed, config.eval_fraction)  # noqa: E731
-    for index, batch in enumerate(setup.source.batches(0, select)):
+    if setup.eval_source is not None:
+        batches = setup.eval_source.batches(0)
+    else:
+        batches = setup.source.batches(0, lambda s: held_out(s, config.seed, config.eval_fraction))
+    for index, batch in enumerate(batches):
         if index % dist.world != dist.rank:
             continue
         with autocast():
@@ -241,7 +253,10 @@ def run_train(config: TrainConfig, console: Console | None = None) -> TrainResul
     parameters = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
 
-    train_select = (lambda s: not held_out(s, config.seed, config.eval_fraction)) if config.eval_fraction > 0 else None
+    holds_out = config.eval_fraction > 0 and config.eval_store is None
+    train_select = (lambda s: not held_out(s, config.seed, config.eval_fraction)) if holds_out else None
+    evaluates = holds_out or config.eval_store is not None
+    deadline = time.monotonic() + config.max_minutes * 60 if config.max_minutes else None
     per_step = dist.world * config.grad_accum
     micro_per_epoch, tokens_per_epoch = _micro_batches_per_epoch(setup, config, train_select)
     total_steps = _total_steps(config, per_step, micro_per_epoch, tokens_per_epoch)
@@ -310,10 +325,11 @@ def run_train(config: TrainConfig, console: Console | None = None) -> TrainResul
                             if device.type == "cuda" else None,
                         })
                         window_tokens, window_started = 0, time.perf_counter()
-                    if config.eval_fraction > 0 and (state.step % config.eval_every == 0 or state.step == total_steps):
+                    out_of_time = deadline is not None and time.monotonic() > deadline
+                    if evaluates and (state.step % config.eval_every == 0 or state.step == total_steps or out_of_time):
                         final_eval = evaluate(module, setup, config, teacher, device, torch.float32, dist, autocast)
                         metrics.log({"kind": "eval", "step": state.step, "tokens": state.tokens, **final_eval})
-                    stopping = _any_rank(stop.requested, dist, device)
+                    stopping = _any_rank(stop.requested or out_of_time, dist, device)
                     stop.requested = stopping
                     if state.step % config.save_every == 0 or state.step == total_steps or stopping:
                         _save(run, module, optimizer, scheduler, state, setup, config, dist)
@@ -325,8 +341,9 @@ def run_train(config: TrainConfig, console: Console | None = None) -> TrainResul
     finally:
         stop.restore()
         metrics.close()
-    if stop.requested:
-        console.print(f"[yellow]stopped by SIGTERM at step {state.step}; checkpoint saved, rerun the same command to resume[/]")
+    if stop.requested and state.step < total_steps:
+        console.print(f"[yellow]stopped at step {state.step} (SIGTERM or --max-minutes); checkpoint saved, "
+                      "rerun the same command to resume[/]")
     if dist.is_main:
         plot_run(run)
     return TrainResult(run, state.step, final_eval, time.perf_counter() - started, resumed_from)

@@ -209,6 +209,32 @@ class FlexTTTAttention:
         return out[0]
 
 
+class ReferenceAttention:
+    """The slow, obviously-correct reference: each step's keys appended to one growing key set
+    ([T*(k+1)]) under one explicit boolean mask — query t sees step-0 key s iff s <= t in the same
+    document, and step-j key s (j >= 1) iff s == t. Used by the tests and as the naive baseline."""
+
+    def __init__(self, doc_ids: torch.Tensor):
+        self.doc_ids = doc_ids
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.keys.append(k)
+        self.values.append(v)
+        tokens = q.shape[1]
+        groups = q.shape[0] // k.shape[0]
+        keys = torch.cat(self.keys, dim=1).repeat_interleave(groups, 0)  # [Hq, T*(k+1), d]
+        values = torch.cat(self.values, dim=1).repeat_interleave(groups, 0)
+        index = torch.arange(tokens, device=q.device)
+        causal = (index[None, :] <= index[:, None]) & (self.doc_ids[None, :] == self.doc_ids[:, None])
+        diagonal = torch.eye(tokens, dtype=torch.bool, device=q.device)
+        allowed = torch.cat([causal] + [diagonal] * (len(self.keys) - 1), dim=1)  # [T, T*(k+1)]
+        scores = (q @ keys.transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32)) * q.shape[-1] ** -0.5
+        weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        return weights.to(values.dtype) @ values
+
+
 def attention_for(device: torch.device):
     """FlexAttention on GPU, the dense path elsewhere (FlexAttention has no CPU backward)."""
     return FlexTTTAttention if device.type == "cuda" else TTTAttention

@@ -1,0 +1,114 @@
+"""Draft training throughput and MFU: eaglet's TTT step next to a naive per-step implementation, one process.
+
+Synthetic packed batch (documents of random lengths filling --tokens), the draft shaped like an 8B
+target's (hidden 4096, 32 heads / 8 KV heads, intermediate 14336, draft vocab 32000) or the embedded
+target's, K TTT steps. A step = forward + backward + grad clip + AdamW step, bf16 autocast over fp32
+master weights, timed with CUDA synchronisation after warm-up; teacher logits are precomputed.
+  eaglet: FlexAttention (GPU) / dense (CPU) attention      naive: ReferenceAttention (explicit [T, T*(k+1)] mask)
+Usage: python benchmarks/bench_train.py --shape 8b|smollm [--tokens 2048] [--ttt 7] [--steps 20] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+SHAPES = {
+    "8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336,
+               vocab_size=128256, draft_vocab_size=32000),
+    "smollm": dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
+                   vocab_size=49152, draft_vocab_size=16384),
+    "tiny": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                 vocab_size=512, draft_vocab_size=256),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--ttt", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--skip-naive", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    import torch
+
+    from eaglet.draft import DraftConfig, Eagle3Draft
+    from eaglet.metrics import H200_BF16_DENSE_FLOPS, draft_train_flops_per_token
+    from eaglet.ttt import ReferenceAttention, TTTInputs, attention_for, documents, ttt_forward
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = SHAPES[args.shape]
+    config = DraftConfig(**shape, target_hidden_size=shape["hidden_size"], eagle_aux_hidden_state_layer_ids=[2, 16, 29])
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    lengths, left = [], args.tokens
+    while left > 0:
+        lengths.append(min(left, int(torch.randint(256, 1024, (1,), generator=generator))))
+        left -= lengths[-1]
+    offsets = torch.tensor([0] + lengths).cumsum(0)
+    doc_ids, positions, doc_end = documents(offsets, device)
+    vocab = shape["draft_vocab_size"]
+    inputs = TTTInputs(
+        input_ids=torch.randint(0, shape["vocab_size"], (args.tokens,), device=device),
+        aux=torch.randn(args.tokens, 3, shape["hidden_size"], device=device),
+        loss_mask=torch.rand(args.tokens, device=device) > 0.3,
+        doc_ids=doc_ids, positions=positions, doc_end=doc_end,
+        teacher_logits=torch.randn(args.tokens, vocab, device=device) * 3,
+        teacher_in_vocab=torch.rand(args.tokens, device=device) > 0.1,
+    )
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else nullcontext
+    flops = draft_train_flops_per_token(config, args.ttt, sum(L * L for L in lengths) / args.tokens / 2) * args.tokens
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def measure(attention) -> dict:
+        torch.manual_seed(0)
+        draft = Eagle3Draft(config).to(device)
+        parameters = [p for p in draft.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(parameters, lr=1e-4, fused=device.type == "cuda")
+        times = []
+        for index in range(args.warmup + args.steps):
+            sync()
+            started = time.perf_counter()
+            with autocast():
+                out = ttt_forward(draft, inputs, args.ttt, attention_factory=attention)
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(parameters, 0.5)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            sync()
+            if index >= args.warmup:
+                times.append(time.perf_counter() - started)
+        times.sort()
+        median = times[len(times) // 2]
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        return {"step_ms_median": round(median * 1e3, 2), "tokens_per_s": round(args.tokens / median, 1),
+                "mfu": round(flops / median / H200_BF16_DENSE_FLOPS, 4) if device.type == "cuda" else None,
+                "peak_gib": round(peak, 2) if peak else None, "final_loss": round(float(out.loss), 4)}
+
+    ours = measure(attention_for(device))
+    naive = None if args.skip_naive else measure(ReferenceAttention)
+    record = {
+        "benchmark": f"train_step_{args.shape}", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "tokens": args.tokens, "documents": len(lengths), "ttt_steps": args.ttt,
+        "draft_vocab": vocab, "flops_per_step": flops, "eaglet": ours, "naive_per_step": naive,
+        "speedup_vs_naive": round(naive["step_ms_median"] / ours["step_ms_median"], 3) if naive else None,
+    }
+    print(json.dumps(record, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
