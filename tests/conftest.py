@@ -153,3 +153,15 @@ def tiny_store(tmp_path_factory, tiny_prepared, tiny_target):
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tmp_path_factory, tiny_store, tiny_target):
+    """A draft trained for a few steps on the tiny store."""
+    from eaglet.config import TrainConfig
+    from eaglet.train import run_train
+
+    out = tmp_path_factory.mktemp("draft") / "run"
+    run_train(TrainConfig(out=str(out), store=str(tiny_store), target=str(tiny_target), max_steps=12, token_budget=128,
+                          lr=3e-3, log_every=4, eval_every=6, seed=1))
+    return out

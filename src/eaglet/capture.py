@@ -55,7 +55,8 @@ class FeatureCapture:
             raise EagletError(f"aux layer ids {list(layer_ids)} out of range for {len(self.layers)} decoder layers")
 
     @contextmanager
-    def _hooks(self, captured: dict[int, torch.Tensor]) -> Iterator[None]:
+    def hooks(self, captured: dict[int, torch.Tensor]) -> Iterator[None]:
+        """While active, every forward of the model leaves the aux layers' inputs in ``captured[slot]``."""
         def grab(slot: int):
             def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
                 captured[slot] = args[0] if args else kwargs["hidden_states"]
@@ -77,7 +78,7 @@ class FeatureCapture:
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         captured: dict[int, torch.Tensor] = {}
-        with self._hooks(captured):
+        with self.hooks(captured):
             output = self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         aux = torch.stack([captured[slot] for slot in range(len(self.layer_ids))], dim=2)  # [B, S, 3, H]
         return aux, output.last_hidden_state  # [B, S, H]

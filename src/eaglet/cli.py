@@ -318,6 +318,63 @@ def train(
 
 
 # ---------------------------------------------------------------------------------------------
+# export and eval
+
+
+@app.command()
+def export(
+    draft: Path = typer.Option(..., "--draft", "-d", help="draft directory (`eaglet train` output)"),
+    format: str = typer.Option(..., "--format", "-f", help="vllm, sglang or speculators"),
+    out: Path = typer.Option(..., "--out", "-o", help="output directory (written atomically)"),
+    verifier: Optional[str] = typer.Option(None, help="the target's name or path written into configs and the model card"),
+    speculative_tokens: int = typer.Option(3, help="draft tokens per step recorded for serving"),
+    report: Optional[Path] = typer.Option(None, help="an `eaglet eval` report.json whose τ goes into the model card"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --out"),
+) -> None:
+    """Write a draft as the directory vLLM, SGLang or speculators load (config.json + model.safetensors + README)."""
+    from .export import export_draft
+
+    path = export_draft(draft, format, out, verifier, speculative_tokens, report, overwrite)
+    out_console.print(f"exported {draft} as {format} -> {path} (serve it as its README.md shows)")
+
+
+@app.command("eval")
+def eval_cmd(
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="draft directory (trained or exported)"),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="report directory"),
+    prompts: Optional[List[str]] = typer.Option(None, "--prompts", help="prompt files (default: demo)"),
+    target: Optional[str] = typer.Option(None, "--target", "-t", help=TARGET_HELP),
+    split: Optional[str] = typer.Option(None, help="all, train or heldout (default: heldout)"),
+    max_prompts: Optional[int] = typer.Option(None, help="only the first N selected prompts"),
+    depth: Optional[int] = typer.Option(None, help="draft tokens per verification (default: 4)"),
+    temperature: Optional[float] = typer.Option(None, help="0 = greedy, checked lossless (default: 0)"),
+    top_p: Optional[float] = typer.Option(None, help="(default: 1.0)"),
+    max_new_tokens: Optional[int] = typer.Option(None, help="(default: 128)"),
+    seed: Optional[int] = typer.Option(None, help="sampling seed (default: 0)"),
+    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda, cuda:1 ..."),
+    hf_generate_baseline: Optional[bool] = typer.Option(None, "--hf-generate-baseline", help="also time plain HF generate"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
+    overrides: List[str] = typer.Option([], "--set", help=SET_HELP),
+) -> None:
+    """Speculative decoding with the draft: τ, speedup over the same engine without it, lossless check."""
+    from .config import EvalConfig, build_config
+    from .decode.evaluate import run_eval
+
+    cfg = build_config(
+        EvalConfig, "eval", config,
+        dict(draft=draft, out=out, prompts=prompts, target=target, split=split, max_prompts=max_prompts, depth=depth,
+             temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, device=device,
+             hf_generate_baseline=hf_generate_baseline),
+        overrides,
+    )
+    report = run_eval(cfg, err_console)
+    out_console.print(
+        f"τ {report['acceptance_length']:.2f}, {report['tokens_per_s']} tok/s vs {report['baseline_tokens_per_s']} "
+        f"without the draft: speedup {report['speedup']:.2f}x, lossless {report['lossless']} -> {cfg.out}/report.md"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 # demo
 
 

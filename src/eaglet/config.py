@@ -195,3 +195,21 @@ class TrainConfig(StrictModel):
     online_forward_tokens: int = Field(default=8192, ge=1, description="online: tokens per target forward")
     draft_vocab_file: str | None = Field(default=None, description="vocab.safetensors (default: the prepared set's)")
     trust_remote_code: bool = False
+
+
+class EvalConfig(StrictModel):
+    draft: str = Field(description="a draft directory (`eaglet train` output or an `eaglet export` directory)")
+    out: str = Field(description="report directory")
+    prompts: list[str] = Field(default_factory=lambda: ["demo"], description="prompt files; 'demo' = the shipped demo prompts")
+    target: str = "embedded"
+    split: Literal["all", "train", "heldout"] = "heldout"
+    max_prompts: int | None = Field(default=None, ge=1)
+    depth: int = Field(default=4, ge=1, le=16, description="draft tokens per verification")
+    temperature: float = Field(default=0.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    max_new_tokens: int = Field(default=128, ge=1)
+    seed: int = 0
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    hf_generate_baseline: bool = Field(default=False, description="also time plain HF generate")
+    trust_remote_code: bool = False

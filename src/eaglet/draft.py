@@ -220,15 +220,25 @@ def save_draft(model: Eagle3Draft, directory: str | Path) -> None:
     write_json_atomic(directory / DRAFT_CONFIG_FILE, model.config.to_dict())
 
 
+EXPORTED_DRAFT_CONFIG_FILE = "eaglet_draft.json"  # eaglet's config kept inside exported directories
+
+
 def load_draft(directory: str | Path, embed: torch.Tensor | None = None) -> Eagle3Draft:
+    """A draft from `eaglet train`'s output or from any `eaglet export` directory (weights in float32)."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
-    if not (directory / DRAFT_CONFIG_FILE).is_file():
-        raise EagletError(f"{directory}: not a draft (no {DRAFT_CONFIG_FILE})")
-    config = DraftConfig(**json.loads((directory / DRAFT_CONFIG_FILE).read_text()))
+    config_file = directory / EXPORTED_DRAFT_CONFIG_FILE
+    if not config_file.is_file():
+        config_file = directory / DRAFT_CONFIG_FILE
+    if not config_file.is_file():
+        raise EagletError(f"{directory}: not a draft (no {DRAFT_CONFIG_FILE}); run `eaglet train`")
+    try:
+        config = DraftConfig(**json.loads(config_file.read_text()))
+    except TypeError as exc:
+        raise EagletError(f"{config_file}: not an eaglet draft config ({exc})") from None
     model = Eagle3Draft(config)
-    state = load_file(str(directory / DRAFT_WEIGHTS_FILE))
+    state = {k: (v.float() if v.is_floating_point() else v) for k, v in load_file(str(directory / DRAFT_WEIGHTS_FILE)).items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if not m.startswith("embed_tokens")]:
         raise EagletError(f"{directory}: weights do not match the config (missing {missing}, unexpected {unexpected})")

@@ -1,0 +1,198 @@
+"""`eaglet eval`: what a draft is worth — acceptance length τ, speedup over the same engine without a
+draft (same process), and a lossless check of every greedy output against the target's own."""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from .. import __version__
+from ..config import EvalConfig
+from ..data.readers import BadRow, read_conversations
+from ..draft import load_draft
+from ..errors import EagletError
+from ..fsio import write_json_atomic
+from ..progress import progress_bar
+from ..resources import resolve_input
+from ..target import load_head_weights, load_model, load_tokenizer, pick_device, resolve_target, target_info
+from .engine import DraftRunner, TargetRunner, speculative_decode, target_only_decode
+from .sampling import Sampling
+
+
+@dataclass
+class PromptResult:
+    id: str
+    category: str
+    tokens: int
+    forwards: int
+    accepted: list[int]
+    spec_s: float
+    base_s: float
+    lossless: bool | None
+
+
+def _prompts(config: EvalConfig, tokenizer: Any) -> list[tuple[str, str, list[int]]]:
+    rows = []
+    for item in read_conversations([resolve_input(p) for p in config.prompts]):
+        if isinstance(item, BadRow):
+            raise EagletError(f"{item}; fix the prompt file")
+        if config.split != "all" and item.meta.get("split", "heldout") != config.split:
+            continue
+        messages = item.messages[: max(i for i, m in enumerate(item.messages) if m["role"] == "user") + 1]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        rows.append((item.id, item.meta.get("category", "all"), ids))
+        if config.max_prompts and len(rows) >= config.max_prompts:
+            break
+    if not rows:
+        raise EagletError(f"{', '.join(config.prompts)}: no prompts selected (split={config.split})")
+    return rows
+
+
+def _hf_generate_tokens_per_s(model: Any, prompts: list[list[int]], max_new: int, stop: list[int]) -> float:
+    device = next(model.parameters()).device
+    tokens, started = 0, time.perf_counter()
+    for ids in prompts:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids], device=device), max_new_tokens=max_new, do_sample=False,
+                                 eos_token_id=stop, pad_token_id=stop[0])
+        tokens += out.shape[1] - len(ids)
+    return tokens / (time.perf_counter() - started)
+
+
+def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, Any]:
+    console = console or Console(stderr=True)
+    resolved = resolve_target(config.target, config.trust_remote_code)
+    tokenizer = load_tokenizer(resolved.path, config.trust_remote_code)
+    info = target_info(resolved, tokenizer)
+    embed, _, _ = load_head_weights(resolved.path)
+    draft = load_draft(config.draft, embed=embed.float())
+    draft_target = draft.config.target or {}
+    if draft_target.get("config_hash") not in (None, info.config_hash):
+        raise EagletError(
+            f"{config.draft}: trained for target {draft_target.get('name')} (config {str(draft_target.get('config_hash'))[:12]}), "
+            f"not {info.name} ({info.config_hash[:12]}); pass the matching --target"
+        )
+    layer_ids = tuple(draft.config.eagle_aux_hidden_state_layer_ids)
+    device = pick_device(config.device)
+    model = load_model(resolved.path, device, config.dtype, config.trust_remote_code)
+    draft = draft.to(device=device, dtype=next(model.parameters()).dtype).eval()
+    target_runner, draft_runner = TargetRunner(model, layer_ids), DraftRunner(draft)
+    sampling = Sampling(config.temperature, config.top_p)
+    stop = sorted({i for i in [tokenizer.eos_token_id, *(model.generation_config.eos_token_id
+                   if isinstance(model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])] if i is not None})
+    prompts = _prompts(config, tokenizer)
+    # warm-up: kernels, caches, allocator
+    target_only_decode(target_runner, prompts[0][2], 4, sampling, set(stop), torch.Generator().manual_seed(0))
+    speculative_decode(target_runner, draft_runner, prompts[0][2], 4, config.depth, sampling, set(stop),
+                       torch.Generator().manual_seed(0))
+    results: list[PromptResult] = []
+    with progress_bar("prompts", console) as progress:
+        task = progress.add_task("eval", total=len(prompts))
+        for index, (prompt_id, category, ids) in enumerate(prompts):
+            base = target_only_decode(target_runner, ids, config.max_new_tokens, sampling, set(stop),
+                                      torch.Generator().manual_seed(config.seed + index))
+            spec = speculative_decode(target_runner, draft_runner, ids, config.max_new_tokens, config.depth, sampling,
+                                      set(stop), torch.Generator().manual_seed(config.seed + index))
+            lossless = (spec.tokens == base.tokens) if sampling.greedy else None
+            results.append(PromptResult(prompt_id, category, len(spec.tokens), spec.forwards, spec.accepted,
+                                        spec.seconds, base.seconds, lossless))
+            progress.advance(task)
+    report = _report(config, results, info.name, str(device))
+    if config.hf_generate_baseline:
+        report["hf_generate_tokens_per_s"] = round(
+            _hf_generate_tokens_per_s(model, [p[2] for p in prompts], config.max_new_tokens, stop), 2)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "report.json", report)
+    (out / "report.md").write_text(_markdown(report), encoding="utf-8")
+    _plots(report, out)
+    return report
+
+
+def _report(config: EvalConfig, results: list[PromptResult], target_name: str, device: str) -> dict[str, Any]:
+    tokens = sum(r.tokens for r in results)
+    forwards = sum(r.forwards for r in results)
+    rounds = [a for r in results for a in r.accepted]
+    spec_s, base_s = sum(r.spec_s for r in results), sum(r.base_s for r in results)
+    by_category: dict[str, list[PromptResult]] = {}
+    for result in results:
+        by_category.setdefault(result.category, []).append(result)
+
+    def tau(items: list[PromptResult]) -> float:
+        accepted = sum(sum(r.accepted) for r in items)
+        rounds_ = sum(len(r.accepted) for r in items)
+        return round((accepted + rounds_) / max(1, rounds_), 4)
+
+    lossless = [r.lossless for r in results if r.lossless is not None]
+    return {
+        "acceptance_length": tau(results),
+        "acceptance_by_position": [round(sum(a > i for a in rounds) / max(1, len(rounds)), 4) for i in range(config.depth)],
+        "tokens_per_s": round(tokens / spec_s, 2) if spec_s else None,
+        "baseline_tokens_per_s": round(sum(r.tokens for r in results) / base_s, 2) if base_s else None,
+        "speedup": round(base_s / spec_s, 4) if spec_s else None,
+        "lossless": all(lossless) if lossless else None,
+        "lossless_failures": [r.id for r in results if r.lossless is False],
+        "per_category": {name: {"prompts": len(items), "acceptance_length": tau(items)} for name, items in sorted(by_category.items())},
+        "prompts": len(results), "generated_tokens": tokens, "target_forwards": forwards,
+        "settings": {"target": target_name, "draft": config.draft, "mode": "chain", "depth": config.depth,
+                     "temperature": config.temperature, "top_p": config.top_p, "max_new_tokens": config.max_new_tokens,
+                     "split": config.split, "device": device, "seed": config.seed},
+        "versions": {"eaglet": __version__, "torch": torch.__version__, "python": platform.python_version(),
+                     "transformers": __import__("transformers").__version__},
+    }
+
+
+def _markdown(report: dict[str, Any]) -> str:
+    settings = report["settings"]
+    lines = [
+        f"# eaglet eval: {settings['draft']} on {settings['target']}",
+        "",
+        f"- acceptance length τ: **{report['acceptance_length']:.2f}** tokens per target forward "
+        f"({settings['mode']}, depth {settings['depth']}, temperature {settings['temperature']})",
+        f"- speed: {report['tokens_per_s']} tok/s vs {report['baseline_tokens_per_s']} tok/s without the draft "
+        f"(same engine, same process): **{report['speedup']:.2f}×**",
+        f"- lossless (greedy outputs identical to the target's own): {report['lossless']}",
+        f"- {report['prompts']} prompts ({settings['split']} split), {report['generated_tokens']} tokens, device {settings['device']}",
+        "",
+        "| category | prompts | τ |",
+        "|---|---|---|",
+        *[f"| {name} | {row['prompts']} | {row['acceptance_length']:.2f} |" for name, row in report["per_category"].items()],
+        "",
+        "Acceptance by draft position: " + ", ".join(f"{p:.2f}" for p in report["acceptance_by_position"]),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _plots(report: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    positions = range(1, len(report["acceptance_by_position"]) + 1)
+    ax.bar(positions, report["acceptance_by_position"])
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("share of rounds accepted")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"acceptance by position (τ = {report['acceptance_length']:.2f})")
+    fig.tight_layout()
+    fig.savefig(out / "acceptance_by_position.png", dpi=120)
+    plt.close(fig)
+    categories = report["per_category"]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar(list(categories), [row["acceptance_length"] for row in categories.values()])
+    ax.set_ylabel("τ")
+    ax.set_title("acceptance length by category")
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(out / "tau_by_category.png", dpi=120)
+    plt.close(fig)

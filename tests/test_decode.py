@@ -1,0 +1,118 @@
+"""The speculative decoder: greedy output identical to the target's own; sampling distribution equal to the target's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from eaglet.decode.engine import DraftRunner, TargetRunner, speculative_decode, target_only_decode
+from eaglet.decode.sampling import Sampling
+from eaglet.draft import DraftConfig, Eagle3Draft
+
+
+def tiny_pair(vocab=64, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    target = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(30)  # a peaked target, so drafts sometimes agree
+    draft_config = DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                               intermediate_size=64, vocab_size=vocab, draft_vocab_size=vocab // 2,
+                               target_hidden_size=32, eagle_aux_hidden_state_layer_ids=[2, 4, 5])
+    draft = Eagle3Draft(draft_config).eval()
+    used = torch.arange(0, vocab, 2)  # every other token
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[used] = True
+    draft.init_from_target(target.model.embed_tokens.weight, target.lm_head.weight, used - torch.arange(len(used)), t2d)
+    return target, draft
+
+
+class OracleDraft:
+    """Proposes the target's own greedy continuation (by running a second copy of the target):
+    every proposal is accepted, which exercises the cache bookkeeping at full acceptance."""
+
+    def __init__(self, target, layer_ids, vocab):
+        self.runner = TargetRunner(target, layer_ids)
+        self.vocab = vocab
+        self.sequence: list[int] = []
+        self.length = 0
+
+    def reset(self):
+        self.runner.reset()
+        self.sequence = []
+
+    def extend(self, tokens, aux):
+        if not self.sequence:  # first call: tokens are prompt[1:] + [x_n]; recover the prompt's first token lazily
+            self.sequence = [self.first] + list(tokens)
+            self.runner.reset()
+            logits, _ = self.runner.forward(self.sequence)
+        else:
+            self.sequence += list(tokens)
+            self.runner.crop(len(self.sequence) - len(tokens))
+            logits, _ = self.runner.forward(list(tokens))
+        self.spec = []
+        return None, logits[-1]
+
+    def speculate(self, token, hidden):
+        self.spec.append(token)
+        logits, _ = self.runner.forward([token])
+        return None, logits[-1]
+
+    def crop(self, length):
+        self.runner.crop(len(self.sequence))
+        self.spec = []
+
+    def to_target_logits(self, logits, vocab):
+        return logits
+
+
+def test_greedy_is_lossless_with_an_untrained_draft():
+    target, draft = tiny_pair()
+    runner, draft_runner = TargetRunner(target, (2, 4, 5)), DraftRunner(draft)
+    for prompt in ([1, 5, 9, 2], [7] * 12, list(range(3, 40, 3))):
+        base = target_only_decode(runner, prompt, 40, Sampling(), stop_ids=set())
+        spec = speculative_decode(runner, draft_runner, prompt, 40, depth=4, sampling=Sampling(), stop_ids=set())
+        assert spec.tokens == base.tokens and len(spec.tokens) == 40
+        assert spec.forwards <= 40 and 1.0 <= spec.acceptance_length <= 5.0
+
+
+def test_greedy_is_lossless_at_full_acceptance():
+    target, _ = tiny_pair()
+    runner = TargetRunner(target, (2, 4, 5))
+    prompt = [1, 5, 9, 2, 11]
+    oracle = OracleDraft(target, (2, 4, 5), 64)
+    oracle.first = prompt[0]
+    base = target_only_decode(runner, prompt, 30, Sampling(), stop_ids=set())
+    spec = speculative_decode(runner, oracle, prompt, 30, depth=4, sampling=Sampling(), stop_ids=set())
+    assert spec.tokens == base.tokens
+    assert all(a == 4 for a in spec.accepted[:-1]) and spec.acceptance_length > 4
+
+
+def test_stop_token_ends_generation():
+    target, draft = tiny_pair()
+    runner, draft_runner = TargetRunner(target, (2, 4, 5)), DraftRunner(draft)
+    base = target_only_decode(runner, [1, 2, 3], 30, Sampling(), stop_ids=set())
+    stop = base.tokens[7]
+    first = base.tokens.index(stop)
+    spec = speculative_decode(runner, draft_runner, [1, 2, 3], 30, depth=3, sampling=Sampling(), stop_ids={stop})
+    assert spec.tokens == base.tokens[: first + 1]
+
+
+@pytest.mark.slow
+def test_sampling_matches_the_target_distribution():
+    """Second generated token (the first one the draft proposes): speculative vs plain sampling, 1,500 draws each."""
+    target, draft = tiny_pair(vocab=16, seed=3)
+    runner, draft_runner = TargetRunner(target, (2, 4, 5)), DraftRunner(draft)
+    sampling = Sampling(temperature=1.0, top_p=1.0)
+    counts = {"plain": np.zeros(16), "spec": np.zeros(16)}
+    generator = torch.Generator().manual_seed(0)
+    prompt = [3, 1, 4, 1, 5]
+    for _ in range(1500):
+        counts["plain"][target_only_decode(runner, prompt, 2, sampling, set(), generator).tokens[1]] += 1
+        counts["spec"][speculative_decode(runner, draft_runner, prompt, 2, 2, sampling, set(), generator).tokens[1]] += 1
+    tv = 0.5 * np.abs(counts["plain"] / 1500 - counts["spec"] / 1500).sum()
+    assert tv < 0.07

@@ -1,0 +1,122 @@
+"""`eaglet export` (golden configs, names, shapes, round trip) and `eaglet eval` (report, lossless)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import run_cli, write_jsonl
+from eaglet.decode.engine import DraftRunner, TargetRunner, speculative_decode
+from eaglet.decode.sampling import Sampling
+from eaglet.draft import load_draft
+from eaglet.target import load_head_weights, load_model, resolve_target
+
+EXPECTED_TENSORS = {
+    "fc.weight": [64, 192], "midlayer.input_layernorm.weight": [64], "midlayer.hidden_norm.weight": [64],
+    "midlayer.self_attn.q_proj.weight": [64, 128], "midlayer.self_attn.k_proj.weight": [32, 128],
+    "midlayer.self_attn.v_proj.weight": [32, 128], "midlayer.self_attn.o_proj.weight": [64, 64],
+    "midlayer.post_attention_layernorm.weight": [64], "midlayer.mlp.gate_proj.weight": [128, 64],
+    "midlayer.mlp.up_proj.weight": [128, 64], "midlayer.mlp.down_proj.weight": [64, 128], "norm.weight": [64],
+}
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
+def test_export_golden(tmp_path, capsys, tiny_draft, fmt):
+    out = tmp_path / fmt
+    code, stdout, err = run_cli(["export", "--draft", tiny_draft, "--format", fmt, "--out", out,
+                                 "--verifier", "org/tiny-target", "--speculative-tokens", "4"], capsys)
+    assert code == 0, err
+    config = json.loads((out / "config.json").read_text())
+    with safe_open(str(out / "model.safetensors"), framework="pt") as handle:
+        shapes = {k: handle.get_slice(k).get_shape() for k in handle.keys()}
+        dtypes = {k: handle.get_slice(k).get_dtype() for k in handle.keys()}
+    vocab, draft_vocab = config.get("vocab_size") or config["transformer_layer_config"]["vocab_size"], config["draft_vocab_size"]
+    assert {k: v for k, v in shapes.items() if k in EXPECTED_TENSORS} == EXPECTED_TENSORS
+    assert shapes["lm_head.weight"] == [draft_vocab, 64] and shapes["d2t"] == [draft_vocab] and shapes["t2d"] == [vocab]
+    assert dtypes["fc.weight"] == "BF16" and dtypes["d2t"] == "I64" and dtypes["t2d"] == "BOOL"
+    assert not any("embed" in k for k in shapes)
+    assert config["target_hidden_size"] == 64 and config["norm_before_residual"] is False
+    if fmt == "vllm":
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+        assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM's convention = eaglet's
+        assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]) == (64, 4, 2)
+    elif fmt == "sglang":
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+        assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # SGLang adds one back
+        assert "eagle_aux_hidden_state_layer_ids" not in config
+    else:
+        assert config["speculators_model_type"] == "eagle3" and config["architectures"] == ["Eagle3Speculator"]
+        assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+        assert config["transformer_layer_config"]["hidden_size"] == 64
+        method = config["speculators_config"]["proposal_methods"][0]
+        assert method["speculative_tokens"] == 4 and config["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-target"
+    card = (out / "README.md").read_text()
+    assert "org/tiny-target" in card and ("vllm serve" in card or "sglang.launch_server" in card)
+
+
+def test_round_trip_gives_identical_greedy_outputs(tmp_path, tiny_draft, tiny_target):
+    from eaglet.export import export_draft
+
+    target_path = resolve_target(str(tiny_target)).path
+    model = load_model(target_path, device="cpu")
+    embed, _, _ = load_head_weights(target_path)
+    original = load_draft(tiny_draft, embed=embed.float())
+    runner = TargetRunner(model, (2, 4, 5))
+    prompt = [5, 17, 33, 8, 90, 12]
+    reference = speculative_decode(runner, DraftRunner(original.to(torch.bfloat16).float()), prompt, 24, 3, Sampling(), set())
+    for fmt in ("vllm", "sglang", "speculators"):
+        exported = export_draft(tiny_draft, fmt, tmp_path / fmt)
+        draft = load_draft(exported, embed=embed.float())
+        result = speculative_decode(runner, DraftRunner(draft), prompt, 24, 3, Sampling(), set())
+        assert result.tokens == reference.tokens and result.accepted == reference.accepted, fmt
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [(["--format", "onnx"], "unknown export format 'onnx'"), (["--format", "vllm", "--draft", "/nonexistent"], "not a draft")],
+)
+def test_export_bad_input(tmp_path, capsys, tiny_draft, args, fragment):
+    base = {"--draft": str(tiny_draft), "--out": str(tmp_path / "o")}
+    for flag in ("--draft",):
+        if flag in args:
+            base.pop(flag)
+    argv = ["export", *[x for kv in base.items() for x in kv], *args]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2 and fragment in err and not (tmp_path / "o").exists()
+
+
+def test_export_refuses_to_clobber(tmp_path, capsys, tiny_draft):
+    (tmp_path / "o").mkdir()
+    code, _, err = run_cli(["export", "--draft", tiny_draft, "--format", "vllm", "--out", tmp_path / "o"], capsys)
+    assert code == 2 and "already exists" in err
+
+
+def test_eval_report(tmp_path, capsys, tiny_draft, tiny_target):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [
+        {"id": "a", "prompt": "the cat sat", "category": "animals", "split": "heldout"},
+        {"id": "b", "prompt": "two dogs ran past", "category": "animals", "split": "heldout"},
+        {"id": "c", "prompt": "one bird sang", "category": "birds", "split": "heldout"},
+    ])
+    out = tmp_path / "eval"
+    code, stdout, err = run_cli(["eval", "--draft", tiny_draft, "--target", tiny_target, "--prompts", prompts,
+                                 "--out", out, "--max-new-tokens", "16", "--depth", "3", "--device", "cpu"], capsys)
+    assert code == 0, err
+    report = json.loads((out / "report.json").read_text())
+    assert report["lossless"] is True and report["prompts"] == 3
+    assert 1.0 <= report["acceptance_length"] <= 4.0 and len(report["acceptance_by_position"]) == 3
+    assert set(report["per_category"]) == {"animals", "birds"}
+    assert report["speedup"] > 0 and report["baseline_tokens_per_s"] > 0
+    for name in ("report.md", "acceptance_by_position.png", "tau_by_category.png"):
+        assert (out / name).is_file()
+    assert "lossless True" in stdout
+
+
+def test_eval_refuses_draft_for_another_target(tmp_path, capsys, tiny_draft):
+    from conftest import tiny_llama_dir
+
+    other = tiny_llama_dir(tmp_path / "other", tokenizer_family="qwen3", layers=9)
+    code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", other, "--out", tmp_path / "e"], capsys)
+    assert code == 2 and "trained for target tiny-target0" in err
