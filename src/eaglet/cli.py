@@ -382,30 +382,24 @@ def eval_cmd(
 def demo(
     out: Path = typer.Option(Path("eaglet-demo"), "--out", "-o", help="run directory"),
     prompts: int = typer.Option(64, help="demo prompts the target answers (train split)"),
-    max_new_tokens: int = typer.Option(96, help="tokens per answer"),
+    train_minutes: float = typer.Option(3.0, help="training time budget"),
 ) -> None:
-    """The main job on the embedded target, with the stages that exist today: regenerate -> prepare."""
-    from .config import PrepareConfig, RegenerateConfig
-    from .data.prepare import run_prepare
-    from .data.regenerate import run_regenerate
-    from .resources import demo_prompts_path
+    """The whole path on the embedded target, CPU-sized: regenerate -> prepare -> extract -> train -> export -> eval."""
+    from .demo import DemoBudget, run_demo
 
-    out.mkdir(parents=True, exist_ok=True)
-    answers = out / "regenerated.jsonl"
-    regen = run_regenerate(
-        RegenerateConfig(prompts=[str(demo_prompts_path())], out=str(answers), split="train",
-                         max_prompts=prompts, max_new_tokens=max_new_tokens),
-        err_console,
-    )
-    prepared = run_prepare(PrepareConfig(inputs=[str(answers)], out=str(out / "prepared"), overwrite=True), err_console)
-    m = prepared.manifest
+    records, report = run_demo(out, DemoBudget(prompts=prompts, train_minutes=train_minutes), err_console)
     table = Table(title="eaglet demo", show_header=True)
     table.add_column("stage")
+    table.add_column("seconds", justify="right")
     table.add_column("result")
-    table.add_row("regenerate", f"{regen.written + regen.skipped_done} answers by the target -> {answers}")
-    table.add_row("prepare", f"{m['counts']['samples']} samples, {m['tokens']['assistant']:,} assistant tokens -> {prepared.out}")
-    table.add_row("draft vocab", f"{m['draft_vocab']['size']:,} tokens, coverage {m['draft_vocab']['coverage']:.2%}")
+    for record in records:
+        table.add_row(record.name, f"{record.seconds:.1f}", escape(record.result))
     out_console.print(table)
+    out_console.print(
+        f"τ {report['acceptance_length']:.2f} tokens per target forward, speedup {report['speedup']:.2f}x over the "
+        f"same engine without a draft (held-out demo prompts; report: {out / 'eval' / 'report.md'}); "
+        f"vLLM-ready draft: {out / 'export' / 'vllm'}"
+    )
 
 
 def main() -> None:
