@@ -313,7 +313,13 @@ def train(
     )
     result = run_train(cfg, err_console)
     evaluation = result.final_eval
-    tau = f", simulated τ {evaluation['tau']:.2f} (acc by step {evaluation['acc']})" if evaluation else ""
+    if evaluation.get("tau") is not None:
+        tau = (f", held-out simulated acceptance {evaluation['tau']:.2f} draft tokens per forward "
+               f"(accuracy by step {evaluation['acc']})")
+    elif evaluation:
+        tau = ", no held-out samples to evaluate (use --eval-store, or more data)"
+    else:
+        tau = ""
     out_console.print(f"draft {result.out}: step {result.steps} in {result.seconds:.1f} s{tau}")
 
 

@@ -74,8 +74,9 @@ def run_demo(out: Path, budget: DemoBudget, console: Console) -> tuple[list[Stag
                                        max_steps=budget.train_steps, max_minutes=budget.train_minutes, lr=budget.lr,
                                        eval_every=50, log_every=10, save_every=50), console)
         trained.update(result.final_eval)
-        return (f"step {result.steps}; held-out simulated acceptance {result.final_eval.get('tau', float('nan')):.2f} "
-                "draft tokens per forward")
+        tau = result.final_eval.get("tau")
+        measured = f"held-out simulated acceptance {tau:.2f} draft tokens per forward" if tau is not None else "no held-out samples"
+        return f"step {result.steps}; {measured}"
 
     stage("train", train)
     stage("export", lambda: str(export_draft(out / "draft", "vllm", out / "export" / "vllm", overwrite=True)))

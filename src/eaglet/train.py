@@ -213,6 +213,8 @@ def evaluate(module: TTTModule, setup: Setup, config: TrainConfig, teacher: Teac
         losses += step_losses.float() * step_counts.float()
     correct, counts, losses = _reduce([correct, counts, losses], dist)
     module.train()
+    if int(counts[0]) == 0:  # nothing held out (a tiny set): report that rather than a fake zero
+        return {"acc": [], "tau": None, "eval_loss": [], "eval_tokens": 0}
     accuracy = (correct / counts.clamp_min(1)).tolist()
     return {"acc": [round(a, 5) for a in accuracy], "tau": round(simulated_acceptance(accuracy), 4),
             "eval_loss": [round(v, 5) for v in (losses / counts.clamp_min(1)).tolist()], "eval_tokens": int(counts[0])}
