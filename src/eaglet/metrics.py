@@ -61,47 +61,42 @@ def read_metrics(run: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_run(run: Path) -> list[Path]:
-    """loss.png, accuracy.png (per TTT step) and tau.png (simulated acceptance vs training tokens)."""
+def _line_plot(path: Path, series: dict[str, tuple[list, list]], xlabel: str, ylabel: str, title: str) -> Path:
+    """One PNG with a line per series (label -> (x, y))."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, label=label, marker="o" if len(xs) < 30 else None)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if len(series) > 1 or next(iter(series)):
+        ax.legend(ncol=2, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_run(run: Path) -> list[Path]:
+    """loss.png, accuracy.png (per TTT step) and tau.png (simulated acceptance vs training tokens)."""
     records = read_metrics(run)
     train = [r for r in records if r.get("kind") == "train"]
-    evals = [r for r in records if r.get("kind") == "eval"]
+    evals = [r for r in records if r.get("kind") == "eval" and r.get("tau") is not None]
     written = []
     if train:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="total (Σ decay^k loss_k)")
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("loss")
-        ax.set_title("training loss")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(run / "loss.png", dpi=120)
-        plt.close(fig)
-        written.append(run / "loss.png")
+        written.append(_line_plot(run / "loss.png", {"total (Σ decay^k loss_k)": ([r["step"] for r in train], [r["loss"] for r in train])},
+                                  "optimizer step", "loss", "training loss"))
     if evals:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        steps = len(evals[-1]["acc"])
-        for k in range(steps):
-            ax.plot([r["step"] for r in evals], [r["acc"][k] for r in evals], label=f"step {k}")
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("held-out top-1 accuracy")
-        ax.set_title("accuracy per TTT step")
-        ax.legend(ncol=2, fontsize=8)
-        fig.tight_layout()
-        fig.savefig(run / "accuracy.png", dpi=120)
-        plt.close(fig)
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot([r["tokens"] for r in evals], [r["tau"] for r in evals], marker="o")
-        ax.set_xlabel("training tokens")
-        ax.set_ylabel("simulated chain acceptance τ")
-        ax.set_title("simulated τ on held-out samples")
-        fig.tight_layout()
-        fig.savefig(run / "tau.png", dpi=120)
-        plt.close(fig)
-        written += [run / "accuracy.png", run / "tau.png"]
+        steps = [r["step"] for r in evals]
+        accuracy = {f"step {k}": (steps, [r["acc"][k] for r in evals]) for k in range(len(evals[-1]["acc"]))}
+        written.append(_line_plot(run / "accuracy.png", accuracy, "optimizer step", "held-out top-1 accuracy",
+                                  "accuracy per TTT step"))
+        written.append(_line_plot(run / "tau.png", {"": ([r["tokens"] for r in evals], [r["tau"] for r in evals])},
+                                  "training tokens", "simulated accepted draft tokens per forward",
+                                  "simulated chain acceptance on held-out samples"))
     return written
