@@ -116,3 +116,50 @@ def test_sampling_matches_the_target_distribution():
         counts["spec"][speculative_decode(runner, draft_runner, prompt, 2, 2, sampling, set(), generator).tokens[1]] += 1
     tv = 0.5 * np.abs(counts["plain"] / 1500 - counts["spec"] / 1500).sum()
     assert tv < 0.07
+
+
+def test_tree_greedy_is_lossless():
+    from eaglet.decode.engine import tree_decode
+
+    target, draft = tiny_pair()
+    runner, draft_runner = TargetRunner(target, (2, 4, 5)), DraftRunner(draft)
+    for prompt in ([1, 5, 9, 2], list(range(3, 40, 3))):
+        base = target_only_decode(runner, prompt, 40, Sampling(), stop_ids=set())
+        chain = speculative_decode(runner, draft_runner, prompt, 40, depth=4, sampling=Sampling(), stop_ids=set())
+        tree = tree_decode(runner, draft_runner, prompt, 40, depth=4, topk=3, budget=12, stop_ids=set())
+        assert tree.tokens == base.tokens
+        # a tree holding the chain's path accepts at least as much per round on average
+        assert tree.acceptance_length >= chain.acceptance_length - 0.25
+
+
+def test_tree_structure():
+    from eaglet.decode.engine import Tree
+
+    tree = Tree(tokens=[7, 1, 2, 3, 4], parents=[-1, 0, 0, 1, 3], depths=[0, 1, 1, 2, 3])
+    mask = tree.ancestor_mask()
+    assert mask[4].tolist() == [True, True, False, True, True]
+    assert mask[2].tolist() == [True, False, True, False, False]
+    assert tree.child(1, 3) == 3 and tree.child(0, 9) is None
+
+
+def test_draft_tree_expansion_shape():
+    target, draft = tiny_pair()
+    runner, draft_runner = TargetRunner(target, (2, 4, 5)), DraftRunner(draft)
+    runner.reset()
+    logits, aux = runner.forward([1, 5, 9, 2])
+    hidden, draft_logits = draft_runner.extend([5, 9, 2, 11], aux)
+    tree = draft_runner.expand_tree(11, hidden, draft_logits, topk=3, depth=4, budget=10)
+    assert len(tree.tokens) == 11 and tree.tokens[0] == 11 and tree.parents[0] == -1
+    assert all(tree.parents[i] < i and tree.depths[i] == tree.depths[tree.parents[i]] + 1 for i in range(1, 11))
+    assert max(tree.depths) <= 4 and sum(d == 1 for d in tree.depths) <= 3
+
+
+def test_tree_of_width_one_is_the_chain():
+    from eaglet.decode.engine import tree_decode
+
+    target, draft = tiny_pair(seed=2)
+    runner, draft_runner = TargetRunner(target, (2, 4, 5)), DraftRunner(draft)
+    prompt = [4, 8, 15, 16, 23, 42]
+    chain = speculative_decode(runner, draft_runner, prompt, 30, depth=4, sampling=Sampling(), stop_ids=set())
+    tree = tree_decode(runner, draft_runner, prompt, 30, depth=4, topk=1, budget=4, stop_ids=set())
+    assert tree.tokens == chain.tokens and tree.accepted == chain.accepted

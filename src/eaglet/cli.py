@@ -352,7 +352,10 @@ def eval_cmd(
     target: Optional[str] = typer.Option(None, "--target", "-t", help=TARGET_HELP),
     split: Optional[str] = typer.Option(None, help="all, train or heldout (default: heldout)"),
     max_prompts: Optional[int] = typer.Option(None, help="only the first N selected prompts"),
-    depth: Optional[int] = typer.Option(None, help="draft tokens per verification (default: 4)"),
+    mode: Optional[str] = typer.Option(None, help="chain (default) or tree (EAGLE-2 dynamic tree; greedy)"),
+    depth: Optional[int] = typer.Option(None, help="draft steps per verification (default: 4)"),
+    topk: Optional[int] = typer.Option(None, help="tree: children per node and nodes expanded per level (default: 8)"),
+    budget: Optional[int] = typer.Option(None, help="tree: draft tokens per verification (default: 48)"),
     temperature: Optional[float] = typer.Option(None, help="0 = greedy, checked lossless (default: 0)"),
     top_p: Optional[float] = typer.Option(None, help="(default: 1.0)"),
     max_new_tokens: Optional[int] = typer.Option(None, help="(default: 128)"),
@@ -368,7 +371,8 @@ def eval_cmd(
 
     cfg = build_config(
         EvalConfig, "eval", config,
-        dict(draft=draft, out=out, prompts=prompts, target=target, split=split, max_prompts=max_prompts, depth=depth,
+        dict(draft=draft, out=out, prompts=prompts, target=target, split=split, max_prompts=max_prompts, mode=mode,
+             depth=depth, topk=topk, budget=budget,
              temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, device=device,
              hf_generate_baseline=hf_generate_baseline),
         overrides,

@@ -204,7 +204,10 @@ class EvalConfig(StrictModel):
     target: str = "embedded"
     split: Literal["all", "train", "heldout"] = "heldout"
     max_prompts: int | None = Field(default=None, ge=1)
-    depth: int = Field(default=4, ge=1, le=16, description="draft tokens per verification")
+    mode: Literal["chain", "tree"] = "chain"
+    depth: int = Field(default=4, ge=1, le=16, description="draft steps per verification (chain length / tree depth)")
+    topk: int = Field(default=8, ge=1, le=64, description="tree: children per expanded node and nodes expanded per level")
+    budget: int = Field(default=48, ge=1, le=512, description="tree: draft tokens verified per target forward")
     temperature: float = Field(default=0.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     max_new_tokens: int = Field(default=128, ge=1)

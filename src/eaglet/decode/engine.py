@@ -26,7 +26,31 @@ import torch.nn.functional as F
 
 from ..capture import FeatureCapture
 from ..draft import Eagle3Draft, rope_tables
+from ..errors import EagletError
 from .sampling import Sampling, accept_or_resample
+
+
+@dataclass
+class Tree:
+    """Draft tokens as a tree: index 0 is the root (the newest real token), parents come before children."""
+
+    tokens: list[int]
+    parents: list[int]  # -1 for the root
+    depths: list[int]  # 0 for the root
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[N, N] bool: j is i or an ancestor of i (what node i may attend to inside the tree)."""
+        size = len(self.tokens)
+        mask = torch.eye(size, dtype=torch.bool)
+        for node in range(1, size):
+            mask[node] |= mask[self.parents[node]]
+        return mask
+
+    def child(self, node: int, token: int) -> int | None:
+        for index in range(node + 1, len(self.tokens)):
+            if self.parents[index] == node and self.tokens[index] == token:
+                return index
+        return None
 
 
 class TargetRunner:
@@ -52,14 +76,23 @@ class TargetRunner:
         return self.cache.get_seq_length() if self.cache is not None else 0
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``tokens``; return logits [n, V] (float32) and aux features [n, 3, H]."""
+    def forward(self, tokens: list[int], tree: "Tree | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``tokens``; return logits [n, V] (float32) and aux features [n, 3, H]. With ``tree``,
+        the tokens are a tree (root first) and each one attends only to the cache and its ancestors."""
         start = self.length
         ids = torch.tensor([tokens], device=self.device)
-        positions = torch.arange(start, start + len(tokens), device=self.device)[None]
+        extra: dict = {}
+        if tree is None:
+            positions = torch.arange(start, start + len(tokens), device=self.device)[None]
+        else:
+            positions = (start + torch.tensor(tree.depths, device=self.device))[None]
+            mask = torch.ones(1, 1, len(tokens), start + len(tokens), dtype=torch.bool, device=self.device)
+            mask[0, 0, :, start:] = tree.ancestor_mask().to(self.device)
+            extra["attention_mask"] = mask
         captured: dict[int, torch.Tensor] = {}
         with self.capture.hooks(captured):
-            out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **{self.cache_kwarg: self.cache})
+            out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **{self.cache_kwarg: self.cache},
+                             **extra)
         aux = torch.stack([captured[slot] for slot in range(len(self.capture.layer_ids))], dim=2)[0]
         return out.logits[0].float(), aux
 
@@ -69,12 +102,30 @@ class TargetRunner:
         if surplus > 0:
             self.cache.crop(-surplus)
 
+    def keep(self, positions: torch.Tensor) -> None:
+        """Keep only these cache positions (the accepted path of a tree), in order."""
+        layers = getattr(self.cache, "layers", None)
+        if layers is not None and all(hasattr(layer, "keys") for layer in layers):
+            for layer in layers:
+                layer.keys = layer.keys.index_select(-2, positions)
+                layer.values = layer.values.index_select(-2, positions)
+        elif hasattr(self.cache, "key_cache"):
+            for index in range(len(self.cache.key_cache)):
+                self.cache.key_cache[index] = self.cache.key_cache[index].index_select(-2, positions)
+                self.cache.value_cache[index] = self.cache.value_cache[index].index_select(-2, positions)
+        else:
+            raise EagletError(
+                f"this transformers version's {type(self.cache).__name__} exposes neither `layers[i].keys` nor "
+                "`key_cache`; tree decoding cannot compact it (use --mode chain)"
+            )
+
 
 class _DraftAttention:
     """Attention over the draft's cached (real) entries, plus this chain's speculative entries."""
 
-    def __init__(self, runner: "DraftRunner", mode: str):
+    def __init__(self, runner: "DraftRunner", mode: str, visible: list[list[int]] | None = None):
         self.runner, self.mode = runner, mode
+        self.visible = visible or []  # tree mode: per query, the spec entries of its processed ancestors
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         runner = self.runner
@@ -85,12 +136,24 @@ class _DraftAttention:
             runner.keys, runner.values = keys, values
             rows = torch.arange(q.shape[1], device=q.device)[:, None] + past
             mask = torch.arange(keys.shape[1], device=q.device)[None, :] <= rows  # [r, past + r]
-        else:  # one speculative query: every real entry and this chain's earlier steps
+        elif self.mode == "speculate":  # one speculative query: every real entry and this chain's earlier steps
             runner.spec_keys.append(k)
             runner.spec_values.append(v)
             keys = torch.cat([runner.keys, *runner.spec_keys], 1)
             values = torch.cat([runner.values, *runner.spec_values], 1)
             mask = None
+        else:  # tree: a layer of nodes, each seeing the real entries, its processed ancestors and itself
+            spec_before = sum(key.shape[1] for key in runner.spec_keys)
+            runner.spec_keys.append(k)
+            runner.spec_values.append(v)
+            keys = torch.cat([runner.keys, *runner.spec_keys], 1)
+            values = torch.cat([runner.values, *runner.spec_values], 1)
+            real = runner.keys.shape[1]
+            mask = torch.zeros(q.shape[1], keys.shape[1], dtype=torch.bool, device=q.device)
+            mask[:, :real] = True
+            for row, visible in enumerate(self.visible):
+                mask[row, [real + entry for entry in visible]] = True
+                mask[row, real + spec_before + row] = True
         keys, values = keys.repeat_interleave(groups, 0), values.repeat_interleave(groups, 0)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
@@ -143,6 +206,67 @@ class DraftRunner:
     def crop(self, length: int) -> None:
         self.keys, self.values = self.keys[:, :length], self.values[:, :length]
         self.spec_keys, self.spec_values = [], []
+
+    @torch.inference_mode()
+    def expand_tree(self, root_token: int, hidden: torch.Tensor, logits: torch.Tensor, topk: int, depth: int,
+                    budget: int) -> Tree:
+        """EAGLE-2 dynamic tree: expand the ``topk`` best nodes of each layer by their ``topk`` best
+        children (scores = cumulative draft log-probabilities), then keep the ``budget`` best nodes overall.
+        Every step runs at the root's RoPE position and sees its ancestors' entries, as in training."""
+        self.spec_keys, self.spec_values = [], []
+        cos, sin = self._rope(torch.tensor([self.length - 1], device=self.device))
+        # candidate columns: target token, parent candidate (-1 = root), depth, score, input hidden, spec entry
+        tokens, parents, depths, scores, entries = [], [], [], [], []
+        inputs: list[torch.Tensor] = []
+        logp = torch.log_softmax(logits.float(), -1)
+        top = logp.topk(min(topk, logp.numel()))
+        layer = []
+        for value, index in zip(top.values.tolist(), top.indices.tolist()):
+            layer.append(len(tokens))
+            tokens.append(int(self.used[index]))
+            parents.append(-1)
+            depths.append(1)
+            scores.append(value)
+            inputs.append(hidden)
+            entries.append(None)
+        spec_count = 0
+        for level in range(2, depth + 1):
+            frontier = sorted(layer, key=lambda c: -scores[c])[:topk]
+            visible = []
+            for candidate in frontier:
+                chain, node = [], parents[candidate]
+                while node >= 0:
+                    chain.append(entries[node])
+                    node = parents[node]
+                visible.append(chain)
+            out_hidden, out_logits = self.draft.step(
+                torch.tensor([tokens[c] for c in frontier], device=self.device), torch.stack([inputs[c] for c in frontier]),
+                cos.expand(len(frontier), -1), sin.expand(len(frontier), -1), _DraftAttention(self, "tree", visible))
+            layer = []
+            for row, candidate in enumerate(frontier):
+                entries[candidate] = spec_count + row
+                child_logp = torch.log_softmax(out_logits[row].float(), -1)
+                best = child_logp.topk(min(topk, child_logp.numel()))
+                for value, index in zip(best.values.tolist(), best.indices.tolist()):
+                    layer.append(len(tokens))
+                    tokens.append(int(self.used[index]))
+                    parents.append(candidate)
+                    depths.append(level)
+                    scores.append(scores[candidate] + value)
+                    inputs.append(out_hidden[row])
+                    entries.append(None)
+            spec_count += len(frontier)
+        chosen = set(sorted(range(len(tokens)), key=lambda c: (-scores[c], c))[:budget])
+        for candidate in list(chosen):  # parents are always at least as likely; keep the set closed anyway
+            node = parents[candidate]
+            while node >= 0 and node not in chosen:
+                chosen.add(node)
+                node = parents[node]
+        order = sorted(chosen, key=lambda c: (depths[c], -scores[c], c))
+        position = {candidate: index + 1 for index, candidate in enumerate(order)}
+        return Tree(tokens=[root_token] + [tokens[c] for c in order],
+                    parents=[-1] + [position.get(parents[c], 0) if parents[c] >= 0 else 0 for c in order],
+                    depths=[0] + [depths[c] for c in order])
 
     def to_target_logits(self, draft_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Draft-vocab logits -> target-vocab logits (-inf outside the draft vocabulary)."""
@@ -237,5 +361,37 @@ def speculative_decode(target: TargetRunner, draft: DraftRunner, prompt: list[in
         target.crop(base + accepted + 1)  # keep out[-1-len(new)] .. d_a; the correction is not in the cache yet
         draft.crop(base)
         hidden, draft_logits = draft.extend(new_tokens, verify_aux[: accepted + 1])
+    _sync(target.device)
+    return DecodeResult(_finish(out, stop_ids, max_new)[0], accepted_counts, time.perf_counter() - started)
+
+
+def tree_decode(target: TargetRunner, draft: DraftRunner, prompt: list[int], max_new: int, depth: int, topk: int,
+                budget: int, stop_ids: set[int]) -> DecodeResult:
+    """Greedy speculative decoding over an EAGLE-2 dynamic tree, verified in one target forward with a
+    tree attention mask; the accepted path's cache entries are kept, the rest dropped."""
+    _sync(target.device)
+    started = time.perf_counter()
+    target.reset()
+    draft.reset()
+    logits, aux = target.forward(prompt)
+    out = [int(logits[-1].argmax())]
+    hidden, draft_logits = draft.extend(prompt[1:] + [out[-1]], aux)
+    accepted_counts: list[int] = []
+    while not _finish(out, stop_ids, max_new)[1]:
+        tree = draft.expand_tree(out[-1], hidden, draft_logits, topk, depth, budget)
+        base = target.length
+        verify_logits, verify_aux = target.forward(tree.tokens, tree=tree)
+        path, node = [], 0
+        while (child := tree.child(node, int(verify_logits[node].argmax()))) is not None:
+            path.append(child)
+            node = child
+        correction = int(verify_logits[node].argmax())
+        new_tokens = [tree.tokens[i] for i in path] + [correction]
+        accepted_counts.append(len(path))
+        out.extend(new_tokens)
+        kept = torch.cat([torch.arange(base), base + torch.tensor([0] + path)]).to(target.device)
+        target.keep(kept)
+        draft.crop(base)
+        hidden, draft_logits = draft.extend(new_tokens, verify_aux[[0] + path])
     _sync(target.device)
     return DecodeResult(_finish(out, stop_ids, max_new)[0], accepted_counts, time.perf_counter() - started)

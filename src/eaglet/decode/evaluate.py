@@ -21,7 +21,7 @@ from ..fsio import write_json_atomic
 from ..progress import progress_bar
 from ..resources import resolve_input
 from ..target import load_head_weights, load_model, load_tokenizer, pick_device, resolve_target, target_info
-from .engine import DraftRunner, TargetRunner, speculative_decode, target_only_decode
+from .engine import DraftRunner, TargetRunner, speculative_decode, target_only_decode, tree_decode
 from .sampling import Sampling
 
 
@@ -85,21 +85,28 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     draft = draft.to(device=device, dtype=next(model.parameters()).dtype).eval()
     target_runner, draft_runner = TargetRunner(model, layer_ids), DraftRunner(draft)
     sampling = Sampling(config.temperature, config.top_p)
+    if config.mode == "tree" and not sampling.greedy:
+        raise EagletError("--mode tree verifies greedily only (lossless rejection sampling over trees is not built yet); "
+                          "use --mode chain with --temperature > 0")
+
+    def speculate(ids: list[int], max_new: int, seed: int):
+        if config.mode == "tree":
+            return tree_decode(target_runner, draft_runner, ids, max_new, config.depth, config.topk, config.budget, set(stop))
+        return speculative_decode(target_runner, draft_runner, ids, max_new, config.depth, sampling, set(stop),
+                                  torch.Generator().manual_seed(seed))
     stop = sorted({i for i in [tokenizer.eos_token_id, *(model.generation_config.eos_token_id
                    if isinstance(model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])] if i is not None})
     prompts = _prompts(config, tokenizer)
     # warm-up: kernels, caches, allocator
     target_only_decode(target_runner, prompts[0][2], 4, sampling, set(stop), torch.Generator().manual_seed(0))
-    speculative_decode(target_runner, draft_runner, prompts[0][2], 4, config.depth, sampling, set(stop),
-                       torch.Generator().manual_seed(0))
+    speculate(prompts[0][2], 4, 0)
     results: list[PromptResult] = []
     with progress_bar("prompts", console) as progress:
         task = progress.add_task("eval", total=len(prompts))
         for index, (prompt_id, category, ids) in enumerate(prompts):
             base = target_only_decode(target_runner, ids, config.max_new_tokens, sampling, set(stop),
                                       torch.Generator().manual_seed(config.seed + index))
-            spec = speculative_decode(target_runner, draft_runner, ids, config.max_new_tokens, config.depth, sampling,
-                                      set(stop), torch.Generator().manual_seed(config.seed + index))
+            spec = speculate(ids, config.max_new_tokens, config.seed + index)
             lossless = (spec.tokens == base.tokens) if sampling.greedy else None
             results.append(PromptResult(prompt_id, category, len(spec.tokens), spec.forwards, spec.accepted,
                                         spec.seconds, base.seconds, lossless))
@@ -141,7 +148,9 @@ def _report(config: EvalConfig, results: list[PromptResult], target_name: str, d
         "lossless_failures": [r.id for r in results if r.lossless is False],
         "per_category": {name: {"prompts": len(items), "acceptance_length": tau(items)} for name, items in sorted(by_category.items())},
         "prompts": len(results), "generated_tokens": tokens, "target_forwards": forwards,
-        "settings": {"target": target_name, "draft": config.draft, "mode": "chain", "depth": config.depth,
+        "settings": {"target": target_name, "draft": config.draft, "mode": config.mode, "depth": config.depth,
+                     "topk": config.topk if config.mode == "tree" else None,
+                     "budget": config.budget if config.mode == "tree" else None,
                      "temperature": config.temperature, "top_p": config.top_p, "max_new_tokens": config.max_new_tokens,
                      "split": config.split, "device": device, "seed": config.seed},
         "versions": {"eaglet": __version__, "torch": torch.__version__, "python": platform.python_version(),
