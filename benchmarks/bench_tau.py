@@ -5,7 +5,8 @@ The pipeline, each stage through the real CLI (resumable, so it can be split acr
   prepare     both answer sets -> tokens + masks (+ draft vocab from the train set)
   extract     both -> stores
   train       TTT (K=7) for --train-minutes, evaluating on the held-out store every --eval-every steps
-Writes WORKDIR/tau.json with the τ-vs-training-tokens curve and the stage timings.
+  eval        `eaglet eval` on the held-out demo prompts, chain and tree (τ, speedup, lossless)
+Writes WORKDIR/tau.json with the τ-vs-training-tokens curve, the eval reports and the stage timings.
 Usage: python benchmarks/bench_tau.py --workdir DIR [--stages regenerate,prepare,extract,train] [--train-minutes 10]
 """
 
@@ -18,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-STAGES = ("regenerate", "prepare", "extract", "train")
+STAGES = ("regenerate", "prepare", "extract", "train", "eval")
 
 
 def eaglet(*args: str) -> float:
@@ -78,6 +79,11 @@ def main() -> None:
                                   "--max-minutes", str(args.train_minutes), "--eval-every", str(args.eval_every),
                                   "--token-budget", str(args.token_budget), "--lr", str(args.lr), "--log-every", "20",
                                   "--set", f"draft_vocab_file={work / 'prepared' / 'vocab.safetensors'}")
+    if "eval" in stages:
+        for mode, extra in (("chain", ["--depth", "5"]), ("tree", ["--depth", "6", "--topk", "8", "--budget", "48"])):
+            timings[f"eval_{mode}"] = eaglet("eval", "--draft", str(work / "draft"), "--target", args.target,
+                                             "--out", str(work / f"eval_{mode}"), "--mode", mode, "--max-new-tokens",
+                                             "256", "--hf-generate-baseline", *extra)
     timings_file.write_text(json.dumps(timings, indent=2))
     metrics = work / "draft" / "metrics.jsonl"
     curve = []
@@ -86,8 +92,16 @@ def main() -> None:
             record = json.loads(line)
             if record["kind"] == "eval":
                 curve.append({"step": record["step"], "tokens": record["tokens"], "tau": record["tau"], "acc": record["acc"]})
+    reports = {}
+    for mode in ("chain", "tree"):
+        report = work / f"eval_{mode}" / "report.json"
+        if report.exists():
+            data = json.loads(report.read_text())
+            reports[mode] = {k: data[k] for k in ("acceptance_length", "speedup", "tokens_per_s", "baseline_tokens_per_s",
+                                                  "lossless", "acceptance_by_position", "per_category")}
+            reports[mode]["hf_generate_tokens_per_s"] = data.get("hf_generate_tokens_per_s")
     result = {"benchmark": "tau_embedded", "timings_s": timings, "curve": curve,
-              "final_tau": curve[-1]["tau"] if curve else None}
+              "final_simulated_acceptance": curve[-1]["tau"] if curve else None, "eval": reports}
     (work / "tau.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     if args.out:
