@@ -126,3 +126,25 @@ def test_time_budget_and_separate_eval_store(tmp_path, capsys, tiny_store, tiny_
     assert (out / "checkpoints" / "step-000001").is_dir()
     evals = [r for r in read_metrics(out) if r["kind"] == "eval"]
     assert len(evals) == 1 and evals[0]["eval_tokens"] > 0
+
+
+def test_padding_to_the_budget_does_not_change_the_loss():
+    from eaglet.features import FeatureBatch
+    from eaglet.train import pad_to_budget
+    from eaglet.ttt import TeacherHead, TTTInputs, documents, ttt_forward
+    from test_ttt import tiny_setup
+
+    draft, inputs = tiny_setup()
+    batch = FeatureBatch(input_ids=inputs.input_ids, loss_mask=inputs.loss_mask.to(torch.uint8), aux=inputs.aux,
+                         last=torch.zeros(len(inputs.input_ids), 32, dtype=torch.float64),
+                         doc_offsets=torch.tensor([0, 7, 12, 19]), sample_index=torch.arange(3))
+    padded = pad_to_budget(batch, 32)
+    assert padded.tokens == 32 and padded.doc_offsets.tolist() == [0, 7, 12, 19, 32]
+    doc_ids, positions, doc_end = documents(padded.doc_offsets, torch.device("cpu"))
+    extra = 32 - 19
+    grown = TTTInputs(input_ids=padded.input_ids, aux=padded.aux, loss_mask=padded.loss_mask.bool(), doc_ids=doc_ids,
+                      positions=positions, doc_end=doc_end,
+                      teacher_logits=torch.cat([inputs.teacher_logits, torch.randn(extra, inputs.teacher_logits.shape[1], dtype=torch.float64)]),
+                      teacher_in_vocab=torch.cat([inputs.teacher_in_vocab, torch.ones(extra, dtype=torch.bool)]))
+    a, b = ttt_forward(draft, inputs, 3), ttt_forward(draft, grown, 3)
+    torch.testing.assert_close(a.loss, b.loss, rtol=1e-12, atol=1e-12)

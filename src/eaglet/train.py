@@ -109,7 +109,27 @@ def _setup(config: TrainConfig, device: str) -> Setup:
                  eval_source)
 
 
-def _inputs(batch: FeatureBatch, teacher: TeacherHead, device: torch.device, dtype: torch.dtype) -> TTTInputs:
+def pad_to_budget(batch: FeatureBatch, budget: int) -> FeatureBatch:
+    """Fill the packed batch up to exactly ``budget`` tokens with one padding document (loss-masked,
+    attending only to itself), so every step has the same shapes: compiled kernels and block masks
+    are built once instead of once per batch length."""
+    missing = budget - batch.tokens
+    if missing <= 0:
+        return batch
+    return FeatureBatch(
+        input_ids=torch.cat([batch.input_ids, torch.zeros(missing, dtype=batch.input_ids.dtype)]),
+        loss_mask=torch.cat([batch.loss_mask, torch.zeros(missing, dtype=batch.loss_mask.dtype)]),
+        aux=torch.cat([batch.aux, torch.zeros((missing, *batch.aux.shape[1:]), dtype=batch.aux.dtype)]),
+        last=torch.cat([batch.last, torch.zeros((missing, *batch.last.shape[1:]), dtype=batch.last.dtype)]),
+        doc_offsets=torch.cat([batch.doc_offsets, torch.tensor([budget])]),
+        sample_index=batch.sample_index,
+    )
+
+
+def _inputs(batch: FeatureBatch, teacher: TeacherHead, device: torch.device, dtype: torch.dtype,
+            budget: int | None = None) -> TTTInputs:
+    if budget is not None:
+        batch = pad_to_budget(batch, budget)
     doc_ids, positions, doc_end = documents(batch.doc_offsets, device)
     last = batch.last.to(device, non_blocking=True)
     teacher_logits, in_vocab = teacher(last)
@@ -207,7 +227,7 @@ def evaluate(module: TTTModule, setup: Setup, config: TrainConfig, teacher: Teac
         if index % dist.world != dist.rank:
             continue
         with autocast():
-            _, step_losses, step_correct, step_counts = module(_inputs(batch, teacher, device, dtype))
+            _, step_losses, step_correct, step_counts = module(_inputs(batch, teacher, device, dtype, config.token_budget))
         correct += step_correct.float()
         counts += step_counts.float()
         losses += step_losses.float() * step_counts.float()
@@ -296,7 +316,8 @@ def run_train(config: TrainConfig, console: Console | None = None) -> TrainResul
                     for index, batch in enumerate(mine):
                         sync = wrapped.no_sync() if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel) and index < len(mine) - 1 else nullcontext()
                         with sync, autocast():
-                            loss, losses_k, correct_k, counts_k = wrapped(_inputs(batch, teacher, device, torch.float32))
+                            loss, losses_k, correct_k, counts_k = wrapped(
+                                _inputs(batch, teacher, device, torch.float32, config.token_budget))
                             (loss / len(mine)).backward()
                         loss_sum += loss.detach() / len(mine)
                         step_losses += losses_k.detach().float() * counts_k.float()
