@@ -119,7 +119,10 @@ def test_eval_refuses_draft_for_another_target(tmp_path, capsys, tiny_draft):
 
     other = tiny_llama_dir(tmp_path / "other", tokenizer_family="qwen3", layers=9)
     code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", other, "--out", tmp_path / "e"], capsys)
-    assert code == 2 and "trained for target tiny-target0" in err
+    assert code == 2 and "preflight failed for eval: draft: trained for tiny-target0" in err
+    # the stage itself refuses too when preflight is skipped
+    code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", other, "--out", tmp_path / "e", "--skip-preflight"], capsys)
+    assert code == 2 and "PREFLIGHT SKIPPED" in err and "trained for target tiny-target0" in err
 
 
 def test_eval_tree_mode_is_lossless_and_refuses_sampling(tmp_path, capsys, tiny_draft, tiny_target):

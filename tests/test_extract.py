@@ -100,7 +100,10 @@ def test_disk_too_small_is_refused_before_any_work(tmp_path, capsys, tiny_prepar
     out = tmp_path / "store"
     started = time.perf_counter()
     code, _, err = run_cli(extract_args(tiny_prepared, out, tiny_target)[:-2] + ["--reserve-gb", "1000000"], capsys)
-    assert code == 2 and "GiB are free" in err
+    assert code == 2 and "preflight failed for extract: disk:" in err and "GiB free" in err
+    assert not out.exists()
+    code, _, err = run_cli(extract_args(tiny_prepared, out, tiny_target)[:-2] + ["--reserve-gb", "1000000", "--skip-preflight"], capsys)
+    assert code == 2 and "GiB are free" in err  # the stage's own check, before any model load
     assert not out.exists()
     assert time.perf_counter() - started < 5
 
@@ -110,6 +113,8 @@ def test_other_tokenizer_refused_by_name(tmp_path, capsys, tiny_prepared):
 
     other = tiny_llama_dir(tmp_path / "other", tokenizer_family="llama3")
     code, _, err = run_cli(extract_args(tiny_prepared, tmp_path / "s", other), capsys)
+    assert code == 2 and "preflight failed for extract: tokenizer: prepared with tiny-target0's tokenizer, not other's" in err
+    code, _, err = run_cli(extract_args(tiny_prepared, tmp_path / "s", other, "--skip-preflight"), capsys)
     assert code == 2 and "prepared with tokenizer of tiny-target" in err and "prepare again with this target" in err
 
 
@@ -117,6 +122,8 @@ def test_resume_with_other_settings_refused(tmp_path, capsys, tiny_store, tiny_p
     store = tmp_path / "store"
     shutil.copytree(tiny_store, store)
     code, _, err = run_cli(extract_args(tiny_prepared, store, tiny_target, "--layers", "1,3,6"), capsys)
+    assert code == 2 and "preflight failed for extract: output:" in err and "different aux_layer_ids" in err
+    code, _, err = run_cli(extract_args(tiny_prepared, store, tiny_target, "--layers", "1,3,6", "--skip-preflight"), capsys)
     assert code == 2 and "different 'aux_layer_ids'" in err
 
 

@@ -54,6 +54,8 @@ def test_existing_out_is_not_clobbered(tmp_path, capsys, tiny_target):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     code, _, err = run_cli(["prepare", data, "--target", tiny_target, "--out", out], capsys)
+    assert code == 2 and "preflight failed for prepare: output:" in err and "pass --overwrite" in err
+    code, _, err = run_cli(["prepare", data, "--target", tiny_target, "--out", out, "--skip-preflight"], capsys)
     assert code == 2 and "already exists; pass --overwrite" in err
     assert (out / "keep.txt").read_text() == "mine"
     code, _, err = run_cli(["prepare", data, "--target", tiny_target, "--out", out, "--overwrite"], capsys)

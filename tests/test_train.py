@@ -109,11 +109,15 @@ def test_store_from_another_target_is_refused(tmp_path, capsys, tiny_store):
 
     other = tiny_llama_dir(tmp_path / "other", tokenizer_family="gemma")
     code, _, err = run_cli(train_args(tiny_store, tmp_path / "run", other, "--max-steps", "2"), capsys)
+    assert code == 2 and "preflight failed for train: store:" in err and "extract with this --target" in err
+    code, _, err = run_cli(train_args(tiny_store, tmp_path / "run", other, "--max-steps", "2", "--skip-preflight"), capsys)
     assert code == 2 and "extracted from target tiny-target0" in err
 
 
 def test_needs_exactly_one_input(tmp_path, capsys, tiny_target):
     code, _, err = run_cli(["train", "--out", tmp_path / "r", "--target", tiny_target], capsys)
+    assert code == 2 and "needs exactly one of --store and --prepared" in err
+    code, _, err = run_cli(["train", "--out", tmp_path / "r", "--target", tiny_target, "--skip-preflight"], capsys)
     assert code == 2 and "exactly one input" in err
 
 

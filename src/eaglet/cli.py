@@ -32,6 +32,7 @@ err_console = Console(stderr=True, soft_wrap=True)
 
 TARGET_HELP = "'embedded' (SmolLM2-135M-Instruct), an HF model directory, a .gguf file or a hub id"
 CONFIG_HELP = "YAML config file (flat, or with a section named after the stage)"
+SKIP_HELP = "skip the preflight checks (problems then surface after the model load)"
 DISK_BOUND_SHARE = 0.2  # extract warns when more than this share of its time went to waiting on writes
 SET_HELP = "override a config key: --set key=value (repeatable)"
 
@@ -91,6 +92,7 @@ def target_info_cmd(
 
 @app.command()
 def prepare(
+    ctx: typer.Context,
     inputs: List[str] = typer.Argument(..., help="conversation files (.jsonl/.json/.parquet)"),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="output directory (written atomically)"),
     target: Optional[str] = typer.Option(None, "--target", "-t", help=TARGET_HELP),
@@ -99,6 +101,7 @@ def prepare(
     on_bad_row: Optional[str] = typer.Option(None, help="error (default) or skip: skipped rows are listed in the manifest"),
     chat_template: Optional[str] = typer.Option(None, help="a .jinja chat template replacing the target's"),
     overwrite: Optional[bool] = typer.Option(None, "--overwrite", help="replace an existing --out"),
+    skip_preflight: bool = typer.Option(False, "--skip-preflight", help=SKIP_HELP),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
     overrides: List[str] = typer.Option([], "--set", help=SET_HELP),
 ) -> None:
@@ -114,6 +117,7 @@ def prepare(
              on_bad_row=on_bad_row, chat_template=chat_template, overwrite=overwrite),
         overrides,
     )
+    _preflight(ctx, "prepare", cfg, skip_preflight)
     result = run_prepare(cfg, err_console)
     m = result.manifest
     table = Table(title=f"prepared {result.out}", show_header=False)
@@ -133,6 +137,7 @@ def prepare(
 
 @app.command()
 def regenerate(
+    ctx: typer.Context,
     prompts: List[str] = typer.Argument(..., help="prompt or conversation files; 'demo' = the shipped demo prompts"),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="output .jsonl (resumable)"),
     target: Optional[str] = typer.Option(None, "--target", "-t", help=TARGET_HELP),
@@ -152,6 +157,7 @@ def regenerate(
     timeout_s: Optional[float] = typer.Option(None, help="openai: seconds per request (default: 120)"),
     max_retries: Optional[int] = typer.Option(None, help="openai: retries on timeouts/429/5xx (default: 5)"),
     on_bad_row: Optional[str] = typer.Option(None, help="error (default) or skip"),
+    skip_preflight: bool = typer.Option(False, "--skip-preflight", help=SKIP_HELP),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
     overrides: List[str] = typer.Option([], "--set", help=SET_HELP),
 ) -> None:
@@ -171,6 +177,7 @@ def regenerate(
              on_bad_row=on_bad_row),
         overrides,
     )
+    _preflight(ctx, "regenerate", cfg, skip_preflight)
     result = run_regenerate(cfg, err_console)
     rate = f"{result.new_tokens / result.seconds:,.1f} tok/s" if result.seconds > 0 and result.new_tokens else "-"
     out_console.print(
@@ -185,6 +192,7 @@ def regenerate(
 
 @app.command()
 def extract(
+    ctx: typer.Context,
     prepared: Optional[str] = typer.Option(None, "--prepared", "-p", help="prepared set directory"),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="store directory (resumed if it exists with the same settings)"),
     target: Optional[str] = typer.Option(None, "--target", "-t", help=TARGET_HELP),
@@ -196,6 +204,7 @@ def extract(
     device: Optional[str] = typer.Option(None, help="auto (this rank's GPU, else cpu), cpu, cuda:1 ..."),
     dtype: Optional[str] = typer.Option(None, help="compute dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16"),
     reserve_gb: Optional[float] = typer.Option(None, help="free disk to keep beyond the store (default: 1)"),
+    skip_preflight: bool = typer.Option(False, "--skip-preflight", help=SKIP_HELP),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
     overrides: List[str] = typer.Option([], "--set", help=SET_HELP),
 ) -> None:
@@ -216,6 +225,7 @@ def extract(
              reserve_gb=reserve_gb),
         overrides,
     )
+    _preflight(ctx, "extract", cfg, skip_preflight)
     result = run_extract(cfg, err_console)
     totals = result.manifest["totals"]
     rate = f"{result.tokens_computed / result.seconds:,.0f} tok/s" if result.seconds > 0 and result.tokens_computed else "-"
@@ -278,6 +288,7 @@ def store_info(
 
 @app.command()
 def train(
+    ctx: typer.Context,
     out: Optional[str] = typer.Option(None, "--out", "-o", help="run directory (resumed from its last checkpoint)"),
     store: Optional[str] = typer.Option(None, help="offline: a store from `eaglet extract`"),
     prepared: Optional[str] = typer.Option(None, help="online: a prepared set; the target computes features live"),
@@ -296,6 +307,7 @@ def train(
     log_every: Optional[int] = typer.Option(None, help="metrics every N steps (default: 10)"),
     save_every: Optional[int] = typer.Option(None, help="checkpoint every N steps (default: 200)"),
     device: Optional[str] = typer.Option(None, help="auto (this rank's GPU, else cpu), cpu, cuda:1 ..."),
+    skip_preflight: bool = typer.Option(False, "--skip-preflight", help=SKIP_HELP),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
     overrides: List[str] = typer.Option([], "--set", help=SET_HELP),
 ) -> None:
@@ -311,6 +323,7 @@ def train(
              eval_every=eval_every, log_every=log_every, save_every=save_every, device=device),
         overrides,
     )
+    _preflight(ctx, "train", cfg, skip_preflight)
     result = run_train(cfg, err_console)
     evaluation = result.final_eval
     if evaluation.get("tau") is not None:
@@ -346,6 +359,7 @@ def export(
 
 @app.command("eval")
 def eval_cmd(
+    ctx: typer.Context,
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help="draft directory (trained or exported)"),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="report directory"),
     prompts: Optional[List[str]] = typer.Option(None, "--prompts", help="prompt files (default: demo)"),
@@ -362,6 +376,7 @@ def eval_cmd(
     seed: Optional[int] = typer.Option(None, help="sampling seed (default: 0)"),
     device: Optional[str] = typer.Option(None, help="auto, cpu, cuda, cuda:1 ..."),
     hf_generate_baseline: Optional[bool] = typer.Option(None, "--hf-generate-baseline", help="also time plain HF generate"),
+    skip_preflight: bool = typer.Option(False, "--skip-preflight", help=SKIP_HELP),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
     overrides: List[str] = typer.Option([], "--set", help=SET_HELP),
 ) -> None:
@@ -377,11 +392,77 @@ def eval_cmd(
              hf_generate_baseline=hf_generate_baseline),
         overrides,
     )
+    _preflight(ctx, "eval", cfg, skip_preflight)
     report = run_eval(cfg, err_console)
     out_console.print(
         f"τ {report['acceptance_length']:.2f}, {report['tokens_per_s']} tok/s vs {report['baseline_tokens_per_s']} "
         f"without the draft: speedup {report['speedup']:.2f}x, lossless {report['lossless']} -> {cfg.out}/report.md"
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# preflight
+
+
+def _preflight(ctx: typer.Context, stage: str, cfg: object, skip: bool) -> None:
+    """Run the stage's checks; under `eaglet preflight` print them and exit, otherwise stop on a failure."""
+    import time
+
+    from .preflight.stages import FAIL, WARN, run_checks, worst
+
+    mode = ctx.obj if isinstance(ctx.obj, dict) else {}
+    if skip and not mode.get("only"):
+        err_console.print(f"[bold yellow]PREFLIGHT SKIPPED for {stage} (--skip-preflight): anything wrong surfaces "
+                          "only after the expensive part starts[/]")
+        return
+    started = time.perf_counter()
+    checks = run_checks(stage, cfg)
+    status = worst(checks)
+    seconds = time.perf_counter() - started
+    if mode.get("only"):
+        if mode.get("json"):
+            out_console.print_json(json.dumps({"stage": stage, "status": status, "seconds": round(seconds, 3),
+                                               "checks": [c.as_dict() for c in checks]}))
+        else:
+            out_console.print(_checks_table(stage, checks, seconds))
+        raise typer.Exit(2 if status == FAIL else 1 if status == WARN and mode.get("strict") else 0)
+    if status == FAIL:
+        err_console.print(_checks_table(stage, checks, seconds))
+        first = next(c for c in checks if c.status == FAIL)
+        raise EagletError(f"preflight failed for {stage}: {first.name}: {first.detail}" + (f" ({first.fix})" if first.fix else ""))
+    for check in checks:
+        if check.status == WARN:
+            err_console.print(f"[yellow]preflight warning[/] {check.name}: {check.detail}", highlight=False)
+
+
+def _checks_table(stage: str, checks: list, seconds: float) -> Table:
+    styles = {"pass": "green", "warn": "yellow", "fail": "bold red"}
+    table = Table(title=f"preflight {stage} ({seconds:.2f} s)")
+    for column in ("check", "status", "detail", "fix"):
+        table.add_column(column)
+    for check in checks:
+        table.add_row(check.name, f"[{styles[check.status]}]{check.status}[/]", escape(check.detail), escape(check.fix))
+    return table
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def preflight(
+    ctx: typer.Context,
+    stage: str = typer.Argument(..., help="prepare, regenerate, extract, train or eval"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+    strict: bool = typer.Option(False, "--strict", help="exit 1 on warnings"),
+) -> None:
+    """Run a stage's checks alone (same options as the stage), in seconds, loading no weights.
+
+    Exit code: 0 pass, 1 warnings with --strict, 2 failure."""
+    from .preflight.stages import STAGE_CHECKS
+
+    if stage not in STAGE_CHECKS:
+        raise EagletError(f"preflight: unknown stage {stage!r}; choose one of {', '.join(STAGE_CHECKS)}")
+    command = typer.main.get_command(app).commands[stage]
+    sub_context = command.make_context(stage, list(ctx.args), parent=ctx)
+    sub_context.obj = {"only": True, "json": as_json, "strict": strict}
+    command.invoke(sub_context)
 
 
 # ---------------------------------------------------------------------------------------------

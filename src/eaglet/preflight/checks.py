@@ -1,0 +1,155 @@
+"""Stage checks: config, target metadata, layer ids, manifests, disk, memory, output directory, data.
+
+No model weights are loaded: sizes come from safetensors headers and manifests. Each check returns
+pass / warn / fail with the fix for anything that is not a pass.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from ..errors import EagletError
+
+PASS, WARN, FAIL = "pass", "warn", "fail"
+GIB = 1 << 30
+DATA_ROWS_CHECKED = 100
+ACTIVATION_FACTOR = 12  # bytes of live activations per (token x hidden) in a bf16 forward, rough upper bound
+OPTIMIZER_COPIES = 4  # fp32 weights + grads + two AdamW moments
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+    def as_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+def guarded(name: str, fn: Callable[[], Check | list[Check]]) -> list[Check]:
+    """Run one check; a user error becomes a failed check instead of an exception."""
+    try:
+        result = fn()
+    except EagletError as exc:
+        return [Check(name, FAIL, exc.message, "see the message")]
+    return result if isinstance(result, list) else [result]
+
+
+def free_disk(path: Path) -> int:
+    probe = Path(path).resolve()
+    while not probe.exists():
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def available_memory(device: str) -> tuple[int, str]:
+    """(bytes available, what was measured) on the device a stage will use."""
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        index = int(device.split(":")[1]) if ":" in device else 0
+        free, _ = torch.cuda.mem_get_info(index)
+        return free, f"GPU {index} free"
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, "CPU MemAvailable"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "CPU available pages"
+
+
+def weights_bytes(target_path: Path, dtype_bytes: int) -> int:
+    from ..target import count_parameters
+
+    return count_parameters(target_path) * dtype_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Reusable checks
+
+
+def check_target(spec: str, need_template: bool, trust_remote_code: bool = False) -> tuple[list[Check], Any]:
+    """Target resolves, its config and tokenizer read, a chat template exists when the stage needs one."""
+    from ..target import load_tokenizer, resolve_target, target_info
+
+    try:
+        resolved = resolve_target(spec, trust_remote_code)
+        info = target_info(resolved, load_tokenizer(resolved.path, trust_remote_code))
+    except EagletError as exc:
+        return [Check("target", FAIL, exc.message, "pass --target embedded, an HF directory, a .gguf file or a hub id")], None
+    checks = [Check("target", PASS, f"{info.name}: {info.architecture}, {info.num_layers} layers, hidden {info.hidden_size}, "
+                                    f"vocab {info.vocab_size:,}, {info.num_parameters:,} parameters")]
+    if need_template:
+        checks.append(Check("chat template", PASS, "present") if info.has_chat_template else
+                      Check("chat template", FAIL, "the target has no chat template",
+                            "pass --chat-template FILE.jinja with the template it is served with"))
+    return checks, (resolved, info)
+
+
+def check_layers(layers: list[int] | None, num_layers: int) -> Check:
+    from ..layers import default_aux_layer_ids, validate_aux_layer_ids
+
+    try:
+        ids = validate_aux_layer_ids(layers, num_layers) if layers else default_aux_layer_ids(num_layers)
+    except EagletError as exc:
+        return Check("aux layer ids", FAIL, exc.message, f"choose three increasing ids in 1..{num_layers - 1}")
+    return Check("aux layer ids", PASS, f"{list(ids)} (input of decoder layer i) of {num_layers}")
+
+
+def check_rows(paths: Iterable[str], need_assistant: bool, skip_bad: bool = False) -> Check:
+    from ..data.readers import BadRow, read_conversations
+
+    checked = 0
+    try:
+        for item in read_conversations(list(paths)):
+            problem = str(item) if isinstance(item, BadRow) else (
+                f"{item.source}: no assistant turn" if need_assistant and not item.has_assistant else None)
+            if problem and skip_bad:
+                return Check("data", WARN, problem + " (skipped: --on-bad-row skip)", "")
+            if problem:
+                return Check("data", FAIL, problem, "fix the row, or pass --on-bad-row skip")
+            checked += 1
+            if checked >= DATA_ROWS_CHECKED:
+                break
+    except EagletError as exc:
+        return Check("data", FAIL, exc.message, "check the input paths")
+    return Check("data", PASS, f"first {checked} rows parse")
+
+
+def check_output_dir(out: Path, overwrite: bool, resumable: bool) -> Check:
+    if not out.exists():
+        parent = out.parent if out.parent.exists() else Path(".")
+        if not os.access(parent, os.W_OK):
+            return Check("output", FAIL, f"{parent} is not writable", "choose another --out")
+        return Check("output", PASS, f"{out} will be created")
+    if resumable:
+        return Check("output", PASS, f"{out} exists: the run resumes it if its settings match")
+    if overwrite:
+        return Check("output", WARN, f"{out} exists and will be replaced (--overwrite)", "")
+    return Check("output", FAIL, f"{out} already exists", "pass --overwrite or choose another --out")
+
+
+def check_disk(out: Path, needed: int, what: str) -> Check:
+    free = free_disk(out)
+    detail = f"{what}: ~{needed / GIB:.2f} GiB needed, {free / GIB:.1f} GiB free"
+    if needed > free:
+        return Check("disk", FAIL, detail, "free space, choose another --out, or shrink the run")
+    if needed > 0.8 * free:
+        return Check("disk", WARN, detail, "the disk will be nearly full afterwards")
+    return Check("disk", PASS, detail)
+
+
+def check_memory(device: str, needed: int, what: str) -> Check:
+    available, measured = available_memory(device)
+    detail = f"{what}: ~{needed / GIB:.2f} GiB needed, {available / GIB:.1f} GiB {measured}"
+    if needed > available:
+        return Check("memory", FAIL, detail, "use a bigger device, fewer --batch-tokens / --token-budget, or fp8")
+    if needed > 0.9 * available:
+        return Check("memory", WARN, detail, "little headroom left")
+    return Check("memory", PASS, detail)

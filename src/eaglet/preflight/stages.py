@@ -1,0 +1,207 @@
+"""The checks each stage runs before it loads anything heavy (and `eaglet preflight STAGE` runs alone)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import EagletError
+from .checks import (
+    FAIL,
+    GIB,
+    OPTIMIZER_COPIES,
+    PASS,
+    WARN,
+    ACTIVATION_FACTOR,
+    Check,
+    check_disk,
+    check_layers,
+    check_memory,
+    check_output_dir,
+    check_rows,
+    check_target,
+    guarded,
+    weights_bytes,
+)
+
+BYTES_PER_GENERATED_TOKEN = 8  # JSON text of an answer, generously
+PREPARED_BYTES_PER_INPUT_BYTE = 1.0  # parquet (zstd) of ids + masks is smaller than the JSON it came from
+
+
+def _device_bytes(device: str) -> tuple[str, int]:
+    from ..target import pick_device
+
+    resolved = pick_device(device)
+    return resolved, 2 if resolved.startswith("cuda") else 4
+
+
+def prepare_checks(cfg: Any) -> list[Check]:
+    checks = [Check("config", PASS, "valid")]
+    target_checks, found = check_target(cfg.target, need_template=cfg.chat_template is None, trust_remote_code=cfg.trust_remote_code)
+    checks += target_checks
+    if cfg.chat_template is not None:
+        exists = Path(cfg.chat_template).is_file()
+        checks.append(Check("chat template", PASS if exists else FAIL, cfg.chat_template,
+                            "" if exists else "the --chat-template file does not exist"))
+    checks.append(check_rows(cfg.inputs, need_assistant=True, skip_bad=cfg.on_bad_row == "skip"))
+    checks.append(check_output_dir(Path(cfg.out), cfg.overwrite, resumable=False))
+    size = sum(Path(p).stat().st_size for p in cfg.inputs if Path(p).is_file())
+    checks.append(check_disk(Path(cfg.out), int(size * PREPARED_BYTES_PER_INPUT_BYTE), "prepared set"))
+    return checks
+
+
+def regenerate_checks(cfg: Any) -> list[Check]:
+    from ..resources import resolve_input
+
+    checks = [Check("config", PASS, "valid")]
+    prompts = [resolve_input(p) for p in cfg.prompts]
+    checks.append(check_rows(prompts, need_assistant=False, skip_bad=cfg.on_bad_row == "skip"))
+    out = Path(cfg.out)
+    checks.append(Check("output", PASS, f"{out}: {'exists, finished prompts are skipped' if out.exists() else 'will be created'}")
+                  if out.suffix == ".jsonl" else Check("output", FAIL, f"{out} is not a .jsonl file", "--out must end in .jsonl"))
+    if cfg.backend == "hf":
+        target_checks, found = check_target(cfg.target, need_template=True, trust_remote_code=cfg.trust_remote_code)
+        checks += target_checks
+        if found:
+            device, dtype_bytes = _device_bytes(cfg.device)
+            checks.append(check_memory(device, weights_bytes(found[0].path, dtype_bytes), "target weights"))
+    rows = cfg.max_prompts or 1000
+    checks.append(check_disk(out.parent if out.parent.exists() else Path("."), rows * cfg.n * cfg.max_new_tokens *
+                             BYTES_PER_GENERATED_TOKEN, "answers"))
+    return checks
+
+
+def extract_checks(cfg: Any) -> list[Check]:
+    from ..data.prepared import load_prepared
+    from ..store import bytes_per_token
+
+    checks = [Check("config", PASS, "valid")]
+    try:
+        prepared = load_prepared(cfg.prepared, cfg.max_samples)
+    except EagletError as exc:
+        return checks + [Check("prepared set", FAIL, exc.message, "run `eaglet prepare` first")]
+    checks.append(Check("prepared set", PASS, f"{len(prepared):,} samples, {int(prepared.lengths.sum()):,} tokens"))
+    target_checks, found = check_target(cfg.target, need_template=False, trust_remote_code=cfg.trust_remote_code)
+    checks += target_checks
+    if not found:
+        return checks
+    resolved, info = found
+    same = prepared.manifest["target"]["tokenizer_hash"] == info.tokenizer_hash
+    checks.append(Check("tokenizer", PASS if same else FAIL,
+                        f"prepared with {prepared.manifest['target']['name']}'s tokenizer" + ("" if same else f", not {info.name}'s"),
+                        "" if same else "prepare again with this --target"))
+    checks.append(check_layers(cfg.layers, info.num_layers))
+    store = Path(cfg.out)
+    if (store / "manifest.json").is_file():
+        existing = json.loads((store / "manifest.json").read_text())
+        mismatch = [k for k, v in (("aux_layer_ids", cfg.layers), ("storage_dtype", cfg.storage_dtype))
+                    if v is not None and existing.get(k) != v]
+        if existing.get("target", {}).get("config_hash") != info.config_hash:
+            mismatch.append("target")
+        checks.append(Check("output", FAIL if mismatch else PASS,
+                            f"{store} exists" + (f" with a different {', '.join(mismatch)}" if mismatch else "; missing shards are computed"),
+                            "use another --out or delete it" if mismatch else ""))
+    else:
+        checks.append(check_output_dir(store, overwrite=False, resumable=True))
+    needed = int(prepared.lengths.sum()) * bytes_per_token(info.hidden_size, cfg.storage_dtype)
+    checks.append(check_disk(store, int(needed + cfg.reserve_gb * GIB), f"store ({cfg.storage_dtype}) + reserve"))
+    device, dtype_bytes = _device_bytes(cfg.device)
+    batch_tokens = cfg.batch_tokens or (32768 if device.startswith("cuda") else 4096)
+    activations = batch_tokens * info.hidden_size * ACTIVATION_FACTOR * 4  # + the three captured inputs
+    checks.append(check_memory(device, weights_bytes(resolved.path, dtype_bytes) + activations,
+                               f"target weights + a {batch_tokens:,}-token batch"))
+    return checks
+
+
+def train_checks(cfg: Any) -> list[Check]:
+    from ..data.prepared import load_prepared
+    from ..store import read_manifest
+
+    checks = [Check("config", PASS, "valid")]
+    if (cfg.store is None) == (cfg.prepared is None):
+        return checks + [Check("input", FAIL, "needs exactly one of --store and --prepared", "offline: --store; online: --prepared")]
+    target_checks, found = check_target(cfg.target, need_template=False, trust_remote_code=cfg.trust_remote_code)
+    checks += target_checks
+    if not found:
+        return checks
+    resolved, info = found
+    if cfg.store:
+        try:
+            manifest = read_manifest(Path(cfg.store))
+        except EagletError as exc:
+            return checks + [Check("store", FAIL, exc.message, "run `eaglet extract` first")]
+        same = manifest["target"]["config_hash"] == info.config_hash and manifest["target"]["tokenizer_hash"] == info.tokenizer_hash
+        checks.append(Check("store", PASS if same and manifest["complete"] else FAIL,
+                            f"{manifest['totals']['tokens']:,} tokens from {manifest['target']['name']}, layers "
+                            f"{manifest['aux_layer_ids']} ({manifest['aux_convention']})"
+                            + ("" if manifest["complete"] else ", extraction incomplete"),
+                            "" if same and manifest["complete"] else
+                            ("extract with this --target" if not same else "rerun the same `eaglet extract` to finish it")))
+        prepared_path = Path(manifest["prepared"]["path"])
+        vocab_ok = (prepared_path / "vocab.safetensors").is_file() or cfg.draft_vocab_file
+        checks.append(Check("draft vocab", PASS if vocab_ok else FAIL, str(prepared_path / "vocab.safetensors"),
+                            "" if vocab_ok else "the store's prepared set moved: pass --set draft_vocab_file=PATH"))
+    else:
+        try:
+            prepared = load_prepared(cfg.prepared)
+        except EagletError as exc:
+            return checks + [Check("prepared set", FAIL, exc.message, "run `eaglet prepare` first")]
+        same = prepared.manifest["target"]["tokenizer_hash"] == info.tokenizer_hash
+        checks.append(Check("prepared set", PASS if same else FAIL, f"{len(prepared):,} samples",
+                            "" if same else "prepare again with this --target"))
+    checks.append(check_output_dir(Path(cfg.out), overwrite=False, resumable=True))
+    # draft parameters ~ fc (3H^2) + one decoder layer (~12H^2) + lm_head (H x Vd)
+    draft_params = 15 * info.hidden_size**2 + info.hidden_size * min(32000, info.vocab_size)
+    checks.append(check_disk(Path(cfg.out), draft_params * 4 * (1 + 3 * (cfg.keep_last + 1)), "draft + checkpoints"))
+    device, dtype_bytes = _device_bytes(cfg.device)
+    teacher = info.vocab_size * info.hidden_size * dtype_bytes
+    activations = cfg.token_budget * cfg.ttt_steps * info.hidden_size * ACTIVATION_FACTOR * 4
+    online = weights_bytes(resolved.path, dtype_bytes) if cfg.prepared else 0
+    checks.append(check_memory(device, draft_params * 4 * OPTIMIZER_COPIES + teacher + activations + online,
+                               "draft + optimizer + teacher head + activations" + (" + target" if online else "")))
+    return checks
+
+
+def eval_checks(cfg: Any) -> list[Check]:
+    from ..resources import resolve_input
+
+    checks = [Check("config", PASS, "valid")]
+    target_checks, found = check_target(cfg.target, need_template=True, trust_remote_code=cfg.trust_remote_code)
+    checks += target_checks
+    draft_config = Path(cfg.draft) / "eaglet_draft.json"
+    if not draft_config.is_file():
+        draft_config = Path(cfg.draft) / "config.json"
+    if not draft_config.is_file():
+        checks.append(Check("draft", FAIL, f"{cfg.draft}: no config.json", "pass a directory written by `eaglet train` or `eaglet export`"))
+    elif found:
+        config = json.loads(draft_config.read_text())
+        target = config.get("target") or {}
+        same = target.get("config_hash") in (None, found[1].config_hash)
+        checks.append(Check("draft", PASS if same else FAIL, f"trained for {target.get('name', '?')}, layers "
+                            f"{config.get('eagle_aux_hidden_state_layer_ids')}", "" if same else "pass the draft's --target"))
+    if cfg.mode == "tree" and cfg.temperature > 0:
+        checks.append(Check("mode", FAIL, "tree mode verifies greedily only", "use --mode chain for sampling"))
+    checks.append(check_rows([resolve_input(p) for p in cfg.prompts], need_assistant=False))
+    if found:
+        device, dtype_bytes = _device_bytes(cfg.device)
+        checks.append(check_memory(device, weights_bytes(found[0].path, dtype_bytes), "target weights"))
+    return checks
+
+
+STAGE_CHECKS: dict[str, Callable[[Any], list[Check]]] = {
+    "prepare": prepare_checks,
+    "regenerate": regenerate_checks,
+    "extract": extract_checks,
+    "train": train_checks,
+    "eval": eval_checks,
+}
+
+
+def run_checks(stage: str, cfg: Any) -> list[Check]:
+    return guarded(stage, lambda: STAGE_CHECKS[stage](cfg))
+
+
+def worst(checks: list[Check]) -> str:
+    statuses = {c.status for c in checks}
+    return FAIL if FAIL in statuses else WARN if WARN in statuses else PASS
