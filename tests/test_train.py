@@ -135,7 +135,7 @@ def test_time_budget_and_separate_eval_store(tmp_path, capsys, tiny_store, tiny_
 def test_padding_to_the_budget_does_not_change_the_loss():
     from eaglet.features import FeatureBatch
     from eaglet.train import pad_to_budget
-    from eaglet.ttt import TeacherHead, TTTInputs, documents, ttt_forward
+    from eaglet.ttt import TTTInputs, documents, ttt_forward
     from test_ttt import tiny_setup
 
     draft, inputs = tiny_setup()

@@ -17,7 +17,6 @@ under the serving names (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``,
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +98,7 @@ def model_card(fmt: str, config: dict[str, Any], verifier: str, speculative_toke
     serve = {
         "vllm": (f"vllm serve {verifier} \\\n  --speculative-config '{{\"method\": \"eagle3\", \"model\": \"PATH/TO/THIS/DIR\", "
                  f"\"num_speculative_tokens\": {speculative_tokens}}}'"),
-        "speculators": f"vllm serve PATH/TO/THIS/DIR   # vLLM reads the verifier and the proposal method from config.json",
+        "speculators": "vllm serve PATH/TO/THIS/DIR   # vLLM reads the verifier and the proposal method from config.json",
         "sglang": (f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm EAGLE3 \\\n"
                    f"  --speculative-draft-model-path PATH/TO/THIS/DIR --speculative-num-steps {speculative_tokens} \\\n"
                    f"  --speculative-eagle-topk 1 --speculative-num-draft-tokens {speculative_tokens + 1}"),

@@ -26,7 +26,7 @@ from . import __version__
 from .capture import FeatureCapture
 from .config import ExtractConfig
 from .data.prepared import PreparedSet, load_prepared
-from .distributed import Dist, init_distributed
+from .distributed import init_distributed
 from .errors import EagletError
 from .fsio import write_json_atomic
 from .layers import AUX_CONVENTION, default_aux_layer_ids, validate_aux_layer_ids

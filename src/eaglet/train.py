@@ -29,11 +29,11 @@ from .distributed import Dist, init_distributed
 from .draft import DraftConfig, Eagle3Draft, save_draft
 from .errors import EagletError
 from .features import FeatureBatch, LiveSource, StoreSource, epoch_order, held_out, pack_stream
-from .fsio import sha256_json, write_json_atomic
+from .fsio import write_json_atomic
 from .layers import default_aux_layer_ids
 from .metrics import H200_BF16_DENSE_FLOPS, MetricsLog, draft_train_flops_per_token, plot_run
 from .progress import progress_bar
-from .store import ShardPlan, check_same_target, plan_shards, read_manifest
+from .store import ShardPlan, check_same_target, read_manifest
 from .target import load_head_weights, load_model, load_tokenizer, read_config, resolve_target, target_info
 from .ttt import TeacherHead, TTTInputs, attention_for, documents, simulated_acceptance, ttt_forward
 
