@@ -19,6 +19,8 @@ GIB = 1 << 30
 DATA_ROWS_CHECKED = 100
 ACTIVATION_FACTOR = 12  # bytes of live activations per (token x hidden) in a bf16 forward, rough upper bound
 OPTIMIZER_COPIES = 4  # fp32 weights + grads + two AdamW moments
+DISK_WARN_SHARE = 0.8  # warn when a stage would fill more than this share of the free disk
+MEMORY_WARN_SHARE = 0.9
 
 
 @dataclass
@@ -135,21 +137,24 @@ def check_output_dir(out: Path, overwrite: bool, resumable: bool) -> Check:
     return Check("output", FAIL, f"{out} already exists", "pass --overwrite or choose another --out")
 
 
+def _capacity(name: str, needed: int, available: int, detail: str, warn_share: float, fix: str, warn_fix: str) -> Check:
+    """Fail when ``needed`` exceeds ``available``, warn above ``warn_share`` of it."""
+    if needed > available:
+        return Check(name, FAIL, detail, fix)
+    if needed > warn_share * available:
+        return Check(name, WARN, detail, warn_fix)
+    return Check(name, PASS, detail)
+
+
 def check_disk(out: Path, needed: int, what: str) -> Check:
     free = free_disk(out)
-    detail = f"{what}: ~{needed / GIB:.2f} GiB needed, {free / GIB:.1f} GiB free"
-    if needed > free:
-        return Check("disk", FAIL, detail, "free space, choose another --out, or shrink the run")
-    if needed > 0.8 * free:
-        return Check("disk", WARN, detail, "the disk will be nearly full afterwards")
-    return Check("disk", PASS, detail)
+    return _capacity("disk", needed, free, f"{what}: ~{needed / GIB:.2f} GiB needed, {free / GIB:.1f} GiB free",
+                     DISK_WARN_SHARE, "free space, choose another --out, or shrink the run",
+                     "the disk will be nearly full afterwards")
 
 
 def check_memory(device: str, needed: int, what: str) -> Check:
     available, measured = available_memory(device)
-    detail = f"{what}: ~{needed / GIB:.2f} GiB needed, {available / GIB:.1f} GiB {measured}"
-    if needed > available:
-        return Check("memory", FAIL, detail, "use a bigger device, fewer --batch-tokens / --token-budget, or fp8")
-    if needed > 0.9 * available:
-        return Check("memory", WARN, detail, "little headroom left")
-    return Check("memory", PASS, detail)
+    return _capacity("memory", needed, available,
+                     f"{what}: ~{needed / GIB:.2f} GiB needed, {available / GIB:.1f} GiB {measured}", MEMORY_WARN_SHARE,
+                     "use a bigger device, fewer --batch-tokens / --token-budget, or fp8", "little headroom left")
