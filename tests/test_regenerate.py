@@ -96,6 +96,14 @@ class StubServer:
             def log_message(self, *args):
                 pass
 
+            def do_GET(self):  # /v1/models, as OpenAI-compatible servers answer it
+                data = json.dumps({"object": "list", "data": [{"id": "stub", "object": "model"}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 prompt = body["messages"][-1]["content"]
@@ -149,8 +157,11 @@ def test_openai_backend_gives_up_with_one_line(tmp_path, capsys):
 
 def test_openai_unreachable_server(tmp_path, capsys):
     prompts = prompts_file(tmp_path, 1)
-    code, _, err = run_cli(["regenerate", prompts, "--out", tmp_path / "a.jsonl", "--backend", "openai",
-                            "--base-url", "http://127.0.0.1:9/v1", "--max-retries", "0", "--timeout-s", "2"], capsys)
+    args = ["regenerate", prompts, "--out", tmp_path / "a.jsonl", "--backend", "openai",
+            "--base-url", "http://127.0.0.1:9/v1", "--max-retries", "0", "--timeout-s", "2"]
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and "preflight failed for regenerate: server: http://127.0.0.1:9/v1: not reachable" in err
+    code, _, err = run_cli([*args, "--skip-preflight"], capsys)
     assert code == 2 and "is the server up?" in err
 
 

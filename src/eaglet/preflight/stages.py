@@ -29,6 +29,22 @@ BYTES_PER_GENERATED_TOKEN = 8  # JSON text of an answer, generously
 PREPARED_BYTES_PER_INPUT_BYTE = 1.0  # parquet (zstd) of ids + masks is smaller than the JSON it came from
 
 
+SERVER_PROBE_TIMEOUT_S = 3.0
+
+
+def check_server(base_url: str) -> Check:
+    """The OpenAI-compatible server answers (GET /models) before thousands of requests are queued."""
+    import httpx
+
+    try:
+        response = httpx.get(base_url.rstrip("/") + "/models", timeout=SERVER_PROBE_TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        return Check("server", FAIL, f"{base_url}: not reachable ({type(exc).__name__})",
+                     "start the server (vLLM, SGLang, llama.cpp) or fix --base-url")
+    return Check("server", PASS if response.status_code == 200 else WARN, f"{base_url}/models: HTTP {response.status_code}",
+                 "" if response.status_code == 200 else "the server does not list models; requests may still work")
+
+
 def _device_bytes(device: str) -> tuple[str, int]:
     from ..target import pick_device
 
@@ -60,6 +76,8 @@ def regenerate_checks(cfg: Any) -> list[Check]:
     out = Path(cfg.out)
     checks.append(Check("output", PASS, f"{out}: {'exists, finished prompts are skipped' if out.exists() else 'will be created'}")
                   if out.suffix == ".jsonl" else Check("output", FAIL, f"{out} is not a .jsonl file", "--out must end in .jsonl"))
+    if cfg.backend == "openai":
+        checks.append(check_server(cfg.base_url))
     if cfg.backend == "hf":
         target_checks, found = check_target(cfg.target, need_template=True, trust_remote_code=cfg.trust_remote_code)
         checks += target_checks
