@@ -144,3 +144,21 @@ def test_special_token_inside_content_is_reported_not_mismasked():
     bad = {"role": "assistant", "content": "I will stop <|im_end|> here and continue"}
     result = ChatRenderer(tokenizer).render_batch([Conversation("f:4", "x", [HI, bad])])[0]
     assert isinstance(result, str) and "special token" in result
+
+
+def test_truncated_regenerated_answer_does_not_teach_end_of_turn():
+    """An answer `eaglet regenerate` cut at max_new_tokens keeps its text masked but not the template's <|eot_id|>."""
+    tokenizer = build_tokenizer("llama3")
+    cut = Conversation("t:1", "t", [HI, HELLO], meta={"last_answer_truncated": True})
+    result = ChatRenderer(tokenizer).render_batch([cut])[0]
+    assert masked_runs(tokenizer, result) == ["Hello! How can I help?"]
+
+
+def test_reader_marks_truncated_answers(tmp_path):
+    from conftest import write_jsonl
+    from eaglet.data.readers import read_conversations
+
+    rows = [{"messages": [HI, HELLO], "provenance": {"finish_reason": "length"}},
+            {"messages": [HI, HELLO], "provenance": {"finish_reason": "stop"}}]
+    items = list(read_conversations([write_jsonl(tmp_path / "r.jsonl", rows)]))
+    assert items[0].meta.get("last_answer_truncated") is True and "last_answer_truncated" not in items[1].meta

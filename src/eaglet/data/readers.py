@@ -4,7 +4,8 @@ Accepted row forms (in .jsonl, .json and .parquet files):
 - ShareGPT: ``{"conversations": [{"from": "human", "value": "..."}, ...]}`` (or role/content keys)
 - OpenAI:   ``{"messages": [{"role": "user", "content": "..."}, ...]}`` (content may be text parts)
 - prompt-only: ``{"prompt": "...", "system": "..."?}``
-Optional per row: ``id`` (string or integer), ``category``, ``split``.
+Optional per row: ``id`` (string or integer), ``category``, ``split``, and ``provenance`` as written by
+`eaglet regenerate` (an answer cut at max_new_tokens has no real end of turn).
 """
 
 from __future__ import annotations
@@ -136,7 +137,10 @@ def parse_row(row: Any, source: str, default_id: str) -> Conversation:
     raw_id = row.get("id", default_id)
     if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)) or (isinstance(raw_id, str) and not raw_id):
         raise RowError(f"'id' must be a non-empty string or an integer, got {raw_id!r}")
-    meta = {k: row[k] for k in ("category", "split") if isinstance(row.get(k), str)}
+    meta: dict[str, Any] = {k: row[k] for k in ("category", "split") if isinstance(row.get(k), str)}
+    provenance = row.get("provenance")
+    if isinstance(provenance, dict) and provenance.get("finish_reason") == "length":
+        meta["last_answer_truncated"] = True  # written by `eaglet regenerate` and cut at max_new_tokens
     return Conversation(source=source, id=str(raw_id), messages=messages, meta=meta)
 
 

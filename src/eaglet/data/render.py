@@ -113,6 +113,7 @@ class ChatRenderer:
         mask = np.zeros(len(ids), dtype=np.uint8)
         is_special = np.isin(ids, self.special_ids)
         answers = [_final_answer(m["content"]) for m in conversation.messages if m["role"] == "assistant"]
+        cut_last = bool(conversation.meta.get("last_answer_truncated"))
         for turn, (start_char, answer) in enumerate(zip(starts, answers)):
             first = int(np.searchsorted(offsets[:, 1], start_char, side="right"))  # first token ending past start
             while first < len(ids) and is_special[first] and offsets[first, 0] < start_char:
@@ -121,7 +122,8 @@ class ChatRenderer:
             if len(following) == 0:
                 return f"assistant turn {turn}: no end-of-turn token after it in the rendered template"
             last = first + int(following[0])  # inclusive: the end-of-turn token
-            mask[first : last + 1] = 1
+            # an answer cut at max_new_tokens never ended: its template-added end-of-turn is not a target
+            mask[first : last + (0 if cut_last and turn == len(starts) - 1 else 1)] = 1
             span_text = text[offsets[first, 0] : offsets[last, 1]]
             if answer and answer not in span_text:
                 return (
