@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import queue
 from contextlib import nullcontext
-import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from .config import ExtractConfig
 from .data.prepared import PreparedSet, load_prepared
 from .distributed import init_distributed
 from .errors import EagletError
-from .fsio import write_json_atomic
+from .fsio import free_disk_bytes, write_json_atomic
 from .layers import AUX_CONVENTION, default_aux_layer_ids, validate_aux_layer_ids
 from .progress import progress_bar
 from .store import (
@@ -341,10 +340,7 @@ def run_extract(config: ExtractConfig, console: Console | None = None, model: to
 
 def _check_disk(store: Path, needed_bytes: int, reserve_gb: float) -> None:
     """Fail in seconds, before any model load, when the store cannot fit."""
-    probe = store
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
+    free = free_disk_bytes(store)
     if needed_bytes + reserve_gb * GIB > free:
         raise EagletError(
             f"{store}: needs {needed_bytes / GIB:.2f} GiB (+ {reserve_gb:g} GiB reserve) but {free / GIB:.2f} GiB are free; "

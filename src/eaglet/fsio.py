@@ -39,6 +39,14 @@ def sha256_json(obj: Any) -> str:
     return sha256_bytes(canonical_json(obj).encode("utf-8"))
 
 
+def free_disk_bytes(path: str | Path) -> int:
+    """Free bytes on the filesystem that holds ``path`` (or would, once created)."""
+    probe = Path(path).resolve()
+    while not probe.exists():
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
 def fsync_dir(path: str | Path) -> None:
     """Make a rename inside ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)

@@ -23,7 +23,7 @@ from ..errors import EagletError
 from ..fsio import atomic_directory, sha256_file, sha256_json, write_json_atomic
 from ..progress import progress_bar
 from ..target import load_tokenizer, resolve_target, target_info
-from .readers import BadRow, Conversation, read_conversations
+from .readers import BadRow, Conversation, fail_on_bad_rows, read_conversations
 from .render import ChatRenderer, Rendered
 from .vocab import build_draft_vocab, default_draft_vocab_size
 
@@ -32,7 +32,6 @@ SAMPLES_FILE = "samples.parquet"
 VOCAB_FILE = "vocab.safetensors"
 MANIFEST_FILE = "manifest.json"
 RENDER_BATCH = 512
-MAX_BAD_ROWS_SHOWN = 20
 PARQUET_SCHEMA = pa.schema(
     [("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8()))]
 )
@@ -73,13 +72,6 @@ def _collect(config: PrepareConfig) -> tuple[list[Conversation], list[BadRow]]:
     return conversations, bad
 
 
-def _fail_on_bad_rows(bad: list[BadRow], console: Console) -> None:
-    for row in bad[:MAX_BAD_ROWS_SHOWN]:
-        console.print(f"[red]bad row[/] {row}", highlight=False, soft_wrap=True)
-    more = f" (first {MAX_BAD_ROWS_SHOWN} shown)" if len(bad) > MAX_BAD_ROWS_SHOWN else ""
-    raise EagletError(f"{bad[0]}; {len(bad)} bad row(s){more}: fix them, or pass --on-bad-row skip to drop them")
-
-
 def _length_stats(lengths: np.ndarray) -> dict[str, float]:
     if len(lengths) == 0:
         return {}
@@ -111,7 +103,7 @@ def run_prepare(config: PrepareConfig, console: Console | None = None) -> Prepar
 
     conversations, bad = _collect(config)
     if bad and config.on_bad_row == "error":
-        _fail_on_bad_rows(bad, console)
+        fail_on_bad_rows(bad, console)
     if not conversations:
         raise EagletError(f"{', '.join(config.inputs)}: no usable conversations (all {len(bad)} rows were bad)")
 
@@ -143,7 +135,7 @@ def run_prepare(config: PrepareConfig, console: Console | None = None) -> Prepar
         writer.close()
         rejected = [row for row in dropped if "max-len" not in row.reason]
         if rejected and config.on_bad_row == "error":
-            _fail_on_bad_rows(rejected, console)
+            fail_on_bad_rows(rejected, console)
         if not lengths:
             raise EagletError(f"no usable samples: every conversation was dropped ({dropped[0]})")
 

@@ -42,6 +42,12 @@ class Conversation:
     def has_assistant(self) -> bool:
         return any(m["role"] == "assistant" for m in self.messages)
 
+    @property
+    def prompt_messages(self) -> list[dict[str, str]]:
+        """Everything up to and including the last user turn: what the target answers."""
+        last_user = max(i for i, m in enumerate(self.messages) if m["role"] == "user")
+        return self.messages[: last_user + 1]
+
 
 @dataclass
 class BadRow:
@@ -54,6 +60,17 @@ class BadRow:
 
 class RowError(ValueError):
     """Raised inside row parsing; becomes a BadRow carrying the row's location."""
+
+
+MAX_BAD_ROWS_SHOWN = 20
+
+
+def fail_on_bad_rows(bad: list[BadRow], console: Any) -> None:
+    """Print the first bad rows, one line each, and stop with the first as the error."""
+    for row in bad[:MAX_BAD_ROWS_SHOWN]:
+        console.print(f"[red]bad row[/] {row}", highlight=False, soft_wrap=True)
+    more = f" (first {MAX_BAD_ROWS_SHOWN} shown)" if len(bad) > MAX_BAD_ROWS_SHOWN else ""
+    raise EagletError(f"{bad[0]}; {len(bad)} bad row(s){more}: fix them, or pass --on-bad-row skip to drop them")
 
 
 def _text_of(content: Any, where: str) -> str:

@@ -25,7 +25,7 @@ from ..config import RegenerateConfig
 from ..errors import EagletError
 from ..fsio import append_lines_durable, sha256_file, write_bytes_atomic, write_json_atomic
 from ..progress import progress_bar
-from .readers import BadRow, read_conversations
+from .readers import BadRow, fail_on_bad_rows, read_conversations
 
 MANIFEST_SUFFIX = ".manifest.json"
 CPU_BATCH = 8
@@ -76,17 +76,13 @@ def plan_requests(config: RegenerateConfig, console: Console) -> list[Request]:
             continue
         if config.max_prompts is not None and prompts >= config.max_prompts:
             break
-        messages = item.messages
-        last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
-        prompt = messages[: last_user + 1]
+        prompt = item.prompt_messages
         for sample in range(config.n):
             requests.append(Request(len(requests), item.id, sample, prompt, item.meta.get("category")))
         prompts += 1
     if bad:
         if config.on_bad_row == "error":
-            for row in bad[:20]:
-                console.print(f"[red]bad row[/] {row}", highlight=False, soft_wrap=True)
-            raise EagletError(f"{bad[0]}; {len(bad)} bad row(s): fix them, or pass --on-bad-row skip")
+            fail_on_bad_rows(bad, console)
         console.print(f"[yellow]skipped {len(bad)} bad row(s)[/]; first: {bad[0]}")
     if not requests:
         raise EagletError(f"{', '.join(config.prompts)}: no prompts selected (split={config.split})")

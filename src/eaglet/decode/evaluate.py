@@ -44,8 +44,7 @@ def _prompts(config: EvalConfig, tokenizer: Any) -> list[tuple[str, str, list[in
             raise EagletError(f"{item}; fix the prompt file")
         if config.split != "all" and item.meta.get("split", "heldout") != config.split:
             continue
-        messages = item.messages[: max(i for i, m in enumerate(item.messages) if m["role"] == "user") + 1]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(item.prompt_messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
         rows.append((item.id, item.meta.get("category", "all"), ids))
         if config.max_prompts and len(rows) >= config.max_prompts:

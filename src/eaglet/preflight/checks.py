@@ -7,12 +7,12 @@ pass / warn / fail with the fix for anything that is not a pass.
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from ..errors import EagletError
+from ..fsio import free_disk_bytes
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 GIB = 1 << 30
@@ -41,13 +41,6 @@ def guarded(name: str, fn: Callable[[], Check | list[Check]]) -> list[Check]:
     except EagletError as exc:
         return [Check(name, FAIL, exc.message, "see the message")]
     return result if isinstance(result, list) else [result]
-
-
-def free_disk(path: Path) -> int:
-    probe = Path(path).resolve()
-    while not probe.exists():
-        probe = probe.parent
-    return shutil.disk_usage(probe).free
 
 
 def available_memory(device: str) -> tuple[int, str]:
@@ -147,7 +140,7 @@ def _capacity(name: str, needed: int, available: int, detail: str, warn_share: f
 
 
 def check_disk(out: Path, needed: int, what: str) -> Check:
-    free = free_disk(out)
+    free = free_disk_bytes(out)
     return _capacity("disk", needed, free, f"{what}: ~{needed / GIB:.2f} GiB needed, {free / GIB:.1f} GiB free",
                      DISK_WARN_SHARE, "free space, choose another --out, or shrink the run",
                      "the disk will be nearly full afterwards")
