@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=8192)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--max-prompts", type=int, default=None)
+    parser.add_argument("--eval-prompts", type=int, default=None, help="only the first N held-out prompts")
+    parser.add_argument("--eval-new-tokens", type=int, default=256)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     work = args.workdir
@@ -80,10 +82,12 @@ def main() -> None:
                                   "--token-budget", str(args.token_budget), "--lr", str(args.lr), "--log-every", "20",
                                   "--set", f"draft_vocab_file={work / 'prepared' / 'vocab.safetensors'}")
     if "eval" in stages:
-        for mode, extra in (("chain", ["--depth", "5"]), ("tree", ["--depth", "6", "--topk", "8", "--budget", "48"])):
+        subset = ["--max-prompts", str(args.eval_prompts)] if args.eval_prompts else []
+        for mode, extra in (("chain", ["--depth", "5", "--hf-generate-baseline"]),
+                            ("tree", ["--depth", "6", "--topk", "8", "--budget", "48"])):
             timings[f"eval_{mode}"] = eaglet("eval", "--draft", str(work / "draft"), "--target", args.target,
-                                             "--out", str(work / f"eval_{mode}"), "--mode", mode, "--max-new-tokens",
-                                             "256", "--hf-generate-baseline", *extra)
+                                             "--out", str(work / f"eval_{mode}"), "--mode", mode, "--split", "heldout",
+                                             "--max-new-tokens", str(args.eval_new_tokens), *subset, *extra)
     timings_file.write_text(json.dumps(timings, indent=2))
     metrics = work / "draft" / "metrics.jsonl"
     curve = []

@@ -208,3 +208,49 @@ def test_shard_writer_output_reads_back_with_safetensors(tmp_path):
         assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name].view(torch.uint8), tensor.view(torch.uint8))
     with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as handle:
         assert handle.get_slice("aux").get_shape() == [5, 3, 7]
+
+
+def test_shard_plan_partitions_samples_into_length_sorted_windows():
+    """Every sample in exactly one shard; a shard's samples have nearly one length, so the extractor's
+    padded batches waste little even when a shard is smaller than one batch (8B-sized features)."""
+    from eaglet.extract import batches_by_length
+    from eaglet.store import plan_shards
+
+    lengths = np.random.default_rng(0).integers(300, 2048, size=3000)
+    plans = plan_shards(lengths, tokens_per_shard=16000)
+    stored = [s for p in plans for s in p.samples]
+    assert sorted(stored) == list(range(len(lengths)))
+    assert [p.index for p in plans] == list(range(len(plans)))
+    assert all(p.tokens == int(lengths[list(p.samples)].sum()) for p in plans)
+    for plan in plans:
+        assert list(lengths[list(plan.samples)]) == sorted(lengths[list(plan.samples)], reverse=True)
+
+    def padding_overhead(plans) -> float:
+        padded = sum(len(b) * int(lengths[np.asarray(p.samples)][b].max())
+                     for p in plans for b in batches_by_length(lengths[np.asarray(p.samples)], 32768))
+        return padded / lengths.sum() - 1
+
+    assert padding_overhead(plans) < 0.02
+    assert padding_overhead(plan_shards(lengths, 16000, window_shards=1)) > 0.25  # unsorted shards: the waste
+    assert plan_shards(lengths, 16000) == plans  # a pure function of the lengths
+
+
+def test_verify_names_shard_holding_other_samples(tmp_path, capsys, tiny_store):
+    from eaglet.store import write_safetensors
+
+    store = tmp_path / "store"
+    shutil.copytree(tiny_store, store)
+    path = store / "shard-00001.safetensors"
+    tensors = {key: value.clone() for key, value in load_shard(path).items()}  # the file is mapped
+    other = load_shard(store / "shard-00000.safetensors")["sample_index"][0]
+    tensors["sample_index"][0] = other  # a sample of shard 0 claimed by shard 1
+    write_safetensors(path, tensors)
+    manifest = read_manifest(store)
+    entry = next(e for e in manifest["shards"] if e["index"] == 1)
+    from eaglet.fsio import sha256_file, write_json_atomic
+
+    entry["sha256"], entry["bytes"] = sha256_file(path), path.stat().st_size  # a consistent but wrong shard
+    write_json_atomic(store / "manifest.json", manifest)
+    code, _, err = run_cli(["store", "verify", store], capsys)
+    assert code == 2
+    assert f"bad shard {path}: sample_index does not match the shard's planned samples" in err

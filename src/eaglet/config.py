@@ -203,7 +203,7 @@ class EvalConfig(StrictModel):
     prompts: list[str] = Field(default_factory=lambda: ["demo"], description="prompt files; 'demo' = the shipped demo prompts")
     target: str = "embedded"
     split: Literal["all", "train", "heldout"] = "heldout"
-    max_prompts: int | None = Field(default=None, ge=1)
+    max_prompts: int | None = Field(default=None, ge=1, description="only N prompts, taken round-robin over categories")
     mode: Literal["chain", "tree"] = "chain"
     depth: int = Field(default=4, ge=1, le=16, description="draft steps per verification (chain length / tree depth)")
     topk: int = Field(default=8, ge=1, le=64, description="tree: children per expanded node and nodes expanded per level")

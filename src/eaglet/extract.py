@@ -10,7 +10,6 @@ Killed at any moment and restarted with the same command, only the missing shard
 from __future__ import annotations
 
 import queue
-from contextlib import nullcontext
 import threading
 import time
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from .layers import AUX_CONVENTION, default_aux_layer_ids, validate_aux_layer_id
 from .progress import progress_bar
 from .store import (
     MANIFEST_FILE,
+    SORT_WINDOW_SHARDS,
     STORE_SCHEMA,
     ShardPlan,
     bytes_per_token,
@@ -65,6 +65,36 @@ def batches_by_length(lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray
     return batches
 
 
+@dataclass
+class ExtractedShard:
+    """A shard whose device->host copies may still be in flight: ``wait()`` before reading ``tensors``.
+
+    The compute loop never waits for the device; the writer thread that takes the shard does, so the
+    next shard's forward passes are queued while this one's last copies finish."""
+
+    plan: ShardPlan
+    tensors: dict[str, torch.Tensor]  # what goes to disk (views into ``pooled`` for the features)
+    pooled: dict[str, torch.Tensor]  # the recycled host buffers behind the features
+    copied: torch.cuda.Event | None  # set once every copy into ``pooled`` is done (None on CPU)
+    first_bad: torch.Tensor  # [batches] host int64: first non-finite token of each batch, -1 if none
+    batch_tokens: np.ndarray  # [batches] tokens per batch, in stored order
+    sample_ids: list[str]  # the shard's sample ids, in stored order
+
+    def wait(self) -> None:
+        """Block until the features are on the host; refuse non-finite ones, naming the sample."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        bad = np.flatnonzero(self.first_bad.numpy() >= 0)
+        if len(bad):
+            batch = int(bad[0])
+            token = int(self.batch_tokens[:batch].sum()) + int(self.first_bad[batch])
+            row = int(np.searchsorted(self.tensors["offsets"].numpy(), token, side="right")) - 1
+            raise EagletError(
+                f"non-finite features for sample {self.sample_ids[row]!r}; "
+                "check the target's dtype (--dtype float32) and weights"
+            )
+
+
 class ShardExtractor:
     """One shard's stored tensors from the target: ids, mask, offsets, sample index and features."""
 
@@ -72,92 +102,88 @@ class ShardExtractor:
                  max_shard_tokens: int):
         self.capture = FeatureCapture(model, layer_ids)
         self.device = next(model.parameters()).device
+        self.cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.storage_dtype = storage_dtype
         self.batch_tokens = batch_tokens
         self.max_shard_tokens = max_shard_tokens
-        # Host buffers are pinned (fast, asynchronous device->host copies) and pinning costs ~0.3 s/GB,
-        # so every shard's buffers have the same capacity and are recycled once the writer is done.
+        # Host buffers are pinned (fast, asynchronous device->host copies) and pinning is slow, so every
+        # shard's buffers have the same capacity and are recycled once the writer is done with them.
         self.free_buffers: queue.SimpleQueue = queue.SimpleQueue()
-        self.sync_wait_s = 0.0  # host waiting for the device at shard ends
 
     def _buffers(self, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         try:
             return self.free_buffers.get_nowait()
         except queue.Empty:
-            pin = self.device.type == "cuda"
-            return {k: torch.empty((self.max_shard_tokens, *v.shape[1:]), dtype=v.dtype, pin_memory=pin)
+            return {k: torch.empty((self.max_shard_tokens, *v.shape[1:]), dtype=v.dtype, pin_memory=self.cuda)
                     for k, v in template.items()}
 
     def release(self, buffers: dict[str, torch.Tensor]) -> None:
         """The writer is done with a shard: its feature buffers can take the next one."""
         self.free_buffers.put(buffers)
 
-    def __call__(self, prepared: PreparedSet, plan: ShardPlan) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """The shard's tensors, and the pooled buffers behind them (give those back with ``release``).
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        return tensor.pin_memory().to(self.device, non_blocking=True) if self.cuda else tensor
 
-        Samples are computed and stored longest first; ``sample_index`` records that order. Encoded
-        features go straight from the device into one pinned host buffer per tensor: no gather, no concat."""
-        first = plan.first_sample
-        lengths = prepared.lengths[first : first + plan.num_samples]
-        batches = batches_by_length(lengths, self.batch_tokens)
-        order = np.concatenate(batches)  # local sample indices in computed order
-        stored_lengths = lengths[order]
-        offsets = np.concatenate([[0], np.cumsum(stored_lengths)]).astype(np.int64)
-        tokens = int(offsets[-1])
+    def __call__(self, prepared: PreparedSet, plan: ShardPlan) -> ExtractedShard:
+        """Queue the shard's forward passes and copies; returns before the device is done.
+
+        Samples are computed and stored in plan order (longest first). Encoded features go straight from
+        the device into one pinned host buffer per tensor: no gather, no concat, no host sync."""
+        samples = np.asarray(plan.samples)
+        lengths = prepared.lengths[samples]
+        batches = batches_by_length(lengths, self.batch_tokens)  # plan order is longest first: batches keep it
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         pooled: dict[str, torch.Tensor] = {}
         position = 0
-        cuda = self.device.type == "cuda"
-        # The loop never waits on the device: gathers use host-computed indices, the non-finite check
-        # is kept on the device until the shard ends, and device->host copies run on a side stream.
-        copy_stream = torch.cuda.Stream(self.device) if cuda else None
-        first_bad: list[tuple[np.ndarray, torch.Tensor]] = []  # (batch, device scalar: first bad token or -1)
+        flags = []  # device scalars: first non-finite token of each batch, or -1
         for batch in batches:
             width = int(lengths[batch].max())
             padded = np.zeros((len(batch), width), dtype=np.int64)
-            for row, sample in enumerate(batch.tolist()):
-                padded[row, : lengths[sample]] = prepared.sample(first + sample)[0]
+            for row, local in enumerate(batch.tolist()):
+                padded[row, : lengths[local]] = prepared.sample(int(samples[local]))[0]
             keep = np.concatenate([row * width + np.arange(lengths[s]) for row, s in enumerate(batch.tolist())])
-            input_ids, keep_index = torch.from_numpy(padded), torch.from_numpy(keep)
-            if cuda:
-                input_ids, keep_index = input_ids.pin_memory(), keep_index.pin_memory()
-            input_ids = input_ids.to(self.device, non_blocking=True)
-            keep_index = keep_index.to(self.device, non_blocking=True)
-            aux, last = self.capture(input_ids)  # [B,S,3,H], [B,S,H]
+            aux, last = self.capture(self._to_device(padded))  # [B,S,3,H], [B,S,H]
+            keep_index = self._to_device(keep)
             aux = aux.flatten(0, 1).index_select(0, keep_index)  # [sum L, 3, H]: samples back to back
             last = last.flatten(0, 1).index_select(0, keep_index)  # [sum L, H]
             bad = ~(torch.isfinite(aux).flatten(1).all(1) & torch.isfinite(last).all(1))
-            first_bad.append((batch, torch.where(bad.any(), bad.int().argmax(), -1)))
+            flags.append(torch.where(bad.any(), bad.int().argmax(), -1))
             encoded = encode_features(aux, last, self.storage_dtype)
             pooled = pooled or self._buffers(encoded)
-            if copy_stream is not None:
-                copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(copy_stream) if copy_stream is not None else nullcontext():
-                for key, value in encoded.items():
-                    pooled[key][position : position + len(value)].copy_(value, non_blocking=True)
-                    if copy_stream is not None:
-                        value.record_stream(copy_stream)  # keep the device memory until the copy is done
+            self._copy(encoded, pooled, position)
             position += len(aux)
-        if cuda:
-            started = time.perf_counter()
-            torch.cuda.synchronize(self.device)
-            self.sync_wait_s += time.perf_counter() - started
-        for batch, flag in first_bad:
-            if int(flag) >= 0:
-                sample = int(batch[np.searchsorted(np.cumsum(lengths[batch]), int(flag), side="right")])
-                raise EagletError(
-                    f"non-finite features for sample {prepared.ids[first + sample]!r}; "
-                    "check the target's dtype (--dtype float32) and weights"
-                )
-        ids = np.concatenate([prepared.sample(first + s)[0] for s in order.tolist()])
-        mask = np.concatenate([prepared.sample(first + s)[1] for s in order.tolist()])
-        buffers = {key: value[:tokens] for key, value in pooled.items()}
-        buffers.update(
+        first_bad = torch.empty(len(flags), dtype=torch.int64, pin_memory=self.cuda)
+        self._copy({"flags": torch.stack(flags).long()}, {"flags": first_bad}, 0)
+        copied = None
+        if self.copy_stream is not None:
+            copied = torch.cuda.Event()
+            copied.record(self.copy_stream)
+        ids = np.concatenate([prepared.sample(int(s))[0] for s in samples])
+        mask = np.concatenate([prepared.sample(int(s))[1] for s in samples])
+        tensors = {key: value[: offsets[-1]] for key, value in pooled.items()}
+        tensors.update(
             input_ids=torch.from_numpy(ids.astype(np.int32)),
             loss_mask=torch.from_numpy(mask.astype(np.uint8)),
             offsets=torch.from_numpy(offsets),
-            sample_index=torch.from_numpy((first + order).astype(np.int64)),
+            sample_index=torch.from_numpy(samples.astype(np.int64)),
         )
-        return buffers, pooled
+        return ExtractedShard(plan, tensors, pooled, copied, first_bad,
+                              np.array([int(lengths[b].sum()) for b in batches]),
+                              [prepared.ids[int(s)] for s in samples])
+
+    def _copy(self, sources: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], position: int) -> None:
+        """``targets[k][position:] = sources[k]``; on the GPU asynchronously on the copy stream."""
+        if self.copy_stream is None:
+            for key, value in sources.items():
+                targets[key][position : position + len(value)].copy_(value)
+            return
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            for key, value in sources.items():
+                targets[key][position : position + len(value)].copy_(value, non_blocking=True)
+                value.record_stream(self.copy_stream)  # keep the device memory until the copy is done
 
 
 class ShardWriter:
@@ -180,19 +206,20 @@ class ShardWriter:
         while (item := self.queue.get()) is not None:
             if self.error is None:
                 try:
-                    plan, tensors, pooled = item
-                    record = write_shard(self.store, plan, tensors)
-                    del tensors
-                    self.release(pooled)
+                    shard: ExtractedShard = item
+                    shard.wait()
+                    record = write_shard(self.store, shard.plan, shard.tensors)
+                    self.release(shard.pooled)
+                    del shard, item
                     with self.lock:
                         self.on_written(record)
                 except BaseException as exc:  # surfaced in the main thread
                     self.error = exc
 
-    def submit(self, plan: ShardPlan, shard: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]) -> None:
+    def submit(self, shard: ExtractedShard) -> None:
         self.check()
         started = time.perf_counter()
-        self.queue.put((plan, *shard))
+        self.queue.put(shard)
         self.stall_s += time.perf_counter() - started
 
     def check(self) -> None:
@@ -221,7 +248,6 @@ class ExtractResult:
     tokens_computed: int
     seconds: float
     writer_stall_s: float = 0.0  # compute waiting on the disk: the share of `seconds` the disk cost
-    device_wait_s: float = 0.0
 
 
 def store_identity(config: ExtractConfig, info: Any, layers: tuple[int, ...], prepared: PreparedSet,
@@ -249,6 +275,7 @@ def store_identity(config: ExtractConfig, info: Any, layers: tuple[int, ...], pr
         "storage_dtype": config.storage_dtype,
         "hidden_size": info.hidden_size,
         "tokens_per_shard": tokens_per_shard,
+        "sort_window_shards": SORT_WINDOW_SHARDS,
     }
 
 
@@ -310,7 +337,7 @@ def run_extract(config: ExtractConfig, console: Console | None = None, model: to
     dist.barrier()
 
     started = time.perf_counter()
-    stall_s = wait_s = 0.0
+    stall_s = 0.0
     if mine:
         if model is None:
             model = load_model(resolved.path, device, config.dtype, config.trust_remote_code)
@@ -325,17 +352,17 @@ def run_extract(config: ExtractConfig, console: Console | None = None, model: to
                                      total=sum(p.tokens for p in mine))
             try:
                 for plan in mine:
-                    writer.submit(plan, extractor(prepared, plan))
+                    writer.submit(extractor(prepared, plan))
                     progress.advance(task, plan.tokens)
             finally:
                 writer.close()
-                stall_s, wait_s = writer.stall_s, extractor.sync_wait_s
+                stall_s = writer.stall_s
     seconds = time.perf_counter() - started
     dist.barrier()
     manifest = _manifest(store, identity, plans, config)
     if dist.is_main:
         write_json_atomic(store / MANIFEST_FILE, manifest)
-    return ExtractResult(store, manifest, len(mine), sum(p.tokens for p in mine), seconds, stall_s, wait_s)
+    return ExtractResult(store, manifest, len(mine), sum(p.tokens for p in mine), seconds, stall_s)
 
 
 def _check_disk(store: Path, needed_bytes: int, reserve_gb: float) -> None:

@@ -20,7 +20,8 @@ from .capture import FeatureCapture
 from .data.prepared import PreparedSet
 from .errors import EagletError
 from .extract import batches_by_length
-from .store import ShardPlan, check_same_target, decode_features, load_shard, plan_shards, read_manifest
+from .store import (ShardPlan, check_same_target, decode_features, load_shard, plan_shards, read_manifest,
+                    read_sample_index)
 
 PREFETCH_SHARDS = 2
 
@@ -56,7 +57,7 @@ def epoch_order(plans: list[ShardPlan], seed: int, epoch: int, select: SampleFil
     order: list[int] = []
     for shard in rng.permutation(len(plans)).tolist():
         plan = plans[shard]
-        order.extend((plan.first_sample + rng.permutation(plan.num_samples)).tolist())
+        order.extend(np.asarray(plan.samples)[rng.permutation(plan.num_samples)].tolist())
     return [s for s in order if select(s)] if select is not None else order
 
 
@@ -104,7 +105,8 @@ class StoreSource:
             raise EagletError(f"{store}: extraction incomplete; run the same `eaglet extract` command again to finish it")
         if expect_target is not None:
             check_same_target(self.manifest, expect_target, f"store {store}")
-        self.plans = [ShardPlan(s["index"], s["first_sample"], s["num_samples"], s["tokens"]) for s in self.manifest["shards"]]
+        self.plans = [ShardPlan(s["index"], read_sample_index(self.store / s["file"]), s["tokens"])
+                      for s in self.manifest["shards"]]
         self.by_index = {s["index"]: s for s in self.manifest["shards"]}
         self.token_budget = token_budget
         self.seed = seed
@@ -138,7 +140,7 @@ class StoreSource:
     def batches(self, epoch: int, select: SampleFilter | None = None) -> Iterator[FeatureBatch]:
         order = epoch_order(self.plans, self.seed, epoch, select)
         by_shard: dict[int, list[int]] = {plan.index: [] for plan in self.plans}
-        shard_of = {s: p.index for p in self.plans for s in range(p.first_sample, p.first_sample + p.num_samples)}
+        shard_of = {s: p.index for p in self.plans for s in p.samples}
         for sample in order:
             by_shard[shard_of[sample]].append(sample)
         shard_sequence = list(dict.fromkeys(shard_of[s] for s in order))

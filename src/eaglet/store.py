@@ -9,23 +9,27 @@ Layout::
                                       with aux_scale [T,3] / last_scale [T] float32 per-token scales)
     STORE/shard-00000.json            the shard's record (sha256, bytes, samples, tokens), written after it
 
-Shards cover contiguous runs of the prepared set, planned from the sample lengths alone, so the plan
-(and every shard's bytes) is the same whoever computes it: one process, K torchrun ranks, or a resumed run.
+Shards are planned from the sample lengths alone, so the plan (and every shard's bytes) is the same
+whoever computes it: one process, K torchrun ranks, or a resumed run. The prepared set is cut into
+windows of consecutive samples (``SORT_WINDOW_SHARDS`` shards' worth of tokens); inside a window samples
+are sorted longest first and cut into shards. A shard thus holds samples of nearly one length and the
+extractor's right-padded batches waste almost nothing on padding, however small a shard is next to a batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 
 from .errors import EagletError
 from .fsio import atomic_file, read_json, sha256_file, write_json_atomic
 
-STORE_SCHEMA = "eaglet.store/1"
+STORE_SCHEMA = "eaglet.store/2"  # 2: shards hold length-sorted windows, not consecutive rows
 MANIFEST_FILE = "manifest.json"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_MIN_SCALE = 1e-12
@@ -41,12 +45,18 @@ def record_name(index: int) -> str:
     return f"shard-{index:05d}.json"
 
 
+SORT_WINDOW_SHARDS = 64  # shards per length-sorted window: more = less padding, less mixing of neighbours
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     index: int
-    first_sample: int  # index into the prepared set
-    num_samples: int
+    samples: tuple[int, ...]  # rows of the prepared set, in stored order (longest first)
     tokens: int
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.samples)
 
 
 def bytes_per_token(hidden_size: int, storage_dtype: str) -> int:
@@ -56,17 +66,27 @@ def bytes_per_token(hidden_size: int, storage_dtype: str) -> int:
     return features + scales + 4 + 1
 
 
-def plan_shards(lengths: np.ndarray, tokens_per_shard: int) -> list[ShardPlan]:
-    """Consecutive samples, a new shard once one holds ``tokens_per_shard`` tokens."""
+def _cut(samples: list[int], lengths: np.ndarray, tokens: int) -> list[list[int]]:
+    """Consecutive runs of ``samples``, a new run once one holds ``tokens`` tokens."""
+    runs: list[list[int]] = [[]]
+    used = 0
+    for sample in samples:
+        runs[-1].append(sample)
+        used += int(lengths[sample])
+        if used >= tokens:
+            runs.append([])
+            used = 0
+    return [run for run in runs if run]
+
+
+def plan_shards(lengths: np.ndarray, tokens_per_shard: int, window_shards: int = SORT_WINDOW_SHARDS) -> list[ShardPlan]:
+    """Windows of consecutive samples, each sorted longest first (stable) and cut into shards of
+    about ``tokens_per_shard`` tokens."""
     plans: list[ShardPlan] = []
-    first, tokens = 0, 0
-    for index, length in enumerate(lengths.tolist()):
-        tokens += length
-        if tokens >= tokens_per_shard:
-            plans.append(ShardPlan(len(plans), first, index + 1 - first, tokens))
-            first, tokens = index + 1, 0
-    if first < len(lengths):
-        plans.append(ShardPlan(len(plans), first, len(lengths) - first, tokens))
+    for window in _cut(list(range(len(lengths))), lengths, tokens_per_shard * window_shards):
+        ordered = sorted(window, key=lambda sample: -int(lengths[sample]))  # stable: ties keep row order
+        for shard in _cut(ordered, lengths, tokens_per_shard):
+            plans.append(ShardPlan(len(plans), tuple(shard), int(lengths[shard].sum())))
     return plans
 
 
@@ -154,12 +174,20 @@ def write_shard(store: Path, plan: ShardPlan, tensors: dict[str, torch.Tensor]) 
         size, digest = write_safetensors(tmp, tensors)
     record = {
         "file": shard_name(plan.index),
-        **asdict(plan),
+        "index": plan.index,
+        "num_samples": plan.num_samples,  # which ones: the shard's sample_index, or plan_shards() again
+        "tokens": plan.tokens,
         "bytes": size,
         "sha256": digest,
     }
     write_json_atomic(store / record_name(plan.index), record)
     return record
+
+
+def read_sample_index(path: Path) -> tuple[int, ...]:
+    """A shard's samples (rows of the prepared set, stored order), read without loading its features."""
+    with safe_open(str(path), framework="pt") as shard:
+        return tuple(shard.get_tensor("sample_index").tolist())
 
 
 def read_record(store: Path, index: int) -> dict[str, Any] | None:
@@ -207,8 +235,9 @@ def check_same_target(store_manifest: dict[str, Any], target: dict[str, Any], wh
             )
 
 
-def verify_shard(store: Path, entry: dict[str, Any], hidden_size: int, prepared: Any | None) -> str | None:
-    """None if the shard is sound, else what is wrong with it."""
+def verify_shard(store: Path, entry: dict[str, Any], hidden_size: int, prepared: Any | None,
+                 plan: ShardPlan | None = None) -> str | None:
+    """None if the shard is sound, else what is wrong with it (``plan``: the samples it must hold)."""
     path = store / entry["file"]
     if not path.is_file():
         return "file missing"
@@ -239,9 +268,8 @@ def verify_shard(store: Path, entry: dict[str, Any], hidden_size: int, prepared:
     offsets = tensors["offsets"]
     if offsets[0] != 0 or offsets[-1] != tokens or bool((offsets[1:] < offsets[:-1]).any()):
         return "offsets are not a valid packing of the tokens"
-    expected_index = torch.arange(entry["first_sample"], entry["first_sample"] + samples)
-    if not torch.equal(tensors["sample_index"].sort().values, expected_index):
-        return "sample_index does not match the shard's sample range"
+    if plan is not None and tensors["sample_index"].tolist() != list(plan.samples):
+        return "sample_index does not match the shard's planned samples"
     aux, last = decode_features(tensors)
     if not (torch.isfinite(aux).all() and torch.isfinite(last).all()):
         return "non-finite feature values"

@@ -12,7 +12,7 @@ from .config import ExtractConfig
 from .data.prepared import load_prepared
 from .errors import EagletError
 from .progress import progress_bar
-from .store import read_manifest, record_name, verify_shard
+from .store import plan_shards, read_manifest, record_name, verify_shard
 
 
 @dataclass
@@ -39,6 +39,10 @@ def verify_store(store: Path, check_prepared: bool = True, console: Console | No
                 )
         else:
             console.print(f"[yellow]prepared set {prepared_path} not found: token ids are not checked[/]")
+    plans = None
+    if prepared is not None:  # the samples each shard must hold, planned again from the lengths
+        plans = {p.index: p for p in plan_shards(prepared.lengths, manifest["tokens_per_shard"],
+                                                  manifest["sort_window_shards"])}
     problems = []
     listed = {entry["index"] for entry in manifest["shards"]}
     for index in range(manifest["num_shards"]):
@@ -47,7 +51,8 @@ def verify_store(store: Path, check_prepared: bool = True, console: Console | No
     with progress_bar("shards", console) as progress:
         task = progress.add_task("verify", total=len(manifest["shards"]))
         for entry in manifest["shards"]:
-            reason = verify_shard(store, entry, manifest["hidden_size"], prepared)
+            reason = verify_shard(store, entry, manifest["hidden_size"], prepared,
+                                  None if plans is None else plans.get(entry["index"]))
             if reason:
                 problems.append(ShardProblem(entry["file"], entry["index"], reason))
             progress.advance(task)

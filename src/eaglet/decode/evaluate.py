@@ -47,11 +47,20 @@ def _prompts(config: EvalConfig, tokenizer: Any) -> list[tuple[str, str, list[in
         text = tokenizer.apply_chat_template(item.prompt_messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
         rows.append((item.id, item.meta.get("category", "all"), ids))
-        if config.max_prompts and len(rows) >= config.max_prompts:
-            break
     if not rows:
         raise EagletError(f"{', '.join(config.prompts)}: no prompts selected (split={config.split})")
-    return rows
+    return _spread(rows, config.max_prompts) if config.max_prompts else rows
+
+
+def _spread(rows: list[tuple[str, str, list[int]]], count: int) -> list[tuple[str, str, list[int]]]:
+    """The first ``count`` prompts taken round-robin over categories, so a subset still covers them all."""
+    by_category: dict[str, list] = {}
+    for row in rows:
+        by_category.setdefault(row[1], []).append(row)
+    picked = []
+    for rank in range(max(len(v) for v in by_category.values())):
+        picked.extend(group[rank] for group in by_category.values() if rank < len(group))
+    return picked[:count]
 
 
 def _hf_generate_tokens_per_s(model: Any, prompts: list[list[int]], max_new: int, stop: list[int]) -> float:
