@@ -7,9 +7,6 @@ if [ ! -f "$GGUF" ]; then
   cp .device/model.part.ab /tmp/eaglet/
   cat /tmp/eaglet/model.part.* > "$GGUF"
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/whl/*.whl
-  if [ -d .device/specwhl ]; then  # the speculators anchor, in its own site (it pins another pydantic)
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/specsite .device/specwhl/*.whl 2>&1 | grep -v root | tail -3 || true
-  fi
 fi
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 EAGLET_CACHE=/tmp/eaglet/cache EAGLET_EMBEDDED_GGUF=$GGUF
 python3 -m eaglet.cli target info --json > /dev/null
