@@ -97,7 +97,7 @@ def main() -> None:
                 "mfu": round(flops / median / H200_BF16_DENSE_FLOPS, 4) if device.type == "cuda" else None,
                 "peak_gib": round(peak, 2) if peak else None, "final_loss": round(float(out.loss), 4)}
 
-    ours = measure(attention_for(device))
+    ours = measure(attention_for(device, config.head_dim))
     naive = None if args.skip_naive else measure(ReferenceAttention)
     record = {
         "benchmark": f"train_step_{args.shape}", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eaglet.draft import DraftConfig, Eagle3Draft
-from eaglet.ttt import TeacherHead, TTTAttention, TTTInputs, documents, simulated_acceptance, ttt_forward
+from eaglet.ttt import FLEX_MIN_HEAD_DIM, TeacherHead, TTTAttention, TTTInputs, documents, simulated_acceptance, ttt_forward
 
 
 class NaiveAttention:
@@ -34,10 +34,10 @@ class NaiveAttention:
         return torch.softmax(scores, -1) @ values
 
 
-def tiny_setup(seed=0):
+def tiny_setup(seed=0, head_dim=8):
     torch.manual_seed(seed)
-    vocab, draft_vocab, hidden = 50, 20, 32
-    config = DraftConfig(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    vocab, draft_vocab, hidden = 50, 20, 4 * head_dim
+    config = DraftConfig(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                          intermediate_size=64, vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=hidden,
                          eagle_aux_hidden_state_layer_ids=[1, 2, 3])
     draft = Eagle3Draft(config).double()
@@ -123,11 +123,20 @@ def test_flex_attention_mask_matches_dense_forward():
     torch.testing.assert_close(flex.loss, dense.loss, rtol=1e-4, atol=1e-4)
 
 
+def test_small_heads_use_the_dense_path_on_gpu():
+    """FlexAttention's GPU kernels refuse heads under 16 dims: such drafts must still train there."""
+    from eaglet.ttt import FlexTTTAttention, attention_for
+
+    assert attention_for(torch.device("cuda"), FLEX_MIN_HEAD_DIM) is FlexTTTAttention
+    assert attention_for(torch.device("cuda"), 8) is TTTAttention
+    assert attention_for(torch.device("cpu"), 128) is TTTAttention
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs a GPU")
 def test_flex_attention_gradients_match_on_gpu():
     from eaglet.ttt import FlexTTTAttention
 
-    draft, inputs = tiny_setup()
+    draft, inputs = tiny_setup(head_dim=FLEX_MIN_HEAD_DIM)
     device = torch.device("cuda")
     draft = draft.float().to(device)
     moved = TTTInputs(**{k: (v.float() if v.is_floating_point() else v).to(device) for k, v in vars(inputs).items()})

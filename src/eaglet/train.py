@@ -47,7 +47,7 @@ class TTTModule(torch.nn.Module):
         self.steps, self.decay, self.noise_std = steps, decay, noise_std
 
     def forward(self, inputs: TTTInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        out = ttt_forward(self.draft, inputs, self.steps, self.decay, attention_for(inputs.input_ids.device),
+        out = ttt_forward(self.draft, inputs, self.steps, self.decay, attention_for(inputs.input_ids.device, self.draft.config.head_dim),
                           self.noise_std if self.training else 0.0)
         return out.loss, torch.stack(out.step_losses), torch.stack(out.step_correct), torch.stack(out.step_counts)
 

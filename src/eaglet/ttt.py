@@ -235,6 +235,10 @@ class ReferenceAttention:
         return weights.to(values.dtype) @ values
 
 
-def attention_for(device: torch.device):
-    """FlexAttention on GPU, the dense path elsewhere (FlexAttention has no CPU backward)."""
-    return FlexTTTAttention if device.type == "cuda" else TTTAttention
+FLEX_MIN_HEAD_DIM = 16  # FlexAttention's compiled GPU kernels refuse smaller heads (torch 2.11: "NYI ... at least 16")
+
+
+def attention_for(device: torch.device, head_dim: int):
+    """FlexAttention on GPU, the dense path elsewhere (FlexAttention has no CPU backward) and for heads
+    too small for its kernels."""
+    return FlexTTTAttention if device.type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM else TTTAttention
