@@ -88,20 +88,30 @@ def test_online_takes_the_same_steps_as_offline(tmp_path, capsys, tiny_store, ti
 
 
 @pytest.mark.slow
-def test_two_ddp_processes_equal_one_process_with_accumulation(tmp_path, capsys, tiny_store, tiny_target):
-    single = tmp_path / "single"
-    assert run_cli(train_args(tiny_store, single, tiny_target, "--max-steps", "6", "--grad-accum", "2"), capsys)[0] == 0
-    ddp = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
-           "-m", "eaglet.cli", *map(str, train_args(tiny_store, ddp, tiny_target, "--max-steps", "6"))]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert train_losses(ddp) == pytest.approx(train_losses(single), rel=1e-5)
+@pytest.mark.parametrize("parallel,port", [("ddp", 29533), ("fsdp2", 29534)])
+def test_two_processes_equal_one_process_with_accumulation(tmp_path, capsys, tiny_store, tiny_target, parallel, port):
+    """torchrun with 2 gloo processes takes the same steps as one process with the same global batch;
+    under FSDP2 the gathered checkpoint and draft are whole, and a rerun resumes from them."""
     from safetensors.torch import load_file
 
-    a, b = load_file(str(single / "model.safetensors")), load_file(str(ddp / "model.safetensors"))
+    single = tmp_path / "single"
+    assert run_cli(train_args(tiny_store, single, tiny_target, "--max-steps", "6", "--grad-accum", "2"), capsys)[0] == 0
+    multi = tmp_path / parallel
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+           "-m", "eaglet.cli", *map(str, train_args(tiny_store, multi, tiny_target, "--max-steps", "6",
+                                                    "--parallel", parallel, "--eval-every", "3"))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert train_losses(multi) == pytest.approx(train_losses(single), rel=1e-5)
+    a, b = load_file(str(single / "model.safetensors")), load_file(str(multi / "model.safetensors"))
+    assert set(a) == set(b)
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6)
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert again.returncode == 0 and "resuming from" in again.stderr, again.stderr[-3000:]
+    for name, value in load_file(str(multi / "model.safetensors")).items():  # loaded, nothing left to train
+        torch.testing.assert_close(value, b[name], rtol=0, atol=0)
 
 
 def test_store_from_another_target_is_refused(tmp_path, capsys, tiny_store):

@@ -40,14 +40,15 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
-def save_checkpoint(run: Path, model_state: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
+def save_checkpoint(run: Path, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any],
                     scheduler: Any, state: TrainerState, identity: dict[str, Any], keep_last: int) -> Path:
+    """``model_state``/``optimizer_state``: full (unsharded) state dicts, see ``Parallel.full_state``."""
     from safetensors.torch import save_file
 
     final = run / CHECKPOINTS_DIR / f"step-{state.step:06d}"
     with atomic_directory(final, overwrite=True) as tmp:
         save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, str(tmp / "draft.safetensors"))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(optimizer_state, tmp / "optimizer.pt")
         save_file(_rng_state(), str(tmp / "rng.safetensors"))
         write_json_atomic(tmp / STATE_FILE, {"state": state.as_dict(), "scheduler": scheduler.state_dict(),
                                              "identity": identity})
@@ -62,8 +63,16 @@ def latest_checkpoint(run: Path) -> Path | None:
     return candidates[-1] if candidates else None
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                    identity: dict[str, Any]) -> TrainerState:
+@dataclass
+class LoadedCheckpoint:
+    state: TrainerState
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict[str, Any]
+
+
+def load_checkpoint(path: Path, expected_keys: set[str], scheduler: Any, identity: dict[str, Any]) -> LoadedCheckpoint:
+    """Read a checkpoint made with the same identity; restores the scheduler and RNG here, and returns the
+    model and optimizer states for the caller to load (sharded or not)."""
     from safetensors.torch import load_file
 
     saved = read_json(path / STATE_FILE)
@@ -73,10 +82,11 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
                 f"{path}: checkpoint was trained with {key}={saved['identity'].get(key)!r}, this run has {value!r}; "
                 "use another --out or the same settings"
             )
-    missing, unexpected = model.load_state_dict(load_file(str(path / "draft.safetensors")), strict=False)
-    if unexpected or [m for m in missing if "embed_tokens" not in m]:
-        raise EagletError(f"{path}: checkpoint weights do not match the draft ({missing or unexpected})")
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
+    model_state = load_file(str(path / "draft.safetensors"))
+    if set(model_state) != expected_keys:
+        raise EagletError(f"{path}: checkpoint weights do not match the draft "
+                          f"(missing {sorted(expected_keys - set(model_state))}, unexpected {sorted(set(model_state) - expected_keys)})")
+    optimizer_state = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
     scheduler.load_state_dict(saved["scheduler"])
     rng = load_file(str(path / "rng.safetensors"))
     torch.set_rng_state(rng["cpu"])
@@ -84,4 +94,4 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         cuda_states = [rng[k] for k in sorted(rng) if k.startswith("cuda")]
         if cuda_states:
             torch.cuda.set_rng_state_all(cuda_states[: torch.cuda.device_count()])
-    return TrainerState(**saved["state"])
+    return LoadedCheckpoint(TrainerState(**saved["state"]), model_state, optimizer_state)

@@ -296,6 +296,7 @@ def train(
     ttt_steps: Optional[int] = typer.Option(None, help="training-time-test unroll K (default: 7)"),
     token_budget: Optional[int] = typer.Option(None, help="tokens per packed micro-batch (default: 4096)"),
     grad_accum: Optional[int] = typer.Option(None, help="micro-batches per optimizer step and rank (default: 1)"),
+    parallel: Optional[str] = typer.Option(None, help="under torchrun: ddp (default) or fsdp2 (shards weights and optimizer)"),
     lr: Optional[float] = typer.Option(None, help="peak learning rate (default: 3e-4)"),
     max_steps: Optional[int] = typer.Option(None, help="stop after N optimizer steps"),
     epochs: Optional[float] = typer.Option(None, help="stop after E epochs (default: 1)"),
@@ -311,14 +312,14 @@ def train(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
     overrides: List[str] = typer.Option([], "--set", help=SET_HELP),
 ) -> None:
-    """Train the EAGLE-3 draft (training-time test) on a store or online; resumable; torchrun for DDP."""
+    """Train the EAGLE-3 draft (training-time test) on a store or online; resumable; torchrun for DDP or FSDP2."""
     from .config import TrainConfig, build_config
     from .train import run_train
 
     cfg = build_config(
         TrainConfig, "train", config,
         dict(out=out, store=store, prepared=prepared, target=target, ttt_steps=ttt_steps, token_budget=token_budget,
-             grad_accum=grad_accum, lr=lr, max_steps=max_steps, epochs=epochs, tokens=tokens, max_minutes=max_minutes,
+             grad_accum=grad_accum, parallel=parallel, lr=lr, max_steps=max_steps, epochs=epochs, tokens=tokens, max_minutes=max_minutes,
              eval_store=eval_store, seed=seed,
              eval_every=eval_every, log_every=log_every, save_every=save_every, device=device),
         overrides,

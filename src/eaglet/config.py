@@ -170,6 +170,7 @@ class TrainConfig(StrictModel):
     loss_decay: float = Field(default=0.8, gt=0, le=1)
     token_budget: int = Field(default=4096, ge=16, description="tokens per packed micro-batch")
     grad_accum: int = Field(default=1, ge=1)
+    parallel: Literal["ddp", "fsdp2"] = Field(default="ddp", description="under torchrun: replicate (ddp) or shard (fsdp2) the draft and optimizer")
     lr: float = Field(default=3e-4, gt=0)
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = Field(default=0.0, ge=0)

@@ -169,6 +169,9 @@ class DraftLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+FROZEN_PREFIX = "embed_tokens"  # the target's embedding: copied in, never trained, never saved
+
+
 class Eagle3Draft(nn.Module):
     def __init__(self, config: DraftConfig):
         super().__init__()
@@ -205,10 +208,12 @@ class Eagle3Draft(nn.Module):
 
     def serving_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything but the (shared, frozen) embedding, under the serving names."""
-        return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("embed_tokens")}
+        return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith(FROZEN_PREFIX)}
 
 
-def save_draft(model: Eagle3Draft, directory: str | Path) -> None:
+def save_draft(config: DraftConfig, weights: dict[str, torch.Tensor], directory: str | Path) -> None:
+    """The draft as serving engines and ``load_draft`` read it: ``weights`` is ``serving_state_dict()``
+    (or the same gathered from sharded training)."""
     from safetensors.torch import save_file
 
     from .fsio import atomic_file, write_json_atomic
@@ -216,8 +221,8 @@ def save_draft(model: Eagle3Draft, directory: str | Path) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     with atomic_file(directory / DRAFT_WEIGHTS_FILE) as tmp:
-        save_file(model.serving_state_dict(), str(tmp))
-    write_json_atomic(directory / DRAFT_CONFIG_FILE, model.config.to_dict())
+        save_file({k: v.detach().contiguous() for k, v in weights.items()}, str(tmp))
+    write_json_atomic(directory / DRAFT_CONFIG_FILE, config.to_dict())
 
 
 EXPORTED_DRAFT_CONFIG_FILE = "eaglet_draft.json"  # eaglet's config kept inside exported directories

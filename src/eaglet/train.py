@@ -26,11 +26,12 @@ from .config import TrainConfig
 from .data.prepared import load_prepared
 from .data.vocab import DraftVocab
 from .distributed import Dist, init_distributed
-from .draft import DraftConfig, Eagle3Draft, save_draft
+from .draft import FROZEN_PREFIX, DraftConfig, Eagle3Draft, save_draft
 from .errors import EagletError
 from .features import FeatureBatch, LiveSource, StoreSource, epoch_order, held_out, pack_stream
 from .fsio import write_json_atomic
 from .layers import default_aux_layer_ids
+from .parallel import Parallel
 from .metrics import H200_BF16_DENSE_FLOPS, MetricsLog, draft_train_flops_per_token, plot_run
 from .progress import progress_bar
 from .store import ShardPlan, check_same_target, read_manifest
@@ -213,8 +214,9 @@ def _reduce(tensors: list[torch.Tensor], dist: Dist) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def evaluate(module: TTTModule, setup: Setup, config: TrainConfig, teacher: TeacherHead, device: torch.device,
-             dtype: torch.dtype, dist: Dist, autocast) -> dict[str, Any]:
-    """Per-step accuracy and simulated τ on the held-out samples."""
+             dtype: torch.dtype, dist: Dist, autocast, lockstep: bool = False) -> dict[str, Any]:
+    """Per-step accuracy and simulated τ on the held-out samples (``lockstep``: every rank runs as many
+    forwards, as FSDP2 needs)."""
     module.eval()
     correct = torch.zeros(config.ttt_steps, device=device)
     counts = torch.zeros(config.ttt_steps, device=device)
@@ -223,7 +225,9 @@ def evaluate(module: TTTModule, setup: Setup, config: TrainConfig, teacher: Teac
         batches = setup.eval_source.batches(0)
     else:
         batches = setup.source.batches(0, lambda s: held_out(s, config.seed, config.eval_fraction))
+    total, spare = 0, None
     for index, batch in enumerate(batches):
+        total, spare = index + 1, batch
         if index % dist.world != dist.rank:
             continue
         with autocast():
@@ -231,6 +235,10 @@ def evaluate(module: TTTModule, setup: Setup, config: TrainConfig, teacher: Teac
         correct += step_correct.float()
         counts += step_counts.float()
         losses += step_losses.float() * step_counts.float()
+    if lockstep and spare is not None:  # ranks one batch short of the others run one that counts nothing
+        for _ in range(-(-total // dist.world) - len(range(dist.rank, total, dist.world))):
+            with autocast():
+                module(_inputs(spare, teacher, device, dtype, config.token_budget))
     correct, counts, losses = _reduce([correct, counts, losses], dist)
     module.train()
     if int(counts[0]) == 0:  # nothing held out (a tiny set): report that rather than a fake zero
@@ -267,11 +275,8 @@ def run_train(config: TrainConfig, console: Console | None = None) -> TrainResul
     draft.to(device)
     teacher = TeacherHead(lm_head.to(device, torch.bfloat16 if use_bf16 else torch.float32), d2t.to(device), softcap)
     module = TTTModule(draft, config.ttt_steps, config.loss_decay, config.feature_noise_std).to(device)
-    wrapped: torch.nn.Module = module
-    if dist.world > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
-        wrapped = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+    parallel = Parallel(config.parallel, dist, device)
+    wrapped = parallel.wrap(module)
     parameters = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
 
@@ -287,7 +292,9 @@ def run_train(config: TrainConfig, console: Console | None = None) -> TrainResul
     state = TrainerState()
     checkpoint = latest_checkpoint(run)
     if checkpoint is not None:
-        state = load_checkpoint(checkpoint, module.draft, optimizer, scheduler, setup.identity)
+        loaded = load_checkpoint(checkpoint, _checkpoint_keys(module.draft), scheduler, setup.identity)
+        parallel.load_state(module, optimizer, module.draft, loaded.model_state, loaded.optimizer_state)
+        state = loaded.state
         console.print(f"resuming from {checkpoint} (step {state.step})")
     resumed_from = state.step
     run.mkdir(parents=True, exist_ok=True)
@@ -314,8 +321,7 @@ def run_train(config: TrainConfig, console: Console | None = None) -> TrainResul
                     step_counts = torch.zeros(config.ttt_steps, device=device)
                     loss_sum = torch.zeros((), device=device)
                     for index, batch in enumerate(mine):
-                        sync = wrapped.no_sync() if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel) and index < len(mine) - 1 else nullcontext()
-                        with sync, autocast():
+                        with parallel.accumulating(wrapped, last=index == len(mine) - 1), autocast():
                             loss, losses_k, correct_k, counts_k = wrapped(
                                 _inputs(batch, teacher, device, torch.float32, config.token_budget))
                             (loss / len(mine)).backward()
@@ -350,12 +356,12 @@ def run_train(config: TrainConfig, console: Console | None = None) -> TrainResul
                         window_tokens, window_started = 0, time.perf_counter()
                     out_of_time = deadline is not None and time.monotonic() > deadline
                     if evaluates and (state.step % config.eval_every == 0 or state.step == total_steps or out_of_time):
-                        final_eval = evaluate(module, setup, config, teacher, device, torch.float32, dist, autocast)
+                        final_eval = evaluate(module, setup, config, teacher, device, torch.float32, dist, autocast, parallel.lockstep)
                         metrics.log({"kind": "eval", "step": state.step, "tokens": state.tokens, **final_eval})
                     stopping = _any_rank(stop.requested or out_of_time, dist, device)
                     stop.requested = stopping
                     if state.step % config.save_every == 0 or state.step == total_steps or stopping:
-                        _save(run, module, optimizer, scheduler, state, setup, config, dist)
+                        _save(run, module, optimizer, scheduler, state, setup, config, dist, parallel)
                     if state.step >= total_steps or stop.requested:
                         break
                 else:
@@ -384,10 +390,16 @@ def _micro_batches(setup: Setup, config: TrainConfig, state: TrainerState, selec
             group = []
 
 
+def _checkpoint_keys(draft: Eagle3Draft) -> set[str]:
+    """What a checkpoint holds of the draft: everything but the frozen embedding (the target's)."""
+    return {k for k in draft.state_dict() if not k.startswith(FROZEN_PREFIX)}
+
+
 def _save(run: Path, module: TTTModule, optimizer, scheduler, state: TrainerState, setup: Setup,
-          config: TrainConfig, dist: Dist) -> None:
-    model_state = {k: v for k, v in module.draft.state_dict().items() if not k.startswith("embed_tokens")}
+          config: TrainConfig, dist: Dist, parallel: Parallel) -> None:
+    full_model, full_optimizer = parallel.full_state(module, optimizer, module.draft)  # collective
     if dist.is_main:
-        save_checkpoint(run, model_state, optimizer, scheduler, state, setup.identity, config.keep_last)
-        save_draft(module.draft, run)
+        model_state = {k: v for k, v in full_model.items() if not k.startswith(FROZEN_PREFIX)}
+        save_checkpoint(run, model_state, full_optimizer, scheduler, state, setup.identity, config.keep_last)
+        save_draft(module.draft.config, model_state, run)
     dist.barrier()
