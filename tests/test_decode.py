@@ -118,6 +118,51 @@ def test_sampling_matches_the_target_distribution():
     assert tv < 0.07
 
 
+def test_walking_tree_candidates_keeps_the_target_distribution():
+    """Candidates proposed deterministically (a node's top-k children), accepted or passed over one by one:
+    the emitted token is distributed as the target's p, whatever the candidates are."""
+    from eaglet.decode.sampling import walk_candidates
+
+    p = torch.tensor([0.05, 0.4, 0.25, 0.0, 0.2, 0.1])
+    generator = torch.Generator().manual_seed(0)
+    for candidates in ([1, 2], [3, 0, 5], [4, 1, 2, 0, 5]):
+        counts = np.zeros(len(p))
+        accepted_as_candidate = 0
+        for _ in range(20000):
+            index, token = walk_candidates(p, candidates, generator)
+            counts[token] += 1
+            if index is not None:
+                assert candidates[index] == token
+                accepted_as_candidate += 1
+        assert 0.5 * np.abs(counts / 20000 - p.numpy()).sum() < 0.015, candidates
+        assert counts[3] == 0  # a zero-probability candidate is never emitted
+        expected = float(p[candidates].sum())  # a candidate is emitted exactly when the draw lands on one
+        assert abs(accepted_as_candidate / 20000 - expected) < 0.015
+
+
+@pytest.mark.slow
+def test_tree_sampling_matches_the_target_distribution():
+    """Second and third generated tokens (drawn through the tree): speculative vs plain sampling."""
+    from eaglet.decode.engine import tree_decode
+
+    target, draft = tiny_pair(vocab=16, seed=3)
+    runner, draft_runner = TargetRunner(target, (2, 4, 5)), DraftRunner(draft)
+    sampling = Sampling(temperature=1.0, top_p=1.0)
+    counts = {"plain": np.zeros((16, 16)), "tree": np.zeros((16, 16))}
+    generator = torch.Generator().manual_seed(0)
+    prompt = [3, 1, 4, 1, 5]
+    draws = 1500
+    for _ in range(draws):
+        plain = target_only_decode(runner, prompt, 3, sampling, set(), generator).tokens
+        tree = tree_decode(runner, draft_runner, prompt, 3, depth=2, topk=3, budget=6, stop_ids=set(),
+                           sampling=sampling, generator=generator).tokens
+        counts["plain"][plain[1], plain[2]] += 1
+        counts["tree"][tree[1], tree[2]] += 1
+    for axis in (1, 0):  # the marginals of the 2nd and of the 3rd token
+        tv = 0.5 * np.abs(counts["plain"].sum(axis) / draws - counts["tree"].sum(axis) / draws).sum()
+        assert tv < 0.07
+
+
 def test_tree_greedy_is_lossless():
     from eaglet.decode.engine import tree_decode
 

@@ -367,7 +367,7 @@ def eval_cmd(
     target: Optional[str] = typer.Option(None, "--target", "-t", help=TARGET_HELP),
     split: Optional[str] = typer.Option(None, help="all, train or heldout (default: heldout)"),
     max_prompts: Optional[int] = typer.Option(None, help="only N prompts, round-robin over categories"),
-    mode: Optional[str] = typer.Option(None, help="chain (default) or tree (EAGLE-2 dynamic tree; greedy)"),
+    mode: Optional[str] = typer.Option(None, help="chain (default) or tree (EAGLE-2 dynamic tree)"),
     depth: Optional[int] = typer.Option(None, help="draft steps per verification (default: 4)"),
     topk: Optional[int] = typer.Option(None, help="tree: children per node and nodes expanded per level (default: 8)"),
     budget: Optional[int] = typer.Option(None, help="tree: draft tokens per verification (default: 48)"),

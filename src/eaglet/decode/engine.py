@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..capture import FeatureCapture
 from ..draft import Eagle3Draft, rope_tables
 from ..errors import EagletError
-from .sampling import Sampling, accept_or_resample
+from .sampling import Sampling, accept_or_resample, walk_candidates
 
 
 @dataclass
@@ -45,6 +45,10 @@ class Tree:
         for node in range(1, size):
             mask[node] |= mask[self.parents[node]]
         return mask
+
+    def children(self, node: int) -> list[int]:
+        """Node indices whose parent is ``node``, best draft score first (the tree's order)."""
+        return [index for index in range(node + 1, len(self.tokens)) if self.parents[index] == node]
 
     def child(self, node: int, token: int) -> int | None:
         for index in range(node + 1, len(self.tokens)):
@@ -366,15 +370,18 @@ def speculative_decode(target: TargetRunner, draft: DraftRunner, prompt: list[in
 
 
 def tree_decode(target: TargetRunner, draft: DraftRunner, prompt: list[int], max_new: int, depth: int, topk: int,
-                budget: int, stop_ids: set[int]) -> DecodeResult:
-    """Greedy speculative decoding over an EAGLE-2 dynamic tree, verified in one target forward with a
-    tree attention mask; the accepted path's cache entries are kept, the rest dropped."""
+                budget: int, stop_ids: set[int], sampling: Sampling = Sampling(),
+                generator: torch.Generator | None = None) -> DecodeResult:
+    """Speculative decoding over an EAGLE-2 dynamic tree, verified in one target forward with a tree
+    attention mask; the accepted path's cache entries are kept, the rest dropped. Greedy: follow the
+    target's argmax down the tree. Sampling: at each node walk its children with ``walk_candidates``
+    (lossless for the deterministic top-k children the tree holds)."""
     _sync(target.device)
     started = time.perf_counter()
     target.reset()
     draft.reset()
     logits, aux = target.forward(prompt)
-    out = [int(logits[-1].argmax())]
+    out = [sampling.pick(logits[-1], generator)]
     hidden, draft_logits = draft.extend(prompt[1:] + [out[-1]], aux)
     accepted_counts: list[int] = []
     while not _finish(out, stop_ids, max_new)[1]:
@@ -382,10 +389,19 @@ def tree_decode(target: TargetRunner, draft: DraftRunner, prompt: list[int], max
         base = target.length
         verify_logits, verify_aux = target.forward(tree.tokens, tree=tree)
         path, node = [], 0
-        while (child := tree.child(node, int(verify_logits[node].argmax()))) is not None:
-            path.append(child)
-            node = child
-        correction = int(verify_logits[node].argmax())
+        while True:
+            children = tree.children(node)
+            if sampling.greedy:
+                correction = int(verify_logits[node].argmax())
+                chosen = next((c for c in children if tree.tokens[c] == correction), None)
+            else:
+                index, correction = walk_candidates(sampling.probs(verify_logits[node]),
+                                                    [tree.tokens[c] for c in children], generator)
+                chosen = None if index is None else children[index]
+            if chosen is None:
+                break
+            path.append(chosen)
+            node = chosen
         new_tokens = [tree.tokens[i] for i in path] + [correction]
         accepted_counts.append(len(path))
         out.extend(new_tokens)

@@ -93,13 +93,11 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     draft = draft.to(device=device, dtype=next(model.parameters()).dtype).eval()
     target_runner, draft_runner = TargetRunner(model, layer_ids), DraftRunner(draft)
     sampling = Sampling(config.temperature, config.top_p)
-    if config.mode == "tree" and not sampling.greedy:
-        raise EagletError("--mode tree verifies greedily only (lossless rejection sampling over trees is not built yet); "
-                          "use --mode chain with --temperature > 0")
 
     def speculate(ids: list[int], max_new: int, seed: int):
         if config.mode == "tree":
-            return tree_decode(target_runner, draft_runner, ids, max_new, config.depth, config.topk, config.budget, set(stop))
+            return tree_decode(target_runner, draft_runner, ids, max_new, config.depth, config.topk, config.budget, set(stop),
+                               sampling, torch.Generator().manual_seed(seed))
         return speculative_decode(target_runner, draft_runner, ids, max_new, config.depth, sampling, set(stop),
                                   torch.Generator().manual_seed(seed))
     stop = sorted({i for i in [tokenizer.eos_token_id, *(model.generation_config.eos_token_id
