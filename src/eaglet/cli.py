@@ -449,7 +449,7 @@ def _checks_table(stage: str, checks: list, seconds: float) -> Table:
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def preflight(
     ctx: typer.Context,
-    stage: str = typer.Argument(..., help="prepare, regenerate, extract, train or eval"),
+    stage: str = typer.Argument(..., help="prepare, regenerate, extract, train, eval; calls (API check of your code); self"),
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
     strict: bool = typer.Option(False, "--strict", help="exit 1 on warnings"),
 ) -> None:
@@ -458,12 +458,85 @@ def preflight(
     Exit code: 0 pass, 1 warnings with --strict, 2 failure."""
     from .preflight.stages import STAGE_CHECKS
 
+    if stage in ("calls", "self"):
+        command = typer.main.get_command(app).commands[f"preflight-{stage}"]
+        sub_context = command.make_context(f"preflight {stage}", list(ctx.args) + (["--json"] if as_json else [])
+                                           + (["--strict"] if strict else []), parent=ctx)
+        command.invoke(sub_context)
+        return
     if stage not in STAGE_CHECKS:
-        raise EagletError(f"preflight: unknown stage {stage!r}; choose one of {', '.join(STAGE_CHECKS)}")
+        raise EagletError(f"preflight: unknown stage {stage!r}; choose one of {', '.join(STAGE_CHECKS)}, calls, self")
     command = typer.main.get_command(app).commands[stage]
     sub_context = command.make_context(stage, list(ctx.args), parent=ctx)
     sub_context.obj = {"only": True, "json": as_json, "strict": strict}
     command.invoke(sub_context)
+
+
+def _split_spec(spec: str) -> tuple[str, str | None]:
+    name, _, version = spec.partition("==")
+    return name.strip(), (version.strip() or None)
+
+
+def _calls_report(paths: list[Path], against: str, site_packages: Optional[Path], wheel: Optional[Path]):
+    from .apicheck.check import check_calls, library_roots
+
+    package, wanted = _split_spec(against)
+    roots, source = library_roots(package, site_packages, wheel)
+    report = check_calls(paths, package, roots, source)
+    if wanted and report.version not in (wanted, "unknown"):
+        raise EagletError(f"--against {against}: {source} holds {package} {report.version}; point --site-packages/--wheel at {wanted}")
+    return report
+
+
+def _print_calls(report, output_format: str, strict: bool) -> None:
+    from .apicheck.report import as_sarif, as_text
+
+    if output_format == "json":
+        out_console.print_json(json.dumps(report.as_json()))
+    elif output_format == "sarif":
+        out_console.print_json(json.dumps(as_sarif(report)))
+    else:
+        out_console.print(as_text(report), highlight=False, soft_wrap=True)
+    raise typer.Exit(2 if report.errors else 1 if report.warnings and strict else 0)
+
+
+@app.command("preflight-calls", hidden=True)
+def preflight_calls(
+    paths: List[Path] = typer.Argument(..., help="files or directories of the calling code"),
+    against: str = typer.Option(..., "--against", help="the library: PKG or PKG==VERSION (the old one in upgrade mode)"),
+    site_packages: Optional[Path] = typer.Option(None, "--site-packages", help="read PKG from this directory"),
+    wheel: Optional[Path] = typer.Option(None, "--wheel", help="read PKG from this wheel"),
+    to: Optional[str] = typer.Option(None, "--to", help="upgrade mode: PKG==VERSION to compare with --against"),
+    to_site_packages: Optional[Path] = typer.Option(None, "--to-site-packages", help="upgrade mode: the new version's directory"),
+    to_wheel: Optional[Path] = typer.Option(None, "--to-wheel", help="upgrade mode: the new version's wheel"),
+    output_format: str = typer.Option("text", "--format", help="text, json or sarif"),
+    as_json: bool = typer.Option(False, "--json", help="same as --format json"),
+    strict: bool = typer.Option(False, "--strict", help="exit 1 on warnings"),
+) -> None:
+    """`eaglet preflight calls PATH... --against PKG`: bind every call into PKG to its signatures, statically."""
+    from .apicheck.check import upgrade_report
+
+    output_format = "json" if as_json else output_format
+    if output_format not in ("text", "json", "sarif"):
+        raise EagletError(f"--format {output_format}: choose text, json or sarif")
+    report = _calls_report(paths, against, site_packages, wheel)
+    if to is not None:
+        if _split_spec(to)[0] != _split_spec(against)[0]:
+            raise EagletError(f"--to {to}: upgrade mode compares two versions of one package ({_split_spec(against)[0]})")
+        if to_site_packages is None and to_wheel is None:
+            raise EagletError("--to needs --to-site-packages DIR or --to-wheel FILE holding the new version")
+        report = upgrade_report(report, _calls_report(paths, to, to_site_packages, to_wheel))
+    _print_calls(report, output_format, strict)
+
+
+@app.command("preflight-self", hidden=True)
+def preflight_self(
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+    strict: bool = typer.Option(False, "--strict", help="exit 1 on warnings"),
+) -> None:
+    """eaglet's own calls into transformers, checked against the installed version (before any model load)."""
+    report = _calls_report([Path(__file__).parent], "transformers", None, None)
+    _print_calls(report, "json" if as_json else "text", strict)
 
 
 # ---------------------------------------------------------------------------------------------

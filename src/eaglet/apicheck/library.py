@@ -1,0 +1,443 @@
+"""A library read from its source (or stubs) without importing it: griffe parses each module on demand,
+and names are resolved here, lazily, so checking 50 calls into a 2,000-module package reads a few dozen.
+
+Resolution follows what Python would do at import time: module members, import aliases and re-exports,
+``from x import *`` (with or without ``__all__``), submodules, class members through the C3 MRO. Names it
+cannot follow for certain come back as *unverified* with the reason, never as a guess.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import griffe
+
+from .signature import Kind, Param, Signature
+
+MAX_ALIAS_HOPS = 40  # re-export chains longer than this are treated as cycles
+DATACLASS_DECORATORS = {"dataclasses.dataclass"}
+ATTRS_DECORATORS = {"attr.s", "attr.attrs", "attr.define", "attr.frozen", "attr.mutable", "attr.dataclass",
+                    "attrs.define", "attrs.frozen", "attrs.mutable"}
+ATTRS_FIELD_CALLS = {"attr.ib", "attr.attrib", "attr.field", "attrs.field"}
+DATACLASS_TRANSFORM = {"typing.dataclass_transform", "typing_extensions.dataclass_transform"}
+PYDANTIC_BASES = {"pydantic.BaseModel", "pydantic.main.BaseModel"}
+MSGSPEC_BASES = {"msgspec.Struct"}
+SIGNATURE_KEEPING = {"property", "functools.cached_property", "builtins.property"}  # not calls: attribute access
+COMPILED_SUFFIXES = (".so", ".pyd")
+STAR_IMPORT = re.compile(r"^\s*from\s+(\.*)([\w.]*)\s+import\s+\*", re.MULTILINE)
+
+
+@dataclass
+class Resolved:
+    """What a dotted path names in the library."""
+
+    status: str  # "found", "missing", "unverified"
+    path: str
+    obj: Any = None  # the griffe object when found
+    reason: str = ""
+
+    @property
+    def found(self) -> bool:
+        return self.status == "found"
+
+    @property
+    def kind(self) -> str:
+        return self.obj.kind.value if self.found else self.status
+
+
+@dataclass
+class Constructor:
+    signatures: list[Signature]
+    defined_at: str  # "path:line" of the __init__ (or of the class whose fields generate it)
+    qualname: str
+
+
+@dataclass
+class Library:
+    package: str
+    roots: list[Path]
+    modules: dict[str, Any] = field(default_factory=dict)  # module name -> griffe Module | "compiled" | None
+    texts: dict[str, str | None] = field(default_factory=dict)  # module name -> source text (None: unreadable)
+    exports: dict[str, set[str] | None] = field(default_factory=dict)  # module name -> names `import *` binds
+
+    @property
+    def version(self) -> str:
+        """The distribution's version from its dist-info next to the sources, else ``__version__``."""
+        wanted = re.sub(r"[-_.]+", "_", self.package).lower()
+        for root in self.roots:
+            for info in sorted(root.glob("*.dist-info")):
+                name, _, rest = info.name[: -len(".dist-info")].partition("-")
+                if re.sub(r"[-_.]+", "_", name).lower() == wanted and rest:
+                    return rest
+        module = self.module(self.package)
+        if module not in (None, "compiled") and "__version__" in module.members:
+            member = module.members["__version__"]
+            if not member.is_alias and member.value is not None:
+                return str(member.value).strip("'\"")
+        return "unknown"
+
+    # ------------------------------------------------------------------ modules
+
+    def _file(self, name: str) -> Path | str | None:
+        relative = Path(*name.split("."))
+        for root in self.roots:
+            base = root / relative
+            for candidate in (base / "__init__.pyi", base / "__init__.py", base.with_suffix(".pyi"), base.with_suffix(".py")):
+                if candidate.is_file():
+                    return candidate
+            if base.parent.is_dir() and any(p.name.startswith(base.name + ".") and p.suffix in COMPILED_SUFFIXES
+                                            for p in base.parent.iterdir()):
+                return "compiled"
+        return None
+
+    def module(self, name: str) -> Any:
+        """The griffe module, "compiled" (a binary without stubs) or None (no such module)."""
+        if name not in self.modules:
+            file = self._file(name)
+            if isinstance(file, Path):
+                self.modules[name] = griffe.visit(name, filepath=file, code=file.read_text(encoding="utf-8", errors="replace"))
+            else:
+                self.modules[name] = file
+        return self.modules[name]
+
+    def is_module(self, name: str) -> bool:
+        return self.module(name) not in (None,)
+
+    # ------------------------------------------------------------------ names
+
+    def inside(self, path: str) -> bool:
+        return path == self.package or path.startswith(self.package + ".")
+
+    def resolve(self, path: str, hops: int = 0) -> Resolved:
+        """The object a dotted path names, following aliases, re-exports, submodules and inheritance."""
+        if hops > MAX_ALIAS_HOPS:
+            return Resolved("unverified", path, reason="alias chain too long (a cycle?)")
+        if not self.inside(path):
+            return Resolved("unverified", path, reason=f"defined outside {self.package}")
+        parts = path.split(".")
+        current_path = parts[0]
+        current = self.module(current_path)
+        if current is None:
+            return Resolved("missing", path, reason=f"module '{current_path}' not found")
+        for index, part in enumerate(parts[1:], start=1):
+            if current == "compiled":
+                return Resolved("unverified", path, reason=f"compiled module '{current_path}' without stubs")
+            rest = ".".join(parts[index + 1:])
+            step = self._member(current, current_path, part, hops)
+            if step.status != "found":
+                if step.status == "missing":
+                    step.path = path
+                return step if step.status != "missing" else Resolved("missing", path, reason=step.reason)
+            if step.obj == "module":
+                current_path = step.path
+                current = self.module(current_path)
+                continue
+            target = step.obj
+            if getattr(target, "is_alias", False):
+                followed = self.resolve(target.target_path + (f".{rest}" if rest else ""), hops + 1)
+                return followed
+            current, current_path = target, step.path
+        if current == "compiled":
+            return Resolved("unverified", path, reason=f"compiled module '{current_path}' without stubs")
+        if isinstance(current, griffe.Module):
+            return Resolved("found", current_path, current)
+        return Resolved("found", current_path, current)
+
+    def _member(self, owner: Any, owner_path: str, name: str, hops: int) -> Resolved:
+        if isinstance(owner, griffe.Module):
+            member = owner.members.get(name)
+            if member is not None and not (member.is_alias and "/" in member.name):
+                return Resolved("found", f"{owner_path}.{name}", member)
+            if owner.is_package or owner.filepath.name.startswith("__init__"):
+                submodule = f"{owner_path}.{name}"
+                if self.module(submodule) is not None:
+                    return Resolved("found", submodule, "module")
+            for wildcard in [m for m in owner.members.values() if m.is_alias and m.name.endswith("/*")]:
+                source = wildcard.target_path
+                if not self._may_define(source, name, set()):
+                    continue
+                source_module = self.module(source)
+                if source_module in (None, "compiled"):
+                    return Resolved("unverified", f"{owner_path}.{name}", reason=f"'from {source} import *' of a module it cannot read")
+                exports = None if source_module.exports is None else {str(e).strip("'\"") for e in source_module.exports}
+                if (exports is not None and name not in exports) or (exports is None and name.startswith("_")):
+                    continue
+                found = self._member(source_module, source, name, hops + 1)
+                if found.status != "missing":
+                    return found
+            if "__getattr__" in owner.members:
+                return Resolved("unverified", f"{owner_path}.{name}", reason=f"module '{owner_path}' defines __getattr__ (dynamic names)")
+            return Resolved("missing", f"{owner_path}.{name}", reason=f"module '{owner_path}' has no attribute '{name}'")
+        if isinstance(owner, griffe.Class):
+            found = self.class_member(owner, owner_path, name)
+            if found is not None:
+                return found
+            return Resolved("missing", f"{owner_path}.{name}", reason=f"class '{owner_path}' has no attribute '{name}'")
+        return Resolved("unverified", f"{owner_path}.{name}", reason="attribute of a value whose type is not known")
+
+    def _text(self, name: str) -> str | None:
+        if name not in self.texts:
+            file = self._file(name)
+            self.texts[name] = file.read_text(encoding="utf-8", errors="replace") if isinstance(file, Path) else None
+        return self.texts[name]
+
+    def _may_define(self, module_path: str, name: str, seen: set[str]) -> bool:
+        """A text-only pre-filter: can ``module_path`` (or what it star-imports) bind ``name``? Spares parsing
+        the hundreds of modules a package like transformers star-imports when the name is elsewhere."""
+        if module_path in seen or not self.inside(module_path):
+            return module_path not in seen
+        seen.add(module_path)
+        text = self._text(module_path)
+        if text is None or re.search(rf"\b{re.escape(name)}\b", text):
+            return True
+        file = self._file(module_path)
+        package = module_path if isinstance(file, Path) and file.stem == "__init__" else module_path.rsplit(".", 1)[0]
+        for dots, target in STAR_IMPORT.findall(text):
+            base = package.split(".")
+            if dots:
+                base = base[: len(base) - (len(dots) - 1)]
+                source = ".".join(base + ([target] if target else []))
+            else:
+                source = target
+            if self._may_define(source, name, seen):
+                return True
+        return False
+
+    def _wildcard_exports(self, module_path: str) -> set[str] | None:
+        if module_path not in self.exports:
+            self.exports[module_path] = None  # a cycle reads as "nothing more"
+            self.exports[module_path] = self._compute_exports(module_path)
+        return self.exports[module_path]
+
+    def _compute_exports(self, module_path: str) -> set[str] | None:
+        module = self.module(module_path)
+        if module in (None, "compiled"):
+            return None
+        if module.exports is not None:
+            return {str(e).strip("'\"") for e in module.exports}
+        names = {n for n in module.members if not n.startswith("_") and "/" not in n}
+        for wildcard in [m for m in module.members.values() if m.is_alias and m.name.endswith("/*")]:
+            nested = self._wildcard_exports(wildcard.target_path) if self.inside(wildcard.target_path) else None
+            names |= nested or set()
+        return names
+
+    # ------------------------------------------------------------------ classes
+
+    def base_paths(self, cls: Any) -> list[str]:
+        paths = []
+        for base in cls.bases:
+            expr = base.left if isinstance(base, griffe.ExprSubscript) else base
+            paths.append(getattr(expr, "canonical_path", str(expr)))
+        return paths
+
+    def mro(self, cls: Any, path: str, seen: frozenset[str] = frozenset()) -> list[tuple[str, Any]]:
+        """C3 linearisation; classes outside the library appear as (path, None)."""
+        if path in seen:
+            return [(path, cls)]
+        linearised = []
+        for base_path in self.base_paths(cls):
+            resolved = self.resolve(base_path) if self.inside(base_path) else Resolved("unverified", base_path)
+            if resolved.found and isinstance(resolved.obj, griffe.Class):
+                linearised.append(self.mro(resolved.obj, resolved.path, seen | {path}))
+            else:
+                linearised.append([(base_path, None)])
+        return [(path, cls)] + _c3_merge(linearised, [bases[0] for bases in linearised])
+
+    def class_member(self, cls: Any, path: str, name: str) -> Resolved | None:
+        for owner_path, owner in self.mro(cls, path):
+            if owner is None:
+                if owner_path not in ("object", "builtins.object", "typing.Generic", "typing.Protocol", "abc.ABC"):
+                    return Resolved("unverified", f"{path}.{name}", reason=f"may come from base '{owner_path}' outside {self.package}")
+                continue
+            member = owner.members.get(name)
+            if member is not None:
+                if member.is_alias:
+                    return self.resolve(member.target_path)
+                return Resolved("found", f"{owner_path}.{name}", member)
+        return None
+
+    def constructor(self, cls: Any, path: str) -> Constructor | Resolved:
+        """How calling the class binds: the first __init__ (explicit or generated) along the MRO."""
+        for owner_path, owner in self.mro(cls, path):
+            if owner is None:
+                if owner_path in PYDANTIC_BASES or owner_path in MSGSPEC_BASES:
+                    break  # the generated __init__ of the first class below it, built from fields
+                if owner_path in ("object", "builtins.object", "typing.Generic", "abc.ABC", "typing.Protocol"):
+                    continue
+                return Resolved("unverified", path, reason=f"constructor may come from base '{owner_path}' outside {self.package}")
+            for special in ("__init__", "__new__"):
+                member = owner.members.get(special)
+                if isinstance(member, griffe.Function):
+                    return Constructor([s.drop_first() for s in self.function_signatures(member)],
+                                       f"{owner.filepath}:{member.lineno}", f"{owner_path}.{special}")
+            generated = self.generated_init(owner, owner_path)
+            if generated is not None:
+                return generated
+        generated = self.generated_init(cls, path)
+        if generated is not None:
+            return generated
+        return Constructor([Signature(())], f"{cls.filepath}:{cls.lineno}", f"{path} (object.__init__)")
+
+    # ------------------------------------------------------------------ signatures
+
+    def function_signatures(self, function: Any) -> list[Signature]:
+        """One signature, or each overload's (a call is fine if any binds)."""
+        overloads = getattr(function, "overloads", None) or []
+        functions = list(overloads) or [function]
+        return [Signature(tuple(Param(p.name, Kind(p.kind.value), p.default is not None) for p in f.parameters))
+                for f in functions]
+
+    def generated_init(self, cls: Any, path: str) -> Constructor | None:
+        """The ``__init__`` a dataclass-like decorator or base generates from the class's fields."""
+        family, options = self._dataclass_family(cls, path)
+        if family is None or options.get("init") is False:
+            return None
+        fields: dict[str, Param] = {}
+        ignores = False
+        chain = [(p, c) for p, c in reversed(self.mro(cls, path)) if c is not None]
+        for owner_path, owner in chain:
+            owner_family, owner_options = self._dataclass_family(owner, owner_path)
+            if owner_family != family:
+                continue
+            kw_only = bool(owner_options.get("kw_only")) or family == "pydantic"
+            for name, member in owner.members.items():
+                if member.is_alias or not isinstance(member, griffe.Attribute) or member.annotation is None:
+                    continue
+                if "instance-attribute" not in member.labels:  # ClassVar
+                    continue
+                annotation = str(member.annotation)
+                if family == "dataclass" and annotation.split("[")[0].endswith("KW_ONLY"):
+                    kw_only = True
+                    continue
+                param = self._field(family, name, member, kw_only)
+                if param is not None:
+                    fields[name] = param  # a redefinition keeps the field's first position, as dataclasses do
+            if family == "pydantic":
+                ignores = self._pydantic_extra(owner) or ignores
+        params = [p for p in fields.values() if p.kind is not Kind.KEYWORD_ONLY]
+        params += [p for p in fields.values() if p.kind is Kind.KEYWORD_ONLY]
+        if family == "pydantic" and ignores == "allow":
+            params.append(Param("extra", Kind.VAR_KEYWORD, True))
+        signature = Signature(tuple(params), ignores_unknown_keywords=family == "pydantic" and ignores != "forbid" and ignores != "allow")
+        return Constructor([signature], f"{cls.filepath}:{cls.lineno}", f"{path}.__init__ (generated by {family})")
+
+    def _pydantic_extra(self, cls: Any) -> str | bool:
+        config = cls.members.get("model_config")
+        text = str(config.value) if isinstance(config, griffe.Attribute) and config.value is not None else ""
+        inner = cls.members.get("Config")
+        if isinstance(inner, griffe.Class) and "extra" in inner.members:
+            text += f" extra={inner.members['extra'].value}"
+        for option in ("forbid", "allow", "ignore"):
+            if re.search(rf"extra\s*=\s*(['\"]{option}['\"]|Extra\.{option})", text):
+                return option
+        return False
+
+    def _field(self, family: str, name: str, member: Any, kw_only: bool) -> Param | None:
+        value = member.value
+        call = value if isinstance(value, griffe.ExprCall) else None
+        call_path = getattr(call.function, "canonical_path", "") if call is not None else ""
+        keywords = {a.name: str(a.value) for a in (call.arguments if call else []) if isinstance(a, griffe.ExprKeyword)}
+        annotation = str(member.annotation)
+        if family == "dataclass" and call_path in ("dataclasses.field",):
+            if keywords.get("init") == "False":
+                return None
+            has_default = "default" in keywords or "default_factory" in keywords
+            kw_only = keywords.get("kw_only", str(kw_only)) == "True"
+        elif family == "attrs":
+            if call_path in ATTRS_FIELD_CALLS:
+                if keywords.get("init") == "False":
+                    return None
+                has_default = bool({"default", "factory"} & set(keywords))
+                kw_only = keywords.get("kw_only", str(kw_only)) == "True"
+            else:
+                has_default = value is not None
+            name = name.lstrip("_")
+        elif family == "pydantic":
+            if name.startswith("_") or name == "model_config":
+                return None
+            if call is not None and call_path.endswith("Field"):
+                positional = [a for a in call.arguments if not isinstance(a, griffe.ExprKeyword)]
+                has_default = (bool(positional) and str(positional[0]) != "...") or bool({"default", "default_factory"} & set(keywords))
+                name = keywords.get("alias", repr(name)).strip("'\"")
+            else:
+                has_default = value is not None
+        else:
+            has_default = value is not None
+        if annotation.startswith("InitVar"):
+            pass  # an InitVar is an __init__ parameter like any field
+        return Param(name, Kind.KEYWORD_ONLY if kw_only else Kind.POSITIONAL_OR_KEYWORD, has_default)
+
+    def _dataclass_family(self, cls: Any, path: str) -> tuple[str | None, dict[str, Any]]:
+        for decorator in cls.decorators:
+            expr = decorator.value
+            call = expr if isinstance(expr, griffe.ExprCall) else None
+            target = call.function if call is not None else expr
+            target_path = getattr(target, "canonical_path", str(target))
+            options = {a.name: str(a.value) == "True" if str(a.value) in ("True", "False") else str(a.value)
+                       for a in (call.arguments if call else []) if isinstance(a, griffe.ExprKeyword)}
+            if target_path in DATACLASS_DECORATORS:
+                return "dataclass", options
+            if target_path in ATTRS_DECORATORS:
+                return "attrs", options
+            transform = self._transform_options(target_path)
+            if transform is not None:
+                return "dataclass", {"kw_only": transform.get("kw_only_default", False)} | options
+        for owner_path, owner in self.mro(cls, path)[1:]:
+            if owner is None and owner_path in PYDANTIC_BASES:
+                return "pydantic", {}
+            if owner is None and owner_path in MSGSPEC_BASES:
+                return "msgspec", {"kw_only": getattr(cls, "keywords", {}).get("kw_only") == "True"}
+            if owner is not None:
+                for decorator in owner.decorators:
+                    expr = decorator.value
+                    target = expr.function if isinstance(expr, griffe.ExprCall) else expr
+                    if getattr(target, "canonical_path", "") in DATACLASS_TRANSFORM:
+                        keywords = {a.name: str(a.value) for a in (expr.arguments if isinstance(expr, griffe.ExprCall) else [])
+                                    if isinstance(a, griffe.ExprKeyword)}
+                        class_kw = getattr(cls, "keywords", {}) or {}
+                        kw_only = class_kw.get("kw_only", keywords.get("kw_only_default", "False")) == "True"
+                        return "dataclass", {"kw_only": kw_only}
+        return None, {}
+
+    def _transform_options(self, decorator_path: str) -> dict[str, Any] | None:
+        """A decorator function marked with @dataclass_transform makes classes dataclass-like."""
+        if not self.inside(decorator_path):
+            return None
+        resolved = self.resolve(decorator_path)
+        if not resolved.found or not isinstance(resolved.obj, griffe.Function):
+            return None
+        for decorator in resolved.obj.decorators:
+            expr = decorator.value
+            target = expr.function if isinstance(expr, griffe.ExprCall) else expr
+            if getattr(target, "canonical_path", "") in DATACLASS_TRANSFORM:
+                keywords = {a.name: str(a.value) == "True" for a in (expr.arguments if isinstance(expr, griffe.ExprCall) else [])
+                            if isinstance(a, griffe.ExprKeyword)}
+                return keywords
+        return None
+
+
+def _c3_merge(sequences: list[list[tuple[str, Any]]], heads: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """C3 merge of the bases' linearisations and the list of bases (by path); depth-first on conflict."""
+    pending = [list(s) for s in sequences] + [list(heads)]
+    result: list[tuple[str, Any]] = []
+    while any(pending):
+        for sequence in pending:
+            if not sequence:
+                continue
+            candidate = sequence[0]
+            if not any(candidate[0] in [p for p, _ in other[1:]] for other in pending):
+                break
+        else:  # inconsistent hierarchy: fall back to depth-first, first occurrence
+            seen: set[str] = {p for p, _ in result}
+            for sequence in sequences:
+                for entry in sequence:
+                    if entry[0] not in seen:
+                        result.append(entry)
+                        seen.add(entry[0])
+            return result
+        result.append(candidate)
+        pending = [[e for e in s if e[0] != candidate[0]] for s in pending]
+    return result
