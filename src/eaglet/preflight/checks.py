@@ -151,3 +151,20 @@ def check_memory(device: str, needed: int, what: str) -> Check:
     return _capacity("memory", needed, available,
                      f"{what}: ~{needed / GIB:.2f} GiB needed, {available / GIB:.1f} GiB {measured}", MEMORY_WARN_SHARE,
                      "use a bigger device, fewer --batch-tokens / --token-budget, or fp8", "little headroom left")
+
+
+def check_library_api(package: str = "transformers") -> Check:
+    """eaglet's own calls into ``package``, bound statically against the installed version: an upgrade
+    that breaks them is reported here, before the model load, not after it."""
+    from ..apicheck.check import check_calls, library_roots
+
+    roots, source = library_roots(package)
+    report = check_calls([Path(__file__).parent.parent], package, roots, source)
+    name = f"{package} API"
+    if report.errors:
+        first = report.errors[0]
+        return Check(name, FAIL, f"{len(report.errors)} of eaglet's calls break on {package} {report.version}: "
+                     f"{Path(first.path).name}:{first.line} {first.target}: {first.message}",
+                     f"install the {package} version eaglet supports (pyproject.toml), or report it")
+    return Check(name, PASS, f"{report.call_sites} calls bind to {package} {report.version} "
+                 f"({sum(report.unverified.values())} not statically checkable)")

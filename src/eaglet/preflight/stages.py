@@ -16,6 +16,7 @@ from .checks import (
     ACTIVATION_FACTOR,
     Check,
     check_disk,
+    check_library_api,
     check_layers,
     check_memory,
     check_output_dir,
@@ -82,6 +83,7 @@ def regenerate_checks(cfg: Any) -> list[Check]:
         target_checks, found = check_target(cfg.target, need_template=True, trust_remote_code=cfg.trust_remote_code)
         checks += target_checks
         if found:
+            checks.append(check_library_api())
             device, dtype_bytes = _device_bytes(cfg.device)
             checks.append(check_memory(device, weights_bytes(found[0].path, dtype_bytes), "target weights"))
     rows = cfg.max_prompts or 1000
@@ -105,6 +107,7 @@ def extract_checks(cfg: Any) -> list[Check]:
     if not found:
         return checks
     resolved, info = found
+    checks.append(check_library_api())
     same = prepared.manifest["target"]["tokenizer_hash"] == info.tokenizer_hash
     checks.append(Check("tokenizer", PASS if same else FAIL,
                         f"prepared with {prepared.manifest['target']['name']}'s tokenizer" + ("" if same else f", not {info.name}'s"),
@@ -168,6 +171,7 @@ def train_checks(cfg: Any) -> list[Check]:
         same = prepared.manifest["target"]["tokenizer_hash"] == info.tokenizer_hash
         checks.append(Check("prepared set", PASS if same else FAIL, f"{len(prepared):,} samples",
                             "" if same else "prepare again with this --target"))
+        checks.append(check_library_api())  # online: the target is loaded and driven through transformers
     checks.append(check_output_dir(Path(cfg.out), overwrite=False, resumable=True))
     # draft parameters ~ fc (3H^2) + one decoder layer (~12H^2) + lm_head (H x Vd)
     draft_params = 15 * info.hidden_size**2 + info.hidden_size * min(32000, info.vocab_size)
@@ -198,10 +202,9 @@ def eval_checks(cfg: Any) -> list[Check]:
         same = target.get("config_hash") in (None, found[1].config_hash)
         checks.append(Check("draft", PASS if same else FAIL, f"trained for {target.get('name', '?')}, layers "
                             f"{config.get('eagle_aux_hidden_state_layer_ids')}", "" if same else "pass the draft's --target"))
-    if cfg.mode == "tree" and cfg.temperature > 0:
-        checks.append(Check("mode", FAIL, "tree mode verifies greedily only", "use --mode chain for sampling"))
     checks.append(check_rows([resolve_input(p) for p in cfg.prompts], need_assistant=False))
     if found:
+        checks.append(check_library_api())
         device, dtype_bytes = _device_bytes(cfg.device)
         checks.append(check_memory(device, weights_bytes(found[0].path, dtype_bytes), "target weights"))
     return checks
