@@ -543,28 +543,81 @@ def preflight_self(
 # demo
 
 
+def _plan_table(plans: list) -> Table:
+    table = Table(title="eaglet run --plan (nothing runs)")
+    for column in ("stage", "action", "why", "disk (est.)", "time (est.)"):
+        table.add_column(column)
+    for plan in plans:
+        disk = f"{plan.disk_bytes / 1e9:.2f} GB" if plan.action == "run" and plan.disk_bytes else "-"
+        seconds = "-" if plan.action != "run" or plan.seconds != plan.seconds or not plan.seconds else f"{plan.seconds / 60:.1f} min"
+        table.add_row(plan.name, plan.action, plan.reason, disk, seconds)
+    return table
+
+
+def _run_summary(result) -> None:
+    """The final table, where the drafts are, how to serve them."""
+    table = Table(title=f"eaglet run: {result.out}")
+    for column, justify in (("stage", "left"), ("status", "left"), ("seconds", "right"), ("result", "left")):
+        table.add_column(column, justify=justify)
+    for outcome in result.outcomes:
+        table.add_row(outcome.name, outcome.status, f"{outcome.seconds:.1f}" if outcome.status == "ran" else "-",
+                      escape(outcome.result))
+    out_console.print(table)
+    exports = sorted(p.parent for p in (result.out / "export").glob("*/README.md"))
+    for directory in exports:
+        out_console.print(f"{directory.name}: {directory}  (how to serve it: {directory / 'README.md'})", highlight=False)
+    if result.report is not None:
+        report = result.report
+        out_console.print(
+            f"τ {report['acceptance_length']:.2f} tokens per target forward, speedup {report['speedup']:.2f}x over the "
+            f"same engine without a draft, lossless {report['lossless']} (report: {result.out / 'eval' / 'report.md'})",
+            highlight=False)
+
+
+@app.command()
+def run(
+    config: Path = typer.Argument(..., help="run config: one YAML with a section per stage"),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="run directory (overrides the config's `out`)"),
+    from_stage: Optional[str] = typer.Option(None, "--from", help="re-run from this stage on"),
+    only: Optional[str] = typer.Option(None, "--only", help="run only this stage"),
+    plan: bool = typer.Option(False, "--plan", help="print what would run, with estimated disk and time; run nothing"),
+) -> None:
+    """The whole path from one YAML: regenerate -> prepare -> extract (or online) -> train -> export -> eval.
+
+    Stages whose output is complete and made from the same settings and inputs are skipped; a killed
+    run resumes with the same command."""
+    from .pipeline import Pipeline, load_run_config
+
+    cfg = load_run_config(config, {"out": out} if out else None)
+    pipeline = Pipeline(cfg, config, err_console)
+    if plan:
+        out_console.print(_plan_table(pipeline.plan(from_stage, only)))
+        return
+    _run_summary(pipeline.run(from_stage, only))
+
+
 @app.command()
 def demo(
     out: Path = typer.Option(Path("eaglet-demo"), "--out", "-o", help="run directory"),
-    prompts: int = typer.Option(64, help="demo prompts the target answers (train split)"),
-    train_minutes: float = typer.Option(3.0, help="training time budget"),
+    scale: str = typer.Option("auto", help="cpu (a laptop, ~8 min), gpu (one H200, ~15 min) or auto (gpu when CUDA is there)"),
+    plan: bool = typer.Option(False, "--plan", help="print what would run; run nothing"),
 ) -> None:
-    """The whole path on the embedded target, CPU-sized: regenerate -> prepare -> extract -> train -> export -> eval."""
-    from .demo import DemoBudget, run_demo
+    """`eaglet run` with a built-in config on the embedded target and the shipped demo prompts."""
+    from .pipeline import Pipeline, load_run_config
+    from .resources import demo_config_path
 
-    records, report = run_demo(out, DemoBudget(prompts=prompts, train_minutes=train_minutes), err_console)
-    table = Table(title="eaglet demo", show_header=True)
-    table.add_column("stage")
-    table.add_column("seconds", justify="right")
-    table.add_column("result")
-    for record in records:
-        table.add_row(record.name, f"{record.seconds:.1f}", escape(record.result))
-    out_console.print(table)
-    out_console.print(
-        f"τ {report['acceptance_length']:.2f} tokens per target forward, speedup {report['speedup']:.2f}x over the "
-        f"same engine without a draft (held-out demo prompts; report: {out / 'eval' / 'report.md'}); "
-        f"vLLM-ready draft: {out / 'export' / 'vllm'}"
-    )
+    if scale not in ("auto", "cpu", "gpu"):
+        raise EagletError(f"--scale {scale}: choose cpu, gpu or auto")
+    if scale == "auto":
+        import torch
+
+        scale = "gpu" if torch.cuda.is_available() else "cpu"
+    config = demo_config_path(scale)
+    pipeline = Pipeline(load_run_config(config, {"out": str(out)}), config, err_console)
+    if plan:
+        out_console.print(_plan_table(pipeline.plan()))
+        return
+    _run_summary(pipeline.run())
 
 
 def main() -> None:

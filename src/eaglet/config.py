@@ -90,7 +90,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise EagletError(f"config {path}: file not found")
     try:
@@ -106,7 +106,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _describe(error: ValidationError, source: str) -> str:
+def describe_validation_error(error: ValidationError, source: str) -> str:
     first = error.errors()[0]
     loc = ".".join(str(p) for p in first["loc"]) or "(root)"
     if first["type"] == "extra_forbidden":
@@ -128,7 +128,7 @@ def build_config(
     source = "command line"
     if config_file is not None:
         path = Path(config_file)
-        data = _read_yaml(path)
+        data = read_yaml(path)
         section = data[stage] if stage in data else data
         if not isinstance(section, dict):
             raise EagletError(f"config {path}: section '{stage}' must be a mapping")
@@ -143,7 +143,7 @@ def build_config(
     try:
         return cls.model_validate(merged)
     except ValidationError as exc:
-        raise EagletError(_describe(exc, source)) from None
+        raise EagletError(describe_validation_error(exc, source)) from None
 
 
 class ExtractConfig(StrictModel):

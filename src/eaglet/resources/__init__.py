@@ -18,3 +18,8 @@ def resolve_input(path: str) -> str:
     if path == DEMO_PROMPTS_NAME and not Path(path).exists():
         return str(demo_prompts_path())
     return path
+
+
+def demo_config_path(scale: str) -> Path:
+    """The built-in `eaglet demo` run config for ``cpu`` or ``gpu``."""
+    return Path(str(files(__package__) / f"demo_{scale}.yaml"))

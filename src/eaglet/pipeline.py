@@ -1,0 +1,377 @@
+"""`eaglet run CONFIG.yaml`: the stages in order, each skipped when its output is complete and was made
+from the same settings and the same inputs (manifest hashes), re-run when not; a killed run resumes.
+
+Run directory::
+
+    RUN/run.json             what ran: per stage its fingerprint, output hash, seconds and result
+    RUN/regenerated.jsonl    answers by the target (when `regenerate` is configured)
+    RUN/prepared/  RUN/store/ (offline)  RUN/draft/  RUN/export/{vllm,sglang,speculators}/  RUN/eval/
+
+A stage's fingerprint hashes its validated settings and the output hashes of the stages it reads, so a
+change anywhere re-runs exactly what depends on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from pydantic import Field, ValidationError
+from rich.console import Console
+
+from .config import (EvalConfig, ExtractConfig, PrepareConfig, RegenerateConfig, StrictModel, TrainConfig,
+                     describe_validation_error, read_yaml)
+from .errors import EagletError
+from .fsio import read_json, sha256_file, write_json_atomic
+
+STAGES = ("regenerate", "prepare", "extract", "train", "export", "eval")
+RUN_FILE = "run.json"
+RUN_SCHEMA = "eaglet.run/1"
+BYTES_PER_ANSWER_TOKEN = 8  # JSON text
+# Rough rates for --plan's time column (measured: benchmarks/RESULTS.md; CPU = this project's 2-core machine)
+RATES = {"cpu": {"generate_tok_s": 66, "extract_tok_s": 600}, "cuda": {"generate_tok_s": 2750, "extract_tok_s": 245_000}}
+TOKENS_PER_ANSWER_GUESS = 0.7  # answers stop before max_new_tokens on average
+
+
+class ExportSection(StrictModel):
+    formats: list[Literal["vllm", "sglang", "speculators"]] = Field(default_factory=lambda: ["vllm", "sglang", "speculators"])
+    speculative_tokens: int = Field(default=3, ge=1, le=16)
+
+
+class RunConfig(StrictModel):
+    """One YAML, a section per stage. Paths between stages are set by the run, not by the sections."""
+
+    out: str = Field(default="eaglet-run", description="run directory")
+    target: str = "embedded"
+    trust_remote_code: bool = False
+    regenerate: dict[str, Any] | None = Field(default=None, description="RegenerateConfig keys; absent = no regeneration")
+    prepare: dict[str, Any] = Field(default_factory=dict, description="PrepareConfig keys (inputs default to the regenerated answers)")
+    extract: dict[str, Any] | None = Field(default_factory=dict, description="ExtractConfig keys; null = train online")
+    train: dict[str, Any] = Field(default_factory=dict, description="TrainConfig keys")
+    export: ExportSection = Field(default_factory=ExportSection)
+    eval: dict[str, Any] | None = Field(default_factory=dict, description="EvalConfig keys; null = no evaluation")
+
+
+def load_run_config(path: Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    data = read_yaml(path) | (overrides or {})
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise EagletError(describe_validation_error(exc, f"config {path}")) from None
+
+
+@dataclass
+class Stage:
+    name: str
+    config: Any  # the stage's validated config (None for export)
+    reads: tuple[str, ...]  # upstream stages whose outputs it consumes
+    output: Path
+    run: Callable[[], str]  # does the work, returns the one-line result
+
+
+@dataclass
+class StagePlan:
+    name: str
+    action: str  # "run" or "skip"
+    reason: str
+    disk_bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class StageOutcome:
+    name: str
+    status: str  # "ran", "skipped"
+    seconds: float
+    result: str
+
+
+@dataclass
+class RunResult:
+    out: Path
+    outcomes: list[StageOutcome] = field(default_factory=list)
+    report: dict[str, Any] | None = None
+
+
+class Pipeline:
+    def __init__(self, config: RunConfig, config_path: Path | None, console: Console):
+        self.config = config
+        self.config_path = config_path
+        self.console = console
+        self.out = Path(config.out)
+        self.stages = self._build_stages()
+
+    # ------------------------------------------------------------------ stage configs
+
+    def _section(self, cls: type, name: str, section: dict[str, Any], fixed: dict[str, Any],
+                 defaults: dict[str, Any] | None = None) -> Any:
+        """Validate a section; the keys the run sets are refused there (one source of truth for paths)."""
+        clash = sorted(set(section) & set(fixed))
+        if clash:
+            raise EagletError(f"config {self.config_path}: {name}.{clash[0]} is set by `eaglet run` "
+                              f"({fixed[clash[0]]}); remove it from the '{name}' section")
+        try:
+            return cls.model_validate((defaults or {}) | section | fixed)
+        except ValidationError as exc:
+            raise EagletError(describe_validation_error(exc, f"config {self.config_path} section '{name}'")) from None
+
+    def _build_stages(self) -> list[Stage]:
+        from .data.prepare import run_prepare
+        from .data.regenerate import run_regenerate
+        from .decode.evaluate import run_eval
+        from .export import export_draft
+        from .extract import run_extract
+        from .train import run_train
+
+        cfg, out, console = self.config, self.out, self.console
+        common = {"target": cfg.target, "trust_remote_code": cfg.trust_remote_code}
+        stages: list[Stage] = []
+        answers = out / "regenerated.jsonl"
+        if cfg.regenerate is not None:
+            regenerate = self._section(RegenerateConfig, "regenerate", cfg.regenerate, {"out": str(answers), **common},
+                                       {"prompts": ["demo"], "split": "train"})
+            stages.append(Stage("regenerate", regenerate, (), answers, lambda: "{} answers by the target".format(
+                run_regenerate(regenerate, console).manifest["counts"]["requests"])))
+        prepare_fixed = {"out": str(out / "prepared"), "overwrite": True, **common}
+        if cfg.regenerate is not None:
+            prepare_fixed["inputs"] = [str(answers)]
+        elif "inputs" not in cfg.prepare:
+            raise EagletError(f"config {self.config_path}: prepare.inputs is required without a 'regenerate' section; "
+                              "list conversation files, or add `regenerate:` to have the target answer prompts")
+        prepare = self._section(PrepareConfig, "prepare", cfg.prepare, prepare_fixed)
+        stages.append(Stage("prepare", prepare, ("regenerate",) if cfg.regenerate is not None else (), out / "prepared",
+                            lambda: "{samples:,} samples, {tokens:,} tokens, draft vocab coverage {cov:.1%}".format(**(lambda m: {
+                                "samples": m["counts"]["samples"], "tokens": m["tokens"]["total"],
+                                "cov": m["draft_vocab"]["coverage"]})(run_prepare(prepare, console).manifest))))
+        offline = cfg.extract is not None
+        if offline:
+            extract = self._section(ExtractConfig, "extract", cfg.extract, {"prepared": str(out / "prepared"),
+                                                                           "out": str(out / "store"), **common})
+            stages.append(Stage("extract", extract, ("prepare",), out / "store", lambda: "{:,} tokens, {:.2f} GB".format(
+                (m := run_extract(extract, console).manifest)["totals"]["tokens"], m["totals"]["bytes"] / 1e9)))
+        source = {"store": str(out / "store")} if offline else {"prepared": str(out / "prepared")}
+        train = self._section(TrainConfig, "train", cfg.train, {"out": str(out / "draft"), **source, **common})
+
+        def run_training() -> str:
+            result = run_train(train, console)
+            tau = result.final_eval.get("tau")
+            return f"step {result.steps}" + (f", held-out simulated acceptance {tau:.2f}" if tau is not None else "")
+
+        stages.append(Stage("train", train, ("extract" if offline else "prepare",), out / "draft", run_training))
+
+        def run_export(report: Path | None = None) -> str:
+            for fmt in cfg.export.formats:
+                export_draft(out / "draft", fmt, out / "export" / fmt, speculative_tokens=cfg.export.speculative_tokens,
+                             report_path=report, overwrite=True)
+            return ", ".join(str(out / "export" / fmt) for fmt in cfg.export.formats)
+
+        def current_report() -> Path | None:
+            """The eval report, when it was made from the draft being exported (so cards quote its τ)."""
+            state = self._state()
+            if "eval" in state and state["eval"].get("complete") and "train" in state and \
+                    state["eval"].get("fingerprint") == self._fingerprint(self.stages[-1], state):
+                return out / "eval" / "report.json"
+            return None
+
+        stages.append(Stage("export", cfg.export, ("train",), out / "export", lambda: run_export(current_report())))
+        if cfg.eval is not None:
+            evaluation = self._section(EvalConfig, "eval", cfg.eval, {"draft": str(out / "draft"), "out": str(out / "eval"),
+                                                                      **common})
+
+            def run_evaluation() -> str:
+                report = run_eval(evaluation, console)
+                run_export(out / "eval" / "report.json")  # the model cards quote the measured τ
+                return (f"τ {report['acceptance_length']:.2f}, speedup {report['speedup']:.2f}x, "
+                        f"lossless {report['lossless']}")
+
+            stages.append(Stage("eval", evaluation, ("train",), out / "eval", run_evaluation))
+        return stages
+
+    # ------------------------------------------------------------------ state
+
+    def _state(self) -> dict[str, Any]:
+        path = self.out / RUN_FILE
+        return read_json(path)["stages"] if path.is_file() else {}
+
+    def _save_state(self, stages: dict[str, Any]) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.out / RUN_FILE, {"schema": RUN_SCHEMA, "config": self.config.model_dump(),
+                                                "config_file": str(self.config_path), "stages": stages})
+
+    def _fingerprint(self, stage: Stage, state: dict[str, Any]) -> str | None:
+        """None while an upstream stage has no output yet."""
+        upstream = []
+        for name in stage.reads:
+            if name not in {s.name for s in self.stages}:
+                continue
+            record = state.get(name)
+            if record is None or not record.get("complete"):
+                return None
+            upstream.append(record["output_hash"])
+        settings = stage.config.model_dump(mode="json") if stage.config is not None else None
+        text = json.dumps({"stage": stage.name, "settings": settings, "upstream": upstream}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def _output_hash(self, stage: Stage) -> str | None:
+        """A hash of the stage's output manifest (what downstream fingerprints include)."""
+        candidates = {
+            "regenerate": [stage.output.with_name(stage.output.name + ".manifest.json")],
+            "prepare": [stage.output / "manifest.json"],
+            "extract": [stage.output / "manifest.json"],
+            "train": [stage.output / "model.safetensors", stage.output / "config.json"],
+            "export": [stage.output / fmt / "model.safetensors" for fmt in self.config.export.formats],
+            "eval": [stage.output / "report.json"],
+        }[stage.name]
+        if not all(p.is_file() for p in candidates):
+            return None
+        digest = hashlib.sha256()
+        for path in candidates:
+            digest.update(sha256_file(path).encode())
+        return digest.hexdigest()
+
+    def plan(self, from_stage: str | None = None, only: str | None = None) -> list[StagePlan]:
+        names = [s.name for s in self.stages]
+        for requested in (from_stage, only):
+            if requested is not None and requested not in names:
+                raise EagletError(f"no stage {requested!r} in this run; stages: {', '.join(names)}")
+        state = self._state()
+        plans = []
+        forced = False
+        for stage in self.stages:
+            forced = forced or stage.name == from_stage
+            if only is not None and stage.name != only:
+                plans.append(StagePlan(stage.name, "skip", "not --only"))
+                continue
+            record = state.get(stage.name)
+            fingerprint = self._fingerprint(stage, state)
+            if forced:
+                plans.append(StagePlan(stage.name, "run", f"--from {from_stage}"))
+            elif record is None:
+                plans.append(StagePlan(stage.name, "run", "not run yet"))
+            elif fingerprint is None:
+                plans.append(StagePlan(stage.name, "run", "after its inputs"))
+            elif record.get("fingerprint") != fingerprint:
+                plans.append(StagePlan(stage.name, "run", "settings or inputs changed"))
+            elif not record.get("complete"):
+                plans.append(StagePlan(stage.name, "run", "interrupted: resumes"))
+            elif self._output_hash(stage) != record.get("output_hash"):
+                plans.append(StagePlan(stage.name, "run", "output missing or changed"))
+            else:
+                plans.append(StagePlan(stage.name, "skip", "done, same settings and inputs"))
+            if plans[-1].action == "run" and only is None:  # what reads a re-run stage follows it
+                for later in self.stages:
+                    if stage.name in later.reads:
+                        state.pop(later.name, None)
+        return self._estimate(plans)
+
+    def _estimate(self, plans: list[StagePlan]) -> list[StagePlan]:
+        from .target import pick_device
+
+        kind = "cuda" if pick_device("auto").startswith("cuda") else "cpu"
+        rates = RATES[kind]
+        by_name = {s.name: s for s in self.stages}
+        answer_tokens = 0
+        if "regenerate" in by_name:
+            regenerate = by_name["regenerate"].config
+            prompts = regenerate.max_prompts or _count_rows(regenerate.prompts)
+            answer_tokens = int(prompts * regenerate.n * regenerate.max_new_tokens * TOKENS_PER_ANSWER_GUESS)
+        prepared_tokens = _prepared_tokens(self.out / "prepared") or answer_tokens * 2  # prompt + answer
+        for plan in plans:
+            if plan.action != "run":
+                continue
+            if plan.name == "regenerate":
+                plan.disk_bytes = answer_tokens * BYTES_PER_ANSWER_TOKEN
+                plan.seconds = answer_tokens / rates["generate_tok_s"]
+            elif plan.name == "prepare":
+                plan.disk_bytes = prepared_tokens * 5
+                plan.seconds = 10 + prepared_tokens / 200_000
+            elif plan.name == "extract":
+                from .store import bytes_per_token
+                from .target import read_config, resolve_target
+
+                hidden = read_config(resolve_target(self.config.target).path).get("hidden_size", 4096)
+                plan.disk_bytes = prepared_tokens * bytes_per_token(hidden, by_name["extract"].config.storage_dtype)
+                plan.seconds = 20 + prepared_tokens / rates["extract_tok_s"]
+            elif plan.name == "train":
+                train = by_name["train"].config
+                plan.seconds = train.max_minutes * 60 if train.max_minutes else float("nan")
+                plan.disk_bytes = 0
+            elif plan.name == "eval":
+                evaluation = by_name["eval"].config
+                plan.seconds = float("nan")
+        return plans
+
+    # ------------------------------------------------------------------ running
+
+    def run(self, from_stage: str | None = None, only: str | None = None) -> RunResult:
+        from .preflight.stages import FAIL, run_checks
+
+        plans = {p.name: p for p in self.plan(from_stage, only)}
+        state = self._state()
+        result = RunResult(self.out)
+        for stage in self.stages:
+            plan = plans[stage.name]
+            record = state.get(stage.name)
+            fingerprint = self._fingerprint(stage, state)  # now, with the upstream outputs of this run
+            must_run = plan.action == "run" or fingerprint is None or (record or {}).get("fingerprint") != fingerprint
+            if only is not None:
+                must_run = stage.name == only
+            if not must_run:
+                result.outcomes.append(StageOutcome(stage.name, "skipped", 0.0, (record or {}).get("result", "")))
+                continue
+            if fingerprint is None:
+                raise EagletError(f"stage {stage.name} needs {', '.join(stage.reads)} first; run without --only")
+            fresh = record is None or record.get("fingerprint") != fingerprint or from_stage is not None
+            if fresh and stage.output.exists() and stage.name != "regenerate":
+                _remove(stage.output)  # made from other settings or inputs: start that stage over
+            elif fresh and stage.name == "regenerate":
+                for path in (stage.output, stage.output.with_name(stage.output.name + ".manifest.json")):
+                    path.unlink(missing_ok=True)
+            if stage.config is not None and stage.name in ("regenerate", "prepare", "extract", "train", "eval"):
+                checks = run_checks(stage.name, stage.config)
+                failed = [c for c in checks if c.status == FAIL]
+                if failed:
+                    raise EagletError(f"preflight failed for {stage.name}: {failed[0].name}: {failed[0].detail}"
+                                      + (f" ({failed[0].fix})" if failed[0].fix else ""))
+            state[stage.name] = {"fingerprint": fingerprint, "complete": False}
+            self._save_state(state)
+            self.console.print(f"[bold]== {stage.name}[/] ({plan.reason})")
+            started = time.perf_counter()
+            outcome = stage.run()
+            seconds = time.perf_counter() - started
+            state[stage.name] = {"fingerprint": fingerprint, "complete": True, "output_hash": self._output_hash(stage),
+                                 "seconds": round(seconds, 1), "result": outcome}
+            self._save_state(state)
+            result.outcomes.append(StageOutcome(stage.name, "ran", seconds, outcome))
+        report = self.out / "eval" / "report.json"
+        result.report = read_json(report) if report.is_file() else None
+        return result
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _count_rows(files: list[str]) -> int:
+    from .resources import resolve_input
+
+    total = 0
+    for name in files:
+        path = Path(resolve_input(name))
+        total += sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip()) if path.suffix == ".jsonl" else 0
+    return total
+
+
+def _prepared_tokens(prepared: Path) -> int:
+    manifest = prepared / "manifest.json"
+    if not manifest.is_file():
+        return 0
+    return int(read_json(manifest).get("tokens", {}).get("total", 0))

@@ -1,0 +1,120 @@
+"""`eaglet run`: every stage from one YAML; skipped when done with the same settings and inputs, re-run
+from the first change on; --plan runs nothing; --only/--from; bad configs refused in one line."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from conftest import run_cli, small_conversations, write_jsonl
+
+
+def run_config(tmp_path: Path, target: Path, **changes) -> Path:
+    data = write_jsonl(tmp_path / "conversations.jsonl", small_conversations(40))
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": f"p{i}", "prompt": "the cat sat on", "split": "heldout"}
+                                                         for i in range(2)])
+    config = {
+        "out": str(tmp_path / "run"),
+        "target": str(target),
+        "prepare": {"inputs": [str(data)]},
+        "extract": {"shard_mb": 0.05, "reserve_gb": 0},
+        "train": {"max_steps": 6, "token_budget": 128, "lr": 0.003, "log_every": 2, "eval_every": 3, "device": "cpu"},
+        "export": {"formats": ["vllm", "sglang"]},
+        "eval": {"prompts": [str(prompts)], "max_new_tokens": 8, "depth": 2, "device": "cpu"},
+    }
+    for dotted, value in changes.items():
+        section, key = dotted.split("__")
+        config[section][key] = value
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def statuses(run_dir: Path, out: str) -> dict[str, str]:
+    """stage -> ran/skipped, from the summary table."""
+    found = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.split("│") if c.strip()]
+        if len(cells) >= 2 and cells[0] in ("prepare", "extract", "train", "export", "eval") and cells[1] in ("ran", "skipped"):
+            found[cells[0]] = cells[1]
+    return found
+
+
+def test_run_all_then_skip_then_rerun_from_the_change(tmp_path, capsys, tiny_target):
+    config = run_config(tmp_path, tiny_target)
+    run_dir = tmp_path / "run"
+    code, out, err = run_cli(["run", config, "--plan"], capsys)
+    assert code == 0, err
+    assert "not run yet" in out and not run_dir.exists()  # --plan writes nothing
+
+    code, out, err = run_cli(["run", config], capsys)
+    assert code == 0, err
+    assert statuses(run_dir, out) == {s: "ran" for s in ("prepare", "extract", "train", "export", "eval")}
+    for path in ("prepared/manifest.json", "store/manifest.json", "draft/model.safetensors", "export/vllm/config.json",
+                 "export/sglang/config.json", "eval/report.json", "run.json"):
+        assert (run_dir / path).is_file(), path
+    assert "τ " in out and "lossless True" in out
+    card = (run_dir / "export" / "vllm" / "README.md").read_text()
+    report = json.loads((run_dir / "eval" / "report.json").read_text())
+    assert f"{report['acceptance_length']:.2f}" in card  # the model card quotes the measured τ
+
+    code, out, err = run_cli(["run", config], capsys)
+    assert code == 0, err
+    assert statuses(run_dir, out) == {s: "skipped" for s in ("prepare", "extract", "train", "export", "eval")}
+
+    changed = run_config(tmp_path, tiny_target, train__lr=0.001)
+    code, out, err = run_cli(["run", changed, "--plan"], capsys)
+    assert "settings or inputs changed" in out
+    code, out, err = run_cli(["run", changed], capsys)
+    assert code == 0, err
+    assert statuses(run_dir, out) == {"prepare": "skipped", "extract": "skipped", "train": "ran", "export": "ran", "eval": "ran"}
+
+    code, out, err = run_cli(["run", changed, "--only", "eval"], capsys)
+    assert code == 0, err
+    assert statuses(run_dir, out) == {"prepare": "skipped", "extract": "skipped", "train": "skipped", "export": "skipped",
+                                      "eval": "ran"}
+    code, out, err = run_cli(["run", changed, "--from", "export"], capsys)
+    assert code == 0, err
+    assert statuses(run_dir, out)["export"] == "ran" and statuses(run_dir, out)["train"] == "skipped"
+
+
+def test_killed_run_resumes_with_the_same_command(tmp_path, tiny_target):
+    config = run_config(tmp_path, tiny_target, train__max_steps=400, train__save_every=20)
+    command = [sys.executable, "-m", "eaglet.cli", "run", str(config)]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoints = tmp_path / "run" / "draft" / "checkpoints"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not any(checkpoints.glob("step-*/trainer.json")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    state = json.loads((tmp_path / "run" / "run.json").read_text())["stages"]
+    assert state["extract"]["complete"] and not state["train"]["complete"]
+    resumed = subprocess.run(command, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from" in resumed.stderr and "interrupted: resumes" in resumed.stderr
+    assert statuses(tmp_path / "run", resumed.stdout) == {"prepare": "skipped", "extract": "skipped", "train": "ran",
+                                                          "export": "ran", "eval": "ran"}
+
+
+def test_bad_run_configs_are_one_line_errors(tmp_path, capsys, tiny_target):
+    config = run_config(tmp_path, tiny_target)
+    data = yaml.safe_load(config.read_text())
+    cases = [
+        ({**data, "trian": {}}, "unknown key 'trian'"),
+        ({**data, "train": {**data["train"], "out": "x"}}, "train.out is set by `eaglet run`"),
+        ({**data, "train": {**data["train"], "lr": -1}}, "section 'train': 'lr'"),
+        ({**data, "prepare": {}}, "prepare.inputs is required without a 'regenerate' section"),
+    ]
+    for content, message in cases:
+        config.write_text(yaml.safe_dump(content))
+        code, _, err = run_cli(["run", config], capsys)
+        assert code == 2 and message in err and "Traceback" not in err, (message, err)
+    code, _, err = run_cli(["run", config, "--only", "nosuch"], capsys)
+    assert code == 2 and "no stage 'nosuch'" in err
