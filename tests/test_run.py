@@ -116,5 +116,6 @@ def test_bad_run_configs_are_one_line_errors(tmp_path, capsys, tiny_target):
         config.write_text(yaml.safe_dump(content))
         code, _, err = run_cli(["run", config], capsys)
         assert code == 2 and message in err and "Traceback" not in err, (message, err)
+    config.write_text(yaml.safe_dump(data))
     code, _, err = run_cli(["run", config, "--only", "nosuch"], capsys)
     assert code == 2 and "no stage 'nosuch'" in err
