@@ -8,10 +8,10 @@ import torch
 
 from eaglet.decode.engine import DraftRunner, TargetRunner, speculative_decode, target_only_decode
 from eaglet.decode.sampling import Sampling
-from eaglet.draft import DraftConfig, Eagle3Draft
+from eaglet.draft import DraftConfig, Eagle3Draft, rope_tables
 
 
-def tiny_pair(vocab=64, seed=0):
+def tiny_pair(vocab=64, seed=0, draft_layers=1):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -22,7 +22,8 @@ def tiny_pair(vocab=64, seed=0):
         target.lm_head.weight.mul_(30)  # a peaked target, so drafts sometimes agree
     draft_config = DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                intermediate_size=64, vocab_size=vocab, draft_vocab_size=vocab // 2,
-                               target_hidden_size=32, eagle_aux_hidden_state_layer_ids=[2, 4, 5])
+                               target_hidden_size=32, eagle_aux_hidden_state_layer_ids=[2, 4, 5],
+                               num_hidden_layers=draft_layers)
     draft = Eagle3Draft(draft_config).eval()
     used = torch.arange(0, vocab, 2)  # every other token
     t2d = torch.zeros(vocab, dtype=torch.bool)
@@ -163,10 +164,36 @@ def test_tree_sampling_matches_the_target_distribution():
         assert tv < 0.07
 
 
-def test_tree_greedy_is_lossless():
+@pytest.mark.parametrize("draft_layers", [1, 2])
+def test_decoder_draft_steps_equal_the_training_time_test(draft_layers):
+    """The decoder's incremental draft (cache of real positions, then speculative steps at the last one)
+    computes what training computed: step 0 over the prefix, step 1 at the last position, every layer."""
+    from eaglet.ttt import TTTAttention, documents
+
+    torch.manual_seed(1)
+    target, draft = tiny_pair(draft_layers=draft_layers)
+    draft = draft.double()
+    n = 9
+    tokens = torch.randint(0, 64, (n + 2,))  # x_0 .. x_{n+1}
+    aux = torch.randn(n, 3, 32, dtype=torch.float64)
+    doc_ids, positions, _ = documents(torch.tensor([0, n]), torch.device("cpu"))
+    cos, sin = rope_tables(positions, 8, draft.config.rope_theta)
+    attends = [TTTAttention(doc_ids) for _ in range(draft_layers)]
+    with torch.no_grad():
+        hidden0, logits0 = draft.step(tokens[1 : n + 1], draft.fuse(aux), cos.double(), sin.double(), attends)
+        hidden1, logits1 = draft.step(tokens[2 : n + 2], hidden0, cos.double(), sin.double(), attends)
+    runner = DraftRunner(draft)
+    hidden, logits = runner.extend(tokens[1 : n + 1].tolist(), aux)
+    torch.testing.assert_close(logits.double(), logits0[-1], rtol=1e-5, atol=1e-5)  # the runner returns float32 logits
+    _, logits = runner.speculate(int(tokens[n + 1]), hidden)
+    torch.testing.assert_close(logits.double(), logits1[-1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("draft_layers", [1, 2])
+def test_tree_greedy_is_lossless(draft_layers):
     from eaglet.decode.engine import tree_decode
 
-    target, draft = tiny_pair()
+    target, draft = tiny_pair(draft_layers=draft_layers)
     runner, draft_runner = TargetRunner(target, (2, 4, 5)), DraftRunner(draft)
     for prompt in ([1, 5, 9, 2], list(range(3, 40, 3))):
         base = target_only_decode(runner, prompt, 40, Sampling(), stop_ids=set())

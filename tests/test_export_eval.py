@@ -140,3 +140,30 @@ def test_eval_tree_mode_is_lossless_and_samples(tmp_path, capsys, tiny_draft, ti
     report = json.loads((out / "report.json").read_text())
     assert report["lossless"] is None and report["settings"]["temperature"] == 0.7  # sampled: checked statistically
     assert report["acceptance_length"] >= 1.0
+
+
+def test_two_layer_draft_trains_exports_for_vllm_and_is_refused_for_sglang(tmp_path, capsys, tiny_store, tiny_target):
+    """`--draft-layers 2`: layer 0 keeps the serving name midlayer.*, layer 1 is layers.1.* (vLLM's llama_eagle3
+    names); the exported draft decodes like the trained one; SGLang (one layer) is refused by name."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "deep"
+    code, _, err = run_cli(["train", "--store", tiny_store, "--target", tiny_target, "--out", run, "--draft-layers", "2",
+                            "--max-steps", "4", "--token-budget", "128", "--eval-every", "2"], capsys)
+    assert code == 0, err
+    code, _, err = run_cli(["export", "--draft", run, "--format", "vllm", "--out", tmp_path / "vllm"], capsys)
+    assert code == 0, err
+    names = set(load_file(str(tmp_path / "vllm" / "model.safetensors")))
+    assert {"midlayer.self_attn.q_proj.weight", "layers.1.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight"} <= names
+    assert json.loads((tmp_path / "vllm" / "config.json").read_text())["num_hidden_layers"] == 2
+    target_path = resolve_target(str(tiny_target)).path
+    embed, _, _ = load_head_weights(target_path)
+    runner = TargetRunner(load_model(target_path, device="cpu"), (2, 4, 5))
+    prompt = [5, 17, 33, 8, 90, 12]
+    trained = speculative_decode(runner, DraftRunner(load_draft(run, embed=embed.float()).to(torch.bfloat16).float()),
+                                 prompt, 16, 3, Sampling(), set())
+    exported = speculative_decode(runner, DraftRunner(load_draft(tmp_path / "vllm", embed=embed.float())), prompt, 16, 3,
+                                  Sampling(), set())
+    assert exported.tokens == trained.tokens and exported.accepted == trained.accepted
+    code, _, err = run_cli(["export", "--draft", run, "--format", "sglang", "--out", tmp_path / "sglang"], capsys)
+    assert code == 2 and "loads one decoder layer" in err and not (tmp_path / "sglang").exists()

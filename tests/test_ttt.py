@@ -34,12 +34,12 @@ class NaiveAttention:
         return torch.softmax(scores, -1) @ values
 
 
-def tiny_setup(seed=0, head_dim=8):
+def tiny_setup(seed=0, head_dim=8, draft_layers=1):
     torch.manual_seed(seed)
     vocab, draft_vocab, hidden = 50, 20, 4 * head_dim
     config = DraftConfig(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                          intermediate_size=64, vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=hidden,
-                         eagle_aux_hidden_state_layer_ids=[1, 2, 3])
+                         eagle_aux_hidden_state_layer_ids=[1, 2, 3], num_hidden_layers=draft_layers)
     draft = Eagle3Draft(config).double()
     used = torch.sort(torch.randperm(vocab)[:draft_vocab]).values
     d2t = used - torch.arange(draft_vocab)
@@ -60,9 +60,9 @@ def tiny_setup(seed=0, head_dim=8):
     return draft, inputs
 
 
-@pytest.mark.parametrize("steps", [1, 3, 5])
-def test_fast_path_equals_naive_reference(steps):
-    draft, inputs = tiny_setup()
+@pytest.mark.parametrize("steps,draft_layers", [(1, 1), (3, 1), (5, 1), (3, 2)])
+def test_fast_path_equals_naive_reference(steps, draft_layers):
+    draft, inputs = tiny_setup(draft_layers=draft_layers)
     fast = ttt_forward(draft, inputs, steps, attention_factory=TTTAttention)
     fast.loss.backward()
     fast_grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}

@@ -294,6 +294,7 @@ def train(
     prepared: Optional[str] = typer.Option(None, help="online: a prepared set; the target computes features live"),
     target: Optional[str] = typer.Option(None, "--target", "-t", help=TARGET_HELP),
     ttt_steps: Optional[int] = typer.Option(None, help="training-time-test unroll K (default: 7)"),
+    draft_layers: Optional[int] = typer.Option(None, help="decoder layers in the draft (default: 1, EAGLE-3's)"),
     token_budget: Optional[int] = typer.Option(None, help="tokens per packed micro-batch (default: 4096)"),
     grad_accum: Optional[int] = typer.Option(None, help="micro-batches per optimizer step and rank (default: 1)"),
     parallel: Optional[str] = typer.Option(None, help="under torchrun: ddp (default) or fsdp2 (shards weights and optimizer)"),
@@ -318,7 +319,8 @@ def train(
 
     cfg = build_config(
         TrainConfig, "train", config,
-        dict(out=out, store=store, prepared=prepared, target=target, ttt_steps=ttt_steps, token_budget=token_budget,
+        dict(out=out, store=store, prepared=prepared, target=target, ttt_steps=ttt_steps, draft_layers=draft_layers,
+             token_budget=token_budget,
              grad_accum=grad_accum, parallel=parallel, lr=lr, max_steps=max_steps, epochs=epochs, tokens=tokens, max_minutes=max_minutes,
              eval_store=eval_store, seed=seed,
              eval_every=eval_every, log_every=log_every, save_every=save_every, device=device),
@@ -543,12 +545,20 @@ def preflight_self(
 # demo
 
 
+def _human_bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if count < 1000:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count:.1f} TB"
+
+
 def _plan_table(plans: list) -> Table:
     table = Table(title="eaglet run --plan (nothing runs)")
     for column in ("stage", "action", "why", "disk (est.)", "time (est.)"):
         table.add_column(column)
     for plan in plans:
-        disk = f"{plan.disk_bytes / 1e9:.2f} GB" if plan.action == "run" and plan.disk_bytes else "-"
+        disk = _human_bytes(plan.disk_bytes) if plan.action == "run" and plan.disk_bytes else "-"
         seconds = "-" if plan.action != "run" or plan.seconds != plan.seconds or not plan.seconds else f"{plan.seconds / 60:.1f} min"
         table.add_row(plan.name, plan.action, plan.reason, disk, seconds)
     return table

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -169,19 +169,36 @@ class DraftLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class DraftStackLayer(nn.Module):
+    """Decoder layers 1..n-1 of a deeper draft: a plain pre-norm Llama layer over the hidden state
+    (vLLM's llama_eagle3 ``layers.{i}`` for i >= 1, which see no embeddings)."""
+
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DraftAttention(config, config.hidden_size)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DraftMLP(config)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttentionFn) -> torch.Tensor:
+        h = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
 FROZEN_PREFIX = "embed_tokens"  # the target's embedding: copied in, never trained, never saved
 
 
 class Eagle3Draft(nn.Module):
     def __init__(self, config: DraftConfig):
         super().__init__()
-        if config.num_hidden_layers != 1:
-            raise EagletError("drafts with more than one decoder layer are not supported yet (num_hidden_layers=1)")
+        if config.num_hidden_layers < 1:
+            raise EagletError(f"num_hidden_layers must be at least 1, got {config.num_hidden_layers}")
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
         self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
-        self.midlayer = DraftLayer(config)
+        self.midlayer = DraftLayer(config)  # layer 0 (serving name); deeper drafts add layers.1 ...
+        self.layers = nn.ModuleDict({str(i): DraftStackLayer(config) for i in range(1, config.num_hidden_layers)})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
@@ -192,9 +209,12 @@ class Eagle3Draft(nn.Module):
         return self.fc(aux.flatten(1))
 
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             attend: AttentionFn) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step: (new hidden [T, H], draft-vocab logits [T, Vd])."""
-        hidden = self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, attend)
+             attends: Sequence[AttentionFn]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step: (new hidden [T, H], draft-vocab logits [T, Vd]); ``attends``: one per layer,
+        each keeping that layer's keys across steps."""
+        hidden = self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, attends[0])
+        for index, layer in enumerate(self.layers.values(), start=1):
+            hidden = layer(hidden, cos, sin, attends[index])
         return hidden, self.lm_head(self.norm(hidden))
 
     def init_from_target(self, embed: torch.Tensor, lm_head: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> None:

@@ -6,7 +6,8 @@ under the serving names (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``,
 
 - vllm: ``LlamaForCausalLMEagle3`` read by vllm/model_executor/models/llama_eagle3.py
   (``Eagle3LlamaForCausalLM``; vLLM main as of 2026-11: ``midlayer.`` -> ``layers.0.``, ``d2t`` ->
-  ``draft_id_to_target_id``, ``t2d`` skipped, embedding shared with the target when absent). Aux ids
+  ``draft_id_to_target_id``, ``t2d`` skipped, embedding shared with the target when absent; deeper drafts'
+  ``layers.{i}`` for i >= 1 are plain Llama layers over the hidden state, as vLLM 0.33 builds them). Aux ids
   top-level as ``eagle_aux_hidden_state_layer_ids`` in vLLM's convention (= eaglet's: input of layer i).
 - sglang: the same architecture for sglang/srt/models/llama_eagle3.py; SGLang captures the output of
   layer ``j`` for an explicit id ``j`` (it adds one), so ids are written as ``i - 1`` under ``eagle_config``.
@@ -133,6 +134,9 @@ def export_draft(draft_dir: str | Path, fmt: str, out: str | Path, verifier: str
     if out.exists() and not overwrite:
         raise EagletError(f"{out}: already exists; pass --overwrite or choose another --out")
     config = read_json(draft_dir / DRAFT_CONFIG_FILE)
+    if fmt == "sglang" and config.get("num_hidden_layers", 1) > 1:
+        raise EagletError(f"{draft_dir}: a {config['num_hidden_layers']}-layer draft; SGLang's llama_eagle3 loads one "
+                          "decoder layer (midlayer) only: export --format vllm or speculators, or train with --draft-layers 1")
     verifier = verifier or config.get("target", {}).get("name") or "TARGET"
     report = read_json(report_path) if report_path and Path(report_path).is_file() else None
     weights = load_file(str(draft_dir / DRAFT_WEIGHTS_FILE))

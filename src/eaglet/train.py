@@ -104,6 +104,7 @@ def _setup(config: TrainConfig, device: str) -> Setup:
             raise EagletError(f"eval store {config.eval_store}: aux layers {eval_manifest['aux_layer_ids']}, training uses {list(layer_ids)}")
         eval_source = StoreSource(config.eval_store, config.token_budget, config.seed)
     identity = {"target": target_identity, "layer_ids": list(layer_ids), "draft_vocab_size": vocab.size,
+                "draft_layers": config.draft_layers,
                 "ttt_steps": config.ttt_steps, "token_budget": config.token_budget, "seed": config.seed,
                 "input": "store" if config.store else "online", "eval_fraction": config.eval_fraction}
     return Setup(source, plans, prepared.lengths, vocab, layer_ids, identity, resolved.path, read_config(resolved.path),
@@ -267,7 +268,8 @@ def run_train(config: TrainConfig, console: Console | None = None) -> TrainResul
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
 
     embed, lm_head, softcap = load_head_weights(setup.target_path)
-    draft_config = DraftConfig.from_target(setup.target_config, setup.vocab.size, setup.layer_ids, setup.identity["target"])
+    draft_config = DraftConfig.from_target(setup.target_config, setup.vocab.size, setup.layer_ids, setup.identity["target"],
+                                           num_layers=config.draft_layers)
     torch.manual_seed(config.seed)
     draft = Eagle3Draft(draft_config)
     d2t, t2d = torch.from_numpy(setup.vocab.d2t), torch.from_numpy(setup.vocab.t2d)

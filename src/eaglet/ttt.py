@@ -128,7 +128,7 @@ def ttt_forward(draft: Eagle3Draft, inputs: TTTInputs, steps: int, decay: float 
     """Unroll ``steps`` draft steps and return the weighted loss plus per-step statistics."""
     config = draft.config
     cos, sin = rope_tables(inputs.positions, config.head_dim, config.rope_theta)
-    attend = attention_factory(inputs.doc_ids)
+    attends = [attention_factory(inputs.doc_ids) for _ in range(config.num_hidden_layers)]  # one key cache per layer
     aux = inputs.aux
     if feature_noise_std > 0:
         aux = aux + torch.randn_like(aux) * feature_noise_std
@@ -138,7 +138,7 @@ def ttt_forward(draft: Eagle3Draft, inputs: TTTInputs, steps: int, decay: float 
     step_losses, step_correct, step_counts = [], [], []
     for k in range(steps):
         ids = torch.where(index + 1 + k < inputs.doc_end, shift(inputs.input_ids, 1 + k), 0)
-        hidden, logits = draft.step(ids, hidden, cos, sin, attend)
+        hidden, logits = draft.step(ids, hidden, cos, sin, attends)
         teacher = shift(inputs.teacher_logits, 1 + k)  # [T, Vd]: predicts x[t+2+k]
         mask = ((index + 2 + k < inputs.doc_end) & shift(inputs.loss_mask, 2 + k, False)
                 & shift(inputs.teacher_in_vocab, 1 + k, False))

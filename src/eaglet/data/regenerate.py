@@ -25,6 +25,7 @@ from ..config import RegenerateConfig
 from ..errors import EagletError
 from ..fsio import append_lines_durable, sha256_file, write_bytes_atomic, write_json_atomic
 from ..progress import progress_bar
+from ..resources import resolve_input
 from .readers import BadRow, fail_on_bad_rows, read_conversations
 
 MANIFEST_SUFFIX = ".manifest.json"
@@ -68,7 +69,7 @@ def plan_requests(config: RegenerateConfig, console: Console) -> list[Request]:
     requests: list[Request] = []
     bad: list[BadRow] = []
     prompts = 0
-    for item in read_conversations(config.prompts):
+    for item in read_conversations([resolve_input(p) for p in config.prompts]):
         if isinstance(item, BadRow):
             bad.append(item)
             continue
@@ -372,7 +373,7 @@ def run_regenerate(config: RegenerateConfig, console: Console | None = None) -> 
         "eaglet_version": __version__,
         "settings": settings,
         "config": config.model_dump(),
-        "inputs": [{"path": str(p), "sha256": sha256_file(p)} for p in config.prompts],
+        "inputs": [{"path": str(p), "sha256": sha256_file(p)} for p in map(resolve_input, config.prompts)],
         "counts": {"requests": len(requests), "written_this_run": len(todo), "already_done": skipped},
         "new_tokens_this_run": new_tokens,
         "seconds_this_run": round(seconds, 3),

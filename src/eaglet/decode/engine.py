@@ -124,35 +124,45 @@ class TargetRunner:
             )
 
 
-class _DraftAttention:
-    """Attention over the draft's cached (real) entries, plus this chain's speculative entries."""
+@dataclass
+class _LayerCache:
+    """One draft layer's keys/values: real positions, plus the current speculation's entries."""
 
-    def __init__(self, runner: "DraftRunner", mode: str, visible: list[list[int]] | None = None):
-        self.runner, self.mode = runner, mode
+    keys: torch.Tensor  # [Hkv, positions, d]
+    values: torch.Tensor
+    spec_keys: list[torch.Tensor] = field(default_factory=list)
+    spec_values: list[torch.Tensor] = field(default_factory=list)
+
+
+class _DraftAttention:
+    """Attention over one layer's cached (real) entries, plus this chain's speculative entries."""
+
+    def __init__(self, cache: _LayerCache, mode: str, visible: list[list[int]] | None = None):
+        self.cache, self.mode = cache, mode
         self.visible = visible or []  # tree mode: per query, the spec entries of its processed ancestors
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        runner = self.runner
+        cache = self.cache
         groups = q.shape[0] // k.shape[0]
         if self.mode == "extend":  # new real positions: causal over cache + block
-            past = runner.keys.shape[1]
-            keys, values = torch.cat([runner.keys, k], 1), torch.cat([runner.values, v], 1)
-            runner.keys, runner.values = keys, values
+            past = cache.keys.shape[1]
+            keys, values = torch.cat([cache.keys, k], 1), torch.cat([cache.values, v], 1)
+            cache.keys, cache.values = keys, values
             rows = torch.arange(q.shape[1], device=q.device)[:, None] + past
             mask = torch.arange(keys.shape[1], device=q.device)[None, :] <= rows  # [r, past + r]
         elif self.mode == "speculate":  # one speculative query: every real entry and this chain's earlier steps
-            runner.spec_keys.append(k)
-            runner.spec_values.append(v)
-            keys = torch.cat([runner.keys, *runner.spec_keys], 1)
-            values = torch.cat([runner.values, *runner.spec_values], 1)
+            cache.spec_keys.append(k)
+            cache.spec_values.append(v)
+            keys = torch.cat([cache.keys, *cache.spec_keys], 1)
+            values = torch.cat([cache.values, *cache.spec_values], 1)
             mask = None
         else:  # tree: a layer of nodes, each seeing the real entries, its processed ancestors and itself
-            spec_before = sum(key.shape[1] for key in runner.spec_keys)
-            runner.spec_keys.append(k)
-            runner.spec_values.append(v)
-            keys = torch.cat([runner.keys, *runner.spec_keys], 1)
-            values = torch.cat([runner.values, *runner.spec_values], 1)
-            real = runner.keys.shape[1]
+            spec_before = sum(key.shape[1] for key in cache.spec_keys)
+            cache.spec_keys.append(k)
+            cache.spec_values.append(v)
+            keys = torch.cat([cache.keys, *cache.spec_keys], 1)
+            values = torch.cat([cache.values, *cache.spec_values], 1)
+            real = cache.keys.shape[1]
             mask = torch.zeros(q.shape[1], keys.shape[1], dtype=torch.bool, device=q.device)
             mask[:, :real] = True
             for row, visible in enumerate(self.visible):
@@ -174,13 +184,18 @@ class DraftRunner:
     def reset(self) -> None:
         config = self.draft.config
         empty = torch.zeros(config.num_key_value_heads, 0, config.head_dim, device=self.device, dtype=self.dtype)
-        self.keys, self.values = empty, empty.clone()
-        self.spec_keys: list[torch.Tensor] = []
-        self.spec_values: list[torch.Tensor] = []
+        self.caches = [_LayerCache(empty, empty.clone()) for _ in range(config.num_hidden_layers)]
+
+    def _attends(self, mode: str, visible: list[list[int]] | None = None) -> list[_DraftAttention]:
+        return [_DraftAttention(cache, mode, visible) for cache in self.caches]
+
+    def _clear_speculation(self) -> None:
+        for cache in self.caches:
+            cache.spec_keys, cache.spec_values = [], []
 
     @property
     def length(self) -> int:
-        return self.keys.shape[1]
+        return self.caches[0].keys.shape[1]
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = rope_tables(positions, self.draft.config.head_dim, self.draft.config.rope_theta)
@@ -190,13 +205,12 @@ class DraftRunner:
     def extend(self, tokens: list[int], aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Real positions ``length..length+r-1`` with their tokens (x_{t+1}) and target features;
         returns the last position's hidden [H] and draft logits [Vd]. Clears the speculative chain."""
-        self.spec_keys, self.spec_values = [], []
+        self._clear_speculation()
         start = self.length
         positions = torch.arange(start, start + len(tokens), device=self.device)
         cos, sin = self._rope(positions)
         hidden = self.draft.fuse(aux.to(self.dtype))
-        hidden, logits = self.draft.step(torch.tensor(tokens, device=self.device), hidden, cos, sin,
-                                         _DraftAttention(self, "extend"))
+        hidden, logits = self.draft.step(torch.tensor(tokens, device=self.device), hidden, cos, sin, self._attends("extend"))
         return hidden[-1], logits[-1].float()
 
     @torch.inference_mode()
@@ -204,12 +218,13 @@ class DraftRunner:
         """One more chain step from the last real position (same RoPE position, as in training)."""
         cos, sin = self._rope(torch.tensor([self.length - 1], device=self.device))
         out, logits = self.draft.step(torch.tensor([token], device=self.device), hidden[None], cos, sin,
-                                      _DraftAttention(self, "speculate"))
+                                      self._attends("speculate"))
         return out[0], logits[0].float()
 
     def crop(self, length: int) -> None:
-        self.keys, self.values = self.keys[:, :length], self.values[:, :length]
-        self.spec_keys, self.spec_values = [], []
+        for cache in self.caches:
+            cache.keys, cache.values = cache.keys[:, :length], cache.values[:, :length]
+        self._clear_speculation()
 
     @torch.inference_mode()
     def expand_tree(self, root_token: int, hidden: torch.Tensor, logits: torch.Tensor, topk: int, depth: int,
@@ -217,7 +232,7 @@ class DraftRunner:
         """EAGLE-2 dynamic tree: expand the ``topk`` best nodes of each layer by their ``topk`` best
         children (scores = cumulative draft log-probabilities), then keep the ``budget`` best nodes overall.
         Every step runs at the root's RoPE position and sees its ancestors' entries, as in training."""
-        self.spec_keys, self.spec_values = [], []
+        self._clear_speculation()
         cos, sin = self._rope(torch.tensor([self.length - 1], device=self.device))
         # candidate columns: target token, parent candidate (-1 = root), depth, score, input hidden, spec entry
         tokens, parents, depths, scores, entries = [], [], [], [], []
@@ -245,7 +260,7 @@ class DraftRunner:
                 visible.append(chain)
             out_hidden, out_logits = self.draft.step(
                 torch.tensor([tokens[c] for c in frontier], device=self.device), torch.stack([inputs[c] for c in frontier]),
-                cos.expand(len(frontier), -1), sin.expand(len(frontier), -1), _DraftAttention(self, "tree", visible))
+                cos.expand(len(frontier), -1), sin.expand(len(frontier), -1), self._attends("tree", visible))
             layer = []
             for row, candidate in enumerate(frontier):
                 entries[candidate] = spec_count + row
