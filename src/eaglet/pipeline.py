@@ -242,31 +242,33 @@ class Pipeline:
         state = self._state()
         plans = []
         forced = False
+        rerunning: set[str] = set()
         for stage in self.stages:
             forced = forced or stage.name == from_stage
-            if only is not None and stage.name != only:
-                plans.append(StagePlan(stage.name, "skip", "not --only"))
-                continue
             record = state.get(stage.name)
             fingerprint = self._fingerprint(stage, state)
-            if forced:
-                plans.append(StagePlan(stage.name, "run", f"--from {from_stage}"))
+            upstream = [name for name in stage.reads if name in rerunning]
+            if only is not None:
+                plan = StagePlan(stage.name, "run", "--only") if stage.name == only else StagePlan(stage.name, "skip", "not --only")
+            elif forced:
+                plan = StagePlan(stage.name, "run", f"--from {from_stage}")
             elif record is None:
-                plans.append(StagePlan(stage.name, "run", "not run yet"))
+                plan = StagePlan(stage.name, "run", "not run yet")
+            elif upstream:
+                plan = StagePlan(stage.name, "run", f"after {upstream[0]} (if its output changes)")
             elif fingerprint is None:
-                plans.append(StagePlan(stage.name, "run", "after its inputs"))
+                plan = StagePlan(stage.name, "run", "after its inputs")
             elif record.get("fingerprint") != fingerprint:
-                plans.append(StagePlan(stage.name, "run", "settings or inputs changed"))
+                plan = StagePlan(stage.name, "run", "settings or inputs changed")
             elif not record.get("complete"):
-                plans.append(StagePlan(stage.name, "run", "interrupted: resumes"))
+                plan = StagePlan(stage.name, "run", "interrupted: resumes")
             elif self._output_hash(stage) != record.get("output_hash"):
-                plans.append(StagePlan(stage.name, "run", "output missing or changed"))
+                plan = StagePlan(stage.name, "run", "output missing or changed")
             else:
-                plans.append(StagePlan(stage.name, "skip", "done, same settings and inputs"))
-            if plans[-1].action == "run" and only is None:  # what reads a re-run stage follows it
-                for later in self.stages:
-                    if stage.name in later.reads:
-                        state.pop(later.name, None)
+                plan = StagePlan(stage.name, "skip", "done, same settings and inputs")
+            if plan.action == "run":
+                rerunning.add(stage.name)
+            plans.append(plan)
         return self._estimate(plans)
 
     def _estimate(self, plans: list[StagePlan]) -> list[StagePlan]:
@@ -318,9 +320,11 @@ class Pipeline:
             plan = plans[stage.name]
             record = state.get(stage.name)
             fingerprint = self._fingerprint(stage, state)  # now, with the upstream outputs of this run
-            must_run = plan.action == "run" or fingerprint is None or (record or {}).get("fingerprint") != fingerprint
-            if only is not None:
-                must_run = stage.name == only
+            if plan.reason.startswith("after "):  # decided now that its inputs exist: did they change?
+                must_run = fingerprint is None or record is None or record.get("fingerprint") != fingerprint \
+                    or not record.get("complete") or self._output_hash(stage) != record.get("output_hash")
+            else:
+                must_run = plan.action == "run"
             if not must_run:
                 result.outcomes.append(StageOutcome(stage.name, "skipped", 0.0, (record or {}).get("result", "")))
                 continue
