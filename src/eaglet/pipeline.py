@@ -34,7 +34,9 @@ RUN_FILE = "run.json"
 RUN_SCHEMA = "eaglet.run/1"
 BYTES_PER_ANSWER_TOKEN = 8  # JSON text
 # Rough rates for --plan's time column (measured: benchmarks/RESULTS.md; CPU = this project's 2-core machine)
-RATES = {"cpu": {"generate_tok_s": 66, "extract_tok_s": 600}, "cuda": {"generate_tok_s": 2750, "extract_tok_s": 245_000}}
+RATES = {"cpu": {"generate_tok_s": 66, "extract_tok_s": 600, "decode_tok_s": 15},
+         "cuda": {"generate_tok_s": 2750, "extract_tok_s": 245_000, "decode_tok_s": 150}}
+HELD_OUT_PROMPTS_GUESS = 128  # the demo prompts' held-out split
 TOKENS_PER_ANSWER_GUESS = 0.7  # answers stop before max_new_tokens on average
 
 
@@ -305,7 +307,8 @@ class Pipeline:
                 plan.disk_bytes = 0
             elif plan.name == "eval":
                 evaluation = by_name["eval"].config
-                plan.seconds = float("nan")
+                prompts = evaluation.max_prompts or HELD_OUT_PROMPTS_GUESS
+                plan.seconds = 2 * prompts * evaluation.max_new_tokens / rates["decode_tok_s"]  # baseline + speculative
         return plans
 
     # ------------------------------------------------------------------ running

@@ -307,6 +307,9 @@ class Analyzer:
             return scope.get(node.id)
         if isinstance(node, ast.Attribute):
             base = self._eval(node.value, scope, module, guard, record)
+            if isinstance(base, _Super):  # super().name inside a caller class deriving from a library class
+                library_bases = self._library_bases(base.cls)
+                return _Bound(library_bases[0], node.attr) if library_bases else None
             if isinstance(base, Ref):
                 return Ref(f"{base.path}.{node.attr}")
             if isinstance(base, Instance):
@@ -341,6 +344,9 @@ class Analyzer:
             self._eval(argument.value if isinstance(argument, ast.Starred) else argument, scope, module, guard, record)
         for keyword in node.keywords:
             self._eval(keyword.value, scope, module, guard, record)
+        if isinstance(node.func, ast.Name) and node.func.id == "super" and not node.args:
+            owner = scope.get("self") or scope.get("cls")
+            return _Super(owner) if isinstance(owner, CallerClass) else None
         if isinstance(node.func, ast.Name) and node.func.id == "getattr" and node.args:
             target = self._eval(node.args[0], scope, module, guard, record)
             if isinstance(target, (Ref, Instance)):
@@ -391,6 +397,12 @@ class Analyzer:
         text = ast.get_source_segment(module.source, node) or ""
         self.sites.append(Site(kind, module.path, node.lineno, callee, receiver, member, guard=guard,
                                text=text.splitlines()[0][:120] if text else "", unverified=unverified, **shape))
+
+
+@dataclass(frozen=True)
+class _Super:
+    """``super()`` inside a method of a caller class."""
+    cls: CallerClass
 
 
 @dataclass(frozen=True)

@@ -188,6 +188,9 @@ def _check_call(library: Library, site: Site, report: Report) -> None:
         _unverified(report, site, site.unverified or "untyped value")
         return
     assert isinstance(site.callee, Ref)
+    if site.receiver == "bound" and site.member == "__init__":  # super().__init__(...): the base's constructor
+        site = Site(site.kind, site.path, site.line, site.callee, "function", None, site.positional, site.keywords,
+                    site.star, site.double_star, site.guard, site.text)
     path = site.callee.path if site.receiver != "bound" else f"{site.callee.path}.{site.member}"
     resolved = library.resolve(path)
     if resolved.status == "missing":
