@@ -175,8 +175,9 @@ class Pipeline:
         def current_report() -> Path | None:
             """The eval report, when it was made from the draft being exported (so cards quote its τ)."""
             state = self._state()
-            if "eval" in state and state["eval"].get("complete") and "train" in state and \
-                    state["eval"].get("fingerprint") == self._fingerprint(self.stages[-1], state):
+            evaluation = next((s for s in self.stages if s.name == "eval"), None)
+            if evaluation is not None and state.get("eval", {}).get("complete") and \
+                    state["eval"].get("fingerprint") == self._fingerprint(evaluation, state):
                 return out / "eval" / "report.json"
             return None
 
