@@ -6,6 +6,7 @@ pass / warn / fail with the fix for anything that is not a pass.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -153,9 +154,11 @@ def check_memory(device: str, needed: int, what: str) -> Check:
                      "use a bigger device, fewer --batch-tokens / --token-budget, or fp8", "little headroom left")
 
 
+@functools.lru_cache(maxsize=None)
 def check_library_api(package: str = "transformers") -> Check:
     """eaglet's own calls into ``package``, bound statically against the installed version: an upgrade
-    that breaks them is reported here, before the model load, not after it."""
+    that breaks them is reported here, before the model load, not after it. Once per process (the
+    installed version does not change while `eaglet run` goes from stage to stage)."""
     from ..apicheck.check import check_calls, library_roots
 
     roots, source = library_roots(package)
