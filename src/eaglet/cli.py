@@ -553,8 +553,15 @@ def _human_bytes(count: float) -> str:
     return f"{count:.1f} TB"
 
 
-def _plan_table(plans: list) -> Table:
-    table = Table(title="eaglet run --plan (nothing runs)")
+def _plan_table(plans: list, out: Path) -> Table:
+    from .fsio import free_disk_bytes
+
+    needed = sum(p.disk_bytes for p in plans if p.action == "run")
+    free = free_disk_bytes(out)
+    caption = f"needs ~{_human_bytes(needed)}; {_human_bytes(free)} free at {out}"
+    if needed > free:
+        caption = f"[bold red]{caption}: not enough disk[/]"
+    table = Table(title="eaglet run --plan (nothing runs)", caption=caption)
     for column in ("stage", "action", "why", "disk (est.)", "time (est.)"):
         table.add_column(column)
     for plan in plans:
@@ -601,7 +608,7 @@ def run(
     cfg = load_run_config(config, {"out": out} if out else None)
     pipeline = Pipeline(cfg, config, err_console)
     if plan:
-        out_console.print(_plan_table(pipeline.plan(from_stage, only)))
+        out_console.print(_plan_table(pipeline.plan(from_stage, only), pipeline.out))
         return
     _run_summary(pipeline.run(from_stage, only))
 
@@ -625,7 +632,7 @@ def demo(
     config = demo_config_path(scale)
     pipeline = Pipeline(load_run_config(config, {"out": str(out)}), config, err_console)
     if plan:
-        out_console.print(_plan_table(pipeline.plan()))
+        out_console.print(_plan_table(pipeline.plan(), pipeline.out))
         return
     _run_summary(pipeline.run())
 

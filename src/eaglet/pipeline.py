@@ -37,6 +37,8 @@ BYTES_PER_ANSWER_TOKEN = 8  # JSON text
 RATES = {"cpu": {"generate_tok_s": 66, "extract_tok_s": 600, "decode_tok_s": 15},
          "cuda": {"generate_tok_s": 2750, "extract_tok_s": 245_000, "decode_tok_s": 150}}
 HELD_OUT_PROMPTS_GUESS = 128  # the demo prompts' held-out split
+DRAFT_LAYER_PARAMS_PER_H2 = 15  # fc (3H^2) + one decoder layer (~12H^2), as the train preflight estimates
+FP32_BYTES, BF16_BYTES = 4, 2
 TOKENS_PER_ANSWER_GUESS = 0.7  # answers stop before max_new_tokens on average
 
 
@@ -286,6 +288,12 @@ class Pipeline:
             prompts = regenerate.max_prompts or _count_rows(regenerate.prompts)
             answer_tokens = int(prompts * regenerate.n * regenerate.max_new_tokens * TOKENS_PER_ANSWER_GUESS)
         prepared_tokens = _prepared_tokens(self.out / "prepared") or answer_tokens * 2  # prompt + answer
+        from .target import read_config, resolve_target
+
+        target_config = read_config(resolve_target(self.config.target, self.config.trust_remote_code).path)
+        hidden = int(target_config.get("hidden_size", 4096))
+        draft_vocab = int(by_name["prepare"].config.draft_vocab or min(32000, target_config.get("vocab_size", 32000)))
+        draft_params = DRAFT_LAYER_PARAMS_PER_H2 * hidden**2 + hidden * draft_vocab
         for plan in plans:
             if plan.action != "run":
                 continue
@@ -297,15 +305,16 @@ class Pipeline:
                 plan.seconds = 10 + prepared_tokens / 200_000
             elif plan.name == "extract":
                 from .store import bytes_per_token
-                from .target import read_config, resolve_target
 
-                hidden = read_config(resolve_target(self.config.target).path).get("hidden_size", 4096)
                 plan.disk_bytes = prepared_tokens * bytes_per_token(hidden, by_name["extract"].config.storage_dtype)
                 plan.seconds = 20 + prepared_tokens / rates["extract_tok_s"]
             elif plan.name == "train":
                 train = by_name["train"].config
                 plan.seconds = train.max_minutes * 60 if train.max_minutes else float("nan")
-                plan.disk_bytes = 0
+                # fp32 weights + 2 AdamW moments per checkpoint kept, and the saved draft
+                plan.disk_bytes = draft_params * FP32_BYTES * (1 + 3 * (train.keep_last + 1))
+            elif plan.name == "export":
+                plan.disk_bytes = draft_params * BF16_BYTES * len(self.config.export.formats)
             elif plan.name == "eval":
                 evaluation = by_name["eval"].config
                 prompts = evaluation.max_prompts or HELD_OUT_PROMPTS_GUESS
