@@ -139,8 +139,11 @@ class Pipeline:
         if cfg.regenerate is not None:
             regenerate = self._section(RegenerateConfig, "regenerate", cfg.regenerate, {"out": str(answers), **common},
                                        {"prompts": ["demo"], "split": "train"})
-            stages.append(Stage("regenerate", regenerate, (), answers, lambda: "{} answers by the target".format(
-                run_regenerate(regenerate, console).manifest["counts"]["requests"])))
+
+            def run_regeneration() -> str:
+                return f"{run_regenerate(regenerate, console).manifest['counts']['requests']} answers by the target"
+
+            stages.append(Stage("regenerate", regenerate, (), answers, run_regeneration))
         prepare_fixed = {"out": str(out / "prepared"), "overwrite": True, **common}
         if cfg.regenerate is not None:
             prepare_fixed["inputs"] = [str(answers)]
@@ -148,16 +151,24 @@ class Pipeline:
             raise EagletError(f"config {self.config_path}: prepare.inputs is required without a 'regenerate' section; "
                               "list conversation files, or add `regenerate:` to have the target answer prompts")
         prepare = self._section(PrepareConfig, "prepare", cfg.prepare, prepare_fixed)
+
+        def run_preparation() -> str:
+            manifest = run_prepare(prepare, console).manifest
+            return (f"{manifest['counts']['samples']:,} samples, {manifest['tokens']['total']:,} tokens, "
+                    f"draft vocab coverage {manifest['draft_vocab']['coverage']:.1%}")
+
         stages.append(Stage("prepare", prepare, ("regenerate",) if cfg.regenerate is not None else (), out / "prepared",
-                            lambda: "{samples:,} samples, {tokens:,} tokens, draft vocab coverage {cov:.1%}".format(**(lambda m: {
-                                "samples": m["counts"]["samples"], "tokens": m["tokens"]["total"],
-                                "cov": m["draft_vocab"]["coverage"]})(run_prepare(prepare, console).manifest))))
+                            run_preparation))
         offline = cfg.extract is not None
         if offline:
             extract = self._section(ExtractConfig, "extract", cfg.extract, {"prepared": str(out / "prepared"),
                                                                            "out": str(out / "store"), **common})
-            stages.append(Stage("extract", extract, ("prepare",), out / "store", lambda: "{:,} tokens, {:.2f} GB".format(
-                (m := run_extract(extract, console).manifest)["totals"]["tokens"], m["totals"]["bytes"] / 1e9)))
+
+            def run_extraction() -> str:
+                totals = run_extract(extract, console).manifest["totals"]
+                return f"{totals['tokens']:,} tokens, {totals['bytes'] / 1e9:.2f} GB"
+
+            stages.append(Stage("extract", extract, ("prepare",), out / "store", run_extraction))
         source = {"store": str(out / "store")} if offline else {"prepared": str(out / "prepared")}
         train = self._section(TrainConfig, "train", cfg.train, {"out": str(out / "draft"), **source, **common})
 
