@@ -60,6 +60,8 @@ def test_run_all_then_skip_then_rerun_from_the_change(tmp_path, capsys, tiny_tar
                  "export/sglang/config.json", "eval/report.json", "run.json"):
         assert (run_dir / path).is_file(), path
     assert "τ " in out and "lossless True" in out
+    assert f"--speculative-draft-model-path {run_dir / 'export' / 'sglang'}" in out  # how to serve, with real paths
+    assert f'"model": "{run_dir / "export" / "vllm"}"' in out
     card = (run_dir / "export" / "vllm" / "README.md").read_text()
     report = json.loads((run_dir / "eval" / "report.json").read_text())
     assert f"{report['acceptance_length']:.2f}" in card  # the model card quotes the measured τ

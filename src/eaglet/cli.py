@@ -580,9 +580,8 @@ def _run_summary(result) -> None:
         table.add_row(outcome.name, outcome.status, f"{outcome.seconds:.1f}" if outcome.status == "ran" else "-",
                       escape(outcome.result))
     out_console.print(table)
-    exports = sorted(p.parent for p in (result.out / "export").glob("*/README.md"))
-    for directory in exports:
-        out_console.print(f"{directory.name}: {directory}  (how to serve it: {directory / 'README.md'})", highlight=False)
+    for fmt, command in result.serve.items():
+        out_console.print(f"# {fmt}: {result.out / 'export' / fmt} (model card: README.md there)\n{command}", highlight=False)
     if result.report is not None:
         report = result.report
         out_console.print(

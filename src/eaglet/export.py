@@ -90,20 +90,25 @@ def serving_config(config: dict[str, Any], fmt: str, verifier: str, speculative_
     raise EagletError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 
+def serve_command(fmt: str, verifier: str, speculative_tokens: int, path: str = "PATH/TO/THIS/DIR") -> str:
+    """The shell command that serves an exported draft (``path``) with its verifier in the format's engine."""
+    return {
+        "vllm": (f"vllm serve {verifier} \\\n  --speculative-config '{{\"method\": \"eagle3\", \"model\": \"{path}\", "
+                 f"\"num_speculative_tokens\": {speculative_tokens}}}'"),
+        "speculators": f"vllm serve {path}   # vLLM reads the verifier and the proposal method from config.json",
+        "sglang": (f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm EAGLE3 \\\n"
+                   f"  --speculative-draft-model-path {path} --speculative-num-steps {speculative_tokens} \\\n"
+                   f"  --speculative-eagle-topk 1 --speculative-num-draft-tokens {speculative_tokens + 1}"),
+    }[fmt]
+
+
 def model_card(fmt: str, config: dict[str, Any], verifier: str, speculative_tokens: int, report: dict | None) -> str:
     measured = "not measured yet (run `eaglet eval`)"
     if report:
         measured = (f"τ = {report['acceptance_length']:.2f} accepted tokens per target forward, speedup "
                     f"{report['speedup']:.2f}× ({report['settings']['mode']}, measured by `eaglet eval` on "
                     f"{report['settings']['device']})")
-    serve = {
-        "vllm": (f"vllm serve {verifier} \\\n  --speculative-config '{{\"method\": \"eagle3\", \"model\": \"PATH/TO/THIS/DIR\", "
-                 f"\"num_speculative_tokens\": {speculative_tokens}}}'"),
-        "speculators": "vllm serve PATH/TO/THIS/DIR   # vLLM reads the verifier and the proposal method from config.json",
-        "sglang": (f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm EAGLE3 \\\n"
-                   f"  --speculative-draft-model-path PATH/TO/THIS/DIR --speculative-num-steps {speculative_tokens} \\\n"
-                   f"  --speculative-eagle-topk 1 --speculative-num-draft-tokens {speculative_tokens + 1}"),
-    }[fmt]
+    serve = serve_command(fmt, verifier, speculative_tokens)
     ids = config["eagle_aux_hidden_state_layer_ids"]
     return f"""# EAGLE-3 draft for {verifier} ({fmt} format)
 

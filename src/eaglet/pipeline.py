@@ -100,6 +100,7 @@ class RunResult:
     out: Path
     outcomes: list[StageOutcome] = field(default_factory=list)
     report: dict[str, Any] | None = None
+    serve: dict[str, str] = field(default_factory=dict)  # export format -> the command that serves it
 
 
 class Pipeline:
@@ -181,8 +182,8 @@ class Pipeline:
 
         def run_export(report: Path | None = None) -> str:
             for fmt in cfg.export.formats:
-                export_draft(out / "draft", fmt, out / "export" / fmt, speculative_tokens=cfg.export.speculative_tokens,
-                             report_path=report, overwrite=True)
+                export_draft(out / "draft", fmt, out / "export" / fmt, verifier=self.verifier(),
+                             speculative_tokens=cfg.export.speculative_tokens, report_path=report, overwrite=True)
             return ", ".join(str(out / "export" / fmt) for fmt in cfg.export.formats)
 
         def current_report() -> Path | None:
@@ -378,7 +379,28 @@ class Pipeline:
             result.outcomes.append(StageOutcome(stage.name, "ran", seconds, outcome))
         report = self.out / "eval" / "report.json"
         result.report = read_json(report) if report.is_file() else None
+        result.serve = self.serve_commands()
         return result
+
+    def verifier(self) -> str:
+        """The target as serving engines load it: a hub id as given, anything local as its HF directory."""
+        from .target import resolve_target
+
+        spec = self.config.target
+        local = spec == "embedded" or spec.endswith(".gguf") or Path(spec).exists()
+        return str(resolve_target(spec, self.config.trust_remote_code).path) if local else spec
+
+    def serve_commands(self) -> dict[str, str]:
+        """How to serve each exported draft, with its real path and verifier."""
+        from .export import serve_command
+
+        verifier = self.verifier()
+        commands = {}
+        for fmt in self.config.export.formats:
+            directory = self.out / "export" / fmt
+            if (directory / "eaglet_draft.json").is_file():
+                commands[fmt] = serve_command(fmt, verifier, self.config.export.speculative_tokens, str(directory))
+        return commands
 
 
 def _remove(path: Path) -> None:
