@@ -148,7 +148,7 @@ class Library:
 
     def _member(self, owner: Any, owner_path: str, name: str, hops: int) -> Resolved:
         if isinstance(owner, griffe.Module):
-            member = owner.members.get(name)
+            member = _member_or_stub_overload(owner, name)
             if member is not None and not (member.is_alias and "/" in member.name):
                 return Resolved("found", f"{owner_path}.{name}", member)
             if owner.is_package or owner.filepath.name.startswith("__init__"):
@@ -247,12 +247,23 @@ class Library:
         return [(path, cls)] + _c3_merge(linearised, [bases[0] for bases in linearised])
 
     def class_member(self, cls: Any, path: str, name: str) -> Resolved | None:
-        for owner_path, owner in self.mro(cls, path):
+        """``name`` looked up along the MRO; unverified when a class answers unknown names at run time
+        (``__getattr__``, e.g. torch.nn.Module's submodules and parameters)."""
+        mro = self.mro(cls, path)
+        found = self._class_member(mro, path, name)
+        if found is None and name != "__getattr__":
+            dynamic = next((p for p, c in mro if c is not None and "__getattr__" in c.members), None)
+            if dynamic is not None:
+                return Resolved("unverified", f"{path}.{name}", reason=f"class '{dynamic}' defines __getattr__ (dynamic attributes)")
+        return found
+
+    def _class_member(self, mro: list[tuple[str, Any]], path: str, name: str) -> Resolved | None:
+        for owner_path, owner in mro:
             if owner is None:
                 if owner_path not in ("object", "builtins.object", "typing.Generic", "typing.Protocol", "abc.ABC"):
                     return Resolved("unverified", f"{path}.{name}", reason=f"may come from base '{owner_path}' outside {self.package}")
                 continue
-            member = owner.members.get(name)
+            member = _member_or_stub_overload(owner, name)
             if member is not None:
                 if member.is_alias:
                     return self.resolve(member.target_path)
@@ -269,7 +280,7 @@ class Library:
                     continue
                 return Resolved("unverified", path, reason=f"constructor may come from base '{owner_path}' outside {self.package}")
             for special in ("__init__", "__new__"):
-                member = owner.members.get(special)
+                member = _member_or_stub_overload(owner, special)
                 if isinstance(member, griffe.Function):
                     return Constructor([s.drop_first() for s in self.function_signatures(member)],
                                        f"{owner.filepath}:{member.lineno}", f"{owner_path}.{special}")
@@ -286,6 +297,9 @@ class Library:
     def function_signatures(self, function: Any) -> list[Signature]:
         """One signature, or each overload's (a call is fine if any binds)."""
         overloads = getattr(function, "overloads", None) or []
+        if not overloads and function.parent is not None:  # one of a stub's overloads (no implementation)
+            siblings = getattr(function.parent, "overloads", {}).get(function.name) or []
+            overloads = siblings if function in siblings else []
         functions = list(overloads) or [function]
         return [Signature(tuple(Param(p.name, Kind(p.kind.value), p.default is not None) for p in f.parameters))
                 for f in functions]
@@ -417,6 +431,16 @@ class Library:
                             if isinstance(a, griffe.ExprKeyword)}
                 return keywords
         return None
+
+
+def _member_or_stub_overload(owner: Any, name: str) -> Any:
+    """A member by name; in stubs (.pyi) a name defined only by ``@overload``s lives in ``owner.overloads``."""
+    member = owner.members.get(name)
+    if member is None:
+        overloads = getattr(owner, "overloads", {}).get(name) if hasattr(owner, "overloads") else None
+        if overloads:
+            return overloads[0]
+    return member
 
 
 def _c3_merge(sequences: list[list[tuple[str, Any]]], heads: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
