@@ -181,8 +181,9 @@ class Pipeline:
         stages.append(Stage("train", train, ("extract" if offline else "prepare",), out / "draft", run_training))
 
         def run_export(report: Path | None = None) -> str:
+            verifier = self.verifier()
             for fmt in cfg.export.formats:
-                export_draft(out / "draft", fmt, out / "export" / fmt, verifier=self.verifier(),
+                export_draft(out / "draft", fmt, out / "export" / fmt, verifier=verifier,
                              speculative_tokens=cfg.export.speculative_tokens, report_path=report, overwrite=True)
             return ", ".join(str(out / "export" / fmt) for fmt in cfg.export.formats)
 
@@ -233,6 +234,12 @@ class Pipeline:
         settings = stage.config.model_dump(mode="json") if stage.config is not None else None
         text = json.dumps({"stage": stage.name, "settings": settings, "upstream": upstream}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
+
+    def _outputs(self, stage: Stage) -> list[Path]:
+        """Everything a stage writes (regenerate's answers keep their manifest beside them)."""
+        if stage.name == "regenerate":
+            return [stage.output, stage.output.with_name(stage.output.name + ".manifest.json")]
+        return [stage.output]
 
     def _output_hash(self, stage: Stage) -> str | None:
         """A hash of the stage's output manifest (what downstream fingerprints include)."""
@@ -355,12 +362,9 @@ class Pipeline:
                 continue
             if fingerprint is None:
                 raise EagletError(f"stage {stage.name} needs {', '.join(stage.reads)} first; run without --only")
-            fresh = record is None or record.get("fingerprint") != fingerprint or from_stage is not None
-            if fresh and stage.output.exists() and stage.name != "regenerate":
-                _remove(stage.output)  # made from other settings or inputs: start that stage over
-            elif fresh and stage.name == "regenerate":
-                for path in (stage.output, stage.output.with_name(stage.output.name + ".manifest.json")):
-                    path.unlink(missing_ok=True)
+            if record is None or record.get("fingerprint") != fingerprint or from_stage is not None:
+                for path in self._outputs(stage):  # made from other settings or inputs: start that stage over
+                    _remove(path)
             if stage.config is not None and stage.name in ("regenerate", "prepare", "extract", "train", "eval"):
                 checks = run_checks(stage.name, stage.config)
                 failed = [c for c in checks if c.status == FAIL]
@@ -407,7 +411,7 @@ def _remove(path: Path) -> None:
     if path.is_dir():
         shutil.rmtree(path)
     else:
-        path.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)  # a file, or nothing yet
 
 
 def _count_rows(files: list[str]) -> int:

@@ -117,7 +117,7 @@ class Analyzer:
         for module in self.modules.values():
             self._collect_self_attributes(module)
         for module in self.modules.values():
-            self._walk(module, module.tree.body, dict(module.scope), guard=None, record_imports=True, current_class=None)
+            self._walk(module, module.tree.body, dict(module.scope), guard=None, current_class=None)
         return self.sites
 
     def _module_scope(self, module: CallerModule) -> None:
@@ -160,33 +160,33 @@ class Analyzer:
     # ------------------------------------------------------------------ statements
 
     def _walk(self, module: CallerModule, body: list[ast.stmt], scope: dict[str, Value], guard: str | None,
-              record_imports: bool, current_class: str | None) -> None:
+              current_class: str | None) -> None:
         for node in body:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 self._bind_import(module, node, scope, guard, record=True)
             elif isinstance(node, ast.ClassDef):
                 for expr in node.bases + node.decorator_list:
                     self._eval(expr, scope, module, guard)
-                self._walk(module, node.body, dict(scope), guard, record_imports, node.name)
+                self._walk(module, node.body, dict(scope), guard, node.name)
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for expr in node.decorator_list + node.args.defaults + [d for d in node.args.kw_defaults if d]:
                     self._eval(expr, scope, module, guard)
                 local = dict(scope)
                 self._bind_parameters(node, local, module, current_class)
-                self._walk(module, node.body, local, guard, record_imports, None)
+                self._walk(module, node.body, local, guard, None)
             elif isinstance(node, ast.Try) or type(node).__name__ == "TryStar":
                 catches = {name for handler in node.handlers for name in _exception_names(handler)}
                 inner = "ImportError handler" if catches & IMPORT_ERRORS or any(h.type is None for h in node.handlers) else guard
-                self._walk(module, node.body, scope, inner or guard, record_imports, current_class)
+                self._walk(module, node.body, scope, inner or guard, current_class)
                 for handler in node.handlers:
-                    self._walk(module, handler.body, scope, guard, record_imports, current_class)
-                self._walk(module, node.orelse, scope, guard, record_imports, current_class)
-                self._walk(module, node.finalbody, scope, guard, record_imports, current_class)
+                    self._walk(module, handler.body, scope, guard, current_class)
+                self._walk(module, node.orelse, scope, guard, current_class)
+                self._walk(module, node.finalbody, scope, guard, current_class)
             elif isinstance(node, ast.If):
                 self._eval(node.test, scope, module, guard)
                 versioned = "version check" if _is_version_check(node.test) else guard
-                self._walk(module, node.body, scope, versioned, record_imports, current_class)
-                self._walk(module, node.orelse, scope, versioned, record_imports, current_class)
+                self._walk(module, node.body, scope, versioned, current_class)
+                self._walk(module, node.orelse, scope, versioned, current_class)
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
                 self._bind_assignment(node, scope, module, guard)
             elif isinstance(node, (ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith)):
@@ -197,8 +197,8 @@ class Analyzer:
                         value = self._eval(child.context_expr, scope, module, guard)
                         if isinstance(child.optional_vars, ast.Name):
                             scope[child.optional_vars.id] = None if not isinstance(value, Instance) else value
-                self._walk(module, node.body, scope, guard, record_imports, current_class)
-                self._walk(module, getattr(node, "orelse", []), scope, guard, record_imports, current_class)
+                self._walk(module, node.body, scope, guard, current_class)
+                self._walk(module, getattr(node, "orelse", []), scope, guard, current_class)
             else:
                 for child in ast.iter_child_nodes(node):
                     if isinstance(child, ast.expr):

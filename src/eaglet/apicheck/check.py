@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 import sysconfig
@@ -189,8 +190,7 @@ def _check_call(library: Library, site: Site, report: Report) -> None:
         return
     assert isinstance(site.callee, Ref)
     if site.receiver == "bound" and site.member == "__init__":  # super().__init__(...): the base's constructor
-        site = Site(site.kind, site.path, site.line, site.callee, "function", None, site.positional, site.keywords,
-                    site.star, site.double_star, site.guard, site.text)
+        site = dataclasses.replace(site, receiver="function", member=None)
     path = site.callee.path if site.receiver != "bound" else f"{site.callee.path}.{site.member}"
     resolved = library.resolve(path)
     if resolved.status == "missing":
@@ -201,7 +201,7 @@ def _check_call(library: Library, site: Site, report: Report) -> None:
         return
     obj = resolved.obj
     shape = CallShape(site.positional, site.keywords, site.star, site.double_star)
-    if isinstance(obj, griffe.Class) and site.receiver != "bound":
+    if isinstance(obj, griffe.Class):  # Class(...), module.Class(...) or instance.NestedClass(...)
         constructor = library.constructor(obj, resolved.path)
         if isinstance(constructor, Resolved):
             _unverified(report, site, constructor.reason)
@@ -219,13 +219,6 @@ def _check_call(library: Library, site: Site, report: Report) -> None:
         if bound_by_instance or bound_by_class:
             signatures = [s.drop_first() for s in signatures]
         _bind(report, site, Constructor(signatures, _location(resolved), resolved.path), shape)
-        return
-    if isinstance(obj, griffe.Class):  # instance.NestedClass(...)
-        constructor = library.constructor(obj, resolved.path)
-        if isinstance(constructor, Resolved):
-            _unverified(report, site, constructor.reason)
-            return
-        _bind(report, site, constructor, shape)
         return
     _unverified(report, site, "calls a value (attribute or module), not a function or class")
 

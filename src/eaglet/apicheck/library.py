@@ -43,10 +43,6 @@ class Resolved:
     def found(self) -> bool:
         return self.status == "found"
 
-    @property
-    def kind(self) -> str:
-        return self.obj.kind.value if self.found else self.status
-
 
 @dataclass
 class Constructor:
@@ -103,9 +99,6 @@ class Library:
                 self.modules[name] = file
         return self.modules[name]
 
-    def is_module(self, name: str) -> bool:
-        return self.module(name) not in (None,)
-
     # ------------------------------------------------------------------ names
 
     def inside(self, path: str) -> bool:
@@ -127,23 +120,19 @@ class Library:
                 return Resolved("unverified", path, reason=f"compiled module '{current_path}' without stubs")
             rest = ".".join(parts[index + 1:])
             step = self._member(current, current_path, part, hops)
+            if step.status == "missing":
+                return Resolved("missing", path, reason=step.reason)
             if step.status != "found":
-                if step.status == "missing":
-                    step.path = path
-                return step if step.status != "missing" else Resolved("missing", path, reason=step.reason)
+                return step
             if step.obj == "module":
                 current_path = step.path
                 current = self.module(current_path)
                 continue
-            target = step.obj
-            if getattr(target, "is_alias", False):
-                followed = self.resolve(target.target_path + (f".{rest}" if rest else ""), hops + 1)
-                return followed
-            current, current_path = target, step.path
+            if getattr(step.obj, "is_alias", False):
+                return self.resolve(step.obj.target_path + (f".{rest}" if rest else ""), hops + 1)
+            current, current_path = step.obj, step.path
         if current == "compiled":
             return Resolved("unverified", path, reason=f"compiled module '{current_path}' without stubs")
-        if isinstance(current, griffe.Module):
-            return Resolved("found", current_path, current)
         return Resolved("found", current_path, current)
 
     def _member(self, owner: Any, owner_path: str, name: str, hops: int) -> Resolved:
@@ -354,7 +343,6 @@ class Library:
         call = value if isinstance(value, griffe.ExprCall) else None
         call_path = getattr(call.function, "canonical_path", "") if call is not None else ""
         keywords = {a.name: str(a.value) for a in (call.arguments if call else []) if isinstance(a, griffe.ExprKeyword)}
-        annotation = str(member.annotation)
         if family == "dataclass" and call_path in ("dataclasses.field",):
             if keywords.get("init") == "False":
                 return None
@@ -380,8 +368,6 @@ class Library:
                 has_default = value is not None
         else:
             has_default = value is not None
-        if annotation.startswith("InitVar"):
-            pass  # an InitVar is an __init__ parameter like any field
         return Param(name, Kind.KEYWORD_ONLY if kw_only else Kind.POSITIONAL_OR_KEYWORD, has_default)
 
     def _dataclass_family(self, cls: Any, path: str) -> tuple[str | None, dict[str, Any]]:
