@@ -121,3 +121,15 @@ def test_bad_run_configs_are_one_line_errors(tmp_path, capsys, tiny_target):
     config.write_text(yaml.safe_dump(data))
     code, _, err = run_cli(["run", config, "--only", "nosuch"], capsys)
     assert code == 2 and "no stage 'nosuch'" in err
+
+
+def test_bad_options_of_the_new_commands_are_one_line_errors(tmp_path, capsys, tiny_store, tiny_target):
+    cases = [
+        (["demo", "--scale", "tpu", "--out", tmp_path / "d"], "--scale tpu: choose cpu, gpu or auto"),
+        (["train", "--store", tiny_store, "--target", tiny_target, "--out", tmp_path / "t", "--parallel", "zero3"], "'parallel'"),
+        (["train", "--store", tiny_store, "--target", tiny_target, "--out", tmp_path / "t", "--draft-layers", "0"], "'draft_layers'"),
+    ]
+    for args, message in cases:
+        code, _, err = run_cli(args, capsys)
+        assert code == 2 and message in err and "Traceback" not in err, (args, err)
+    assert not (tmp_path / "d").exists() and not (tmp_path / "t").exists()  # nothing written
