@@ -39,6 +39,7 @@ class OracleDraft:
     def __init__(self, target, layer_ids, vocab):
         self.runner = TargetRunner(target, layer_ids)
         self.vocab = vocab
+        self.used = torch.arange(vocab)  # draft index -> target id: the whole vocabulary
         self.sequence: list[int] = []
         self.length = 0
 
@@ -60,7 +61,7 @@ class OracleDraft:
 
     def speculate(self, token, hidden):
         self.spec.append(token)
-        logits, _ = self.runner.forward([token])
+        logits, _ = self.runner.forward(token if isinstance(token, torch.Tensor) else [token])
         return None, logits[-1]
 
     def crop(self, length):

@@ -62,7 +62,7 @@ def test_round_trip_gives_identical_greedy_outputs(tmp_path, tiny_draft, tiny_ta
 
     target_path = resolve_target(str(tiny_target)).path
     model = load_model(target_path, device="cpu")
-    embed, _, _ = load_head_weights(target_path)
+    embed = load_head_weights(target_path).embed
     original = load_draft(tiny_draft, embed=embed.float())
     runner = TargetRunner(model, (2, 4, 5))
     prompt = [5, 17, 33, 8, 90, 12]
@@ -157,7 +157,7 @@ def test_two_layer_draft_trains_exports_for_vllm_and_is_refused_for_sglang(tmp_p
     assert {"midlayer.self_attn.q_proj.weight", "layers.1.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight"} <= names
     assert json.loads((tmp_path / "vllm" / "config.json").read_text())["num_hidden_layers"] == 2
     target_path = resolve_target(str(tiny_target)).path
-    embed, _, _ = load_head_weights(target_path)
+    embed = load_head_weights(target_path).embed
     runner = TargetRunner(load_model(target_path, device="cpu"), (2, 4, 5))
     prompt = [5, 17, 33, 8, 90, 12]
     trained = speculative_decode(runner, DraftRunner(load_draft(run, embed=embed.float()).to(torch.bfloat16).float()),

@@ -185,6 +185,7 @@ class TrainConfig(StrictModel):
     max_minutes: float | None = Field(default=None, gt=0, description="stop (with a checkpoint) after this long")
     eval_store: str | None = Field(default=None, description="evaluate on this store (e.g. held-out prompts) instead of a held-out fraction")
     feature_noise_std: float = Field(default=0.0, ge=0)
+    freeze_lm_head: bool = Field(default=False, description="keep the head the target's rows (less to fit on little data)")
     eval_fraction: float = Field(default=0.05, ge=0, lt=1, description="samples held out for the simulated acceptance")
     eval_every: int = Field(default=100, ge=1)
     log_every: int = Field(default=10, ge=1)

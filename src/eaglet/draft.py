@@ -217,12 +217,16 @@ class Eagle3Draft(nn.Module):
             hidden = layer(hidden, cos, sin, attends[index])
         return hidden, self.lm_head(self.norm(hidden))
 
-    def init_from_target(self, embed: torch.Tensor, lm_head: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Copy the target's embedding and its lm_head rows for the draft vocabulary."""
+    def init_from_target(self, embed: torch.Tensor, lm_head: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor,
+                         final_norm: torch.Tensor | None = None) -> None:
+        """Copy the target's embedding, its lm_head rows for the draft vocabulary and (when given) its
+        final norm: the draft's output starts in the geometry the target's head reads."""
         with torch.no_grad():
             self.embed_tokens.weight.copy_(embed)
             used = torch.arange(len(d2t)) + d2t
             self.lm_head.weight.copy_(lm_head[used])
+            if final_norm is not None:
+                self.norm.weight.copy_(final_norm)
             self.d2t.copy_(d2t)
             self.t2d.copy_(t2d)
 

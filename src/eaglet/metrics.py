@@ -11,8 +11,9 @@ from .draft import DraftConfig
 H200_BF16_DENSE_FLOPS = 989.4e12  # the MFU denominator used by every eaglet benchmark
 
 
-def draft_train_flops_per_token(config: DraftConfig, steps: int, mean_context: float) -> float:
-    """Forward + backward (3x forward) FLOPs per token for a TTT unroll of ``steps``."""
+def draft_train_flops_per_token(config: DraftConfig, steps: int, mean_context: float, head_trainable: bool = True) -> float:
+    """Forward + backward (3x forward) FLOPs per token for a TTT unroll of ``steps``; a frozen head
+    skips its weight gradient (one forward's worth)."""
     hidden, heads, kv_heads, head_dim = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
     projections = 2 * hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
     mlp = 3 * hidden * config.intermediate_size
@@ -20,7 +21,8 @@ def draft_train_flops_per_token(config: DraftConfig, steps: int, mean_context: f
     attention = 2 * heads * head_dim * mean_context  # QK^T and AV over the causal context
     per_step = 2 * (projections + mlp + head) + 2 * attention
     fuse = 2 * 3 * config.target_hidden_size * hidden
-    return 3 * (fuse + steps * per_step)
+    skipped = 0 if head_trainable else steps * 2 * head
+    return 3 * (fuse + steps * per_step) - skipped
 
 
 class MetricsLog:

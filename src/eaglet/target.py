@@ -292,9 +292,27 @@ def load_model(path: Path, device: str = "auto", dtype: str = "auto", trust_remo
     return model.to(device).eval()
 
 
-def load_head_weights(path: Path) -> tuple[Any, Any, float | None]:
-    """The target's input embedding [V, H] and LM head [V, H] (+ logit softcap), read from its
-    safetensors without loading the rest of the model. Tied heads return the embedding twice."""
+# Where architectures keep the final norm (the one before the LM head), and the families whose RMSNorm
+# multiplies by (1 + w) instead of w: their weight cannot seed the draft's plain RMSNorm.
+FINAL_NORM_NAMES = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight",
+                    "model.final_layernorm.weight")
+OFFSET_NORM_MODEL_TYPES = ("gemma",)
+
+
+@dataclass(frozen=True)
+class HeadWeights:
+    """What the draft copies from the target: embedding [V, H], LM head [V, H], final norm [H] (None when
+    absent or in another convention) and the logit softcap."""
+
+    embed: Any
+    lm_head: Any
+    final_norm: Any
+    softcap: float | None
+
+
+def load_head_weights(path: Path) -> HeadWeights:
+    """The target's embedding, LM head and final norm, read from its safetensors without loading the
+    rest of the model. Tied heads return the embedding twice."""
     import json
 
     from safetensors import safe_open
@@ -325,4 +343,8 @@ def load_head_weights(path: Path) -> tuple[Any, Any, float | None]:
         raise EagletError(f"target {path}: no '*embed_tokens.weight' tensor in its safetensors")
     lm_head = read("lm_head.weight")
     config = read_config(path)
-    return embed, (lm_head if lm_head is not None else embed), config.get("final_logit_softcapping")
+    final_norm = None
+    if not str(config.get("model_type", "")).startswith(OFFSET_NORM_MODEL_TYPES):
+        name = next((n for n in FINAL_NORM_NAMES if n in locations), None)
+        final_norm = read(name) if name is not None else None
+    return HeadWeights(embed, lm_head if lm_head is not None else embed, final_norm, config.get("final_logit_softcapping"))

@@ -267,15 +267,18 @@ def run_train(config: TrainConfig, console: Console | None = None) -> TrainResul
     use_bf16 = config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda")
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
 
-    embed, lm_head, softcap = load_head_weights(setup.target_path)
+    head = load_head_weights(setup.target_path)
     draft_config = DraftConfig.from_target(setup.target_config, setup.vocab.size, setup.layer_ids, setup.identity["target"],
                                            num_layers=config.draft_layers)
     torch.manual_seed(config.seed)
     draft = Eagle3Draft(draft_config)
     d2t, t2d = torch.from_numpy(setup.vocab.d2t), torch.from_numpy(setup.vocab.t2d)
-    draft.init_from_target(embed.float(), lm_head.float(), d2t, t2d)
+    draft.init_from_target(head.embed.float(), head.lm_head.float(), d2t, t2d,
+                           None if head.final_norm is None else head.final_norm.float())
+    draft.lm_head.weight.requires_grad_(not config.freeze_lm_head)
     draft.to(device)
-    teacher = TeacherHead(lm_head.to(device, torch.bfloat16 if use_bf16 else torch.float32), d2t.to(device), softcap)
+    teacher = TeacherHead(head.lm_head.to(device, torch.bfloat16 if use_bf16 else torch.float32), d2t.to(device),
+                          head.softcap)
     module = TTTModule(draft, config.ttt_steps, config.loss_decay, config.feature_noise_std).to(device)
     parallel = Parallel(config.parallel, dist, device)
     wrapped = parallel.wrap(module)
@@ -305,7 +308,8 @@ def run_train(config: TrainConfig, console: Console | None = None) -> TrainResul
                                                       "total_steps": total_steps, "eaglet_version": __version__})
     metrics = MetricsLog(run, dist.is_main)
     mean_context = float(np.mean(np.minimum(setup.lengths, config.token_budget))) / 2
-    flops_per_token = draft_train_flops_per_token(draft_config, config.ttt_steps, mean_context)
+    flops_per_token = draft_train_flops_per_token(draft_config, config.ttt_steps, mean_context,
+                                                  head_trainable=not config.freeze_lm_head)
     stop = StopFlag()
     started = time.perf_counter()
     window_tokens, window_started = 0, time.perf_counter()

@@ -80,11 +80,12 @@ class TargetRunner:
         return self.cache.get_seq_length() if self.cache is not None else 0
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int], tree: "Tree | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``tokens``; return logits [n, V] (float32) and aux features [n, 3, H]. With ``tree``,
-        the tokens are a tree (root first) and each one attends only to the cache and its ancestors."""
+    def forward(self, tokens: list[int] | torch.Tensor, tree: "Tree | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``tokens`` (a list, or a device tensor [n] so drafting need not wait for the host); return
+        logits [n, V] (float32) and aux features [n, 3, H]. With ``tree``, the tokens are a tree (root
+        first) and each one attends only to the cache and its ancestors."""
         start = self.length
-        ids = torch.tensor([tokens], device=self.device)
+        ids = tokens[None] if isinstance(tokens, torch.Tensor) else torch.tensor([tokens], device=self.device)
         extra: dict = {}
         if tree is None:
             positions = torch.arange(start, start + len(tokens), device=self.device)[None]
@@ -143,7 +144,7 @@ class _DraftAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.cache
-        groups = q.shape[0] // k.shape[0]
+        groups = q.shape[0] // k.shape[0]  # grouped-query attention: SDPA shares each KV head (enable_gqa)
         if self.mode == "extend":  # new real positions: causal over cache + block
             past = cache.keys.shape[1]
             keys, values = torch.cat([cache.keys, k], 1), torch.cat([cache.values, v], 1)
@@ -162,14 +163,13 @@ class _DraftAttention:
             cache.spec_values.append(v)
             keys = torch.cat([cache.keys, *cache.spec_keys], 1)
             values = torch.cat([cache.values, *cache.spec_values], 1)
-            real = cache.keys.shape[1]
-            mask = torch.zeros(q.shape[1], keys.shape[1], dtype=torch.bool, device=q.device)
-            mask[:, :real] = True
+            spec = torch.zeros(q.shape[1], spec_before + q.shape[1], dtype=torch.bool)  # built on the host: one copy
             for row, visible in enumerate(self.visible):
-                mask[row, [real + entry for entry in visible]] = True
-                mask[row, real + spec_before + row] = True
-        keys, values = keys.repeat_interleave(groups, 0), values.repeat_interleave(groups, 0)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+                spec[row, visible] = True
+                spec[row, spec_before + row] = True
+            real = torch.ones(q.shape[1], cache.keys.shape[1], dtype=torch.bool, device=q.device)
+            mask = torch.cat([real, spec.to(q.device, non_blocking=True)], 1)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=groups > 1)
 
 
 class DraftRunner:
@@ -179,6 +179,7 @@ class DraftRunner:
         self.dtype = draft.fc.weight.dtype
         config = draft.config
         self.used = torch.arange(config.draft_vocab_size, device=self.device) + draft.d2t  # draft index -> target id
+        self.used_host = self.used.tolist()  # the same map on the host: tree building reads it without device syncs
         self.reset()
 
     def reset(self) -> None:
@@ -214,11 +215,12 @@ class DraftRunner:
         return hidden[-1], logits[-1].float()
 
     @torch.inference_mode()
-    def speculate(self, token: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One more chain step from the last real position (same RoPE position, as in training)."""
+    def speculate(self, token: int | torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One more chain step from the last real position (same RoPE position, as in training); ``token``
+        is a target id, as an int or a device tensor [1]."""
         cos, sin = self._rope(torch.tensor([self.length - 1], device=self.device))
-        out, logits = self.draft.step(torch.tensor([token], device=self.device), hidden[None], cos, sin,
-                                      self._attends("speculate"))
+        ids = token if isinstance(token, torch.Tensor) else torch.tensor([token], device=self.device)
+        out, logits = self.draft.step(ids, hidden[None], cos, sin, self._attends("speculate"))
         return out[0], logits[0].float()
 
     def crop(self, length: int) -> None:
@@ -237,12 +239,12 @@ class DraftRunner:
         # candidate columns: target token, parent candidate (-1 = root), depth, score, input hidden, spec entry
         tokens, parents, depths, scores, entries = [], [], [], [], []
         inputs: list[torch.Tensor] = []
-        logp = torch.log_softmax(logits.float(), -1)
-        top = logp.topk(min(topk, logp.numel()))
+        width = min(topk, logits.shape[-1])
+        top = torch.log_softmax(logits.float(), -1).topk(width)
         layer = []
         for value, index in zip(top.values.tolist(), top.indices.tolist()):
             layer.append(len(tokens))
-            tokens.append(int(self.used[index]))
+            tokens.append(self.used_host[index])
             parents.append(-1)
             depths.append(1)
             scores.append(value)
@@ -258,17 +260,17 @@ class DraftRunner:
                     chain.append(entries[node])
                     node = parents[node]
                 visible.append(chain)
+            ids = torch.tensor([tokens[c] for c in frontier]).to(self.device, non_blocking=True)
             out_hidden, out_logits = self.draft.step(
-                torch.tensor([tokens[c] for c in frontier], device=self.device), torch.stack([inputs[c] for c in frontier]),
+                ids, torch.stack([inputs[c] for c in frontier]),
                 cos.expand(len(frontier), -1), sin.expand(len(frontier), -1), self._attends("tree", visible))
+            best = torch.log_softmax(out_logits.float(), -1).topk(width, dim=-1)  # [F, k]: one host read per level
             layer = []
-            for row, candidate in enumerate(frontier):
+            for row, (candidate, values, indices) in enumerate(zip(frontier, best.values.tolist(), best.indices.tolist())):
                 entries[candidate] = spec_count + row
-                child_logp = torch.log_softmax(out_logits[row].float(), -1)
-                best = child_logp.topk(min(topk, child_logp.numel()))
-                for value, index in zip(best.values.tolist(), best.indices.tolist()):
+                for value, index in zip(values, indices):
                     layer.append(len(tokens))
-                    tokens.append(int(self.used[index]))
+                    tokens.append(self.used_host[index])
                     parents.append(candidate)
                     depths.append(level)
                     scores.append(scores[candidate] + value)
@@ -337,6 +339,50 @@ def target_only_decode(target: TargetRunner, prompt: list[int], max_new: int, sa
     return DecodeResult(_finish(out, stop_ids, max_new)[0], seconds=time.perf_counter() - started)
 
 
+def _greedy_chain_round(target: TargetRunner, draft: DraftRunner, last: int, hidden: torch.Tensor,
+                        draft_logits: torch.Tensor, depth: int) -> tuple[list[int], int, int, torch.Tensor]:
+    """Draft d_1..d_D and verify them, keeping every token on the device until one host read at the end
+    (a 135M target is launch-bound: each host sync would stall the queue). Returns (proposals,
+    accepted count, the target's correction or bonus token, the verify pass's aux features)."""
+    proposals = []  # each [1], target ids
+    for step in range(depth):
+        if step:
+            hidden, draft_logits = draft.speculate(proposals[-1], hidden)
+        proposals.append(draft.used[draft_logits.argmax(-1, keepdim=True)])
+    drafted = torch.cat(proposals)  # [D]
+    verify_logits, verify_aux = target.forward(torch.cat([torch.tensor([last], device=target.device), drafted]))
+    choices = verify_logits.argmax(-1)  # [D+1]: the target's token after out[-1], d_1, ..., d_D
+    accepted = (choices[:depth] == drafted).int().cumprod(0).sum()
+    host = torch.cat([choices, accepted[None], drafted]).tolist()
+    accepted = host[depth + 1]
+    return host[depth + 2:], accepted, host[accepted], verify_aux
+
+
+def _sampled_chain_round(target: TargetRunner, draft: DraftRunner, last: int, hidden: torch.Tensor,
+                         draft_logits: torch.Tensor, depth: int, vocab: int, sampling: Sampling,
+                         generator: torch.Generator | None) -> tuple[list[int], int, int, torch.Tensor]:
+    """The same round with rejection sampling: each draft token drawn from the draft's distribution,
+    accepted with min(1, p/q), the first rejection resampled from the residual."""
+    proposals, proposal_probs = [], []
+    for step in range(depth):
+        if step:
+            hidden, draft_logits = draft.speculate(proposals[-1], hidden)
+        full = draft.to_target_logits(draft_logits, vocab)
+        proposals.append(sampling.pick(full, generator))
+        proposal_probs.append(sampling.probs(full))
+    verify_logits, verify_aux = target.forward([last] + proposals)  # [D+1, V], [D+1, 3, H]
+    accepted, correction = 0, None
+    for index, token in enumerate(proposals):
+        ok, choice = accept_or_resample(sampling.probs(verify_logits[index]), proposal_probs[index], token, generator)
+        if not ok:
+            correction = choice
+            break
+        accepted += 1
+    if correction is None:
+        correction = sampling.pick(verify_logits[depth], generator)
+    return proposals, accepted, correction, verify_aux
+
+
 def speculative_decode(target: TargetRunner, draft: DraftRunner, prompt: list[int], max_new: int, depth: int,
                        sampling: Sampling, stop_ids: set[int], generator: torch.Generator | None = None) -> DecodeResult:
     """Chain speculative decoding (see the module docstring)."""
@@ -351,29 +397,14 @@ def speculative_decode(target: TargetRunner, draft: DraftRunner, prompt: list[in
     hidden, draft_logits = draft.extend(prompt[1:] + [out[-1]], aux)
     accepted_counts: list[int] = []
     while not _finish(out, stop_ids, max_new)[1]:
-        proposals, proposal_probs = [], []
-        for step in range(depth):
-            if step:
-                hidden, draft_logits = draft.speculate(proposals[-1], hidden)
-            full = draft.to_target_logits(draft_logits, vocab)
-            token = sampling.pick(full, generator)
-            proposals.append(token)
-            proposal_probs.append(None if sampling.greedy else sampling.probs(full))
         base = target.length  # position of out[-1]
-        verify_logits, verify_aux = target.forward([out[-1]] + proposals)  # [D+1, V], [D+1, 3, H]
-        accepted, correction = 0, None
-        for index, token in enumerate(proposals):
-            if sampling.greedy:
-                choice = int(verify_logits[index].argmax())
-                ok = choice == token
-            else:
-                ok, choice = accept_or_resample(sampling.probs(verify_logits[index]), proposal_probs[index], token, generator)
-            if not ok:
-                correction = choice
-                break
-            accepted += 1
-        if correction is None:
-            correction = sampling.pick(verify_logits[depth], generator)
+        if sampling.greedy:
+            proposals, accepted, correction, verify_aux = _greedy_chain_round(target, draft, out[-1], hidden,
+                                                                              draft_logits, depth)
+        else:
+            proposals, accepted, correction, verify_aux = _sampled_chain_round(target, draft, out[-1], hidden,
+                                                                               draft_logits, depth, vocab, sampling,
+                                                                               generator)
         new_tokens = proposals[:accepted] + [correction]
         accepted_counts.append(accepted)
         out.extend(new_tokens)
@@ -403,11 +434,12 @@ def tree_decode(target: TargetRunner, draft: DraftRunner, prompt: list[int], max
         tree = draft.expand_tree(out[-1], hidden, draft_logits, topk, depth, budget)
         base = target.length
         verify_logits, verify_aux = target.forward(tree.tokens, tree=tree)
+        choices = verify_logits.argmax(-1).tolist() if sampling.greedy else None  # one host read per round
         path, node = [], 0
         while True:
             children = tree.children(node)
-            if sampling.greedy:
-                correction = int(verify_logits[node].argmax())
+            if choices is not None:
+                correction = choices[node]
                 chosen = next((c for c in children if tree.tokens[c] == correction), None)
             else:
                 index, correction = walk_candidates(sampling.probs(verify_logits[node]),

@@ -79,8 +79,7 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     resolved = resolve_target(config.target, config.trust_remote_code)
     tokenizer = load_tokenizer(resolved.path, config.trust_remote_code)
     info = target_info(resolved, tokenizer)
-    embed, _, _ = load_head_weights(resolved.path)
-    draft = load_draft(config.draft, embed=embed.float())
+    draft = load_draft(config.draft, embed=load_head_weights(resolved.path).embed.float())
     draft_target = draft.config.target or {}
     if draft_target.get("config_hash") not in (None, info.config_hash):
         raise EagletError(
