@@ -70,6 +70,7 @@ def tiny_llama_dir(root: Path, tokenizer_family: str = "qwen3", layers: int = 8)
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # a sharper head: a random model's teacher is otherwise near-uniform
         model.lm_head.weight.mul_(LM_HEAD_SHARPEN)
+        model.model.norm.weight.uniform_(0.5, 1.5)  # a trained model's final norm is not all ones
     model.save_pretrained(root)
     tokenizer.save_pretrained(root)
     return root

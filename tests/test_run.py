@@ -133,3 +133,43 @@ def test_bad_options_of_the_new_commands_are_one_line_errors(tmp_path, capsys, t
         code, _, err = run_cli(args, capsys)
         assert code == 2 and message in err and "Traceback" not in err, (args, err)
     assert not (tmp_path / "d").exists() and not (tmp_path / "t").exists()  # nothing written
+
+
+def test_heldout_prompts_are_answered_extracted_and_trained_against(tmp_path, capsys, tiny_target):
+    prompts = write_jsonl(tmp_path / "split_prompts.jsonl",
+                          [{"id": f"t{i}", "prompt": f"tell me about the number {i}", "split": "train"} for i in range(6)]
+                          + [{"id": f"h{i}", "prompt": f"what comes after {i}?", "split": "heldout"} for i in range(3)])
+    config = yaml.safe_load(run_config(tmp_path, tiny_target).read_text())
+    config.pop("prepare")
+    config |= {"regenerate": {"prompts": [str(prompts)], "split": "train", "max_new_tokens": 6, "n": 2,
+                              "temperature": 0.8, "device": "cpu"},
+               "heldout": {"max_prompts": 2}}
+    path = tmp_path / "heldout.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run_dir = tmp_path / "run"
+    code, out, err = run_cli(["run", path], capsys)
+    assert code == 0, err
+    held = [json.loads(line) for line in (run_dir / "heldout.jsonl").read_text().splitlines()]
+    assert sorted(row["id"].split("#")[0] for row in held) == ["h0", "h1"]  # held-out prompts only, greedy, once each
+    trained_on = (run_dir / "regenerated.jsonl").read_text()
+    assert '"h0' not in trained_on and trained_on.count("\n") == 12  # 6 train prompts x n=2
+    assert (run_dir / "store_heldout" / "manifest.json").is_file()
+    train_config = json.loads((run_dir / "draft" / "train_config.json").read_text())["config"]
+    assert train_config["eval_store"] == str(run_dir / "store_heldout")
+    assert any(json.loads(line)["kind"] == "eval" for line in (run_dir / "draft" / "metrics.jsonl").read_text().splitlines())
+
+    code, out, err = run_cli(["run", path], capsys)
+    assert code == 0 and statuses(run_dir, out) == {s: "skipped" for s in ("prepare", "extract", "train", "export", "eval")}
+    config["heldout"]["max_prompts"] = 3  # a different held-out set: regenerate .. train run again; training does
+    path.write_text(yaml.safe_dump(config))  # not read the held-out store, so the same draft needs no new export/eval
+    code, out, err = run_cli(["run", path], capsys)
+    assert code == 0, err
+    assert statuses(run_dir, out) == {"prepare": "ran", "extract": "ran", "train": "ran", "export": "skipped",
+                                      "eval": "skipped"}
+    assert len((run_dir / "heldout.jsonl").read_text().splitlines()) == 3
+
+    for broken, message in (({**config, "regenerate": {**config["regenerate"], "split": "all"}}, "regenerate.split: train"),
+                            ({**config, "extract": None}, "'heldout' needs a 'regenerate' section")):
+        path.write_text(yaml.safe_dump(broken))
+        code, _, err = run_cli(["run", path], capsys)
+        assert code == 2 and message in err and "Traceback" not in err, err

@@ -162,3 +162,21 @@ def test_padding_to_the_budget_does_not_change_the_loss():
                       teacher_in_vocab=torch.cat([inputs.teacher_in_vocab, torch.ones(extra, dtype=torch.bool)]))
     a, b = ttt_forward(draft, inputs, 3), ttt_forward(draft, grown, 3)
     torch.testing.assert_close(a.loss, b.loss, rtol=1e-12, atol=1e-12)
+
+
+def test_frozen_head_stays_the_targets_rows_and_norm_starts_from_the_targets(tmp_path, capsys, tiny_store, tiny_target):
+    from safetensors.torch import load_file
+
+    from eaglet.target import load_head_weights, resolve_target
+
+    head = load_head_weights(resolve_target(str(tiny_target)).path)
+    out = tmp_path / "run"
+    code, _, err = run_cli(train_args(tiny_store, out, tiny_target, "--max-steps", "3", "--set", "freeze_lm_head=true"), capsys)
+    assert code == 0, err
+    weights = load_file(str(out / "model.safetensors"))
+    used = torch.arange(len(weights["d2t"])) + weights["d2t"]
+    assert torch.equal(weights["lm_head.weight"], head.lm_head[used].float())  # never moved
+    assert not torch.equal(weights["fc.weight"], torch.zeros_like(weights["fc.weight"]))
+    # the draft's final norm started from the target's (then trained): three small steps stay close to it
+    assert head.final_norm is not None and torch.allclose(weights["norm.weight"], head.final_norm.float(), atol=0.05)
+    assert not torch.allclose(head.final_norm.float(), torch.ones_like(head.final_norm.float()), atol=0.05)

@@ -615,7 +615,7 @@ def run(
 @app.command()
 def demo(
     out: Path = typer.Option(Path("eaglet-demo"), "--out", "-o", help="run directory"),
-    scale: str = typer.Option("auto", help="cpu (a laptop, ~8 min), gpu (one H200, ~15 min) or auto (gpu when CUDA is there)"),
+    scale: str = typer.Option("auto", help="cpu (a laptop, ~8 min), gpu (one H200, ~10 min) or auto (gpu when CUDA is there)"),
     plan: bool = typer.Option(False, "--plan", help="print what would run; run nothing"),
 ) -> None:
     """`eaglet run` with a built-in config on the embedded target and the shipped demo prompts."""

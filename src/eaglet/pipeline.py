@@ -6,6 +6,7 @@ Run directory::
     RUN/run.json             what ran: per stage its fingerprint, output hash, seconds and result
     RUN/regenerated.jsonl    answers by the target (when `regenerate` is configured)
     RUN/prepared/  RUN/store/ (offline)  RUN/draft/  RUN/export/{vllm,sglang,speculators}/  RUN/eval/
+    RUN/heldout.jsonl  RUN/prepared_heldout/  RUN/store_heldout/   (with `heldout:`: what training evaluates on)
 
 A stage's fingerprint hashes its validated settings and the output hashes of the stages it reads, so a
 change anywhere re-runs exactly what depends on it.
@@ -47,6 +48,14 @@ class ExportSection(StrictModel):
     speculative_tokens: int = Field(default=3, ge=1, le=16)
 
 
+class HeldOutSection(StrictModel):
+    """The target's greedy answers to the held-out split of the regenerated prompts, extracted beside the
+    training store: training then reports its simulated acceptance on prompts it never saw (instead of
+    on a sample of its own training answers, which share their prompts with the rest)."""
+
+    max_prompts: int | None = Field(default=None, ge=1, description="only N held-out prompts")
+
+
 class RunConfig(StrictModel):
     """One YAML, a section per stage. Paths between stages are set by the run, not by the sections."""
 
@@ -58,6 +67,7 @@ class RunConfig(StrictModel):
     extract: dict[str, Any] | None = Field(default_factory=dict, description="ExtractConfig keys; null = train online")
     train: dict[str, Any] = Field(default_factory=dict, description="TrainConfig keys")
     export: ExportSection = Field(default_factory=ExportSection)
+    heldout: HeldOutSection | None = Field(default=None, description="also regenerate, prepare and extract the held-out prompts; train evaluates on them")
     eval: dict[str, Any] | None = Field(default_factory=dict, description="EvalConfig keys; null = no evaluation")
 
 
@@ -76,6 +86,8 @@ class Stage:
     reads: tuple[str, ...]  # upstream stages whose outputs it consumes
     output: Path
     run: Callable[[], str]  # does the work, returns the one-line result
+    heldout: Any = None  # the same stage's config for the held-out prompts (RunConfig.heldout), or None
+    heldout_output: Path | None = None
 
 
 @dataclass
@@ -136,15 +148,32 @@ class Pipeline:
         cfg, out, console = self.config, self.out, self.console
         common = {"target": cfg.target, "trust_remote_code": cfg.trust_remote_code}
         stages: list[Stage] = []
-        answers = out / "regenerated.jsonl"
+        answers, heldout_answers = out / "regenerated.jsonl", out / "heldout.jsonl"
+        offline = cfg.extract is not None
+        if cfg.heldout is not None and (cfg.regenerate is None or not offline):
+            raise EagletError(f"config {self.config_path}: 'heldout' needs a 'regenerate' section (the held-out split of "
+                              "its prompts) and offline training (an 'extract' section); remove 'heldout' or add them")
+        regenerate_heldout = None
         if cfg.regenerate is not None:
             regenerate = self._section(RegenerateConfig, "regenerate", cfg.regenerate, {"out": str(answers), **common},
                                        {"prompts": ["demo"], "split": "train"})
+            if cfg.heldout is not None:
+                if regenerate.split != "train":
+                    raise EagletError(f"config {self.config_path}: 'heldout' needs regenerate.split: train (got "
+                                      f"{regenerate.split!r}): the held-out prompts must not be trained on")
+                regenerate_heldout = regenerate.model_copy(update={
+                    "out": str(heldout_answers), "split": "heldout", "temperature": 0.0, "top_p": 1.0, "n": 1,
+                    "max_prompts": cfg.heldout.max_prompts})  # greedy: what `eaglet eval` decodes
 
             def run_regeneration() -> str:
-                return f"{run_regenerate(regenerate, console).manifest['counts']['requests']} answers by the target"
+                counts = run_regenerate(regenerate, console).manifest["counts"]["requests"]
+                if regenerate_heldout is None:
+                    return f"{counts} answers by the target"
+                held = run_regenerate(regenerate_heldout, console).manifest["counts"]["requests"]
+                return f"{counts} answers by the target, {held} held-out"
 
-            stages.append(Stage("regenerate", regenerate, (), answers, run_regeneration))
+            stages.append(Stage("regenerate", regenerate, (), answers, run_regeneration, regenerate_heldout,
+                                heldout_answers if regenerate_heldout is not None else None))
         prepare_fixed = {"out": str(out / "prepared"), "overwrite": True, **common}
         if cfg.regenerate is not None:
             prepare_fixed["inputs"] = [str(answers)]
@@ -152,25 +181,35 @@ class Pipeline:
             raise EagletError(f"config {self.config_path}: prepare.inputs is required without a 'regenerate' section; "
                               "list conversation files, or add `regenerate:` to have the target answer prompts")
         prepare = self._section(PrepareConfig, "prepare", cfg.prepare, prepare_fixed)
+        prepare_heldout = None if regenerate_heldout is None else prepare.model_copy(
+            update={"inputs": [str(heldout_answers)], "out": str(out / "prepared_heldout")})
 
         def run_preparation() -> str:
             manifest = run_prepare(prepare, console).manifest
+            if prepare_heldout is not None:
+                run_prepare(prepare_heldout, console)
             return (f"{manifest['counts']['samples']:,} samples, {manifest['tokens']['total']:,} tokens, "
                     f"draft vocab coverage {manifest['draft_vocab']['coverage']:.1%}")
 
         stages.append(Stage("prepare", prepare, ("regenerate",) if cfg.regenerate is not None else (), out / "prepared",
-                            run_preparation))
-        offline = cfg.extract is not None
+                            run_preparation, prepare_heldout, out / "prepared_heldout" if prepare_heldout else None))
         if offline:
             extract = self._section(ExtractConfig, "extract", cfg.extract, {"prepared": str(out / "prepared"),
                                                                            "out": str(out / "store"), **common})
+            extract_heldout = None if prepare_heldout is None else extract.model_copy(
+                update={"prepared": str(out / "prepared_heldout"), "out": str(out / "store_heldout")})
 
             def run_extraction() -> str:
                 totals = run_extract(extract, console).manifest["totals"]
+                if extract_heldout is not None:
+                    run_extract(extract_heldout, console)
                 return f"{totals['tokens']:,} tokens, {totals['bytes'] / 1e9:.2f} GB"
 
-            stages.append(Stage("extract", extract, ("prepare",), out / "store", run_extraction))
+            stages.append(Stage("extract", extract, ("prepare",), out / "store", run_extraction, extract_heldout,
+                                out / "store_heldout" if extract_heldout else None))
         source = {"store": str(out / "store")} if offline else {"prepared": str(out / "prepared")}
+        if cfg.heldout is not None:
+            source["eval_store"] = str(out / "store_heldout")
         train = self._section(TrainConfig, "train", cfg.train, {"out": str(out / "draft"), **source, **common})
 
         def run_training() -> str:
@@ -232,25 +271,29 @@ class Pipeline:
                 return None
             upstream.append(record["output_hash"])
         settings = stage.config.model_dump(mode="json") if stage.config is not None else None
-        text = json.dumps({"stage": stage.name, "settings": settings, "upstream": upstream}, sort_keys=True)
+        heldout = stage.heldout.model_dump(mode="json") if stage.heldout is not None else None
+        text = json.dumps({"stage": stage.name, "settings": settings, "heldout": heldout, "upstream": upstream},
+                          sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
 
     def _outputs(self, stage: Stage) -> list[Path]:
         """Everything a stage writes (regenerate's answers keep their manifest beside them)."""
+        outputs = [stage.output] + ([stage.heldout_output] if stage.heldout_output is not None else [])
         if stage.name == "regenerate":
-            return [stage.output, stage.output.with_name(stage.output.name + ".manifest.json")]
-        return [stage.output]
+            return [p for output in outputs for p in (output, output.with_name(output.name + ".manifest.json"))]
+        return outputs
 
     def _output_hash(self, stage: Stage) -> str | None:
         """A hash of the stage's output manifest (what downstream fingerprints include)."""
-        candidates = {
-            "regenerate": [stage.output.with_name(stage.output.name + ".manifest.json")],
-            "prepare": [stage.output / "manifest.json"],
-            "extract": [stage.output / "manifest.json"],
-            "train": [stage.output / "model.safetensors", stage.output / "config.json"],
-            "export": [stage.output / fmt / "model.safetensors" for fmt in self.config.export.formats],
-            "eval": [stage.output / "report.json"],
-        }[stage.name]
+        outputs = [stage.output] + ([stage.heldout_output] if stage.heldout_output is not None else [])
+        candidates = [path for output in outputs for path in {
+            "regenerate": [output.with_name(output.name + ".manifest.json")],
+            "prepare": [output / "manifest.json"],
+            "extract": [output / "manifest.json"],
+            "train": [output / "model.safetensors", output / "config.json"],
+            "export": [output / fmt / "model.safetensors" for fmt in self.config.export.formats],
+            "eval": [output / "report.json"],
+        }[stage.name]]
         if not all(p.is_file() for p in candidates):
             return None
         digest = hashlib.sha256()

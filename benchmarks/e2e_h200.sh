@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The end-to-end H200 numbers of benchmarks/RESULTS.md (issue 7), through scripts/device.sh on the device:
+#   bash scripts/device.sh bash benchmarks/e2e_h200.sh demo    # `eaglet demo --scale gpu` (resumable: call again
+#                                                              #  with the same command if the 10-minute call ends)
+#   bash scripts/device.sh bash benchmarks/e2e_h200.sh evals   # the demo's draft: chain and tree, this engine and
+#                                                              #  the one before the lean-loop change, same prompts
+#   bash scripts/device.sh bash benchmarks/e2e_h200.sh train   # training step, 8B shape, next to speculators 0.9.0
+# Results are copied under $OUT (the device tool brings them back). WORK defaults to /tmp/e2e.
+set -uo pipefail
+WORK=${WORK:-/tmp/e2e}
+OUT=${OUT:-$WORK/out}
+mkdir -p "$WORK" "$OUT"
+eaglet() { python3 -m eaglet.cli "$@"; }
+case "${1:-}" in
+  demo)
+    /usr/bin/time -v timeout "${DEMO_LIMIT_S:-560}" python3 -m eaglet.cli demo --scale gpu --out "$WORK/demo" \
+      2> >(tail -40 >&2) | tail -40
+    mkdir -p "$OUT/demo"
+    cp -r "$WORK/demo/run.json" "$WORK/demo/eval" "$WORK/demo/draft/metrics.jsonl" "$WORK/demo/draft/"*.png \
+      "$WORK/demo/export/vllm/README.md" "$OUT/demo/" 2>/dev/null
+    ;;
+  evals)
+    # same 16 held-out prompts, 128 new tokens, greedy: `after` = this tree's engine, `before` = commit 432101d's
+    # (staged as .device/before/src: git archive 432101d src | tar -x -C .device/before)
+    common=(--draft "$WORK/demo/draft" --max-prompts "${EVAL_PROMPTS:-16}" --max-new-tokens 128)
+    for mode in chain tree; do
+      if [ $mode = chain ]; then shape=(--mode chain --depth 5); else shape=(--mode tree --depth 6 --topk 8 --budget 48); fi
+      extra=(); [ $mode = chain ] && extra=(--hf-generate-baseline)
+      eaglet eval "${common[@]}" "${shape[@]}" "${extra[@]}" --out "$WORK/eval_${mode}_after" 2>&1 | tail -3
+      PYTHONPATH=/tmp/site:$PWD/.device/before/src python3 -m eaglet.cli eval "${common[@]}" "${shape[@]}" \
+        --out "$WORK/eval_${mode}_before" 2>&1 | tail -3
+      cp "$WORK/eval_${mode}_after/report.json" "$OUT/eval_${mode}_after.json"
+      cp "$WORK/eval_${mode}_before/report.json" "$OUT/eval_${mode}_before.json"
+    done
+    ;;
+  train)
+    python3 benchmarks/bench_train.py --shape 8b --out "$OUT/train_8b_h200.json" 2>&1 | tail -8
+    [ -d /tmp/specsite ] && PYTHONPATH=/tmp/specsite python3 /tmp/specbench/bench_eagle3.py --shape 8b --ttt 7 \
+      --draft-vocab 32000 --optimizers adamw --out "$OUT/speculators_8b_h200.json" 2>&1 | tail -8
+    ;;
+  *) echo "usage: bash benchmarks/e2e_h200.sh demo|evals|train" >&2; exit 2 ;;
+esac
