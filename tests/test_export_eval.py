@@ -167,3 +167,15 @@ def test_two_layer_draft_trains_exports_for_vllm_and_is_refused_for_sglang(tmp_p
     assert exported.tokens == trained.tokens and exported.accepted == trained.accepted
     code, _, err = run_cli(["export", "--draft", run, "--format", "sglang", "--out", tmp_path / "sglang"], capsys)
     assert code == 2 and "loads one decoder layer" in err and not (tmp_path / "sglang").exists()
+
+
+def test_report_explains_a_failed_lossless_check_outside_float32():
+    from eaglet.decode.evaluate import _markdown
+
+    report = {"acceptance_length": 2.0, "tokens_per_s": 10.0, "baseline_tokens_per_s": 8.0, "speedup": 1.25,
+              "lossless": False, "prompts": 1, "generated_tokens": 9, "per_category": {}, "acceptance_by_position": [0.5],
+              "settings": {"draft": "d", "target": "t", "mode": "chain", "depth": 1, "temperature": 0.0, "split": "heldout",
+                           "device": "cuda", "dtype": "bfloat16"}}
+    assert "--dtype float32" in _markdown(report)
+    report["settings"]["dtype"] = "float32"
+    assert "--dtype float32" not in _markdown(report)  # in float32 a failure is a real failure: no excuse offered

@@ -180,3 +180,14 @@ def test_frozen_head_stays_the_targets_rows_and_norm_starts_from_the_targets(tmp
     # the draft's final norm started from the target's (then trained): three small steps stay close to it
     assert head.final_norm is not None and torch.allclose(weights["norm.weight"], head.final_norm.float(), atol=0.05)
     assert not torch.allclose(head.final_norm.float(), torch.ones_like(head.final_norm.float()), atol=0.05)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention runs on GPUs only")
+def test_evaluation_reuses_the_training_kernels_on_gpu(tmp_path, capsys, tiny_store, tiny_target):
+    """Past dynamo's recompile limit FlexAttention silently runs its dense fallback (45 GB at a 16k budget):
+    training + held-out evaluation must fit in the kernels compiled for training."""
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        code, _, err = run_cli(train_args(tiny_store, tmp_path / "run", tiny_target, "--max-steps", "12",
+                                          "--device", "cuda"), capsys)
+    assert code == 0, err
+    assert [r for r in read_metrics(tmp_path / "run") if r["kind"] == "eval"]

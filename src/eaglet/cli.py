@@ -378,6 +378,7 @@ def eval_cmd(
     max_new_tokens: Optional[int] = typer.Option(None, help="(default: 128)"),
     seed: Optional[int] = typer.Option(None, help="sampling seed (default: 0)"),
     device: Optional[str] = typer.Option(None, help="auto, cpu, cuda, cuda:1 ..."),
+    dtype: Optional[str] = typer.Option(None, help="float32 (default: the lossless check is exact), bfloat16, float16, auto"),
     hf_generate_baseline: Optional[bool] = typer.Option(None, "--hf-generate-baseline", help="also time plain HF generate"),
     skip_preflight: bool = typer.Option(False, "--skip-preflight", help=SKIP_HELP),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
@@ -392,7 +393,7 @@ def eval_cmd(
         dict(draft=draft, out=out, prompts=prompts, target=target, split=split, max_prompts=max_prompts, mode=mode,
              depth=depth, topk=topk, budget=budget,
              temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, device=device,
-             hf_generate_baseline=hf_generate_baseline),
+             dtype=dtype, hf_generate_baseline=hf_generate_baseline),
         overrides,
     )
     _preflight(ctx, "eval", cfg, skip_preflight)

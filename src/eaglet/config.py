@@ -216,6 +216,8 @@ class EvalConfig(StrictModel):
     max_new_tokens: int = Field(default=128, ge=1)
     seed: int = 0
     device: str = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="float32", description="target and draft; float32 makes the greedy lossless check exact (bf16 rounds "
+        "a k-token verify differently from a 1-token step, so near-ties flip); auto = bf16 on GPU")
     hf_generate_baseline: bool = Field(default=False, description="also time plain HF generate")
     trust_remote_code: bool = False

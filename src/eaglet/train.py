@@ -36,7 +36,7 @@ from .metrics import H200_BF16_DENSE_FLOPS, MetricsLog, draft_train_flops_per_to
 from .progress import progress_bar
 from .store import ShardPlan, check_same_target, read_manifest
 from .target import load_head_weights, load_model, load_tokenizer, read_config, resolve_target, target_info
-from .ttt import TeacherHead, TTTInputs, attention_for, documents, simulated_acceptance, ttt_forward
+from .ttt import FlexTTTAttention, TeacherHead, TTTInputs, attention_for, documents, simulated_acceptance, ttt_forward
 
 
 class TTTModule(torch.nn.Module):
@@ -213,11 +213,19 @@ def _reduce(tensors: list[torch.Tensor], dist: Dist) -> list[torch.Tensor]:
     return tensors
 
 
-@torch.no_grad()
 def evaluate(module: TTTModule, setup: Setup, config: TrainConfig, teacher: TeacherHead, device: torch.device,
              dtype: torch.dtype, dist: Dist, autocast, lockstep: bool = False) -> dict[str, Any]:
     """Per-step accuracy and simulated τ on the held-out samples (``lockstep``: every rank runs as many
     forwards, as FSDP2 needs)."""
+    compiled = attention_for(device, module.draft.config.head_dim) is FlexTTTAttention
+    # with compiled FlexAttention, autograd stays on (nothing is kept: no backward) so evaluation reuses
+    # training's kernels instead of compiling no_grad ones (FlexTTTAttention's docstring says why)
+    with torch.enable_grad() if compiled else torch.no_grad():
+        return _evaluate(module, setup, config, teacher, device, dtype, dist, autocast, lockstep)
+
+
+def _evaluate(module: TTTModule, setup: Setup, config: TrainConfig, teacher: TeacherHead, device: torch.device,
+              dtype: torch.dtype, dist: Dist, autocast, lockstep: bool) -> dict[str, Any]:
     module.eval()
     correct = torch.zeros(config.ttt_steps, device=device)
     counts = torch.zeros(config.ttt_steps, device=device)
@@ -235,7 +243,7 @@ def evaluate(module: TTTModule, setup: Setup, config: TrainConfig, teacher: Teac
             _, step_losses, step_correct, step_counts = module(_inputs(batch, teacher, device, dtype, config.token_budget))
         correct += step_correct.float()
         counts += step_counts.float()
-        losses += step_losses.float() * step_counts.float()
+        losses += step_losses.detach().float() * step_counts.float()  # detached: no graph outlives its batch
     if lockstep and spare is not None:  # ranks one batch short of the others run one that counts nothing
         for _ in range(-(-total // dist.world) - len(range(dist.rank, total, dist.world))):
             with autocast():

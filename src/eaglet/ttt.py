@@ -162,14 +162,14 @@ def simulated_acceptance(accuracies: list[float]) -> float:
     return total
 
 
-FLEX_RECOMPILE_LIMIT = 2 * 32 + 2  # per (TTT step count <= 32, grad mode), and block-mask builders
-_RECOMPILE_LIMIT_NAME = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-
-
 class FlexTTTAttention:
     """The same attention through FlexAttention block masks (GPU; compiled): keys of steps 0..k are
     concatenated, and the mask allows step-0 keys causally within the document and step-j keys (j>=1)
-    only at the query's own position. Never materialises a [T, T] score matrix."""
+    only at the query's own position. Never materialises a [T, T] score matrix.
+
+    One compiled kernel per step count (K of them); grad mode is part of torch.compile's guards, so every
+    caller runs with autograd on (see ``train.evaluate``): K more kernels for no_grad would pass dynamo's
+    recompile limit (8), past which it silently runs the dense fallback ([T, T*k] scores: 45 GB at 16k)."""
 
     _compiled = None
 
@@ -208,11 +208,8 @@ class FlexTTTAttention:
         keys = torch.cat(self.keys, dim=1)[None]  # [1, Hkv, T*(k+1), d]
         values = torch.cat(self.values, dim=1)[None]
         kernel = self._kernel(q.device)
-        # one compiled kernel per (step count, grad mode): training and evaluation of K=7 need 14, more than
-        # dynamo's default 8, after which it silently runs the dense fallback (a [T, T*k] score matrix)
-        with torch._dynamo.config.patch(**{_RECOMPILE_LIMIT_NAME: FLEX_RECOMPILE_LIMIT}):
-            out = kernel(q[None], keys, values, block_mask=self._block_mask(len(self.keys)),
-                         enable_gqa=q.shape[0] != k.shape[0])
+        out = kernel(q[None], keys, values, block_mask=self._block_mask(len(self.keys)),
+                     enable_gqa=q.shape[0] != k.shape[0])
         return out[0]
 
 

@@ -157,7 +157,7 @@ def _report(config: EvalConfig, results: list[PromptResult], target_name: str, d
                      "topk": config.topk if config.mode == "tree" else None,
                      "budget": config.budget if config.mode == "tree" else None,
                      "temperature": config.temperature, "top_p": config.top_p, "max_new_tokens": config.max_new_tokens,
-                     "split": config.split, "device": device, "seed": config.seed},
+                     "split": config.split, "device": device, "dtype": config.dtype, "seed": config.seed},
         "versions": {"eaglet": __version__, "torch": torch.__version__, "python": platform.python_version(),
                      "transformers": __import__("transformers").__version__},
     }
@@ -172,7 +172,9 @@ def _markdown(report: dict[str, Any]) -> str:
         f"({settings['mode']}, depth {settings['depth']}, temperature {settings['temperature']})",
         f"- speed: {report['tokens_per_s']} tok/s vs {report['baseline_tokens_per_s']} tok/s without the draft "
         f"(same engine, same process): **{report['speedup']:.2f}×**",
-        f"- lossless (greedy outputs identical to the target's own): {report['lossless']}",
+        f"- lossless (greedy outputs identical to the target's own): {report['lossless']}"
+        + (f" (in {settings['dtype']}: a k-token verify rounds differently from a 1-token step, so near-tied tokens can "
+           "flip; `--dtype float32` checks exactly)" if report["lossless"] is False and settings["dtype"] != "float32" else ""),
         f"- {report['prompts']} prompts ({settings['split']} split), {report['generated_tokens']} tokens, device {settings['device']}",
         "",
         "| category | prompts | τ |",
