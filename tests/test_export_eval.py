@@ -114,6 +114,29 @@ def test_eval_report(tmp_path, capsys, tiny_draft, tiny_target):
     assert "lossless True" in stdout
 
 
+def test_batched_eval_gives_the_same_tokens_and_tau_as_one_at_a_time(tmp_path, capsys, tiny_draft, tiny_target):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [
+        {"id": "a", "prompt": "the cat sat", "split": "heldout"},
+        {"id": "b", "prompt": "two dogs ran past the old barn", "split": "heldout"},
+        {"id": "c", "prompt": "one bird", "split": "heldout"},
+    ])
+    reports = {}
+    for batch in ("1", "2"):
+        out = tmp_path / f"batch{batch}"
+        code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", tiny_target, "--prompts", prompts, "--out", out,
+                                "--max-new-tokens", "16", "--depth", "3", "--device", "cpu", "--batch-size", batch], capsys)
+        assert code == 0, err
+        reports[batch] = json.loads((out / "report.json").read_text())
+    assert reports["2"]["lossless"] is True and reports["2"]["settings"]["batch_size"] == 2
+    for key in ("acceptance_length", "acceptance_by_position", "generated_tokens", "target_forwards"):
+        assert reports["2"][key] == reports["1"][key], key
+    for refused in (["--mode", "tree"], ["--temperature", "0.7"]):
+        code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", tiny_target, "--prompts", prompts, "--out",
+                                tmp_path / "x", "--device", "cpu", "--batch-size", "2", *refused], capsys)
+        assert code == 2 and "batched decoding drafts chains greedily" in err and "Traceback" not in err
+        assert not (tmp_path / "x").exists()
+
+
 def test_eval_refuses_draft_for_another_target(tmp_path, capsys, tiny_draft):
     from conftest import tiny_llama_dir
 

@@ -376,6 +376,7 @@ def eval_cmd(
     temperature: Optional[float] = typer.Option(None, help="0 = greedy, checked lossless (default: 0)"),
     top_p: Optional[float] = typer.Option(None, help="(default: 1.0)"),
     max_new_tokens: Optional[int] = typer.Option(None, help="(default: 128)"),
+    batch_size: Optional[int] = typer.Option(None, help="prompts decoded together; > 1: greedy chain (default: 1)"),
     seed: Optional[int] = typer.Option(None, help="sampling seed (default: 0)"),
     device: Optional[str] = typer.Option(None, help="auto, cpu, cuda, cuda:1 ..."),
     dtype: Optional[str] = typer.Option(None, help="float32 (default: the lossless check is exact), bfloat16, float16, auto"),
@@ -393,7 +394,7 @@ def eval_cmd(
         dict(draft=draft, out=out, prompts=prompts, target=target, split=split, max_prompts=max_prompts, mode=mode,
              depth=depth, topk=topk, budget=budget,
              temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, device=device,
-             dtype=dtype, hf_generate_baseline=hf_generate_baseline),
+             batch_size=batch_size, dtype=dtype, hf_generate_baseline=hf_generate_baseline),
         overrides,
     )
     _preflight(ctx, "eval", cfg, skip_preflight)

@@ -214,6 +214,7 @@ class EvalConfig(StrictModel):
     temperature: float = Field(default=0.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     max_new_tokens: int = Field(default=128, ge=1)
+    batch_size: int = Field(default=1, ge=1, le=1024, description="prompts decoded together (greedy chain only when > 1)")
     seed: int = 0
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

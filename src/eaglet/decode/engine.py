@@ -13,7 +13,8 @@ Per round (batch 1), with the target's cache holding positions ``0..n-1`` and ``
    new positions using the target's real features.
 
 Greedy verification reproduces the target's own greedy decoding token for token; sampling uses
-rejection sampling, so the output distribution is the target's.
+rejection sampling, so the output distribution is the target's. ``batched.py`` runs greedy chains for
+many prompts at once.
 """
 
 from __future__ import annotations

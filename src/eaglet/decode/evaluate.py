@@ -21,6 +21,7 @@ from ..fsio import write_json_atomic
 from ..progress import progress_bar
 from ..resources import resolve_input
 from ..target import load_head_weights, load_model, load_tokenizer, pick_device, resolve_target, target_info
+from .batched import BatchDraft, BatchTarget, batched_speculative_decode, batched_target_only_decode
 from .engine import DraftRunner, TargetRunner, speculative_decode, target_only_decode, tree_decode
 from .sampling import Sampling
 
@@ -76,6 +77,9 @@ def _hf_generate_tokens_per_s(model: Any, prompts: list[list[int]], max_new: int
 
 def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, Any]:
     console = console or Console(stderr=True)
+    if config.batch_size > 1 and (config.mode != "chain" or config.temperature > 0):
+        raise EagletError(f"--batch-size {config.batch_size}: batched decoding drafts chains greedily; use --mode chain "
+                          "and temperature 0, or --batch-size 1 for trees and sampling")
     resolved = resolve_target(config.target, config.trust_remote_code)
     tokenizer = load_tokenizer(resolved.path, config.trust_remote_code)
     info = target_info(resolved, tokenizer)
@@ -105,17 +109,22 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     # warm-up: kernels, caches, allocator
     target_only_decode(target_runner, prompts[0][2], 4, sampling, set(stop), torch.Generator().manual_seed(0))
     speculate(prompts[0][2], 4, 0)
-    results: list[PromptResult] = []
-    with progress_bar("prompts", console) as progress:
-        task = progress.add_task("eval", total=len(prompts))
-        for index, (prompt_id, category, ids) in enumerate(prompts):
-            base = target_only_decode(target_runner, ids, config.max_new_tokens, sampling, set(stop),
-                                      torch.Generator().manual_seed(config.seed + index))
-            spec = speculate(ids, config.max_new_tokens, config.seed + index)
-            lossless = (spec.tokens == base.tokens) if sampling.greedy else None
-            results.append(PromptResult(prompt_id, category, len(spec.tokens), spec.forwards, spec.accepted,
-                                        spec.seconds, base.seconds, lossless))
-            progress.advance(task)
+    def one_at_a_time() -> list[PromptResult]:
+        results = []
+        with progress_bar("prompts", console) as progress:
+            task = progress.add_task("eval", total=len(prompts))
+            for index, (prompt_id, category, ids) in enumerate(prompts):
+                base = target_only_decode(target_runner, ids, config.max_new_tokens, sampling, set(stop),
+                                          torch.Generator().manual_seed(config.seed + index))
+                spec = speculate(ids, config.max_new_tokens, config.seed + index)
+                lossless = (spec.tokens == base.tokens) if sampling.greedy else None
+                results.append(PromptResult(prompt_id, category, len(spec.tokens), spec.forwards, spec.accepted,
+                                            spec.seconds, base.seconds, lossless))
+                progress.advance(task)
+        return results
+
+    results = _batched_results(config, model, draft, layer_ids, prompts, set(stop), console) \
+        if config.batch_size > 1 else one_at_a_time()
     report = _report(config, results, info.name, str(device))
     if config.hf_generate_baseline:
         report["hf_generate_tokens_per_s"] = round(
@@ -126,6 +135,26 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     (out / "report.md").write_text(_markdown(report), encoding="utf-8")
     _plots(report, out)
     return report
+
+
+def _batched_results(config: EvalConfig, model: Any, draft: Any, layer_ids: tuple[int, ...],
+                     prompts: list[tuple[str, str, list[int]]], stop: set[int], console: Console) -> list[PromptResult]:
+    """Prompts in groups of ``batch_size``, each group decoded without and with the draft by the batched
+    engine; a group's wall time is shared evenly by its rows (totals, hence tokens/s, are exact)."""
+    target, batch_draft = BatchTarget(model, layer_ids), BatchDraft(draft)
+    results = []
+    with progress_bar("prompts", console) as progress:
+        task = progress.add_task("eval", total=len(prompts))
+        for start in range(0, len(prompts), config.batch_size):
+            group = prompts[start : start + config.batch_size]
+            ids = [row[2] for row in group]
+            base = batched_target_only_decode(target, ids, config.max_new_tokens, stop)
+            spec = batched_speculative_decode(target, batch_draft, ids, config.max_new_tokens, config.depth, stop)
+            for (prompt_id, category, _), plain, drafted in zip(group, base, spec):
+                results.append(PromptResult(prompt_id, category, len(drafted.tokens), drafted.forwards, drafted.accepted,
+                                            drafted.seconds, plain.seconds, drafted.tokens == plain.tokens))
+            progress.advance(task, len(group))
+    return results
 
 
 def _report(config: EvalConfig, results: list[PromptResult], target_name: str, device: str) -> dict[str, Any]:
@@ -157,6 +186,7 @@ def _report(config: EvalConfig, results: list[PromptResult], target_name: str, d
                      "topk": config.topk if config.mode == "tree" else None,
                      "budget": config.budget if config.mode == "tree" else None,
                      "temperature": config.temperature, "top_p": config.top_p, "max_new_tokens": config.max_new_tokens,
+                     "batch_size": config.batch_size,
                      "split": config.split, "device": device, "dtype": config.dtype, "seed": config.seed},
         "versions": {"eaglet": __version__, "torch": torch.__version__, "python": platform.python_version(),
                      "transformers": __import__("transformers").__version__},
