@@ -64,3 +64,14 @@ def test_skip_preflight_is_loud(capsys, tmp_path, tiny_target):
     data = write_jsonl(tmp_path / "d.jsonl", small_conversations(3))
     code, _, err = run_cli(["prepare", data, "--target", tiny_target, "--out", tmp_path / "o", "--skip-preflight"], capsys)
     assert code == 0 and "PREFLIGHT SKIPPED for prepare" in err
+
+
+def test_api_check_without_its_parser_warns_instead_of_crashing(monkeypatch):
+    import sys
+
+    from eaglet.preflight.checks import WARN, check_library_api
+
+    monkeypatch.setitem(sys.modules, "griffe", None)  # as on a machine where griffe was never installed
+    monkeypatch.delitem(sys.modules, "eaglet.apicheck.check", raising=False)
+    check = check_library_api.__wrapped__("transformers")
+    assert check.status == WARN and "griffe" in check.detail and "reinstall" in check.fix
