@@ -173,3 +173,11 @@ def test_heldout_prompts_are_answered_extracted_and_trained_against(tmp_path, ca
         path.write_text(yaml.safe_dump(broken))
         code, _, err = run_cli(["run", path], capsys)
         assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_plan_counts_the_prompts_each_split_would_regenerate(tmp_path):
+    from eaglet.pipeline import _count_rows
+
+    rows = [{"prompt": "a", "split": "train"}] * 3 + [{"prompt": "b", "split": "heldout"}] * 2 + [{"prompt": "c"}]
+    path = write_jsonl(tmp_path / "p.jsonl", rows + ["{not json"])
+    assert (_count_rows([str(path)], "train"), _count_rows([str(path)], "heldout"), _count_rows([str(path)])) == (4, 2, 6)

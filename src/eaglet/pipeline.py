@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ RUN_SCHEMA = "eaglet.run/1"
 BYTES_PER_ANSWER_TOKEN = 8  # JSON text
 # Rough rates for --plan's time column (measured: benchmarks/RESULTS.md; CPU = this project's 2-core machine)
 RATES = {"cpu": {"generate_tok_s": 66, "extract_tok_s": 600, "decode_tok_s": 15},
-         "cuda": {"generate_tok_s": 2750, "extract_tok_s": 245_000, "decode_tok_s": 150}}
+         "cuda": {"generate_tok_s": 2750, "extract_tok_s": 245_000, "decode_tok_s": 40}}  # decode: the H200 demo eval
 HELD_OUT_PROMPTS_GUESS = 128  # the demo prompts' held-out split
 DRAFT_LAYER_PARAMS_PER_H2 = 15  # fc (3H^2) + one decoder layer (~12H^2), as the train preflight estimates
 FP32_BYTES, BF16_BYTES = 4, 2
@@ -346,9 +347,11 @@ class Pipeline:
         by_name = {s.name: s for s in self.stages}
         answer_tokens = 0
         if "regenerate" in by_name:
-            regenerate = by_name["regenerate"].config
-            prompts = regenerate.max_prompts or _count_rows(regenerate.prompts)
-            answer_tokens = int(prompts * regenerate.n * regenerate.max_new_tokens * TOKENS_PER_ANSWER_GUESS)
+            stage = by_name["regenerate"]
+            for config in (stage.config, stage.heldout):  # the training prompts, then the held-out ones
+                if config is not None:
+                    prompts = min(config.max_prompts or math.inf, _count_rows(config.prompts, config.split))
+                    answer_tokens += int(prompts * config.n * config.max_new_tokens * TOKENS_PER_ANSWER_GUESS)
         prepared_tokens = _prepared_tokens(self.out / "prepared") or answer_tokens * 2  # prompt + answer
         from .target import read_config, resolve_target
 
@@ -457,13 +460,23 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)  # a file, or nothing yet
 
 
-def _count_rows(files: list[str]) -> int:
+def _count_rows(files: list[str], split: str = "all") -> int:
+    """Rows of the .jsonl prompt files that `regenerate` would select (rows without `split` count as train)."""
     from .resources import resolve_input
 
     total = 0
     for name in files:
         path = Path(resolve_input(name))
-        total += sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip()) if path.suffix == ".jsonl" else 0
+        if path.suffix != ".jsonl":
+            continue
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            try:
+                row_split = json.loads(line).get("split", "train")
+            except (json.JSONDecodeError, AttributeError):
+                continue  # regenerate reports bad rows itself; an estimate skips them
+            total += split == "all" or row_split == split
     return total
 
 
