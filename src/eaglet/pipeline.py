@@ -272,9 +272,10 @@ class Pipeline:
                 return None
             upstream.append(record["output_hash"])
         settings = stage.config.model_dump(mode="json") if stage.config is not None else None
-        heldout = stage.heldout.model_dump(mode="json") if stage.heldout is not None else None
-        text = json.dumps({"stage": stage.name, "settings": settings, "heldout": heldout, "upstream": upstream},
-                          sort_keys=True)
+        fields = {"stage": stage.name, "settings": settings, "upstream": upstream}
+        if stage.heldout is not None:  # only then: runs made without held-out prompts keep their fingerprints
+            fields["heldout"] = stage.heldout.model_dump(mode="json")
+        text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
 
     def _outputs(self, stage: Stage) -> list[Path]:
