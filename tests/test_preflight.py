@@ -75,3 +75,11 @@ def test_api_check_without_its_parser_warns_instead_of_crashing(monkeypatch):
     monkeypatch.delitem(sys.modules, "eaglet.apicheck.check", raising=False)
     check = check_library_api.__wrapped__("transformers")
     assert check.status == WARN and "griffe" in check.detail and "reinstall" in check.fix
+
+
+def test_memory_checks_count_the_dtype_the_stage_will_load():
+    from eaglet.preflight.stages import _device_bytes
+
+    assert _device_bytes("cpu", "float32") == ("cpu", 4)  # eval's default: float32 even where auto means bf16
+    assert _device_bytes("cpu", "bfloat16") == ("cpu", 2)
+    assert _device_bytes("cpu") == ("cpu", 4)  # auto on CPU loads float32

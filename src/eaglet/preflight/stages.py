@@ -46,10 +46,16 @@ def check_server(base_url: str) -> Check:
                  "" if response.status_code == 200 else "the server does not list models; requests may still work")
 
 
-def _device_bytes(device: str) -> tuple[str, int]:
+BYTES_PER_DTYPE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _device_bytes(device: str, dtype: str = "auto") -> tuple[str, int]:
+    """The device a stage will use and the bytes per weight it loads the target with (as ``pick_dtype``)."""
     from ..target import pick_device
 
     resolved = pick_device(device)
+    if dtype in BYTES_PER_DTYPE:
+        return resolved, BYTES_PER_DTYPE[dtype]
     return resolved, 2 if resolved.startswith("cuda") else 4
 
 
@@ -84,7 +90,7 @@ def regenerate_checks(cfg: Any) -> list[Check]:
         checks += target_checks
         if found:
             checks.append(check_library_api())
-            device, dtype_bytes = _device_bytes(cfg.device)
+            device, dtype_bytes = _device_bytes(cfg.device, cfg.dtype)
             checks.append(check_memory(device, weights_bytes(found[0].path, dtype_bytes), "target weights"))
     rows = cfg.max_prompts or 1000
     checks.append(check_disk(out.parent if out.parent.exists() else Path("."), rows * cfg.n * cfg.max_new_tokens *
@@ -127,7 +133,7 @@ def extract_checks(cfg: Any) -> list[Check]:
         checks.append(check_output_dir(store, overwrite=False, resumable=True))
     needed = int(prepared.lengths.sum()) * bytes_per_token(info.hidden_size, cfg.storage_dtype)
     checks.append(check_disk(store, int(needed + cfg.reserve_gb * GIB), f"store ({cfg.storage_dtype}) + reserve"))
-    device, dtype_bytes = _device_bytes(cfg.device)
+    device, dtype_bytes = _device_bytes(cfg.device, cfg.dtype)
     batch_tokens = cfg.batch_tokens or (32768 if device.startswith("cuda") else 4096)
     activations = batch_tokens * info.hidden_size * ACTIVATION_FACTOR * 4  # + the three captured inputs
     checks.append(check_memory(device, weights_bytes(resolved.path, dtype_bytes) + activations,
@@ -205,7 +211,7 @@ def eval_checks(cfg: Any) -> list[Check]:
     checks.append(check_rows([resolve_input(p) for p in cfg.prompts], need_assistant=False))
     if found:
         checks.append(check_library_api())
-        device, dtype_bytes = _device_bytes(cfg.device)
+        device, dtype_bytes = _device_bytes(cfg.device, cfg.dtype)
         checks.append(check_memory(device, weights_bytes(found[0].path, dtype_bytes), "target weights"))
     return checks
 
