@@ -24,20 +24,18 @@ import torch
 import torch.nn.functional as F
 
 from ..capture import FeatureCapture
-from ..draft import Eagle3Draft, rope_tables
-from .engine import DecodeResult, _finish, _sync
+from ..draft import Eagle3Draft
+from .engine import DecodeResult, _finish, _sync, cache_kwarg, draft_rope, draft_target_ids
 
 
 class BatchTarget:
     """The target over a batch, with a DynamicCache and a validity mask per row ([B, S] bool)."""
 
     def __init__(self, model: torch.nn.Module, layer_ids: tuple[int, ...]):
-        import inspect
-
         self.model = model
         self.capture = FeatureCapture(model, layer_ids)
         self.device = next(model.parameters()).device
-        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.cache_kwarg = cache_kwarg(model)
 
     def reset(self, rows: int) -> None:
         from transformers import DynamicCache
@@ -87,7 +85,7 @@ class BatchDraft:
         self.draft = draft
         self.device = draft.fc.weight.device
         self.dtype = draft.fc.weight.dtype
-        self.used = torch.arange(draft.config.draft_vocab_size, device=self.device) + draft.d2t
+        self.used = draft_target_ids(draft)
 
     def reset(self, rows: int) -> None:
         config = self.draft.config
@@ -97,10 +95,6 @@ class BatchDraft:
         self.entry_positions = torch.zeros(0, dtype=torch.long, device=self.device)
         self.real_entries = 0  # entries before this index are real; after it, the current speculation's
         self.lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
-
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = rope_tables(positions, self.draft.config.head_dim, self.draft.config.rope_theta)
-        return cos.to(self.dtype), sin.to(self.dtype)
 
     def _run(self, tokens: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
              real: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +118,7 @@ class BatchDraft:
         else:  # this step's own entry is at before + i
             earlier = index[None, :] < before
             mask = same_row & (earlier | (index[None, :] == before + torch.arange(len(rows), device=self.device)[:, None]))
-        cos, sin = self._rope(positions)
+        cos, sin = draft_rope(self.draft, positions)
 
         def attend_with(layer: _FlatCache):
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

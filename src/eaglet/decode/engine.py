@@ -58,18 +58,34 @@ class Tree:
         return None
 
 
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """transformers renamed `past_key_values` to `cache` (5.2x): the name this version's forward takes."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def draft_target_ids(draft: Eagle3Draft) -> torch.Tensor:
+    """[Vd]: the target token id of each draft-vocabulary index."""
+    return torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device) + draft.d2t
+
+
+def draft_rope(draft: Eagle3Draft, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, head_dim] for the draft at integer ``positions``, in the draft's dtype."""
+    cos, sin = rope_tables(positions, draft.config.head_dim, draft.config.rope_theta)
+    dtype = draft.fc.weight.dtype
+    return cos.to(dtype), sin.to(dtype)
+
+
 class TargetRunner:
     """The target with a DynamicCache; every forward also returns the aux features of its tokens."""
 
     def __init__(self, model: torch.nn.Module, layer_ids: tuple[int, ...]):
-        import inspect
-
         self.model = model
         self.capture = FeatureCapture(model, layer_ids)
         self.device = next(model.parameters()).device
         self.cache = None
-        # transformers renamed `past_key_values` to `cache` (5.2x); use whichever this version's forward takes
-        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.cache_kwarg = cache_kwarg(model)
 
     def reset(self) -> None:
         from transformers import DynamicCache
@@ -178,8 +194,7 @@ class DraftRunner:
         self.draft = draft
         self.device = draft.fc.weight.device
         self.dtype = draft.fc.weight.dtype
-        config = draft.config
-        self.used = torch.arange(config.draft_vocab_size, device=self.device) + draft.d2t  # draft index -> target id
+        self.used = draft_target_ids(draft)
         self.used_host = self.used.tolist()  # the same map on the host: tree building reads it without device syncs
         self.reset()
 
@@ -200,8 +215,7 @@ class DraftRunner:
         return self.caches[0].keys.shape[1]
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = rope_tables(positions, self.draft.config.head_dim, self.draft.config.rope_theta)
-        return cos.to(self.dtype), sin.to(self.dtype)
+        return draft_rope(self.draft, positions)
 
     @torch.inference_mode()
     def extend(self, tokens: list[int], aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
