@@ -106,10 +106,11 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     stop = sorted({i for i in [tokenizer.eos_token_id, *(model.generation_config.eos_token_id
                    if isinstance(model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])] if i is not None})
     prompts = _prompts(config, tokenizer)
-    # warm-up: kernels, caches, allocator
-    target_only_decode(target_runner, prompts[0][2], 4, sampling, set(stop), torch.Generator().manual_seed(0))
-    speculate(prompts[0][2], 4, 0)
+
     def one_at_a_time() -> list[PromptResult]:
+        # warm-up: kernels, caches, allocator
+        target_only_decode(target_runner, prompts[0][2], 4, sampling, set(stop), torch.Generator().manual_seed(0))
+        speculate(prompts[0][2], 4, 0)
         results = []
         with progress_bar("prompts", console) as progress:
             task = progress.add_task("eval", total=len(prompts))
@@ -142,6 +143,9 @@ def _batched_results(config: EvalConfig, model: Any, draft: Any, layer_ids: tupl
     """Prompts in groups of ``batch_size``, each group decoded without and with the draft by the batched
     engine; a group's wall time is shared evenly by its rows (totals, hence tokens/s, are exact)."""
     target, batch_draft = BatchTarget(model, layer_ids), BatchDraft(draft)
+    warm = [row[2] for row in prompts[: config.batch_size]]  # warm-up at the batch shape: kernels, allocator
+    batched_target_only_decode(target, warm, 4, stop)
+    batched_speculative_decode(target, batch_draft, warm, 4, config.depth, stop)
     results = []
     with progress_bar("prompts", console) as progress:
         task = progress.add_task("eval", total=len(prompts))
