@@ -135,6 +135,11 @@ def test_batched_eval_gives_the_same_tokens_and_tau_as_one_at_a_time(tmp_path, c
                                 tmp_path / "x", "--device", "cpu", "--batch-size", "2", *refused], capsys)
         assert code == 2 and "batched decoding drafts chains greedily" in err and "Traceback" not in err
         assert not (tmp_path / "x").exists()
+    for bad, message in ((["--batch-size", "0"], "'batch_size'"), (["--dtype", "fp32"], "'dtype'")):
+        code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", tiny_target, "--prompts", prompts, "--out",
+                                tmp_path / "x", "--device", "cpu", *bad], capsys)
+        assert code == 2 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "x").exists()
 
 
 def test_eval_refuses_draft_for_another_target(tmp_path, capsys, tiny_draft):
