@@ -12,7 +12,7 @@ from eaglet.ttt import FLEX_MIN_HEAD_DIM, TeacherHead, TTTAttention, TTTInputs, 
 class NaiveAttention:
     """Test-local reference written with Python loops over positions: the mask spelled out entry by entry."""
 
-    def __init__(self, doc_ids):
+    def __init__(self, doc_ids, steps=1):
         self.doc_ids = doc_ids
         self.keys, self.values = [], []
 
@@ -121,6 +121,37 @@ def test_flex_attention_mask_matches_dense_forward():
         dense = ttt_forward(draft, inputs, 3, attention_factory=TTTAttention)
         flex = ttt_forward(draft, inputs, 3, attention_factory=FlexTTTAttention)
     torch.testing.assert_close(flex.loss, dense.loss, rtol=1e-4, atol=1e-4)
+
+
+def test_flex_attention_compiles_one_kernel_for_all_steps():
+    """Each compiled FlexAttention kernel costs ~30 s on an H200; all K steps share one (same key-buffer
+    shape, the step limit read from a tensor), and its outputs equal the dense path's. Compiled here on the
+    CPU (forward only: inductor's CPU FlexAttention has no backward)."""
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from eaglet.ttt import FlexTTTAttention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    class CompiledOnCpu(FlexTTTAttention):
+        @classmethod
+        def _kernel(cls, device):
+            return compiled
+
+    draft, inputs = tiny_setup()
+    draft = draft.float()
+    inputs.aux = inputs.aux.float()
+    inputs.teacher_logits = inputs.teacher_logits.float()
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        dense = ttt_forward(draft, inputs, 5, attention_factory=TTTAttention)
+        flex = ttt_forward(draft, inputs, 5, attention_factory=CompiledOnCpu)
+    assert counters["stats"]["unique_graphs"] == 1
+    torch.testing.assert_close(flex.loss, dense.loss, rtol=1e-4, atol=1e-4)
+    for flex_loss, dense_loss in zip(flex.step_losses, dense.step_losses):
+        torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-4, atol=1e-4)
 
 
 def test_small_heads_use_the_dense_path_on_gpu():

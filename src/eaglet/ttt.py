@@ -93,7 +93,7 @@ class TTTAttention:
     elementwise product per earlier step, so cost grows by T (not T²) per extra step. Numbers are the
     same as running the steps one by one with explicit masks (tested)."""
 
-    def __init__(self, doc_ids: torch.Tensor):
+    def __init__(self, doc_ids: torch.Tensor, steps: int = 1):
         self.doc_ids = doc_ids
         tokens = len(doc_ids)
         index = torch.arange(tokens, device=doc_ids.device)
@@ -128,7 +128,7 @@ def ttt_forward(draft: Eagle3Draft, inputs: TTTInputs, steps: int, decay: float 
     """Unroll ``steps`` draft steps and return the weighted loss plus per-step statistics."""
     config = draft.config
     cos, sin = rope_tables(inputs.positions, config.head_dim, config.rope_theta)
-    attends = [attention_factory(inputs.doc_ids) for _ in range(config.num_hidden_layers)]  # one key cache per layer
+    attends = [attention_factory(inputs.doc_ids, steps) for _ in range(config.num_hidden_layers)]  # one key cache per layer
     aux = inputs.aux
     if feature_noise_std > 0:
         aux = aux + torch.randn_like(aux) * feature_noise_std
@@ -163,18 +163,21 @@ def simulated_acceptance(accuracies: list[float]) -> float:
 
 
 class FlexTTTAttention:
-    """The same attention through FlexAttention block masks (GPU; compiled): keys of steps 0..k are
-    concatenated, and the mask allows step-0 keys causally within the document and step-j keys (j>=1)
-    only at the query's own position. Never materialises a [T, T] score matrix.
+    """The same attention through FlexAttention block masks (GPU; compiled). Keys live in one buffer of
+    all K steps ([T*K]: step j's keys at j*T..(j+1)*T, steps not yet run are zeros), and the mask allows
+    step-0 keys causally within the document, step-j keys (1 <= j <= current step) only at the query's own
+    position, and nothing past the current step. Never materialises a [T, T] score matrix.
 
-    One compiled kernel per step count (K of them); grad mode is part of torch.compile's guards, so every
-    caller runs with autograd on (see ``train.evaluate``): K more kernels for no_grad would pass dynamo's
-    recompile limit (8), past which it silently runs the dense fallback ([T, T*k] scores: 45 GB at 16k)."""
+    Every step has the same shapes and the step limit is a tensor the mask reads, so one compiled kernel
+    (and one compiled mask builder) serves all K steps: with a key set growing per step, each of the K
+    shapes compiled its own (~30 s each on an H200). Grad mode is part of torch.compile's guards, so every
+    caller runs with autograd on (see ``train.evaluate``): a no_grad variant would compile again."""
 
     _compiled = None
 
-    def __init__(self, doc_ids: torch.Tensor):
+    def __init__(self, doc_ids: torch.Tensor, steps: int):
         self.doc_ids = doc_ids
+        self.steps = steps
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 
@@ -188,28 +191,35 @@ class FlexTTTAttention:
             cls._compiled = torch.compile(flex_attention, dynamic=False)
         return cls._compiled
 
-    def _block_mask(self, steps: int):
+    def _block_mask(self, filled_steps: int):
         from torch.nn.attention.flex_attention import create_block_mask
 
         tokens = len(self.doc_ids)
         doc_ids = self.doc_ids
+        key_limit = torch.tensor(tokens * filled_steps, device=doc_ids.device)  # a tensor: no recompile per step
 
         def allowed(batch, head, query, key):
             position = key % tokens
             same_doc = doc_ids[position] == doc_ids[query]
-            return torch.where(key < tokens, (key <= query) & same_doc, position == query)
+            return (key < key_limit) & torch.where(key < tokens, (key <= query) & same_doc, position == query)
 
-        return create_block_mask(allowed, None, None, tokens, tokens * steps, device=self.doc_ids.device,
-                                 _compile=self.doc_ids.device.type == "cuda")
+        return create_block_mask(allowed, None, None, tokens, tokens * self.steps, device=doc_ids.device,
+                                 _compile=doc_ids.device.type == "cuda")
+
+    def _all_steps(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """[Hkv, T, d] per step so far -> [1, Hkv, T*K, d], zeros for the steps not run yet."""
+        missing = self.steps - len(parts)
+        if missing:
+            first = parts[0]
+            parts = parts + [first.new_zeros(first.shape[0], first.shape[1] * missing, first.shape[2])]
+        return torch.cat(parts, dim=1)[None]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.keys.append(k)
         self.values.append(v)
-        keys = torch.cat(self.keys, dim=1)[None]  # [1, Hkv, T*(k+1), d]
-        values = torch.cat(self.values, dim=1)[None]
         kernel = self._kernel(q.device)
-        out = kernel(q[None], keys, values, block_mask=self._block_mask(len(self.keys)),
-                     enable_gqa=q.shape[0] != k.shape[0])
+        out = kernel(q[None], self._all_steps(self.keys), self._all_steps(self.values),
+                     block_mask=self._block_mask(len(self.keys)), enable_gqa=q.shape[0] != k.shape[0])
         return out[0]
 
 
@@ -218,7 +228,7 @@ class ReferenceAttention:
     ([T*(k+1)]) under one explicit boolean mask — query t sees step-0 key s iff s <= t in the same
     document, and step-j key s (j >= 1) iff s == t. Used by the tests and as the naive baseline."""
 
-    def __init__(self, doc_ids: torch.Tensor):
+    def __init__(self, doc_ids: torch.Tensor, steps: int = 1):
         self.doc_ids = doc_ids
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
