@@ -1,4 +1,5 @@
-"""Per-token cost of the engine's plain target step vs HF `generate`, batch 1, same model, same process.
+"""Per-token cost of the engine's plain target step (dynamic cache; static cache + CUDA graphs) vs HF `generate`,
+batch 1, same model, same process.
 
 The speculative speedup is measured against the engine's own target-only decoding; this shows whether that
 baseline is itself as lean as HF's generation loop.
@@ -28,6 +29,7 @@ def main() -> None:
     import torch
 
     from eaglet.decode.engine import TargetRunner, _sync, target_only_decode
+    from eaglet.decode.static import StaticTarget
     from eaglet.decode.sampling import Sampling
     from eaglet.target import load_model, pick_device, resolve_target
 
@@ -38,6 +40,9 @@ def main() -> None:
     prompt = list(range(100, 100 + PROMPT_TOKENS))
     target_only_decode(runner, prompt, 4, Sampling(), set())  # warm-up
     result = target_only_decode(runner, prompt, args.tokens, Sampling(), set())
+    static = StaticTarget(model, layers, PROMPT_TOKENS + args.tokens + 1)  # CUDA graphs on GPU
+    target_only_decode(static, prompt, 4, Sampling(), set())  # warm-up + capture
+    static_result = target_only_decode(static, prompt, args.tokens, Sampling(), set())
     ids = torch.tensor([prompt], device=device)
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=4, do_sample=False)
@@ -48,6 +53,9 @@ def main() -> None:
         generate_s = time.perf_counter() - started
     record = {"benchmark": "decode_step", "device": device, "torch": torch.__version__, "tokens": args.tokens,
               "engine_ms_per_token": round(1000 * result.seconds / len(result.tokens), 2),
+              "static_cache_ms_per_token": round(1000 * static_result.seconds / len(static_result.tokens), 2),
+              "static_cache_cuda_graphs": static.graphs,
+              "same_tokens": static_result.tokens == result.tokens,
               "hf_generate_ms_per_token": round(1000 * generate_s / args.tokens, 2)}
     print(json.dumps(record, indent=2))
     if args.out:

@@ -207,3 +207,29 @@ def test_report_explains_a_failed_lossless_check_outside_float32():
     assert "--dtype float32" in _markdown(report)
     report["settings"]["dtype"] = "float32"
     assert "--dtype float32" not in _markdown(report)  # in float32 a failure is a real failure: no excuse offered
+
+
+def test_static_cache_eval_gives_the_dynamic_cache_results(tmp_path, capsys, tiny_draft, tiny_target):
+    """`--cuda-graphs on` off the GPU runs the static-cache target eagerly: same tokens, same acceptance."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [
+        {"id": "a", "prompt": "the cat sat", "split": "heldout"},
+        {"id": "b", "prompt": "two dogs ran past the old barn", "split": "heldout"},
+    ])
+    reports = {}
+    for mode, shape in (("chain", ["--depth", "3"]), ("tree", ["--mode", "tree", "--depth", "3", "--budget", "10"])):
+        for graphs in ("off", "on"):
+            out = tmp_path / f"{mode}_{graphs}"
+            code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", tiny_target, "--prompts", prompts, "--out",
+                                    out, "--max-new-tokens", "16", "--device", "cpu", "--cuda-graphs", graphs, *shape], capsys)
+            assert code == 0, err
+            reports[mode, graphs] = json.loads((out / "report.json").read_text())
+        static, dynamic = reports[mode, "on"], reports[mode, "off"]
+        assert static["settings"]["static_cache"] is True and dynamic["settings"]["static_cache"] is False
+        assert static["settings"]["cuda_graphs"] is False  # CPU: the same functions, run eagerly
+        assert static["lossless"] is True
+        for key in ("acceptance_length", "acceptance_by_position", "generated_tokens", "target_forwards"):
+            assert static[key] == dynamic[key], (mode, key)
+    code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", tiny_target, "--prompts", prompts, "--out",
+                            tmp_path / "x", "--device", "cpu", "--cuda-graphs", "yes"], capsys)
+    assert code == 2 and "'cuda_graphs'" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "x").exists()

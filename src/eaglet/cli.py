@@ -381,6 +381,8 @@ def eval_cmd(
     device: Optional[str] = typer.Option(None, help="auto, cpu, cuda, cuda:1 ..."),
     dtype: Optional[str] = typer.Option(None, help="float32 (default: the lossless check is exact), bfloat16, float16, auto"),
     hf_generate_baseline: Optional[bool] = typer.Option(None, "--hf-generate-baseline", help="also time plain HF generate"),
+    cuda_graphs: Optional[str] = typer.Option(None, "--cuda-graphs", help="auto (default: on GPU at batch 1), on, off: "
+                                              "the target on a static cache, each forward replayed as a CUDA graph"),
     skip_preflight: bool = typer.Option(False, "--skip-preflight", help=SKIP_HELP),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
     overrides: List[str] = typer.Option([], "--set", help=SET_HELP),
@@ -394,7 +396,7 @@ def eval_cmd(
         dict(draft=draft, out=out, prompts=prompts, target=target, split=split, max_prompts=max_prompts, mode=mode,
              depth=depth, topk=topk, budget=budget,
              temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, device=device,
-             batch_size=batch_size, dtype=dtype, hf_generate_baseline=hf_generate_baseline),
+             batch_size=batch_size, dtype=dtype, hf_generate_baseline=hf_generate_baseline, cuda_graphs=cuda_graphs),
         overrides,
     )
     _preflight(ctx, "eval", cfg, skip_preflight)

@@ -23,6 +23,7 @@ from ..resources import resolve_input
 from ..target import load_head_weights, load_model, load_tokenizer, pick_device, resolve_target, target_info
 from .batched import BatchDraft, BatchTarget, batched_speculative_decode, batched_target_only_decode
 from .engine import DraftRunner, TargetRunner, speculative_decode, target_only_decode, tree_decode
+from .static import GRAPH_BUCKETS, StaticTarget
 from .sampling import Sampling
 
 
@@ -75,6 +76,13 @@ def _hf_generate_tokens_per_s(model: Any, prompts: list[list[int]], max_new: int
     return tokens / (time.perf_counter() - started)
 
 
+def _static_cache_length(config: EvalConfig, prompts: list[tuple[str, str, list[int]]]) -> int:
+    """Positions the static cache needs: the longest prompt, every new token, and the largest verification
+    (a tree's budget or a chain's depth, padded to a graph bucket) written past the end before acceptance."""
+    verify = max(config.budget if config.mode == "tree" else config.depth, GRAPH_BUCKETS[-1]) + 1
+    return max(len(p[2]) for p in prompts) + config.max_new_tokens + verify
+
+
 def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, Any]:
     console = console or Console(stderr=True)
     if config.batch_size > 1 and (config.mode != "chain" or config.temperature > 0):
@@ -94,8 +102,14 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     device = pick_device(config.device)
     model = load_model(resolved.path, device, config.dtype, config.trust_remote_code)
     draft = draft.to(device=device, dtype=next(model.parameters()).dtype).eval()
-    target_runner, draft_runner = TargetRunner(model, layer_ids), DraftRunner(draft)
     sampling = Sampling(config.temperature, config.top_p)
+    stop = sorted({i for i in [tokenizer.eos_token_id, *(model.generation_config.eos_token_id
+                   if isinstance(model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])] if i is not None})
+    prompts = _prompts(config, tokenizer)
+    static = config.batch_size == 1 and (config.cuda_graphs == "on" or (config.cuda_graphs == "auto" and device.startswith("cuda")))
+    target_runner = StaticTarget(model, layer_ids, _static_cache_length(config, prompts)) if static \
+        else TargetRunner(model, layer_ids)
+    draft_runner = DraftRunner(draft)
 
     def speculate(ids: list[int], max_new: int, seed: int):
         if config.mode == "tree":
@@ -103,9 +117,6 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
                                sampling, torch.Generator().manual_seed(seed))
         return speculative_decode(target_runner, draft_runner, ids, max_new, config.depth, sampling, set(stop),
                                   torch.Generator().manual_seed(seed))
-    stop = sorted({i for i in [tokenizer.eos_token_id, *(model.generation_config.eos_token_id
-                   if isinstance(model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])] if i is not None})
-    prompts = _prompts(config, tokenizer)
 
     def one_at_a_time() -> list[PromptResult]:
         # warm-up: kernels, caches, allocator
@@ -127,6 +138,8 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     results = _batched_results(config, model, draft, layer_ids, prompts, set(stop), console) \
         if config.batch_size > 1 else one_at_a_time()
     report = _report(config, results, info.name, str(device))
+    report["settings"]["cuda_graphs"] = static and device.startswith("cuda")
+    report["settings"]["static_cache"] = static
     if config.hf_generate_baseline:
         report["hf_generate_tokens_per_s"] = round(
             _hf_generate_tokens_per_s(model, [p[2] for p in prompts], config.max_new_tokens, stop), 2)

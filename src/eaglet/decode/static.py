@@ -1,0 +1,174 @@
+"""The target with a static KV cache, each forward of a fixed token count replayed as a CUDA graph.
+
+At batch 1 a small target is launch-bound: on the H200's host the plain engine spent ~40 ms issuing the
+~600 kernels of one SmolLM2-135M step. Here every forward has a fixed shape — the cache is preallocated
+(HF ``StaticCache``), a forward of n tokens is padded to a bucket size, and what changes between calls
+(token ids, positions, where the cache ends, which new token sees which) lives in device tensors the graph
+reads — so on GPU each bucket is captured once and replayed for the cost of one launch.
+
+Cache semantics: positions ``0..length-1`` are real; a forward at ``start = length`` writes its n entries
+at ``start..start+n-1`` and attends to ``key < start`` plus its own block under a [n, n] block mask
+(causal for chains, ancestors for trees). Dropping entries is moving ``length`` back (stale entries past it
+are masked out and overwritten later); keeping a tree's accepted path copies those entries down.
+On CPU the same functions run eagerly (graphs are a CUDA feature), which is what the tests compare.
+
+Implements ``TargetRunner``'s interface, so every decode loop in ``engine.py`` runs on it unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..capture import FeatureCapture
+from ..errors import EagletError
+from .engine import Tree, cache_kwarg
+
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # token counts captured as graphs; longer forwards (prompts) run eagerly
+WARMUP_RUNS = 2  # eager runs on a side stream before capture (cuBLAS/allocator set-up must not be captured)
+
+
+def bucket_for(tokens: int) -> int | None:
+    """The smallest graph bucket holding ``tokens``, or None (run eagerly)."""
+    return next((size for size in GRAPH_BUCKETS if size >= tokens), None)
+
+
+class _Graph:
+    """One captured forward of ``size`` tokens: static inputs it reads, outputs it leaves."""
+
+    def __init__(self, size: int, device: torch.device):
+        self.ids = torch.zeros(1, size, dtype=torch.long, device=device)
+        self.positions = torch.zeros(1, size, dtype=torch.long, device=device)
+        self.start = torch.zeros((), dtype=torch.long, device=device)
+        self.block = torch.eye(size, dtype=torch.bool, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None  # [size, V] float32
+        self.aux: torch.Tensor | None = None  # [size, layers, H]
+
+
+class StaticTarget:
+    """Target runner over a preallocated cache of ``max_len`` positions; CUDA graphs when ``graphs``."""
+
+    def __init__(self, model: torch.nn.Module, layer_ids: tuple[int, ...], max_len: int, graphs: bool | None = None):
+        from transformers import StaticCache
+
+        self.model = model
+        self.capture = FeatureCapture(model, layer_ids)
+        self.device = next(model.parameters()).device
+        self.max_len = max_len
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.cache_kwarg = cache_kwarg(model)
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self._check_cache()
+        self._length = 0
+        self._key_index = torch.arange(max_len, device=self.device)  # [max_len]
+        self._graphs: dict[int, _Graph] = {}
+
+    def _check_cache(self) -> None:
+        layers = getattr(self.cache, "layers", None)
+        if not layers or not all(hasattr(layer, "cumulative_length") for layer in layers):
+            import transformers
+
+            raise EagletError(
+                f"transformers {transformers.__version__}'s StaticCache keeps no per-layer `cumulative_length`; "
+                "static-cache decoding cannot position it (run eval with --no-cuda-graphs)"
+            )
+
+    # --- TargetRunner's interface -------------------------------------------------------------------
+    def reset(self) -> None:
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int] | torch.Tensor, tree: Tree | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``tokens`` at ``length``; logits [n, V] float32 and aux features [n, layers, H]."""
+        count = len(tokens)
+        start = self._length
+        if start + count > self.max_len:
+            raise EagletError(f"the static cache holds {self.max_len} positions; this forward needs {start + count} "
+                              "(raise max_len: prompt + max new tokens + the largest verification)")
+        depths = torch.tensor(tree.depths) if tree is not None else torch.arange(count)
+        block = tree.ancestor_mask() if tree is not None else torch.ones(count, count, dtype=torch.bool).tril()
+        size = bucket_for(count)
+        if size is None or start + size > self.max_len:  # no bucket, or its padding would run past the cache
+            logits, aux = self._run(self._as_ids(tokens)[None], (start + depths).to(self.device)[None],
+                                    torch.tensor(start, device=self.device), block.to(self.device))
+        else:
+            logits, aux = self._replay(size, tokens, start + depths, start, block)
+        self._length = start + count
+        return logits[:count].clone(), aux[:count].clone()
+
+    def crop(self, length: int) -> None:
+        self._length = min(self._length, length)
+
+    @torch.inference_mode()
+    def keep(self, positions: torch.Tensor) -> None:
+        """Keep these cache positions, in order: the prefix up to the tree's root is already in place, the
+        accepted path's entries are copied down behind it."""
+        positions = positions.to(self.device)
+        moved = (positions != torch.arange(len(positions), device=self.device)).nonzero()
+        if len(moved):
+            first = int(moved[0])
+            source, target = positions[first:], torch.arange(first, len(positions), device=self.device)
+            for layer in self.cache.layers:
+                layer.keys.index_copy_(2, target, layer.keys.index_select(2, source))
+                layer.values.index_copy_(2, target, layer.values.index_select(2, source))
+        self._length = len(positions)
+
+    # --- one forward --------------------------------------------------------------------------------
+    def _as_ids(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
+        return tokens.to(self.device) if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, device=self.device)
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, start: torch.Tensor,
+             block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids/positions [1, n], start 0-d, block [n, n] bool (device tensors) -> logits [n, V], aux [n, L, H].
+        Everything position-dependent is computed on the device from these, so the graph can replay it."""
+        count = ids.shape[1]
+        for layer in self.cache.layers:  # where this forward's entries go (StaticCache appends at it)
+            layer.cumulative_length.copy_(start)
+        offset = self._key_index - start  # [max_len]: key index relative to this forward's first entry
+        inside = (offset >= 0) & (offset < count)
+        mask = (offset < 0)[None, :] | (inside[None, :] & block[:, offset.clamp(0, count - 1)])  # [n, max_len]
+        captured: dict[int, torch.Tensor] = {}
+        with self.capture.hooks(captured):
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask[None, None],
+                             use_cache=True, **{self.cache_kwarg: self.cache})
+        aux = torch.stack([captured[slot] for slot in range(len(self.capture.layer_ids))], dim=2)[0]
+        return out.logits[0].float(), aux
+
+    def _replay(self, size: int, tokens: list[int] | torch.Tensor, positions: torch.Tensor, start: int,
+                block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        graph = self._graphs.get(size)
+        if graph is None:
+            graph = self._graphs[size] = _Graph(size, self.device)
+        count = len(tokens)
+        graph.ids.zero_()
+        graph.ids[0, :count].copy_(self._as_ids(tokens))
+        padded_positions = torch.full((size,), start, dtype=torch.long)
+        padded_positions[:count] = positions
+        graph.positions.copy_(padded_positions[None], non_blocking=True)
+        graph.start.fill_(start)
+        padded_block = torch.eye(size, dtype=torch.bool)  # padding rows see the cache and themselves only
+        padded_block[:count, :count] = block
+        graph.block.copy_(padded_block, non_blocking=True)
+        if not self.graphs:
+            return self._run(graph.ids, graph.positions, graph.start, graph.block)
+        if graph.graph is None:
+            self._capture(graph)
+        graph.graph.replay()
+        return graph.logits, graph.aux
+
+    def _capture(self, graph: _Graph) -> None:
+        """Warm up on a side stream, then capture. The warm-up runs write the same entries the replay that
+        follows writes, so capturing mid-decode changes nothing."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                self._run(graph.ids, graph.positions, graph.start, graph.block)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph.graph):
+            graph.logits, graph.aux = self._run(graph.ids, graph.positions, graph.start, graph.block)

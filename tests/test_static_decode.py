@@ -1,0 +1,105 @@
+"""The static-cache target (what CUDA graphs replay on GPU), run eagerly here: the same tokens, the same
+acceptance and the same logits as the dynamic-cache engine, for plain decoding, chains and trees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_batched_decode import LAYERS, NEW_TOKENS, PROMPTS, trained_pair
+from test_decode import tiny_pair
+from eaglet.decode.engine import (DraftRunner, TargetRunner, Tree, speculative_decode, target_only_decode,
+                                  tree_decode)
+from eaglet.decode.sampling import Sampling
+from eaglet.decode.static import GRAPH_BUCKETS, StaticTarget, bucket_for
+from eaglet.errors import EagletError
+
+LONG_PROMPT = [(7 * i) % 60 + 2 for i in range(GRAPH_BUCKETS[-1] + 9)]  # past the largest bucket: runs unbucketed
+MAX_LEN = len(LONG_PROMPT) + NEW_TOKENS + GRAPH_BUCKETS[-1] + 1
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return trained_pair()
+
+
+def test_bucket_sizes():
+    assert bucket_for(1) == 1 and bucket_for(5) == 8 and bucket_for(GRAPH_BUCKETS[-1]) == GRAPH_BUCKETS[-1]
+    assert bucket_for(GRAPH_BUCKETS[-1] + 1) is None
+
+
+def test_plain_decoding_equals_the_dynamic_cache(pair):
+    target, _ = pair
+    dynamic, static = TargetRunner(target, LAYERS), StaticTarget(target, LAYERS, MAX_LEN)
+    for prompt in PROMPTS + [LONG_PROMPT]:
+        expected = target_only_decode(dynamic, prompt, NEW_TOKENS, Sampling(), set())
+        assert target_only_decode(static, prompt, NEW_TOKENS, Sampling(), set()).tokens == expected.tokens
+
+
+def test_tree_forward_gives_the_dynamic_cache_logits_and_features(pair):
+    """A padded tree forward (5 tokens in a bucket of 8) after a prompt, then the accepted path kept and one
+    more token: logits and aux features equal the dynamic cache's at every step."""
+    target, _ = pair
+    dynamic, static = TargetRunner(target, LAYERS), StaticTarget(target, LAYERS, MAX_LEN)
+    tree = Tree(tokens=[9, 11, 13, 15, 17], parents=[-1, 0, 0, 1, 3], depths=[0, 1, 1, 2, 3])
+    for runner in (dynamic, static):
+        runner.reset()
+    for step in (lambda r: r.forward(PROMPTS[0]), lambda r: r.forward(tree.tokens, tree=tree)):
+        (dynamic_logits, dynamic_aux), (static_logits, static_aux) = step(dynamic), step(static)
+        torch.testing.assert_close(static_logits, dynamic_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(static_aux, dynamic_aux, rtol=1e-5, atol=1e-5)
+    base = len(PROMPTS[0])
+    kept = torch.cat([torch.arange(base), base + torch.tensor([0, 1, 3, 4])])
+    for runner in (dynamic, static):
+        runner.keep(kept)
+    assert static.length == dynamic.length == base + 4
+    torch.testing.assert_close(static.forward([21])[0], dynamic.forward([21])[0], rtol=1e-5, atol=1e-5)
+
+
+def test_chain_and_tree_decoding_equal_the_dynamic_cache(pair):
+    target, draft = pair
+    dynamic, static, drafts = TargetRunner(target, LAYERS), StaticTarget(target, LAYERS, MAX_LEN), DraftRunner(draft)
+    accepted = 0
+    for prompt in PROMPTS:
+        expected = speculative_decode(dynamic, drafts, prompt, NEW_TOKENS, 3, Sampling(), set())
+        chain = speculative_decode(static, drafts, prompt, NEW_TOKENS, 3, Sampling(), set())
+        assert chain.tokens == expected.tokens and chain.accepted == expected.accepted
+        expected = tree_decode(dynamic, drafts, prompt, NEW_TOKENS, 4, 3, 12, set())
+        tree = tree_decode(static, drafts, prompt, NEW_TOKENS, 4, 3, 12, set())
+        assert tree.tokens == expected.tokens and tree.accepted == expected.accepted
+        accepted += sum(tree.accepted)
+    assert accepted >= 10  # paths of several tokens were kept (the compaction was exercised)
+
+
+def test_a_forward_past_the_cache_is_refused():
+    target, _ = tiny_pair()
+    static = StaticTarget(target, LAYERS, 12)
+    static.reset()
+    static.forward(list(range(2, 10)))
+    with pytest.raises(EagletError, match="static cache holds 12 positions"):
+        static.forward(list(range(2, 7)))
+    static.forward([2])  # 9 positions
+    logits, _ = static.forward([3, 4, 5])  # fits, though its bucket (4) would not: runs unpadded
+    assert logits.shape[0] == 3 and static.length == 12
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replays_equal_the_dynamic_cache_on_gpu(pair):
+    """Captured mid-decode and replayed with new ids, positions and masks: the same tokens and acceptance."""
+    target, draft = (module.to("cuda") for module in pair)
+    try:
+        dynamic, graphed, drafts = TargetRunner(target, LAYERS), StaticTarget(target, LAYERS, MAX_LEN), DraftRunner(draft)
+        assert graphed.graphs
+        for prompt in PROMPTS + [LONG_PROMPT]:
+            expected = target_only_decode(dynamic, prompt, NEW_TOKENS, Sampling(), set())
+            assert target_only_decode(graphed, prompt, NEW_TOKENS, Sampling(), set()).tokens == expected.tokens
+            expected = speculative_decode(dynamic, drafts, prompt, NEW_TOKENS, 3, Sampling(), set())
+            chain = speculative_decode(graphed, drafts, prompt, NEW_TOKENS, 3, Sampling(), set())
+            assert chain.tokens == expected.tokens and chain.accepted == expected.accepted
+            expected = tree_decode(dynamic, drafts, prompt, NEW_TOKENS, 4, 3, 12, set())
+            tree = tree_decode(graphed, drafts, prompt, NEW_TOKENS, 4, 3, 12, set())
+            assert tree.tokens == expected.tokens and tree.accepted == expected.accepted
+        assert graphed._graphs and all(g.graph is not None for g in graphed._graphs.values())
+    finally:
+        for module in pair:
+            module.to("cpu")
