@@ -178,6 +178,9 @@ class FlexTTTAttention:
     def __init__(self, doc_ids: torch.Tensor, steps: int):
         self.doc_ids = doc_ids
         self.steps = steps
+        # key-buffer length visible after each step, made on the device (a host scalar copied per step would
+        # synchronise the stream every step)
+        self.key_limits = torch.arange(1, steps + 1, device=doc_ids.device) * len(doc_ids)  # [K]
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 
@@ -196,7 +199,7 @@ class FlexTTTAttention:
 
         tokens = len(self.doc_ids)
         doc_ids = self.doc_ids
-        key_limit = torch.tensor(tokens * filled_steps, device=doc_ids.device)  # a tensor: no recompile per step
+        key_limit = self.key_limits[filled_steps - 1]  # a 0-d tensor, not an int: no recompile per step
 
         def allowed(batch, head, query, key):
             position = key % tokens

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..capture import FeatureCapture
 from ..draft import Eagle3Draft
-from .engine import DecodeResult, _finish, _sync, cache_kwarg, draft_rope, draft_target_ids
+from .engine import DecodeResult, _finish, _sync, cache_kwarg, decode_step, draft_rope, draft_target_ids
 
 
 class BatchTarget:
@@ -44,7 +44,7 @@ class BatchTarget:
         self.valid = torch.zeros(rows, 0, dtype=torch.bool, device=self.device)  # [B, S]
         self.lengths = torch.zeros(rows, dtype=torch.long, device=self.device)  # valid tokens per row
 
-    @torch.inference_mode()
+    @decode_step
     def forward(self, ids: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``ids`` [B, q] (``real`` [B, q]: which are tokens, not padding) to every row; return
         logits [B, q, V] (float32) and aux features [B, q, 3, H]. All q new slots start valid where real."""
@@ -130,7 +130,7 @@ class BatchDraft:
 
         return self.draft.step(tokens, hidden, cos, sin, [attend_with(layer) for layer in self.layers])
 
-    @torch.inference_mode()
+    @decode_step
     def extend(self, tokens: torch.Tensor, aux: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Row b's next ``counts[b]`` real positions: ``tokens`` [B, q] and target features ``aux`` [B, q, 3, H]
         (the first counts[b] of each row are used). Returns each row's last hidden [B, H] and logits [B, Vd]."""
@@ -144,7 +144,7 @@ class BatchDraft:
         last = counts.cumsum(0) - 1  # each row's last new entry in the flat list
         return out[last], logits[last].float()
 
-    @torch.inference_mode()
+    @decode_step
     def speculate(self, tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One more chain step for every row (token [B], hidden [B, H]) at its last real position."""
         rows = torch.arange(len(tokens), device=self.device)

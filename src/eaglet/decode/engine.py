@@ -19,11 +19,13 @@ many prompts at once.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..capture import FeatureCapture
 from ..draft import Eagle3Draft, rope_tables
@@ -56,6 +58,20 @@ class Tree:
             if self.parents[index] == node and self.tokens[index] == token:
                 return index
         return None
+
+
+# Attention backends for decoding, whose key length changes every call: cuDNN's (torch 2.11's first choice in
+# bf16 on an H200) builds a plan per new shape, ~1 ms of host time per call — 30 ms per token of a 30-layer target.
+DECODE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def decode_step(method):
+    """Run a decoding method under inference mode with the decode attention backends."""
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        with torch.inference_mode(), sdpa_kernel(DECODE_SDPA_BACKENDS):
+            return method(*args, **kwargs)
+    return run
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
@@ -96,7 +112,7 @@ class TargetRunner:
     def length(self) -> int:
         return self.cache.get_seq_length() if self.cache is not None else 0
 
-    @torch.inference_mode()
+    @decode_step
     def forward(self, tokens: list[int] | torch.Tensor, tree: "Tree | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``tokens`` (a list, or a device tensor [n] so drafting need not wait for the host); return
         logits [n, V] (float32) and aux features [n, 3, H]. With ``tree``, the tokens are a tree (root
@@ -217,7 +233,7 @@ class DraftRunner:
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return draft_rope(self.draft, positions)
 
-    @torch.inference_mode()
+    @decode_step
     def extend(self, tokens: list[int], aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Real positions ``length..length+r-1`` with their tokens (x_{t+1}) and target features;
         returns the last position's hidden [H] and draft logits [Vd]. Clears the speculative chain."""
@@ -229,7 +245,7 @@ class DraftRunner:
         hidden, logits = self.draft.step(torch.tensor(tokens, device=self.device), hidden, cos, sin, self._attends("extend"))
         return hidden[-1], logits[-1].float()
 
-    @torch.inference_mode()
+    @decode_step
     def speculate(self, token: int | torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One more chain step from the last real position (same RoPE position, as in training); ``token``
         is a target id, as an int or a device tensor [1]."""
@@ -243,7 +259,7 @@ class DraftRunner:
             cache.keys, cache.values = cache.keys[:, :length], cache.values[:, :length]
         self._clear_speculation()
 
-    @torch.inference_mode()
+    @decode_step
     def expand_tree(self, root_token: int, hidden: torch.Tensor, logits: torch.Tensor, topk: int, depth: int,
                     budget: int) -> Tree:
         """EAGLE-2 dynamic tree: expand the ``topk`` best nodes of each layer by their ``topk`` best
