@@ -12,6 +12,7 @@ from eaglet.decode.engine import (DraftRunner, TargetRunner, Tree, speculative_d
                                   tree_decode)
 from eaglet.decode.sampling import Sampling
 from eaglet.decode.static import GRAPH_BUCKETS, StaticTarget, bucket_for
+from eaglet.decode.static_draft import StaticDraft, static_chain_decode
 from eaglet.errors import EagletError
 
 LONG_PROMPT = [(7 * i) % 60 + 2 for i in range(GRAPH_BUCKETS[-1] + 9)]  # past the largest bucket: runs unbucketed
@@ -71,6 +72,27 @@ def test_chain_and_tree_decoding_equal_the_dynamic_cache(pair):
     assert accepted >= 10  # paths of several tokens were kept (the compaction was exercised)
 
 
+@pytest.mark.parametrize("depth", [1, 3, 5])
+def test_static_draft_rounds_equal_the_dynamic_engine(pair, depth):
+    """Both models on static caches, each round one draft pass and one verification: the dynamic engine's
+    tokens and its accepted counts, prompt by prompt (one-token and past-the-largest-bucket prompts too)."""
+    target, draft = pair
+    dynamic, drafts = TargetRunner(target, LAYERS), DraftRunner(draft)
+    static, static_draft = StaticTarget(target, LAYERS, MAX_LEN), StaticDraft(draft, MAX_LEN, depth)
+    accepted = 0
+    for prompt in PROMPTS + [LONG_PROMPT]:
+        expected = speculative_decode(dynamic, drafts, prompt, NEW_TOKENS, depth, Sampling(), set())
+        result = static_chain_decode(static, static_draft, prompt, NEW_TOKENS, set())
+        assert result.tokens == expected.tokens and result.accepted == expected.accepted
+        # the draft trails the target by the last round's accepted tokens + correction (the next round's rows)
+        assert static.length - static_draft.length == result.accepted[-1] + 1
+        accepted += sum(result.accepted)
+    assert accepted >= 10
+    stop = expected.tokens[4]
+    stopped = static_chain_decode(static, static_draft, LONG_PROMPT, NEW_TOKENS, {stop})
+    assert stopped.tokens == expected.tokens[: expected.tokens.index(stop) + 1]
+
+
 def test_a_forward_past_the_cache_is_refused():
     target, _ = tiny_pair()
     static = StaticTarget(target, LAYERS, 12)
@@ -99,6 +121,10 @@ def test_cuda_graph_replays_equal_the_dynamic_cache_on_gpu(pair):
             expected = tree_decode(dynamic, drafts, prompt, NEW_TOKENS, 4, 3, 12, set())
             tree = tree_decode(graphed, drafts, prompt, NEW_TOKENS, 4, 3, 12, set())
             assert tree.tokens == expected.tokens and tree.accepted == expected.accepted
+            graphed_draft = StaticDraft(draft, MAX_LEN, 3)
+            both = static_chain_decode(graphed, graphed_draft, prompt, NEW_TOKENS, set())
+            assert both.tokens == chain.tokens and both.accepted == chain.accepted
+            assert graphed_draft.graphs and graphed_draft._graph is not None
         assert graphed._graphs and all(g.graph is not None for g in graphed._graphs.values())
     finally:
         for module in pair:

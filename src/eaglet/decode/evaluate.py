@@ -24,6 +24,7 @@ from ..target import load_head_weights, load_model, load_tokenizer, pick_device,
 from .batched import BatchDraft, BatchTarget, batched_speculative_decode, batched_target_only_decode
 from .engine import DraftRunner, TargetRunner, speculative_decode, target_only_decode, tree_decode
 from .static import GRAPH_BUCKETS, StaticTarget
+from .static_draft import StaticDraft, static_chain_decode
 from .sampling import Sampling
 
 
@@ -107,11 +108,16 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
                    if isinstance(model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])] if i is not None})
     prompts = _prompts(config, tokenizer)
     static = config.batch_size == 1 and (config.cuda_graphs == "on" or (config.cuda_graphs == "auto" and device.startswith("cuda")))
-    target_runner = StaticTarget(model, layer_ids, _static_cache_length(config, prompts)) if static \
-        else TargetRunner(model, layer_ids)
+    cache_length = _static_cache_length(config, prompts)
+    target_runner = StaticTarget(model, layer_ids, cache_length) if static else TargetRunner(model, layer_ids)
     draft_runner = DraftRunner(draft)
+    # greedy chains run the draft on a static cache too (one graph per round); trees and sampling draft eagerly
+    static_draft = StaticDraft(draft, cache_length, config.depth) if static and config.mode == "chain" \
+        and sampling.greedy else None
 
     def speculate(ids: list[int], max_new: int, seed: int):
+        if static_draft is not None:
+            return static_chain_decode(target_runner, static_draft, ids, max_new, set(stop))
         if config.mode == "tree":
             return tree_decode(target_runner, draft_runner, ids, max_new, config.depth, config.topk, config.budget, set(stop),
                                sampling, torch.Generator().manual_seed(seed))
@@ -119,7 +125,9 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
                                   torch.Generator().manual_seed(seed))
 
     def one_at_a_time() -> list[PromptResult]:
-        # warm-up: kernels, caches, allocator
+        # warm-up: kernels, caches, allocator, graph captures
+        if isinstance(target_runner, StaticTarget):
+            target_runner.capture_all()
         target_only_decode(target_runner, prompts[0][2], 4, sampling, set(stop), torch.Generator().manual_seed(0))
         speculate(prompts[0][2], 4, 0)
         results = []
@@ -140,6 +148,7 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     report = _report(config, results, info.name, str(device))
     report["settings"]["cuda_graphs"] = static and device.startswith("cuda")
     report["settings"]["static_cache"] = static
+    report["settings"]["static_draft"] = static_draft is not None
     if config.hf_generate_baseline:
         report["hf_generate_tokens_per_s"] = round(
             _hf_generate_tokens_per_s(model, [p[2] for p in prompts], config.max_new_tokens, stop), 2)

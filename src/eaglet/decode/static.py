@@ -117,6 +117,15 @@ class StaticTarget:
                 layer.values.index_copy_(2, target, layer.values.index_select(2, source))
         self._length = len(positions)
 
+    def capture_all(self) -> None:
+        """Capture every bucket now (prompts of any length up to the largest bucket then replay a graph), so
+        no timed decode pays a capture."""
+        for size in GRAPH_BUCKETS:
+            if size <= self.max_len:
+                self.reset()
+                self.forward([0] * size)
+        self.reset()
+
     # --- one forward --------------------------------------------------------------------------------
     def _as_ids(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
         return tokens.to(self.device) if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, device=self.device)

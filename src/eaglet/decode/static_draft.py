@@ -1,0 +1,170 @@
+"""Greedy chain decoding with both models on static caches: one round = two graph replays, one host read.
+
+With the target replayed as a CUDA graph (``static.py``) a step of a small target costs a few ms, and the
+draft's eager Python (~40 kernel launches per draft step, each step waiting on the host) would cost as much
+as the verification it saves. So the whole draft side of a round — extending the draft's cache with the
+newly accepted positions, then proposing D tokens — is one graph too, and everything that flows between
+the two graphs (proposals, accepted count, correction, the verify pass's features) stays on the device.
+
+The draft's static cache per layer is [Hkv, max_len + D, d]: real positions first (``0..length-1``), then
+D slots for the chain's speculative entries. A round extends by a fixed R = D + 1 rows (the accepted
+tokens and the correction, padded; padding rows write past ``length`` where nothing reads them), then runs
+D - 1 chain steps at the last real position, exactly the dynamic ``DraftRunner``'s arithmetic (tested).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ..draft import Eagle3Draft
+from .engine import DecodeResult, _finish, _sync, draft_rope, draft_target_ids
+from .static import WARMUP_RUNS, StaticTarget
+
+
+class _StaticAttention:
+    """One draft layer's static cache; each call writes its keys at ``write_at`` and attends under ``mask``."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, write_at: torch.Tensor, mask: torch.Tensor):
+        self.keys, self.values, self.write_at, self.mask = keys, values, write_at, mask
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.keys.index_copy_(1, self.write_at, k)
+        self.values.index_copy_(1, self.write_at, v)
+        return F.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=self.mask,
+                                              enable_gqa=q.shape[0] != k.shape[0])
+
+
+class StaticDraft:
+    """The draft on a static cache; ``round`` is one CUDA graph on GPU (eager elsewhere)."""
+
+    def __init__(self, draft: Eagle3Draft, max_len: int, depth: int, graphs: bool | None = None):
+        config = draft.config
+        self.draft = draft
+        self.device = draft.fc.weight.device
+        self.dtype = draft.fc.weight.dtype
+        self.depth, self.rows, self.max_len = depth, depth + 1, max_len
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        slots = max_len + depth  # real positions, then the chain's speculative entries
+        shape = (config.num_key_value_heads, slots, config.head_dim)
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.zeros_like(keys) for keys in self.keys]
+        self.used = draft_target_ids(draft)
+        self._slot = torch.arange(slots, device=self.device)  # [slots]
+        self._row = torch.arange(self.rows, device=self.device)  # [R]
+        self.length = 0
+        # the round's static inputs and output
+        aux_width = config.target_hidden_size
+        layers = len(config.eagle_aux_hidden_state_layer_ids)
+        self.in_tokens = torch.zeros(self.rows, dtype=torch.long, device=self.device)
+        self.in_aux = torch.zeros(self.rows, layers, aux_width, dtype=self.dtype, device=self.device)
+        self.in_real_rows = torch.ones((), dtype=torch.long, device=self.device)
+        self.in_start = torch.zeros((), dtype=torch.long, device=self.device)
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._drafted: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def _attends(self, write_at: torch.Tensor, mask: torch.Tensor) -> list[_StaticAttention]:
+        return [_StaticAttention(k, v, write_at, mask) for k, v in zip(self.keys, self.values)]
+
+    def _extend(self, tokens: torch.Tensor, aux: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows at positions start.. (causal over the real cache): hidden [n, H], logits [n, Vd]."""
+        rows = torch.arange(len(tokens), device=self.device) + start  # [n] positions
+        cos, sin = draft_rope(self.draft, rows)
+        mask = self._slot[None, :] <= rows[:, None]  # [n, slots]: real keys up to its own position
+        return self.draft.step(tokens, self.draft.fuse(aux.to(self.dtype)), cos, sin, self._attends(rows, mask))
+
+    @torch.inference_mode()
+    def prefill(self, tokens: list[int], aux: torch.Tensor) -> None:
+        """The prompt's rows (all but the newest), eagerly: their count varies by prompt."""
+        if tokens:
+            self._extend(torch.tensor(tokens, device=self.device), aux, torch.tensor(self.length, device=self.device))
+            self.length += len(tokens)
+
+    def _round(self) -> torch.Tensor:
+        """Extend by ``in_real_rows`` of the R input rows, then propose D tokens: drafted [D] target ids."""
+        hidden, logits = self._extend(self.in_tokens, self.in_aux, self.in_start)
+        last = (self.in_real_rows - 1).view(1)
+        hidden, logits = hidden.index_select(0, last), logits.index_select(0, last)  # [1, H], [1, Vd]
+        token = self.used[logits.argmax(-1)]  # [1]
+        drafted = [token]
+        end = self.in_start + self.in_real_rows  # the draft's length after this round's real rows
+        cos, sin = draft_rope(self.draft, (end - 1).view(1))  # chain steps run at the last real position
+        real = self._slot < end
+        for step in range(1, self.depth):
+            spec_slot = self.max_len + step - 1
+            mask = (real | ((self._slot >= self.max_len) & (self._slot <= spec_slot)))[None]  # [1, slots]
+            hidden, logits = self.draft.step(token, hidden, cos, sin, self._attends(self._slot[spec_slot:spec_slot + 1], mask))
+            token = self.used[logits.argmax(-1)]
+            drafted.append(token)
+        return torch.cat(drafted)
+
+    @torch.inference_mode()
+    def round(self, tokens: torch.Tensor, aux: torch.Tensor, real_rows: torch.Tensor) -> torch.Tensor:
+        """tokens [R] and aux [R, layers, H] on the device (rows past ``real_rows`` are padding), real_rows
+        0-d: the draft's proposals [D]. Call ``advance`` with the real row count once it is known on the host."""
+        self.in_tokens.copy_(tokens)
+        self.in_aux.copy_(aux)
+        self.in_real_rows.copy_(real_rows)
+        self.in_start.fill_(self.length)
+        if not self.graphs:
+            return self._round()
+        if self._graph is None:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_RUNS):
+                    self._round()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                self._drafted = self._round()
+        self._graph.replay()
+        return self._drafted.clone()
+
+    def advance(self, real_rows: int) -> None:
+        self.length += real_rows
+
+
+def static_chain_decode(target: StaticTarget, draft: StaticDraft, prompt: list[int], max_new: int,
+                        stop_ids: set[int]) -> DecodeResult:
+    """Greedy chain speculative decoding (``engine.speculative_decode``'s tokens and acceptance), each round
+    a draft graph and a target graph with one host read between rounds."""
+    _sync(target.device)
+    started = time.perf_counter()
+    target.reset()
+    draft.reset()
+    depth, rows = draft.depth, draft.rows
+    logits, aux = target.forward(prompt)
+    first = logits[-1].argmax().view(1)  # [1]
+    out = [int(first)]
+    draft.prefill(prompt[1:], aux[:-1])
+    tokens = first.expand(rows).clone()  # [R]: row 0 real
+    round_aux = aux[-1:].expand(rows, -1, -1).clone()  # [R, layers, H]
+    real_rows = torch.ones((), dtype=torch.long, device=target.device)
+    real_rows_host = 1
+    accepted_counts: list[int] = []
+    row_index = torch.arange(rows, device=target.device)
+    while not _finish(out, stop_ids, max_new)[1]:
+        base = target.length
+        drafted = draft.round(tokens, round_aux, real_rows)  # [D]
+        draft.advance(real_rows_host)
+        last = tokens.index_select(0, (real_rows - 1).view(1))  # [1]: the newest real token
+        verify_logits, verify_aux = target.forward(torch.cat([last, drafted]))  # [D+1, V], [D+1, layers, H]
+        choices = verify_logits.argmax(-1)  # [D+1]
+        accepted = (choices[:depth] == drafted).int().cumprod(0).sum()  # 0-d
+        correction = choices.index_select(0, accepted.view(1))  # [1]
+        host = torch.cat([accepted.view(1), correction, drafted]).tolist()  # the round's one host read
+        count = host[0]
+        out.extend(host[2:2 + count] + [host[1]])
+        accepted_counts.append(count)
+        target.crop(base + count + 1)
+        # the next round's draft rows: d_1..d_a, then the correction (later rows are padding)
+        tokens = torch.where(row_index < accepted, torch.cat([drafted, correction]), correction)
+        round_aux, real_rows, real_rows_host = verify_aux, accepted + 1, count + 1
+    _sync(target.device)
+    return DecodeResult(_finish(out, stop_ids, max_new)[0], accepted_counts, time.perf_counter() - started)
