@@ -2,8 +2,8 @@
 # The end-to-end H200 numbers of benchmarks/RESULTS.md (issue 7), through scripts/device.sh on the device:
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh demo    # `eaglet demo --scale gpu` (resumable: call again
 #                                                              #  with the same command if the 10-minute call ends)
-#   bash scripts/device.sh bash benchmarks/e2e_h200.sh evals   # the demo's draft: chain and tree, this engine and
-#                                                              #  the one before the lean-loop change, same prompts
+#   bash scripts/device.sh bash benchmarks/e2e_h200.sh evals   # the demo's draft: chain and tree, with and without
+#                                                              #  static caches + CUDA graphs, same prompts
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh train   # training step, 8B shape, next to speculators 0.9.0
 # Results are copied under $OUT (the device tool brings them back). WORK defaults to /tmp/e2e.
 set -uo pipefail
@@ -20,17 +20,17 @@ case "${1:-}" in
       "$WORK/demo/export/vllm/README.md" "$OUT/demo/" 2>/dev/null
     ;;
   evals)
-    # same 16 held-out prompts, 128 new tokens, greedy: `after` = this tree's engine, `before` = commit 432101d's
-    # (staged as .device/before/src: git archive 432101d src | tar -x -C .device/before)
+    # the demo's draft on EVAL_PROMPTS held-out prompts, 128 new tokens, greedy, chain and tree, with the static
+    # caches + CUDA graphs (eval's GPU default) and without (--cuda-graphs off: the dynamic-cache engine); each
+    # eval times its baseline (the same engine without the draft) in the same process
     common=(--draft "$WORK/demo/draft" --max-prompts "${EVAL_PROMPTS:-16}" --max-new-tokens 128)
     for mode in chain tree; do
       if [ $mode = chain ]; then shape=(--mode chain --depth 5); else shape=(--mode tree --depth 6 --topk 8 --budget 48); fi
-      extra=(); [ $mode = chain ] && extra=(--hf-generate-baseline)
-      eaglet eval "${common[@]}" "${shape[@]}" "${extra[@]}" --out "$WORK/eval_${mode}_after" 2>&1 | tail -3
-      PYTHONPATH=/tmp/site:$PWD/.device/before/src python3 -m eaglet.cli eval "${common[@]}" "${shape[@]}" \
-        --out "$WORK/eval_${mode}_before" 2>&1 | tail -3
-      cp "$WORK/eval_${mode}_after/report.json" "$OUT/eval_${mode}_after.json"
-      cp "$WORK/eval_${mode}_before/report.json" "$OUT/eval_${mode}_before.json"
+      for graphs in on off; do
+        extra=(); [ $mode = chain ] && [ $graphs = on ] && extra=(--hf-generate-baseline)
+        eaglet eval "${common[@]}" "${shape[@]}" "${extra[@]}" --cuda-graphs $graphs --out "$WORK/eval_${mode}_$graphs" 2>&1 | tail -3
+        cp "$WORK/eval_${mode}_$graphs/report.json" "$OUT/eval_${mode}_graphs_$graphs.json"
+      done
     done
     ;;
   train)
