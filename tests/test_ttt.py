@@ -123,18 +123,19 @@ def test_flex_attention_mask_matches_dense_forward():
     torch.testing.assert_close(flex.loss, dense.loss, rtol=1e-4, atol=1e-4)
 
 
-def test_flex_attention_compiles_one_kernel_for_all_steps():
-    """Each compiled FlexAttention kernel costs ~30 s on an H200; all K steps share one (same key-buffer
-    shape, the step limit read from a tensor), and its outputs equal the dense path's. Compiled here on the
-    CPU (forward only: inductor's CPU FlexAttention has no backward)."""
+@pytest.mark.parametrize("kernels,compiles", [("one", 1), ("per_step", 5)])
+def test_flex_attention_kernel_count(kernels, compiles):
+    """Each compiled FlexAttention kernel costs ~30 s on an H200: "one" shares a kernel across all K steps
+    (same key-buffer shape, the step limit read from a tensor), "per_step" compiles one per key length; both
+    equal the dense path. Compiled here on the CPU (forward only: inductor's CPU FlexAttention has no backward)."""
     from torch._dynamo.utils import counters
     from torch.nn.attention.flex_attention import flex_attention
 
-    from eaglet.ttt import FlexTTTAttention
+    from eaglet.ttt import ATTENTION_KERNELS
 
     compiled = torch.compile(flex_attention, dynamic=False)
 
-    class CompiledOnCpu(FlexTTTAttention):
+    class CompiledOnCpu(ATTENTION_KERNELS[kernels]):
         @classmethod
         def _kernel(cls, device):
             return compiled
@@ -148,7 +149,7 @@ def test_flex_attention_compiles_one_kernel_for_all_steps():
     with torch.no_grad():
         dense = ttt_forward(draft, inputs, 5, attention_factory=TTTAttention)
         flex = ttt_forward(draft, inputs, 5, attention_factory=CompiledOnCpu)
-    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["stats"]["unique_graphs"] == compiles
     torch.testing.assert_close(flex.loss, dense.loss, rtol=1e-4, atol=1e-4)
     for flex_loss, dense_loss in zip(flex.step_losses, dense.step_losses):
         torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-4, atol=1e-4)
@@ -159,13 +160,15 @@ def test_small_heads_use_the_dense_path_on_gpu():
     from eaglet.ttt import FlexTTTAttention, attention_for
 
     assert attention_for(torch.device("cuda"), FLEX_MIN_HEAD_DIM) is FlexTTTAttention
+    assert attention_for(torch.device("cuda"), FLEX_MIN_HEAD_DIM, "per_step") is not FlexTTTAttention
     assert attention_for(torch.device("cuda"), 8) is TTTAttention
     assert attention_for(torch.device("cpu"), 128) is TTTAttention
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs a GPU")
-def test_flex_attention_gradients_match_on_gpu():
-    from eaglet.ttt import FlexTTTAttention
+@pytest.mark.parametrize("kernels", ["one", "per_step"])
+def test_flex_attention_gradients_match_on_gpu(kernels):
+    from eaglet.ttt import ATTENTION_KERNELS
 
     draft, inputs = tiny_setup(head_dim=FLEX_MIN_HEAD_DIM)
     device = torch.device("cuda")
@@ -175,7 +178,7 @@ def test_flex_attention_gradients_match_on_gpu():
     dense.loss.backward()
     grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
     draft.zero_grad()
-    flex = ttt_forward(draft, moved, 3, attention_factory=FlexTTTAttention)
+    flex = ttt_forward(draft, moved, 3, attention_factory=ATTENTION_KERNELS[kernels])
     flex.loss.backward()
     torch.testing.assert_close(flex.loss, dense.loss, rtol=1e-4, atol=1e-4)
     for name, grad in grads.items():

@@ -42,13 +42,17 @@ from .ttt import FlexTTTAttention, TeacherHead, TTTInputs, attention_for, docume
 class TTTModule(torch.nn.Module):
     """The draft plus its TTT loss as one forward, so DDP/FSDP see a single module call."""
 
-    def __init__(self, draft: Eagle3Draft, steps: int, decay: float, noise_std: float):
+    def __init__(self, draft: Eagle3Draft, steps: int, decay: float, noise_std: float, attention_kernels: str):
         super().__init__()
         self.draft = draft
         self.steps, self.decay, self.noise_std = steps, decay, noise_std
+        self.attention_kernels = attention_kernels
+
+    def attention(self, device: torch.device):
+        return attention_for(device, self.draft.config.head_dim, self.attention_kernels)
 
     def forward(self, inputs: TTTInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        out = ttt_forward(self.draft, inputs, self.steps, self.decay, attention_for(inputs.input_ids.device, self.draft.config.head_dim),
+        out = ttt_forward(self.draft, inputs, self.steps, self.decay, self.attention(inputs.input_ids.device),
                           self.noise_std if self.training else 0.0)
         return out.loss, torch.stack(out.step_losses), torch.stack(out.step_correct), torch.stack(out.step_counts)
 
@@ -217,7 +221,7 @@ def evaluate(module: TTTModule, setup: Setup, config: TrainConfig, teacher: Teac
              dtype: torch.dtype, dist: Dist, autocast, lockstep: bool = False) -> dict[str, Any]:
     """Per-step accuracy and simulated τ on the held-out samples (``lockstep``: every rank runs as many
     forwards, as FSDP2 needs)."""
-    compiled = attention_for(device, module.draft.config.head_dim) is FlexTTTAttention
+    compiled = issubclass(module.attention(device), FlexTTTAttention)
     # with compiled FlexAttention, autograd stays on (nothing is kept: no backward) so evaluation reuses
     # training's kernels instead of compiling no_grad ones (FlexTTTAttention's docstring says why)
     with torch.enable_grad() if compiled else torch.no_grad():
@@ -287,7 +291,8 @@ def run_train(config: TrainConfig, console: Console | None = None) -> TrainResul
     draft.to(device)
     teacher = TeacherHead(head.lm_head.to(device, torch.bfloat16 if use_bf16 else torch.float32), d2t.to(device),
                           head.softcap)
-    module = TTTModule(draft, config.ttt_steps, config.loss_decay, config.feature_noise_std).to(device)
+    module = TTTModule(draft, config.ttt_steps, config.loss_decay, config.feature_noise_std,
+                       config.attention_kernels).to(device)
     parallel = Parallel(config.parallel, dist, device)
     wrapped = parallel.wrap(module)
     parameters = [p for p in module.parameters() if p.requires_grad]

@@ -194,6 +194,10 @@ class FlexTTTAttention:
             cls._compiled = torch.compile(flex_attention, dynamic=False)
         return cls._compiled
 
+    def key_steps(self, filled_steps: int) -> int:
+        """Steps' worth of keys the kernel sees: all K, whatever has run (one shape, one kernel)."""
+        return self.steps
+
     def _block_mask(self, filled_steps: int):
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -206,12 +210,12 @@ class FlexTTTAttention:
             same_doc = doc_ids[position] == doc_ids[query]
             return (key < key_limit) & torch.where(key < tokens, (key <= query) & same_doc, position == query)
 
-        return create_block_mask(allowed, None, None, tokens, tokens * self.steps, device=doc_ids.device,
-                                 _compile=doc_ids.device.type == "cuda")
+        return create_block_mask(allowed, None, None, tokens, tokens * self.key_steps(filled_steps),
+                                 device=doc_ids.device, _compile=doc_ids.device.type == "cuda")
 
     def _all_steps(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """[Hkv, T, d] per step so far -> [1, Hkv, T*K, d], zeros for the steps not run yet."""
-        missing = self.steps - len(parts)
+        """[Hkv, T, d] per step so far -> [1, Hkv, T*key_steps, d], zeros for the steps not run yet."""
+        missing = self.key_steps(len(parts)) - len(parts)
         if missing:
             first = parts[0]
             parts = parts + [first.new_zeros(first.shape[0], first.shape[1] * missing, first.shape[2])]
@@ -224,6 +228,19 @@ class FlexTTTAttention:
         out = kernel(q[None], self._all_steps(self.keys), self._all_steps(self.values),
                      block_mask=self._block_mask(len(self.keys)), enable_gqa=q.shape[0] != k.shape[0])
         return out[0]
+
+
+class PerStepFlexTTTAttention(FlexTTTAttention):
+    """The same attention with each step's kernel seeing only the keys run so far ([T*(k+1)]): K compiled
+    kernels (one per key length) instead of one, but steps without the padded key buffer. On the 8B-shaped
+    step (H200, ``benchmarks/bench_train.py``) per-step kernels ran 95 ms/step, the single kernel 117 ms:
+    long runs amortise the extra compiles, short ones (the GPU demo) do not."""
+
+    def key_steps(self, filled_steps: int) -> int:
+        return filled_steps
+
+
+ATTENTION_KERNELS = {"one": FlexTTTAttention, "per_step": PerStepFlexTTTAttention}
 
 
 class ReferenceAttention:
@@ -255,7 +272,8 @@ class ReferenceAttention:
 FLEX_MIN_HEAD_DIM = 16  # FlexAttention's compiled GPU kernels refuse smaller heads (torch 2.11: "NYI ... at least 16")
 
 
-def attention_for(device: torch.device, head_dim: int):
-    """FlexAttention on GPU, the dense path elsewhere (FlexAttention has no CPU backward) and for heads
-    too small for its kernels."""
-    return FlexTTTAttention if device.type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM else TTTAttention
+def attention_for(device: torch.device, head_dim: int, kernels: str = "one"):
+    """FlexAttention on GPU (``kernels``: "one" compiled kernel for all TTT steps, or one "per_step" key
+    length), the dense path elsewhere (FlexAttention has no CPU backward) and for heads too small for its
+    kernels."""
+    return ATTENTION_KERNELS[kernels] if device.type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM else TTTAttention
