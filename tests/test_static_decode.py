@@ -129,3 +129,14 @@ def test_cuda_graph_replays_equal_the_dynamic_cache_on_gpu(pair):
     finally:
         for module in pair:
             module.to("cpu")
+
+
+def test_sliding_window_targets_are_refused_by_name():
+    """A rolling sliding-window cache cannot be moved back after a rejection: refused (eval's auto mode then
+    falls back to the dynamic cache), not silently decoded wrong."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                           num_key_value_heads=2, sliding_window=16)
+    with pytest.raises(EagletError, match="MistralConfig has sliding-window attention layers.*--cuda-graphs off"):
+        StaticTarget(MistralForCausalLM(config).eval(), LAYERS, 64)

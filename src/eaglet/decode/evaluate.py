@@ -109,7 +109,15 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     prompts = _prompts(config, tokenizer)
     static = config.batch_size == 1 and (config.cuda_graphs == "on" or (config.cuda_graphs == "auto" and device.startswith("cuda")))
     cache_length = _static_cache_length(config, prompts)
-    target_runner = StaticTarget(model, layer_ids, cache_length) if static else TargetRunner(model, layer_ids)
+    target_runner = TargetRunner(model, layer_ids)
+    if static:
+        try:
+            target_runner = StaticTarget(model, layer_ids, cache_length)
+        except EagletError as error:
+            if config.cuda_graphs == "on":
+                raise
+            console.print(f"eaglet eval: dynamic cache, no CUDA graphs: {error}")
+            static = False
     draft_runner = DraftRunner(draft)
     # greedy chains run the draft on a static cache too (one graph per round); trees and sampling draft eagerly
     static_draft = StaticDraft(draft, cache_length, config.depth) if static and config.mode == "chain" \

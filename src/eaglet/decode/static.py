@@ -64,13 +64,19 @@ class StaticTarget:
         self._graphs: dict[int, _Graph] = {}
 
     def _check_cache(self) -> None:
+        import transformers
+
         layers = getattr(self.cache, "layers", None)
         if not layers or not all(hasattr(layer, "cumulative_length") for layer in layers):
-            import transformers
-
             raise EagletError(
                 f"transformers {transformers.__version__}'s StaticCache keeps no per-layer `cumulative_length`; "
-                "static-cache decoding cannot position it (run eval with --no-cuda-graphs)"
+                "static-cache decoding cannot position it (run eval with --cuda-graphs off)"
+            )
+        if any(getattr(layer, "is_sliding", False) for layer in layers):
+            raise EagletError(
+                f"{type(self.model.config).__name__} has sliding-window attention layers (a rolling cache that "
+                "positions cannot be moved back in); static-cache decoding covers full-attention targets "
+                "(run eval with --cuda-graphs off)"
             )
 
     # --- TargetRunner's interface -------------------------------------------------------------------
