@@ -227,6 +227,14 @@ def _report(config: EvalConfig, results: list[PromptResult], target_name: str, d
     }
 
 
+def _engine_words(settings: dict[str, Any]) -> str:
+    if not settings.get("static_cache"):
+        return "dynamic KV caches, eager kernels"
+    graphs = "replayed as CUDA graphs" if settings.get("cuda_graphs") else "run eagerly (no GPU)"
+    drafted = "the draft's chain rounds too" if settings.get("static_draft") else "the draft eager"
+    return f"static KV caches, the target's forwards {graphs}; {drafted}"
+
+
 def _markdown(report: dict[str, Any]) -> str:
     settings = report["settings"]
     lines = [
@@ -240,6 +248,7 @@ def _markdown(report: dict[str, Any]) -> str:
         + (f" (in {settings['dtype']}: a k-token verify rounds differently from a 1-token step, so near-tied tokens can "
            "flip; `--dtype float32` checks exactly)" if report["lossless"] is False and settings["dtype"] != "float32" else ""),
         f"- {report['prompts']} prompts ({settings['split']} split), {report['generated_tokens']} tokens, device {settings['device']}",
+        f"- engine: {_engine_words(settings)}",
         "",
         "| category | prompts | τ |",
         "|---|---|---|",
