@@ -83,3 +83,23 @@ def test_memory_checks_count_the_dtype_the_stage_will_load():
     assert _device_bytes("cpu", "float32") == ("cpu", 4)  # eval's default: float32 even where auto means bf16
     assert _device_bytes("cpu", "bfloat16") == ("cpu", 2)
     assert _device_bytes("cpu") == ("cpu", 4)  # auto on CPU loads float32
+
+
+def test_eval_preflight_checks_the_static_cache_before_any_load(capsys, tmp_path, tiny_target, tiny_draft):
+    """`--cuda-graphs on` with a sliding-window target fails in preflight (its config alone tells), naming the fix."""
+    import shutil
+
+    sliding = tmp_path / "sliding"
+    shutil.copytree(tiny_target, sliding)
+    config = json.loads((sliding / "config.json").read_text())
+    config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=16)
+    (sliding / "config.json").write_text(json.dumps(config))
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    results = {}
+    for target in (tiny_target, sliding):
+        code, stdout, err = run_cli(["preflight", "--json", "eval", "--draft", tiny_draft, "--target", target, "--out",
+                                     tmp_path / "eval", "--prompts", prompts, "--device", "cpu", "--cuda-graphs", "on"], capsys)
+        results[target] = {c["name"]: c for c in json.loads(stdout)["checks"]}
+    assert results[tiny_target]["static cache"]["status"] == "pass"
+    check = results[sliding]["static cache"]
+    assert check["status"] == "fail" and "sliding-window" in check["detail"] and "--cuda-graphs off" in check["fix"]

@@ -17,6 +17,8 @@ Implements ``TargetRunner``'s interface, so every decode loop in ``engine.py`` r
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..capture import FeatureCapture
@@ -30,6 +32,23 @@ WARMUP_RUNS = 2  # eager runs on a side stream before capture (cuBLAS/allocator 
 def bucket_for(tokens: int) -> int | None:
     """The smallest graph bucket holding ``tokens``, or None (run eagerly)."""
     return next((size for size in GRAPH_BUCKETS if size >= tokens), None)
+
+
+def static_cache_problem(config: Any, cache: Any = None) -> str | None:
+    """Why this target cannot decode on a movable static cache, or None. Needs only the config (preflight
+    asks before any weights load)."""
+    import transformers
+    from transformers import StaticCache
+
+    cache = cache if cache is not None else StaticCache(config=config, max_cache_len=GRAPH_BUCKETS[-1])
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(hasattr(layer, "cumulative_length") for layer in layers):
+        return (f"transformers {transformers.__version__}'s StaticCache keeps no per-layer `cumulative_length`; "
+                "static-cache decoding cannot position it")
+    if any(getattr(layer, "is_sliding", False) for layer in layers):
+        return (f"{type(config).__name__} has sliding-window attention layers (a rolling cache that positions cannot "
+                "be moved back in); static-cache decoding covers full-attention targets")
+    return None
 
 
 class _Graph:
@@ -64,20 +83,9 @@ class StaticTarget:
         self._graphs: dict[int, _Graph] = {}
 
     def _check_cache(self) -> None:
-        import transformers
-
-        layers = getattr(self.cache, "layers", None)
-        if not layers or not all(hasattr(layer, "cumulative_length") for layer in layers):
-            raise EagletError(
-                f"transformers {transformers.__version__}'s StaticCache keeps no per-layer `cumulative_length`; "
-                "static-cache decoding cannot position it (run eval with --cuda-graphs off)"
-            )
-        if any(getattr(layer, "is_sliding", False) for layer in layers):
-            raise EagletError(
-                f"{type(self.model.config).__name__} has sliding-window attention layers (a rolling cache that "
-                "positions cannot be moved back in); static-cache decoding covers full-attention targets "
-                "(run eval with --cuda-graphs off)"
-            )
+        problem = static_cache_problem(self.model.config, self.cache)
+        if problem:
+            raise EagletError(f"{problem} (run eval with --cuda-graphs off)")
 
     # --- TargetRunner's interface -------------------------------------------------------------------
     def reset(self) -> None:

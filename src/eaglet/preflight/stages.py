@@ -213,7 +213,23 @@ def eval_checks(cfg: Any) -> list[Check]:
         checks.append(check_library_api())
         device, dtype_bytes = _device_bytes(cfg.device, cfg.dtype)
         checks.append(check_memory(device, weights_bytes(found[0].path, dtype_bytes), "target weights"))
+        if cfg.batch_size == 1 and (cfg.cuda_graphs == "on" or (cfg.cuda_graphs == "auto" and device.startswith("cuda"))):
+            checks.append(check_static_cache(found[0].path, cfg.cuda_graphs, cfg.trust_remote_code))
     return checks
+
+
+def check_static_cache(target_path: Any, mode: str, trust_remote_code: bool) -> Check:
+    """eval's static-cache / CUDA-graph path suits the target (from its config alone, no weights)."""
+    from transformers import AutoConfig
+
+    from ..decode.static import static_cache_problem
+
+    problem = static_cache_problem(AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code))
+    if problem is None:
+        return Check("static cache", PASS, "the target's forwards can be replayed as CUDA graphs")
+    if mode == "on":
+        return Check("static cache", FAIL, problem, "pass --cuda-graphs off (or auto, which falls back)")
+    return Check("static cache", WARN, f"{problem}: eval falls back to dynamic caches (slower on GPU)", "")
 
 
 STAGE_CHECKS: dict[str, Callable[[Any], list[Check]]] = {
