@@ -226,7 +226,7 @@ def test_static_cache_eval_gives_the_dynamic_cache_results(tmp_path, capsys, tin
         static, dynamic = reports[mode, "on"], reports[mode, "off"]
         assert static["settings"]["static_cache"] is True and dynamic["settings"]["static_cache"] is False
         assert static["settings"]["cuda_graphs"] is False  # CPU: the same functions, run eagerly
-        assert static["settings"]["static_draft"] is (mode == "chain")  # trees draft eagerly
+        assert static["settings"]["static_draft"] is True  # greedy chains and trees draft on static caches
         assert "static KV caches" in (tmp_path / f"{mode}_on" / "report.md").read_text()
         assert static["lossless"] is True
         for key in ("acceptance_length", "acceptance_by_position", "generated_tokens", "target_forwards"):

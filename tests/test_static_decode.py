@@ -13,6 +13,7 @@ from eaglet.decode.engine import (DraftRunner, TargetRunner, Tree, speculative_d
 from eaglet.decode.sampling import Sampling
 from eaglet.decode.static import GRAPH_BUCKETS, StaticTarget, bucket_for
 from eaglet.decode.static_draft import StaticDraft, static_chain_decode
+from eaglet.decode.static_tree import StaticTreeDraft, static_tree_decode
 from eaglet.errors import EagletError
 
 LONG_PROMPT = [(7 * i) % 60 + 2 for i in range(GRAPH_BUCKETS[-1] + 9)]  # past the largest bucket: runs unbucketed
@@ -93,6 +94,44 @@ def test_static_draft_rounds_equal_the_dynamic_engine(pair, depth):
     assert stopped.tokens == expected.tokens[: expected.tokens.index(stop) + 1]
 
 
+@pytest.mark.parametrize("depth,topk,budget", [(4, 3, 12), (3, 2, 100), (1, 4, 2), (5, 4, 20)])
+def test_static_tree_rounds_equal_the_dynamic_engine(pair, depth, topk, budget):
+    """The tree drafted on the device (fixed shapes, stable sorts) is the host-built EAGLE-2 tree: the same
+    tokens and accepted counts as ``tree_decode`` with the dynamic caches, prompt by prompt."""
+    target, draft = pair
+    dynamic, drafts = TargetRunner(target, LAYERS), DraftRunner(draft)
+    static, tree_draft = StaticTarget(target, LAYERS, MAX_LEN), StaticTreeDraft(draft, MAX_LEN, depth, topk, budget)
+    accepted = 0
+    for prompt in PROMPTS + [LONG_PROMPT]:
+        expected = tree_decode(dynamic, drafts, prompt, NEW_TOKENS, depth, topk, budget, set())
+        result = static_tree_decode(static, tree_draft, prompt, NEW_TOKENS, set())
+        assert result.tokens == expected.tokens and result.accepted == expected.accepted
+        accepted += sum(result.accepted)
+    assert accepted >= (5 if depth > 1 else 1)
+
+
+def test_static_tree_matches_the_host_tree_node_for_node(pair):
+    """One round's tree, built on the device, against ``DraftRunner.expand_tree`` from the same state."""
+    target, draft = pair
+    prompt = PROMPTS[0]
+    dynamic, drafts = TargetRunner(target, LAYERS), DraftRunner(draft)
+    dynamic.reset()
+    drafts.reset()
+    logits, aux = dynamic.forward(prompt)
+    first = int(logits[-1].argmax())
+    hidden, draft_logits = drafts.extend(prompt[1:] + [first], aux)
+    expected = drafts.expand_tree(first, hidden, draft_logits, 3, 4, 14)
+    tree_draft = StaticTreeDraft(draft, MAX_LEN, 4, 3, 14)
+    tree_draft.reset()
+    tree_draft.prefill(prompt[1:], aux[:-1])
+    rows = tree_draft.rows
+    tokens, depths, parents, block = tree_draft.round(torch.tensor([first] * rows), aux[-1:].expand(rows, -1, -1),
+                                                      torch.tensor(1))
+    assert tokens.tolist() == expected.tokens and depths.tolist() == expected.depths
+    assert parents.tolist()[1:] == expected.parents[1:]
+    assert torch.equal(block, expected.ancestor_mask())
+
+
 def test_a_forward_past_the_cache_is_refused():
     target, _ = tiny_pair()
     static = StaticTarget(target, LAYERS, 12)
@@ -125,6 +164,10 @@ def test_cuda_graph_replays_equal_the_dynamic_cache_on_gpu(pair):
             both = static_chain_decode(graphed, graphed_draft, prompt, NEW_TOKENS, set())
             assert both.tokens == chain.tokens and both.accepted == chain.accepted
             assert graphed_draft.graphs and graphed_draft._graph is not None
+            graphed_tree = StaticTreeDraft(draft, MAX_LEN, 4, 3, 12)
+            both = static_tree_decode(graphed, graphed_tree, prompt, NEW_TOKENS, set())
+            assert both.tokens == tree.tokens and both.accepted == tree.accepted
+            assert graphed_tree._graph is not None
         assert graphed._graphs and all(g.graph is not None for g in graphed._graphs.values())
     finally:
         for module in pair:

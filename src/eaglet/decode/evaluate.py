@@ -25,6 +25,7 @@ from .batched import BatchDraft, BatchTarget, batched_speculative_decode, batche
 from .engine import DraftRunner, TargetRunner, speculative_decode, target_only_decode, tree_decode
 from .static import GRAPH_BUCKETS, StaticTarget
 from .static_draft import StaticDraft, static_chain_decode
+from .static_tree import StaticTreeDraft, static_tree_decode
 from .sampling import Sampling
 
 
@@ -119,11 +120,15 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
             console.print(f"eaglet eval: dynamic cache, no CUDA graphs: {error}")
             static = False
     draft_runner = DraftRunner(draft)
-    # greedy chains run the draft on a static cache too (one graph per round); trees and sampling draft eagerly
-    static_draft = StaticDraft(draft, cache_length, config.depth) if static and config.mode == "chain" \
-        and sampling.greedy else None
+    # greedy chains and trees run the draft on a static cache too (one graph per round); sampling drafts eagerly
+    static_draft = None
+    if static and sampling.greedy:
+        static_draft = StaticDraft(draft, cache_length, config.depth) if config.mode == "chain" \
+            else StaticTreeDraft(draft, cache_length, config.depth, config.topk, config.budget)
 
     def speculate(ids: list[int], max_new: int, seed: int):
+        if isinstance(static_draft, StaticTreeDraft):
+            return static_tree_decode(target_runner, static_draft, ids, max_new, set(stop))
         if static_draft is not None:
             return static_chain_decode(target_runner, static_draft, ids, max_new, set(stop))
         if config.mode == "tree":
@@ -231,7 +236,7 @@ def _engine_words(settings: dict[str, Any]) -> str:
     if not settings.get("static_cache"):
         return "dynamic KV caches, eager kernels"
     graphs = "replayed as CUDA graphs" if settings.get("cuda_graphs") else "run eagerly (no GPU)"
-    drafted = "the draft's chain rounds too" if settings.get("static_draft") else "the draft eager"
+    drafted = "the draft's rounds too" if settings.get("static_draft") else "the draft eager (sampling)"
     return f"static KV caches, the target's forwards {graphs}; {drafted}"
 
 

@@ -58,7 +58,8 @@ class _Graph:
         self.ids = torch.zeros(1, size, dtype=torch.long, device=device)
         self.positions = torch.zeros(1, size, dtype=torch.long, device=device)
         self.start = torch.zeros((), dtype=torch.long, device=device)
-        self.block = torch.eye(size, dtype=torch.bool, device=device)
+        self.eye = torch.eye(size, dtype=torch.bool, device=device)
+        self.block = self.eye.clone()
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # [size, V] float32
         self.aux: torch.Tensor | None = None  # [size, layers, H]
@@ -95,22 +96,29 @@ class StaticTarget:
     def length(self) -> int:
         return self._length
 
-    @torch.inference_mode()
     def forward(self, tokens: list[int] | torch.Tensor, tree: Tree | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``tokens`` at ``length``; logits [n, V] float32 and aux features [n, layers, H]."""
+        count = len(tokens)
+        depths = torch.tensor(tree.depths) if tree is not None else torch.arange(count)
+        block = tree.ancestor_mask() if tree is not None else torch.ones(count, count, dtype=torch.bool).tril()
+        return self.forward_tree(tokens, depths, block)
+
+    @torch.inference_mode()
+    def forward_tree(self, tokens: list[int] | torch.Tensor, depths: torch.Tensor,
+                     block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` with the tree given as tensors (host or device): depths [n] (RoPE offsets from
+        ``length``) and block [n, n] (which new token sees which); a tree drafted on the device stays there."""
         count = len(tokens)
         start = self._length
         if start + count > self.max_len:
             raise EagletError(f"the static cache holds {self.max_len} positions; this forward needs {start + count} "
                               "(raise max_len: prompt + max new tokens + the largest verification)")
-        depths = torch.tensor(tree.depths) if tree is not None else torch.arange(count)
-        block = tree.ancestor_mask() if tree is not None else torch.ones(count, count, dtype=torch.bool).tril()
         size = bucket_for(count)
         if size is None or start + size > self.max_len:  # no bucket, or its padding would run past the cache
-            logits, aux = self._run(self._as_ids(tokens)[None], (start + depths).to(self.device)[None],
+            logits, aux = self._run(self._as_ids(tokens)[None], (start + depths.to(self.device))[None],
                                     torch.tensor(start, device=self.device), block.to(self.device))
         else:
-            logits, aux = self._replay(size, tokens, start + depths, start, block)
+            logits, aux = self._replay(size, tokens, depths, start, block)
         self._length = start + count
         return logits[:count].clone(), aux[:count].clone()
 
@@ -161,7 +169,7 @@ class StaticTarget:
         aux = torch.stack([captured[slot] for slot in range(len(self.capture.layer_ids))], dim=2)[0]
         return out.logits[0].float(), aux
 
-    def _replay(self, size: int, tokens: list[int] | torch.Tensor, positions: torch.Tensor, start: int,
+    def _replay(self, size: int, tokens: list[int] | torch.Tensor, depths: torch.Tensor, start: int,
                 block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         graph = self._graphs.get(size)
         if graph is None:
@@ -169,13 +177,12 @@ class StaticTarget:
         count = len(tokens)
         graph.ids.zero_()
         graph.ids[0, :count].copy_(self._as_ids(tokens))
-        padded_positions = torch.full((size,), start, dtype=torch.long)
-        padded_positions[:count] = positions
-        graph.positions.copy_(padded_positions[None], non_blocking=True)
         graph.start.fill_(start)
-        padded_block = torch.eye(size, dtype=torch.bool)  # padding rows see the cache and themselves only
-        padded_block[:count, :count] = block
-        graph.block.copy_(padded_block, non_blocking=True)
+        graph.positions.fill_(start)  # padding rows: at the cache end, seeing the cache and themselves only
+        graph.positions[0, :count].copy_(depths)
+        graph.positions[0, :count].add_(start)
+        graph.block.copy_(graph.eye)
+        graph.block[:count, :count].copy_(block)
         if not self.graphs:
             return self._run(graph.ids, graph.positions, graph.start, graph.block)
         if graph.graph is None:

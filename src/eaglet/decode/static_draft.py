@@ -40,14 +40,15 @@ class _StaticAttention:
 class StaticDraft:
     """The draft on a static cache; ``round`` is one CUDA graph on GPU (eager elsewhere)."""
 
-    def __init__(self, draft: Eagle3Draft, max_len: int, depth: int, graphs: bool | None = None):
+    def __init__(self, draft: Eagle3Draft, max_len: int, depth: int, graphs: bool | None = None,
+                 spec_slots: int | None = None):
         config = draft.config
         self.draft = draft
         self.device = draft.fc.weight.device
         self.dtype = draft.fc.weight.dtype
         self.depth, self.rows, self.max_len = depth, depth + 1, max_len
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
-        slots = max_len + depth  # real positions, then the chain's speculative entries
+        slots = max_len + (depth if spec_slots is None else spec_slots)  # real positions, then speculative entries
         shape = (config.num_key_value_heads, slots, config.head_dim)
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(config.num_hidden_layers)]
         self.values = [torch.zeros_like(keys) for keys in self.keys]
@@ -63,7 +64,7 @@ class StaticDraft:
         self.in_real_rows = torch.ones((), dtype=torch.long, device=self.device)
         self.in_start = torch.zeros((), dtype=torch.long, device=self.device)
         self._graph: torch.cuda.CUDAGraph | None = None
-        self._drafted: torch.Tensor | None = None
+        self._outputs: tuple[torch.Tensor, ...] = ()
 
     def reset(self) -> None:
         self.length = 0
@@ -85,14 +86,19 @@ class StaticDraft:
             self._extend(torch.tensor(tokens, device=self.device), aux, torch.tensor(self.length, device=self.device))
             self.length += len(tokens)
 
-    def _round(self) -> torch.Tensor:
-        """Extend by ``in_real_rows`` of the R input rows, then propose D tokens: drafted [D] target ids."""
+    def _extend_round_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Extend by ``in_real_rows`` of the R input rows: the last real row's hidden [1, H], logits [1, Vd],
+        token [1], and the draft's length after it (0-d)."""
         hidden, logits = self._extend(self.in_tokens, self.in_aux, self.in_start)
         last = (self.in_real_rows - 1).view(1)
-        hidden, logits = hidden.index_select(0, last), logits.index_select(0, last)  # [1, H], [1, Vd]
+        return (hidden.index_select(0, last), logits.index_select(0, last), self.in_tokens.index_select(0, last),
+                self.in_start + self.in_real_rows)
+
+    def _round(self) -> tuple[torch.Tensor, ...]:
+        """The round's body (what the graph captures): extend, then propose D tokens: (drafted [D] target ids,)."""
+        hidden, logits, _, end = self._extend_round_rows()
         token = self.used[logits.argmax(-1)]  # [1]
         drafted = [token]
-        end = self.in_start + self.in_real_rows  # the draft's length after this round's real rows
         cos, sin = draft_rope(self.draft, (end - 1).view(1))  # chain steps run at the last real position
         real = self._slot < end
         for step in range(1, self.depth):
@@ -101,12 +107,10 @@ class StaticDraft:
             hidden, logits = self.draft.step(token, hidden, cos, sin, self._attends(self._slot[spec_slot:spec_slot + 1], mask))
             token = self.used[logits.argmax(-1)]
             drafted.append(token)
-        return torch.cat(drafted)
+        return (torch.cat(drafted),)
 
     @torch.inference_mode()
-    def round(self, tokens: torch.Tensor, aux: torch.Tensor, real_rows: torch.Tensor) -> torch.Tensor:
-        """tokens [R] and aux [R, layers, H] on the device (rows past ``real_rows`` are padding), real_rows
-        0-d: the draft's proposals [D]. Call ``advance`` with the real row count once it is known on the host."""
+    def _run_round(self, tokens: torch.Tensor, aux: torch.Tensor, real_rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         self.in_tokens.copy_(tokens)
         self.in_aux.copy_(aux)
         self.in_real_rows.copy_(real_rows)
@@ -122,9 +126,14 @@ class StaticDraft:
             torch.cuda.current_stream(self.device).wait_stream(side)
             self._graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self._graph):
-                self._drafted = self._round()
+                self._outputs = self._round()
         self._graph.replay()
-        return self._drafted.clone()
+        return tuple(output.clone() for output in self._outputs)
+
+    def round(self, tokens: torch.Tensor, aux: torch.Tensor, real_rows: torch.Tensor) -> torch.Tensor:
+        """tokens [R] and aux [R, layers, H] on the device (rows past ``real_rows`` are padding), real_rows
+        0-d: the draft's proposals [D]. Call ``advance`` with the real row count once it is known on the host."""
+        return self._run_round(tokens, aux, real_rows)[0]
 
     def advance(self, real_rows: int) -> None:
         self.length += real_rows

@@ -1,0 +1,131 @@
+"""Greedy EAGLE-2 tree decoding with both models on static caches: the whole tree drafted in one graph.
+
+``DraftRunner.expand_tree`` builds the tree on the host, one host read per level; on an H200 that costs
+more than the tree saves once the target is a CUDA graph (RESULTS.md: graphed trees ran at 0.66-0.68x).
+Here the same tree is built with fixed shapes on the device: with k = top-k, level 1 holds the root's k best
+children, and each further level expands the k best candidates of the level before into k children each
+(k*k candidates), so every level is one draft step over k rows. The ``budget`` best candidates overall
+(cumulative log-probability; stable sorts reproduce the host's tie order) become the tree, ordered by depth;
+its tokens, RoPE depths and ancestor mask go straight into the target's verification graph. The greedy
+walk (each node accepted when its token is the target's choice at its parent) is computed on the device;
+one host read per round brings back the accepted path.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..draft import Eagle3Draft
+from .engine import DecodeResult, _finish, _sync, draft_rope
+from .static import StaticTarget
+from .static_draft import StaticDraft
+
+
+class StaticTreeDraft(StaticDraft):
+    """The draft on a static cache whose round is: extend, then draft a whole tree (one graph on GPU)."""
+
+    def __init__(self, draft: Eagle3Draft, max_len: int, depth: int, topk: int, budget: int, graphs: bool | None = None):
+        self.width = min(topk, draft.config.draft_vocab_size)  # k: children per node and nodes expanded per level
+        expanded = (depth - 1) * self.width  # spec entries: k rows per expanded level
+        super().__init__(draft, max_len, depth, graphs, spec_slots=expanded)
+        self.candidates = self.width + (depth - 1) * self.width**2
+        self.budget = min(budget, self.candidates)
+
+    def _round(self) -> tuple[torch.Tensor, ...]:
+        """-> tree tokens [N], depths [N], parents [N] (root: 0), ancestor mask [N, N]; N = budget + 1."""
+        k, device = self.width, self.device
+        hidden, logits, root_token, end = self._extend_round_rows()
+        cos, sin = draft_rope(self.draft, (end - 1).view(1))  # every tree step runs at the root's position
+        cos, sin = cos.expand(k, -1), sin.expand(k, -1)
+        real = self._slot < end  # [slots]
+        spec = self._slot.shape[0] - self.max_len
+        top = torch.log_softmax(logits[0].float(), -1).topk(k)
+        tokens, scores = [self.used[top.indices]], [top.values]  # per level: [k], then [k*k]
+        parents = [torch.full((k,), -1, dtype=torch.long, device=device)]  # global candidate index
+        depths = [torch.ones(k, dtype=torch.long, device=device)]
+        inputs = hidden.expand(k, -1)  # [k, H]: the hidden each level-1 candidate is expanded with
+        ancestors = torch.zeros(k, spec, dtype=torch.bool, device=device)  # spec slots of processed ancestors
+        level_start = 0  # global index of the previous level's first candidate
+        for level in range(2, self.depth + 1):
+            order = torch.sort(scores[-1], descending=True, stable=True).indices[:k]  # the k best of the last level
+            frontier = level_start + order  # [k] global indices
+            own = (level - 2) * k + torch.arange(k, device=device)  # [k] spec slots these rows write
+            visible = ancestors[order].clone()
+            visible[torch.arange(k, device=device), own] = True  # [k, spec]: ancestors + itself
+            mask = torch.cat([real.expand(k, -1)[:, : self.max_len], visible], dim=1)  # [k, slots]
+            out_hidden, out_logits = self.draft.step(torch.cat(tokens)[frontier], inputs[order], cos, sin,
+                                                     self._attends(self.max_len + own, mask))
+            best = torch.log_softmax(out_logits.float(), -1).topk(k, dim=-1)  # [k, k]
+            level_start += scores[-1].shape[0]
+            tokens.append(self.used[best.indices].flatten())
+            scores.append((torch.cat(scores)[frontier][:, None] + best.values).flatten())
+            parents.append(frontier.repeat_interleave(k))
+            depths.append(torch.full((k * k,), level, dtype=torch.long, device=device))
+            inputs = out_hidden.repeat_interleave(k, dim=0)  # [k*k, H]: each child expands from its parent's output
+            ancestors = visible.repeat_interleave(k, dim=0)
+        tokens, scores, parents, depths = (torch.cat(x) for x in (tokens, scores, parents, depths))  # [C]
+        chosen = torch.sort(scores, descending=True, stable=True).indices[: self.budget]  # best first, ties by index
+        chosen = chosen[torch.sort(depths[chosen], stable=True).indices]  # the tree's order: by depth, then score
+        position = torch.zeros(self.candidates, dtype=torch.long, device=device)
+        position[chosen] = torch.arange(1, self.budget + 1, device=device)
+        tree_parents = torch.cat([torch.zeros(1, dtype=torch.long, device=device),
+                                  torch.where(parents[chosen] >= 0, position[parents[chosen].clamp_min(0)], 0)])
+        size = self.budget + 1
+        block = torch.eye(size, dtype=torch.bool, device=device)
+        for _ in range(self.depth):  # each pass adds one more generation of ancestors
+            block = block | block[tree_parents]
+        return (torch.cat([root_token, tokens[chosen]]), torch.cat([depths.new_zeros(1), depths[chosen]]),
+                tree_parents, block)
+
+    def round(self, tokens: torch.Tensor, aux: torch.Tensor, real_rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """As ``StaticDraft.round``, returning the tree: tokens [N], depths [N], parents [N], ancestor mask [N, N]."""
+        return self._run_round(tokens, aux, real_rows)
+
+
+def static_tree_decode(target: StaticTarget, draft: StaticTreeDraft, prompt: list[int], max_new: int,
+                       stop_ids: set[int]) -> DecodeResult:
+    """Greedy tree speculative decoding (``engine.tree_decode``'s tokens and acceptance), each round a draft
+    graph and a target graph with one host read."""
+    _sync(target.device)
+    started = time.perf_counter()
+    target.reset()
+    draft.reset()
+    rows = draft.rows
+    logits, aux = target.forward(prompt)
+    first = logits[-1].argmax().view(1)
+    out = [int(first)]
+    draft.prefill(prompt[1:], aux[:-1])
+    tokens = first.expand(rows).clone()  # [R]: the draft's new rows, real ones first
+    round_aux = aux[-1:].expand(rows, -1, -1).clone()  # [R, layers, H]
+    real_rows_host = 1
+    accepted_counts: list[int] = []
+    while not _finish(out, stop_ids, max_new)[1]:
+        base = target.length
+        tree_tokens, tree_depths, tree_parents, block = draft.round(
+            tokens, round_aux, torch.tensor(real_rows_host, device=target.device))
+        draft.advance(real_rows_host)
+        verify_logits, verify_aux = target.forward_tree(tree_tokens, tree_depths, block)
+        choices = verify_logits.argmax(-1)  # [N]: the target's token after each node
+        accepted = torch.ones_like(tree_tokens, dtype=torch.bool)
+        for _ in range(draft.depth):  # a node is accepted when its parent is and it is the parent's choice
+            accepted = (tree_tokens == choices[tree_parents]) & accepted[tree_parents]
+            accepted[0] = True
+        host = torch.cat([accepted.long(), choices, tree_tokens]).tolist()  # the round's one host read
+        size = len(tree_tokens)
+        path = [node for node in range(1, size) if host[node]]  # one chain: siblings hold distinct tokens
+        correction = host[size + (path[-1] if path else 0)]
+        new_tokens = [host[2 * size + node] for node in path] + [correction]
+        out.extend(new_tokens)
+        accepted_counts.append(len(path))
+        target.keep(torch.cat([torch.arange(base), base + torch.tensor([0] + path)]))
+        # the next round's draft rows: the path's tokens, then the correction, with their verify features
+        real_rows_host = len(new_tokens)
+        tokens = torch.full((rows,), correction, dtype=torch.long)
+        tokens[: len(path)] = torch.tensor([host[2 * size + node] for node in path], dtype=torch.long)
+        tokens = tokens.to(target.device)
+        index = torch.tensor([0] + path + [0] * (rows - real_rows_host), device=target.device)
+        round_aux = verify_aux.index_select(0, index)
+    _sync(target.device)
+    return DecodeResult(_finish(out, stop_ids, max_new)[0], accepted_counts, time.perf_counter() - started)
