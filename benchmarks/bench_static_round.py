@@ -1,10 +1,11 @@
-"""Where a static-cache speculative round spends its time: the target's graph at 1 and at D+1 tokens, the
-draft's round graph, and a whole greedy chain decode; optionally the CUDA kernels of the eager D+1 forward.
+"""Where a static-cache speculative round spends its time: the target's graph at 1, D+1 and tree-size tokens,
+the draft's chain and tree round graphs, and whole greedy chain and tree decodes; optionally the CUDA kernels
+of the eager D+1 forward.
 
 A round costs one draft graph plus one verification; the speedup over plain decoding is roughly
 τ · t(target, 1 token) / (t(draft round) + t(target, D+1 tokens)), so these three numbers explain it.
 Usage: python benchmarks/bench_static_round.py --draft RUN/draft [--dtype float32|bfloat16] [--depth 5]
-       [--profile] [--out FILE.json]
+       [--tree 6,8,48] [--profile] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def main() -> None:
     parser.add_argument("--target", default="embedded")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--depth", type=int, default=5)
+    parser.add_argument("--tree", default="6,8,48", help="tree depth,top-k,budget for the tree figures")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of an eager D+1 forward")
@@ -35,6 +37,7 @@ def main() -> None:
     from eaglet.decode.engine import _sync
     from eaglet.decode.static import StaticTarget
     from eaglet.decode.static_draft import StaticDraft, static_chain_decode
+    from eaglet.decode.static_tree import StaticTreeDraft, static_tree_decode
     from eaglet.draft import load_draft
     from eaglet.target import load_head_weights, load_model, pick_device, resolve_target
 
@@ -44,11 +47,14 @@ def main() -> None:
     dtype = next(model.parameters()).dtype
     draft = load_draft(args.draft, embed=load_head_weights(path).embed.float()).to(device, dtype=dtype).eval()
     layers = tuple(draft.config.eagle_aux_hidden_state_layer_ids)
-    max_len = len(PROMPT) + args.max_new_tokens + 2 * (args.depth + 1) + 64
+    tree_depth, tree_topk, tree_budget = (int(x) for x in args.tree.split(","))
+    max_len = len(PROMPT) + args.max_new_tokens + 2 * max(args.depth + 1, tree_budget + 1, 64)
     target = StaticTarget(model, layers, max_len)
     target.capture_all()
     static_draft = StaticDraft(draft, max_len, args.depth)
     static_chain_decode(target, static_draft, PROMPT, 16, set())  # warm-up: captures the round graphs
+    tree_draft = StaticTreeDraft(draft, max_len, tree_depth, tree_topk, tree_budget)
+    static_tree_decode(target, tree_draft, PROMPT, 16, set())
 
     def ms(fn) -> float:
         _sync(device)
@@ -63,7 +69,7 @@ def main() -> None:
     target.reset()
     target.forward(PROMPT)
     base = target.length
-    for size in (1, args.depth + 1):
+    for size in (1, args.depth + 1, tree_draft.budget + 1):
         def forward(size=size):
             target.crop(base)
             target.forward(list(range(5, 5 + size)))
@@ -75,9 +81,18 @@ def main() -> None:
     static_draft.reset()
     static_draft.length = len(PROMPT)
     record["draft_round_ms"] = ms(lambda: static_draft.round(tokens, aux, one))
+    tree_rows = tree_draft.rows
+    tree_tokens = torch.zeros(tree_rows, dtype=torch.long, device=device)
+    tree_aux = torch.zeros(tree_rows, len(layers), model.config.hidden_size, device=device, dtype=dtype)
+    tree_draft.reset()
+    tree_draft.length = len(PROMPT)
+    record["tree_draft_round_ms"] = ms(lambda: tree_draft.round(tree_tokens, tree_aux, one))
     result = static_chain_decode(target, static_draft, PROMPT, args.max_new_tokens, set())
     record["chain_tokens_per_s"] = round(len(result.tokens) / result.seconds, 2)
     record["chain_tau"] = round(result.acceptance_length, 3)
+    result = static_tree_decode(target, tree_draft, PROMPT, args.max_new_tokens, set())
+    record["tree_tokens_per_s"] = round(len(result.tokens) / result.seconds, 2)
+    record["tree_tau"] = round(result.acceptance_length, 3)
     print(json.dumps(record, indent=2))
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
