@@ -17,7 +17,7 @@ Implements ``TargetRunner``'s interface, so every decode loop in ``engine.py`` r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -27,6 +27,22 @@ from .engine import Tree, cache_kwarg
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # token counts captured as graphs; longer forwards (prompts) run eagerly
 WARMUP_RUNS = 2  # eager runs on a side stream before capture (cuBLAS/allocator set-up must not be captured)
+T = TypeVar("T")
+
+
+def capture(device: torch.device, body: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Run ``body`` WARMUP_RUNS times on a side stream, then capture it as a CUDA graph; returns the graph
+    and the outputs ``body`` left in the graph's memory (rewritten by every replay)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP_RUNS):
+            body()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = body()
+    return graph, outputs
 
 
 def bucket_for(tokens: int) -> int | None:
@@ -191,14 +207,7 @@ class StaticTarget:
         return graph.logits, graph.aux
 
     def _capture(self, graph: _Graph) -> None:
-        """Warm up on a side stream, then capture. The warm-up runs write the same entries the replay that
-        follows writes, so capturing mid-decode changes nothing."""
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                self._run(graph.ids, graph.positions, graph.start, graph.block)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph.graph):
-            graph.logits, graph.aux = self._run(graph.ids, graph.positions, graph.start, graph.block)
+        """The warm-up runs write the same entries the replay that follows writes, so capturing mid-decode
+        changes nothing."""
+        graph.graph, (graph.logits, graph.aux) = capture(
+            self.device, lambda: self._run(graph.ids, graph.positions, graph.start, graph.block))

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ..draft import Eagle3Draft
 from .engine import DecodeResult, _finish, _sync, draft_rope, draft_target_ids
-from .static import WARMUP_RUNS, StaticTarget
+from .static import StaticTarget, capture
 
 
 class _StaticAttention:
@@ -118,15 +118,7 @@ class StaticDraft:
         if not self.graphs:
             return self._round()
         if self._graph is None:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(WARMUP_RUNS):
-                    self._round()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            self._graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self._graph):
-                self._outputs = self._round()
+            self._graph, self._outputs = capture(self.device, self._round)
         self._graph.replay()
         return tuple(output.clone() for output in self._outputs)
 
