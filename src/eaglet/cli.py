@@ -382,7 +382,7 @@ def eval_cmd(
     dtype: Optional[str] = typer.Option(None, help="float32 (default: the lossless check is exact), bfloat16, float16, auto"),
     hf_generate_baseline: Optional[bool] = typer.Option(None, "--hf-generate-baseline", help="also time plain HF generate"),
     cuda_graphs: Optional[str] = typer.Option(None, "--cuda-graphs", help="auto (default: on GPU at batch 1), on, off: "
-                                              "the target on a static cache, each forward replayed as a CUDA graph"),
+                                              "target and draft on static caches, their forwards replayed as CUDA graphs"),
     skip_preflight: bool = typer.Option(False, "--skip-preflight", help=SKIP_HELP),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
     overrides: List[str] = typer.Option([], "--set", help=SET_HELP),

@@ -225,6 +225,6 @@ class EvalConfig(StrictModel):
         "a k-token verify differently from a 1-token step, so near-ties flip); auto = bf16 on GPU")
     hf_generate_baseline: bool = Field(default=False, description="also time plain HF generate")
     cuda_graphs: Literal["auto", "on", "off"] = Field(
-        default="auto", description="batch 1: the target's forwards on a static KV cache, replayed as CUDA graphs "
-        "(auto: on GPU; on: also on CPU, run eagerly; off: the dynamic cache)")
+        default="auto", description="batch 1: target and draft on static KV caches, their forwards (greedy: the "
+        "draft's whole rounds) replayed as CUDA graphs (auto: on GPU; on: also on CPU, run eagerly; off: dynamic caches)")
     trust_remote_code: bool = False

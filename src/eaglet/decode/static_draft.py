@@ -54,7 +54,6 @@ class StaticDraft:
         self.values = [torch.zeros_like(keys) for keys in self.keys]
         self.used = draft_target_ids(draft)
         self._slot = torch.arange(slots, device=self.device)  # [slots]
-        self._row = torch.arange(self.rows, device=self.device)  # [R]
         self.length = 0
         # the round's static inputs and output
         aux_width = config.target_hidden_size
