@@ -105,7 +105,7 @@ def test_eval_report(tmp_path, capsys, tiny_draft, tiny_target):
                                  "--out", out, "--max-new-tokens", "16", "--depth", "3", "--device", "cpu"], capsys)
     assert code == 0, err
     report = json.loads((out / "report.json").read_text())
-    assert report["lossless"] is True and report["prompts"] == 3
+    assert report["lossless"] is True and report["prompts"] == 3 and report["divergences"] == {}
     assert 1.0 <= report["acceptance_length"] <= 4.0 and len(report["acceptance_by_position"]) == 3
     assert set(report["per_category"]) == {"animals", "birds"}
     assert report["speedup"] > 0 and report["baseline_tokens_per_s"] > 0
@@ -235,3 +235,24 @@ def test_static_cache_eval_gives_the_dynamic_cache_results(tmp_path, capsys, tin
                             tmp_path / "x", "--device", "cpu", "--cuda-graphs", "yes"], capsys)
     assert code == 2 and "'cuda_graphs'" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_lossless_failure_is_located_and_sized():
+    """Where a greedy output leaves the target's own, the report says at which token and by how many logits
+    (and rounding units) the target preferred its own choice: near-ties (bf16) read differently from a bug."""
+    from test_decode import tiny_pair
+    from eaglet.decode.engine import TargetRunner, target_only_decode
+    from eaglet.decode.evaluate import _divergence, _divergence_lines
+    from eaglet.decode.sampling import Sampling
+
+    target, _ = tiny_pair()
+    layers = (2, 4, 5)
+    prompt = [5, 17, 33, 8]
+    expected = target_only_decode(TargetRunner(target, layers), prompt, 12, Sampling(), set()).tokens
+    got = expected[:5] + [(expected[5] + 1) % 64] + expected[6:]
+    record = _divergence(target, layers, prompt, expected, got)
+    assert record["position"] == 5 and record["target_token"] == expected[5] and record["speculative_token"] == got[5]
+    assert record["logit_gap"] > 0 and record["rounding_units"] > 0  # the target's greedy choice was its argmax
+    assert _divergence(target, layers, prompt, expected, expected[:7]) == {"position": 7}  # stopped early: no token
+    report = {"lossless_failures": ["a", "b"], "divergences": {"a": record, "b": {"position": 7}}}
+    assert f"by at most {record['logit_gap']:.4g} logits" in _divergence_lines(report)[0]

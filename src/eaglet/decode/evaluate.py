@@ -39,6 +39,28 @@ class PromptResult:
     spec_s: float
     base_s: float
     lossless: bool | None
+    divergence: dict[str, Any] | None = None  # where a greedy output left the target's own (``_divergence``)
+
+
+def _divergence(model: Any, layer_ids: tuple[int, ...], prompt: list[int], expected: list[int],
+                got: list[int]) -> dict[str, Any]:
+    """Where the speculative output first left the target's own greedy decoding, and how much the target
+    preferred its own token there: the logit gap, also in units of the dtype's rounding at that logit
+    (eps * |logit|). A gap of a few units is a near-tie that a k-token verification's different rounding
+    can flip (bf16); a large one would be a decoder bug. Costs one extra target forward per failing prompt,
+    outside the timings."""
+    position = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    record: dict[str, Any] = {"position": position}
+    if position < min(len(expected), len(got)):
+        checker = TargetRunner(model, layer_ids)
+        checker.reset()
+        logits = checker.forward(prompt + expected[:position])[0][-1]  # [V]: the target's step that chose expected
+        chosen = float(logits[expected[position]])
+        gap = chosen - float(logits[got[position]])
+        unit = torch.finfo(next(model.parameters()).dtype).eps * max(abs(chosen), 1.0)
+        record.update(target_token=expected[position], speculative_token=got[position], logit_gap=round(gap, 5),
+                      rounding_units=round(gap / unit, 2))
+    return record
 
 
 def _prompts(config: EvalConfig, tokenizer: Any) -> list[tuple[str, str, list[int]]]:
@@ -151,8 +173,9 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
                                           torch.Generator().manual_seed(config.seed + index))
                 spec = speculate(ids, config.max_new_tokens, config.seed + index)
                 lossless = (spec.tokens == base.tokens) if sampling.greedy else None
+                divergence = _divergence(model, layer_ids, ids, base.tokens, spec.tokens) if lossless is False else None
                 results.append(PromptResult(prompt_id, category, len(spec.tokens), spec.forwards, spec.accepted,
-                                            spec.seconds, base.seconds, lossless))
+                                            spec.seconds, base.seconds, lossless, divergence))
                 progress.advance(task)
         return results
 
@@ -189,9 +212,11 @@ def _batched_results(config: EvalConfig, model: Any, draft: Any, layer_ids: tupl
             ids = [row[2] for row in group]
             base = batched_target_only_decode(target, ids, config.max_new_tokens, stop)
             spec = batched_speculative_decode(target, batch_draft, ids, config.max_new_tokens, config.depth, stop)
-            for (prompt_id, category, _), plain, drafted in zip(group, base, spec):
+            for (prompt_id, category, prompt), plain, drafted in zip(group, base, spec):
+                lossless = drafted.tokens == plain.tokens
+                divergence = None if lossless else _divergence(model, layer_ids, prompt, plain.tokens, drafted.tokens)
                 results.append(PromptResult(prompt_id, category, len(drafted.tokens), drafted.forwards, drafted.accepted,
-                                            drafted.seconds, plain.seconds, drafted.tokens == plain.tokens))
+                                            drafted.seconds, plain.seconds, lossless, divergence))
             progress.advance(task, len(group))
     return results
 
@@ -219,6 +244,7 @@ def _report(config: EvalConfig, results: list[PromptResult], target_name: str, d
         "speedup": round(base_s / spec_s, 4) if spec_s else None,
         "lossless": all(lossless) if lossless else None,
         "lossless_failures": [r.id for r in results if r.lossless is False],
+        "divergences": {r.id: r.divergence for r in results if r.divergence is not None},
         "per_category": {name: {"prompts": len(items), "acceptance_length": tau(items)} for name, items in sorted(by_category.items())},
         "prompts": len(results), "generated_tokens": tokens, "target_forwards": forwards,
         "settings": {"target": target_name, "draft": config.draft, "mode": config.mode, "depth": config.depth,
@@ -240,6 +266,16 @@ def _engine_words(settings: dict[str, Any]) -> str:
     return f"static KV caches, the target's forwards {graphs}; {drafted}"
 
 
+def _divergence_lines(report: dict[str, Any]) -> list[str]:
+    gaps = [d for d in report.get("divergences", {}).values() if "logit_gap" in d]
+    if not gaps:
+        return []
+    widest = max(gaps, key=lambda d: d["logit_gap"])
+    return [f"- {len(report['lossless_failures'])} prompts diverged; where they did, the target preferred its own token "
+            f"by at most {widest['logit_gap']:.4g} logits ({widest['rounding_units']:.3g}× its dtype's rounding at that "
+            "logit): per prompt in report.json `divergences`"]
+
+
 def _markdown(report: dict[str, Any]) -> str:
     settings = report["settings"]
     lines = [
@@ -252,6 +288,7 @@ def _markdown(report: dict[str, Any]) -> str:
         f"- lossless (greedy outputs identical to the target's own): {report['lossless']}"
         + (f" (in {settings['dtype']}: a k-token verify rounds differently from a 1-token step, so near-tied tokens can "
            "flip; `--dtype float32` checks exactly)" if report["lossless"] is False and settings["dtype"] != "float32" else ""),
+        *_divergence_lines(report),
         f"- {report['prompts']} prompts ({settings['split']} split), {report['generated_tokens']} tokens, device {settings['device']}",
         f"- engine: {_engine_words(settings)}",
         "",
