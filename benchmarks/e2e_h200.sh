@@ -4,6 +4,7 @@
 #                                                              #  with the same command if the 10-minute call ends)
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh evals   # the demo's draft: chain and tree, with and without
 #                                                              #  static caches + CUDA graphs, same prompts
+#   bash scripts/device.sh bash benchmarks/e2e_h200.sh round   # the demo's draft: time per graphed round, per part
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh train   # training step, 8B shape, next to speculators 0.9.0
 # Results are copied under $OUT (the device tool brings them back). WORK defaults to /tmp/e2e.
 set -uo pipefail
@@ -23,14 +24,21 @@ case "${1:-}" in
     # the demo's draft on EVAL_PROMPTS held-out prompts, 128 new tokens, greedy, chain and tree, with the static
     # caches + CUDA graphs (eval's GPU default) and without (--cuda-graphs off: the dynamic-cache engine); each
     # eval times its baseline (the same engine without the draft) in the same process
-    common=(--draft "$WORK/demo/draft" --max-prompts "${EVAL_PROMPTS:-16}" --max-new-tokens 128)
+    common=(--draft "$WORK/demo/draft" --max-prompts "${EVAL_PROMPTS:-16}" --max-new-tokens 128 --dtype "${EVAL_DTYPE:-float32}")
     for mode in chain tree; do
       if [ $mode = chain ]; then shape=(--mode chain --depth 5); else shape=(--mode tree --depth 6 --topk 8 --budget 48); fi
       for graphs in on off; do
         extra=(); [ $mode = chain ] && [ $graphs = on ] && extra=(--hf-generate-baseline)
         eaglet eval "${common[@]}" "${shape[@]}" "${extra[@]}" --cuda-graphs $graphs --out "$WORK/eval_${mode}_$graphs" 2>&1 | tail -3
-        cp "$WORK/eval_${mode}_$graphs/report.json" "$OUT/eval_${mode}_graphs_$graphs.json"
+        cp "$WORK/eval_${mode}_$graphs/report.json" "$OUT/eval_${mode}_graphs_${graphs}_${EVAL_DTYPE:-float32}.json"
       done
+    done
+    ;;
+  round)
+    # where a graphed round's time goes (target at 1 / D+1 / tree-size tokens, chain and tree draft graphs), both dtypes
+    for dtype in float32 bfloat16; do
+      python3 benchmarks/bench_static_round.py --draft "$WORK/demo/draft" --dtype $dtype --profile \
+        --out "$OUT/static_round_$dtype.json" 2>&1 | tail -40
     done
     ;;
   train)
@@ -38,5 +46,5 @@ case "${1:-}" in
     [ -d /tmp/specsite ] && PYTHONPATH=/tmp/specsite python3 /tmp/specbench/bench_eagle3.py --shape 8b --ttt 7 \
       --draft-vocab 32000 --optimizers adamw --out "$OUT/speculators_8b_h200.json" 2>&1 | tail -8
     ;;
-  *) echo "usage: bash benchmarks/e2e_h200.sh demo|evals|train" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/e2e_h200.sh demo|evals|round|train" >&2; exit 2 ;;
 esac
