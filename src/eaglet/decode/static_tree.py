@@ -47,13 +47,13 @@ class StaticTreeDraft(StaticDraft):
         depths = [torch.ones(k, dtype=torch.long, device=device)]
         inputs = hidden.expand(k, -1)  # [k, H]: the hidden each level-1 candidate is expanded with
         ancestors = torch.zeros(k, spec, dtype=torch.bool, device=device)  # spec slots of processed ancestors
+        spec_index = torch.arange(spec, device=device)  # (no host-scalar writes inside a captured graph)
         level_start = 0  # global index of the previous level's first candidate
         for level in range(2, self.depth + 1):
             order = torch.sort(scores[-1], descending=True, stable=True).indices[:k]  # the k best of the last level
             frontier = level_start + order  # [k] global indices
             own = (level - 2) * k + torch.arange(k, device=device)  # [k] spec slots these rows write
-            visible = ancestors[order].clone()
-            visible[torch.arange(k, device=device), own] = True  # [k, spec]: ancestors + itself
+            visible = ancestors[order] | (spec_index[None, :] == own[:, None])  # [k, spec]: ancestors + itself
             mask = torch.cat([real.expand(k, -1)[:, : self.max_len], visible], dim=1)  # [k, slots]
             out_hidden, out_logits = self.draft.step(torch.cat(tokens)[frontier], inputs[order], cos, sin,
                                                      self._attends(self.max_len + own, mask))
