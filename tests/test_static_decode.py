@@ -183,3 +183,17 @@ def test_sliding_window_targets_are_refused_by_name():
                            num_key_value_heads=2, sliding_window=16)
     with pytest.raises(EagletError, match="MistralConfig has sliding-window attention layers.*--cuda-graphs off"):
         StaticTarget(MistralForCausalLM(config).eval(), LAYERS, 64)
+
+
+def test_mixture_of_experts_targets_are_not_graphed():
+    """transformers routes MoE tokens with host reads (nonzero): such targets must not reach a graph capture
+    (eval's auto mode falls back; preflight says so from the config); a static cache alone is fine."""
+    from transformers import Qwen3MoeConfig
+
+    from eaglet.decode.static import static_cache_problem
+
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                            num_experts_per_tok=2)
+    assert "mixture of experts" in static_cache_problem(config, graphs=True)
+    assert static_cache_problem(config, graphs=False) is None

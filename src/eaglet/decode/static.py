@@ -41,8 +41,12 @@ def capture(device: torch.device, body: Callable[[], T]) -> tuple[torch.cuda.CUD
             body()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = body()
+    try:
+        with torch.cuda.graph(graph):
+            outputs = body()
+    except RuntimeError as error:  # an op that syncs with the host, or one graphs do not support
+        raise EagletError(f"CUDA graph capture failed ({str(error).splitlines()[0]}); run eval with "
+                          "--cuda-graphs off") from None
     return graph, outputs
 
 
@@ -51,12 +55,19 @@ def bucket_for(tokens: int) -> int | None:
     return next((size for size in GRAPH_BUCKETS if size >= tokens), None)
 
 
-def static_cache_problem(config: Any, cache: Any = None) -> str | None:
-    """Why this target cannot decode on a movable static cache, or None. Needs only the config (preflight
-    asks before any weights load)."""
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def static_cache_problem(config: Any, graphs: bool, cache: Any = None) -> str | None:
+    """Why this target cannot decode on a movable static cache (or, with ``graphs``, be captured as a CUDA
+    graph), or None. Needs only the config (preflight asks before any weights load)."""
     import transformers
     from transformers import StaticCache
 
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if graphs and any(getattr(text_config, key, None) for key in EXPERT_COUNT_KEYS):
+        return (f"{type(config).__name__} is a mixture of experts: transformers routes tokens with host-side "
+                "reads (nonzero), which a CUDA graph cannot capture")
     cache = cache if cache is not None else StaticCache(config=config, max_cache_len=GRAPH_BUCKETS[-1])
     layers = getattr(cache, "layers", None)
     if not layers or not all(hasattr(layer, "cumulative_length") for layer in layers):
@@ -101,7 +112,7 @@ class StaticTarget:
         self._graphs: dict[int, _Graph] = {}
 
     def _check_cache(self) -> None:
-        problem = static_cache_problem(self.model.config, self.cache)
+        problem = static_cache_problem(self.model.config, self.graphs, self.cache)
         if problem:
             raise EagletError(f"{problem} (run eval with --cuda-graphs off)")
 

@@ -214,17 +214,18 @@ def eval_checks(cfg: Any) -> list[Check]:
         device, dtype_bytes = _device_bytes(cfg.device, cfg.dtype)
         checks.append(check_memory(device, weights_bytes(found[0].path, dtype_bytes), "target weights"))
         if cfg.batch_size == 1 and (cfg.cuda_graphs == "on" or (cfg.cuda_graphs == "auto" and device.startswith("cuda"))):
-            checks.append(check_static_cache(found[0].path, cfg.cuda_graphs, cfg.trust_remote_code))
+            checks.append(check_static_cache(found[0].path, cfg.cuda_graphs, device.startswith("cuda"),
+                                             cfg.trust_remote_code))
     return checks
 
 
-def check_static_cache(target_path: Any, mode: str, trust_remote_code: bool) -> Check:
+def check_static_cache(target_path: Any, mode: str, graphs: bool, trust_remote_code: bool) -> Check:
     """eval's static-cache / CUDA-graph path suits the target (from its config alone, no weights)."""
     from transformers import AutoConfig
 
     from ..decode.static import static_cache_problem
 
-    problem = static_cache_problem(AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code))
+    problem = static_cache_problem(AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code), graphs)
     if problem is None:
         return Check("static cache", PASS, "the target's forwards can be replayed as CUDA graphs")
     if mode == "on":
