@@ -38,7 +38,7 @@ BYTES_PER_ANSWER_TOKEN = 8  # JSON text
 # Rough rates for --plan's time column (measured: benchmarks/RESULTS.md; CPU = this project's 2-core machine)
 RATES = {"cpu": {"generate_tok_s": 66, "extract_tok_s": 600, "decode_tok_s": 15},
          "cuda": {"generate_tok_s": 2750, "extract_tok_s": 245_000, "decode_tok_s": 230}}  # decode: the H200 demo eval
-# (static caches + CUDA graphs, float32: 8,192 tokens, baseline and speculative, in 30.6 s incl. capture)
+# (static caches + CUDA graphs, float32: 32 prompts x 128 tokens, baseline and speculative, 30.6 s with load + capture)
 HELD_OUT_PROMPTS_GUESS = 128  # the demo prompts' held-out split
 DRAFT_LAYER_PARAMS_PER_H2 = 15  # fc (3H^2) + one decoder layer (~12H^2), as the train preflight estimates
 FP32_BYTES, BF16_BYTES = 4, 2
