@@ -126,10 +126,11 @@ class StaticTarget:
 
     def forward(self, tokens: list[int] | torch.Tensor, tree: Tree | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``tokens`` at ``length``; logits [n, V] float32 and aux features [n, layers, H]."""
-        count = len(tokens)
-        depths = torch.tensor(tree.depths) if tree is not None else torch.arange(count)
-        block = tree.ancestor_mask() if tree is not None else torch.ones(count, count, dtype=torch.bool).tril()
-        return self.forward_tree(tokens, depths, block)
+        if tree is not None:
+            return self.forward_tree(tokens, torch.tensor(tree.depths), tree.ancestor_mask())
+        count = len(tokens)  # a chain: made on the device (a host-built mask would be a synchronising copy)
+        return self.forward_tree(tokens, torch.arange(count, device=self.device),
+                                 torch.ones(count, count, dtype=torch.bool, device=self.device).tril())
 
     @torch.inference_mode()
     def forward_tree(self, tokens: list[int] | torch.Tensor, depths: torch.Tensor,
