@@ -23,6 +23,12 @@ from .static import StaticTarget
 from .static_draft import StaticDraft
 
 
+def _each_row_k_times(x: torch.Tensor, k: int) -> torch.Tensor:
+    """[n, ...] -> [n*k, ...], row i repeated k times (``repeat_interleave`` by a view: nothing a graph capture
+    could need to ask the host about)."""
+    return x[:, None].expand(x.shape[0], k, *x.shape[1:]).reshape(x.shape[0] * k, *x.shape[1:])
+
+
 class StaticTreeDraft(StaticDraft):
     """The draft on a static cache whose round is: extend, then draft a whole tree (one graph on GPU)."""
 
@@ -61,10 +67,10 @@ class StaticTreeDraft(StaticDraft):
             level_start += scores[-1].shape[0]
             tokens.append(self.used[best.indices].flatten())
             scores.append((torch.cat(scores)[frontier][:, None] + best.values).flatten())
-            parents.append(frontier.repeat_interleave(k))
+            parents.append(_each_row_k_times(frontier, k))
             depths.append(torch.full((k * k,), level, dtype=torch.long, device=device))
-            inputs = out_hidden.repeat_interleave(k, dim=0)  # [k*k, H]: each child expands from its parent's output
-            ancestors = visible.repeat_interleave(k, dim=0)
+            inputs = _each_row_k_times(out_hidden, k)  # [k*k, H]: each child expands from its parent's output
+            ancestors = _each_row_k_times(visible, k)
         tokens, scores, parents, depths = (torch.cat(x) for x in (tokens, scores, parents, depths))  # [C]
         chosen = torch.sort(scores, descending=True, stable=True).indices[: self.budget]  # best first, ties by index
         chosen = chosen[torch.sort(depths[chosen], stable=True).indices]  # the tree's order: by depth, then score
