@@ -23,7 +23,7 @@ from ..resources import resolve_input
 from ..target import load_head_weights, load_model, load_tokenizer, pick_device, resolve_target, target_info
 from .batched import BatchDraft, BatchTarget, batched_speculative_decode, batched_target_only_decode
 from .engine import DraftRunner, TargetRunner, speculative_decode, target_only_decode, tree_decode
-from .static import GRAPH_BUCKETS, StaticTarget
+from .static import GRAPH_BUCKETS, StaticTarget, uses_static_cache
 from .static_draft import StaticDraft, static_chain_decode
 from .static_tree import StaticTreeDraft, static_tree_decode
 from .sampling import Sampling
@@ -130,7 +130,7 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     stop = sorted({i for i in [tokenizer.eos_token_id, *(model.generation_config.eos_token_id
                    if isinstance(model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])] if i is not None})
     prompts = _prompts(config, tokenizer)
-    static = config.batch_size == 1 and (config.cuda_graphs == "on" or (config.cuda_graphs == "auto" and device.startswith("cuda")))
+    static = uses_static_cache(config.cuda_graphs, config.batch_size, device)
     cache_length = _static_cache_length(config, prompts)
     target_runner = TargetRunner(model, layer_ids)
     if static:

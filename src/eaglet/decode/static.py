@@ -58,6 +58,12 @@ def bucket_for(tokens: int) -> int | None:
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
+def uses_static_cache(cuda_graphs: str, batch_size: int, device: str) -> bool:
+    """Whether eval decodes on static caches: batch 1, and ``--cuda-graphs on`` (any device) or ``auto`` on a
+    GPU (graphs then replay the forwards; elsewhere the same functions run eagerly)."""
+    return batch_size == 1 and (cuda_graphs == "on" or (cuda_graphs == "auto" and device.startswith("cuda")))
+
+
 def static_cache_problem(config: Any, graphs: bool, cache: Any = None) -> str | None:
     """Why this target cannot decode on a movable static cache (or, with ``graphs``, be captured as a CUDA
     graph), or None. Needs only the config (preflight asks before any weights load)."""

@@ -213,7 +213,9 @@ def eval_checks(cfg: Any) -> list[Check]:
         checks.append(check_library_api())
         device, dtype_bytes = _device_bytes(cfg.device, cfg.dtype)
         checks.append(check_memory(device, weights_bytes(found[0].path, dtype_bytes), "target weights"))
-        if cfg.batch_size == 1 and (cfg.cuda_graphs == "on" or (cfg.cuda_graphs == "auto" and device.startswith("cuda"))):
+        from ..decode.static import uses_static_cache
+
+        if uses_static_cache(cfg.cuda_graphs, cfg.batch_size, device):
             checks.append(check_static_cache(found[0].path, cfg.cuda_graphs, device.startswith("cuda"),
                                              cfg.trust_remote_code))
     return checks
