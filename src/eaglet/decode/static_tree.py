@@ -128,9 +128,7 @@ def static_tree_decode(target: StaticTarget, draft: StaticTreeDraft, prompt: lis
         target.keep(torch.cat([torch.arange(base), base + torch.tensor([0] + path)]))
         # the next round's draft rows: the path's tokens, then the correction, with their verify features
         real_rows_host = len(new_tokens)
-        tokens = torch.full((rows,), correction, dtype=torch.long)
-        tokens[: len(path)] = torch.tensor([host[2 * size + node] for node in path], dtype=torch.long)
-        tokens = tokens.to(target.device)
+        tokens = torch.tensor(new_tokens + [correction] * (rows - real_rows_host), device=target.device)
         index = torch.tensor([0] + path + [0] * (rows - real_rows_host), device=target.device)
         round_aux = verify_aux.index_select(0, index)
     _sync(target.device)
