@@ -58,17 +58,24 @@ def test_tree_forward_gives_the_dynamic_cache_logits_and_features(pair):
     torch.testing.assert_close(static.forward([21])[0], dynamic.forward([21])[0], rtol=1e-5, atol=1e-5)
 
 
+def assert_chain_and_tree_match(dynamic, static, drafts, prompt):
+    """Chain (depth 3) and tree (depth 4, top-k 3, budget 12) decoding on ``static`` give the dynamic
+    cache's tokens and accepted counts; returns (chain, tree) results."""
+    expected = speculative_decode(dynamic, drafts, prompt, NEW_TOKENS, 3, Sampling(), set())
+    chain = speculative_decode(static, drafts, prompt, NEW_TOKENS, 3, Sampling(), set())
+    assert chain.tokens == expected.tokens and chain.accepted == expected.accepted
+    expected = tree_decode(dynamic, drafts, prompt, NEW_TOKENS, 4, 3, 12, set())
+    tree = tree_decode(static, drafts, prompt, NEW_TOKENS, 4, 3, 12, set())
+    assert tree.tokens == expected.tokens and tree.accepted == expected.accepted
+    return chain, tree
+
+
 def test_chain_and_tree_decoding_equal_the_dynamic_cache(pair):
     target, draft = pair
     dynamic, static, drafts = TargetRunner(target, LAYERS), StaticTarget(target, LAYERS, MAX_LEN), DraftRunner(draft)
     accepted = 0
     for prompt in PROMPTS:
-        expected = speculative_decode(dynamic, drafts, prompt, NEW_TOKENS, 3, Sampling(), set())
-        chain = speculative_decode(static, drafts, prompt, NEW_TOKENS, 3, Sampling(), set())
-        assert chain.tokens == expected.tokens and chain.accepted == expected.accepted
-        expected = tree_decode(dynamic, drafts, prompt, NEW_TOKENS, 4, 3, 12, set())
-        tree = tree_decode(static, drafts, prompt, NEW_TOKENS, 4, 3, 12, set())
-        assert tree.tokens == expected.tokens and tree.accepted == expected.accepted
+        _, tree = assert_chain_and_tree_match(dynamic, static, drafts, prompt)
         accepted += sum(tree.accepted)
     assert accepted >= 10  # paths of several tokens were kept (the compaction was exercised)
 
@@ -154,12 +161,7 @@ def test_cuda_graph_replays_equal_the_dynamic_cache_on_gpu(pair):
         for prompt in PROMPTS + [LONG_PROMPT]:
             expected = target_only_decode(dynamic, prompt, NEW_TOKENS, Sampling(), set())
             assert target_only_decode(graphed, prompt, NEW_TOKENS, Sampling(), set()).tokens == expected.tokens
-            expected = speculative_decode(dynamic, drafts, prompt, NEW_TOKENS, 3, Sampling(), set())
-            chain = speculative_decode(graphed, drafts, prompt, NEW_TOKENS, 3, Sampling(), set())
-            assert chain.tokens == expected.tokens and chain.accepted == expected.accepted
-            expected = tree_decode(dynamic, drafts, prompt, NEW_TOKENS, 4, 3, 12, set())
-            tree = tree_decode(graphed, drafts, prompt, NEW_TOKENS, 4, 3, 12, set())
-            assert tree.tokens == expected.tokens and tree.accepted == expected.accepted
+            chain, tree = assert_chain_and_tree_match(dynamic, graphed, drafts, prompt)
             graphed_draft = StaticDraft(draft, MAX_LEN, 3)
             both = static_chain_decode(graphed, graphed_draft, prompt, NEW_TOKENS, set())
             assert both.tokens == chain.tokens and both.accepted == chain.accepted
