@@ -191,3 +191,11 @@ def test_evaluation_reuses_the_training_kernels_on_gpu(tmp_path, capsys, tiny_st
                                           "--device", "cuda"), capsys)
     assert code == 0, err
     assert [r for r in read_metrics(tmp_path / "run") if r["kind"] == "eval"]
+
+
+def test_an_unknown_attention_kernels_value_is_a_one_line_error(tmp_path, capsys, tiny_store, tiny_target):
+    out = tmp_path / "run"
+    code, _, err = run_cli(train_args(tiny_store, out, tiny_target, "--max-steps", "1", "--set", "attention_kernels=two"),
+                           capsys)
+    assert code == 2 and "attention_kernels" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
