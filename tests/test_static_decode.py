@@ -11,7 +11,7 @@ from test_decode import tiny_pair
 from eaglet.decode.engine import (DraftRunner, TargetRunner, Tree, speculative_decode, target_only_decode,
                                   tree_decode)
 from eaglet.decode.sampling import Sampling
-from eaglet.decode.static import GRAPH_BUCKETS, StaticTarget, bucket_for
+from eaglet.decode.static import GRAPH_BUCKETS, StaticTarget, bucket_for, buckets_for
 from eaglet.decode.static_draft import StaticDraft, static_chain_decode
 from eaglet.decode.static_tree import StaticTreeDraft, static_tree_decode
 from eaglet.errors import EagletError
@@ -28,6 +28,8 @@ def pair():
 def test_bucket_sizes():
     assert bucket_for(1) == 1 and bucket_for(5) == 8 and bucket_for(GRAPH_BUCKETS[-1]) == GRAPH_BUCKETS[-1]
     assert bucket_for(GRAPH_BUCKETS[-1] + 1) is None
+    assert buckets_for(GRAPH_BUCKETS[-1]) == GRAPH_BUCKETS  # verifications that fit add no bucket
+    assert bucket_for(97, buckets_for(97)) == 97 and bucket_for(98, buckets_for(97)) is None
 
 
 def test_plain_decoding_equals_the_dynamic_cache(pair):
@@ -115,6 +117,21 @@ def test_static_tree_rounds_equal_the_dynamic_engine(pair, depth, topk, budget):
         assert result.tokens == expected.tokens and result.accepted == expected.accepted
         accepted += sum(result.accepted)
     assert accepted >= (5 if depth > 1 else 1)
+
+
+def test_a_tree_past_the_largest_bucket_verifies_in_its_own_bucket(pair):
+    """A budget past the largest bucket (eval's d10/k10/b96 tree on the H200) verifies in a bucket of its size
+    (a graph on GPU; it ran as an eager forward every round: 0.48x), with the dynamic engine's tokens."""
+    depth, topk, budget = 6, 4, GRAPH_BUCKETS[-1] + 6  # 4 + 5 * 16 = 84 candidates: the budget is filled
+    target, draft = pair
+    dynamic, drafts = TargetRunner(target, LAYERS), DraftRunner(draft)
+    static = StaticTarget(target, LAYERS, MAX_LEN + budget, verify_tokens=budget + 1)
+    tree_draft = StaticTreeDraft(draft, MAX_LEN + budget, depth, topk, budget)
+    for prompt in PROMPTS:
+        expected = tree_decode(dynamic, drafts, prompt, NEW_TOKENS, depth, topk, budget, set())
+        result = static_tree_decode(static, tree_draft, prompt, NEW_TOKENS, set())
+        assert result.tokens == expected.tokens and result.accepted == expected.accepted
+    assert static.buckets_used[-1] == budget + 1
 
 
 def test_static_tree_matches_the_host_tree_node_for_node(pair):

@@ -26,6 +26,7 @@ from ..errors import EagletError
 from ..fsio import append_lines_durable, sha256_file, write_bytes_atomic, write_json_atomic
 from ..progress import progress_bar
 from ..resources import resolve_input
+from ..target import decoding_attention
 from .readers import BadRow, fail_on_bad_rows, read_conversations
 
 MANIFEST_SUFFIX = ".manifest.json"
@@ -203,7 +204,7 @@ class HFBackend:
             attention[i, width - len(row) :] = 1
         sampling = self.config.temperature > 0
         torch.manual_seed(batch_seed)
-        with torch.inference_mode():
+        with torch.inference_mode(), decoding_attention():  # no per-key-length cuDNN plans
             output = self.model.generate(
                 input_ids=input_ids.to(self.device),
                 attention_mask=attention.to(self.device),

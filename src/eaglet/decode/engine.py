@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..capture import FeatureCapture
 from ..draft import Eagle3Draft, rope_tables
 from ..errors import EagletError
+from ..target import decoding_attention
 from .sampling import Sampling, accept_or_resample, walk_candidates
 
 
@@ -60,16 +60,12 @@ class Tree:
         return None
 
 
-# Attention backends for decoding, whose key length changes every call: cuDNN's (torch 2.11's first choice in
-# bf16 on an H200) builds a plan per new shape, ~1 ms of host time per call — 30 ms per token of a 30-layer target.
-DECODE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
 
 def decode_step(method):
     """Run a decoding method under inference mode with the decode attention backends."""
     @functools.wraps(method)
     def run(*args, **kwargs):
-        with torch.inference_mode(), sdpa_kernel(DECODE_SDPA_BACKENDS):
+        with torch.inference_mode(), decoding_attention():
             return method(*args, **kwargs)
     return run
 

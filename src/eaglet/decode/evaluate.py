@@ -103,8 +103,12 @@ def _hf_generate_tokens_per_s(model: Any, prompts: list[list[int]], max_new: int
 def _static_cache_length(config: EvalConfig, prompts: list[tuple[str, str, list[int]]]) -> int:
     """Positions the static cache needs: the longest prompt, every new token, and the largest verification
     (a tree's budget or a chain's depth, padded to a graph bucket) written past the end before acceptance."""
-    verify = max(config.budget if config.mode == "tree" else config.depth, GRAPH_BUCKETS[-1]) + 1
-    return max(len(p[2]) for p in prompts) + config.max_new_tokens + verify
+    return max(len(p[2]) for p in prompts) + config.max_new_tokens + max(_verify_tokens(config), GRAPH_BUCKETS[-1] + 1)
+
+
+def _verify_tokens(config: EvalConfig) -> int:
+    """Tokens in one verification forward: the last accepted token + a chain's depth / a tree's budget."""
+    return (config.budget if config.mode == "tree" else config.depth) + 1
 
 
 def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, Any]:
@@ -135,7 +139,7 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     target_runner = TargetRunner(model, layer_ids)
     if static:
         try:
-            target_runner = StaticTarget(model, layer_ids, cache_length)
+            target_runner = StaticTarget(model, layer_ids, cache_length, verify_tokens=_verify_tokens(config))
         except EagletError as error:
             if config.cuda_graphs == "on":
                 raise

@@ -50,9 +50,16 @@ def capture(device: torch.device, body: Callable[[], T]) -> tuple[torch.cuda.CUD
     return graph, outputs
 
 
-def bucket_for(tokens: int) -> int | None:
+def bucket_for(tokens: int, buckets: tuple[int, ...] = GRAPH_BUCKETS) -> int | None:
     """The smallest graph bucket holding ``tokens``, or None (run eagerly)."""
-    return next((size for size in GRAPH_BUCKETS if size >= tokens), None)
+    return next((size for size in buckets if size >= tokens), None)
+
+
+def buckets_for(verify_tokens: int) -> tuple[int, ...]:
+    """GRAPH_BUCKETS plus one sized to the largest verification when it is past them: a tree of budget 96
+    verifies 97 tokens every round, and an eager 97-token forward costs ~7x a replay (H200, session 5:
+    0.48x instead of a speedup)."""
+    return GRAPH_BUCKETS if verify_tokens <= GRAPH_BUCKETS[-1] else GRAPH_BUCKETS + (verify_tokens,)
 
 
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -100,9 +107,11 @@ class _Graph:
 
 
 class StaticTarget:
-    """Target runner over a preallocated cache of ``max_len`` positions; CUDA graphs when ``graphs``."""
+    """Target runner over a preallocated cache of ``max_len`` positions; CUDA graphs when ``graphs``.
+    ``verify_tokens``: the largest forward decoding repeats (a tree's budget + 1), given its own bucket."""
 
-    def __init__(self, model: torch.nn.Module, layer_ids: tuple[int, ...], max_len: int, graphs: bool | None = None):
+    def __init__(self, model: torch.nn.Module, layer_ids: tuple[int, ...], max_len: int, graphs: bool | None = None,
+                 verify_tokens: int = 1):
         from transformers import StaticCache
 
         self.model = model
@@ -116,6 +125,7 @@ class StaticTarget:
         self._length = 0
         self._key_index = torch.arange(max_len, device=self.device)  # [max_len]
         self._graphs: dict[int, _Graph] = {}
+        self.buckets = buckets_for(verify_tokens)
 
     def _check_cache(self) -> None:
         problem = static_cache_problem(self.model.config, self.graphs, self.cache)
@@ -148,7 +158,7 @@ class StaticTarget:
         if start + count > self.max_len:
             raise EagletError(f"the static cache holds {self.max_len} positions; this forward needs {start + count} "
                               "(raise max_len: prompt + max new tokens + the largest verification)")
-        size = bucket_for(count)
+        size = bucket_for(count, self.buckets)
         if size is None or start + size > self.max_len:  # no bucket, or its padding would run past the cache
             logits, aux = self._run(self._as_ids(tokens)[None], (start + depths.to(self.device))[None],
                                     torch.tensor(start, device=self.device), block.to(self.device))
@@ -156,6 +166,11 @@ class StaticTarget:
             logits, aux = self._replay(size, tokens, depths, start, block)
         self._length = start + count
         return logits[:count].clone(), aux[:count].clone()
+
+    @property
+    def buckets_used(self) -> list[int]:
+        """Bucket sizes forwards have run in so far (each a captured graph on GPU)."""
+        return sorted(self._graphs)
 
     def crop(self, length: int) -> None:
         self._length = min(self._length, length)
@@ -177,7 +192,7 @@ class StaticTarget:
     def capture_all(self) -> None:
         """Capture every bucket now (prompts of any length up to the largest bucket then replay a graph), so
         no timed decode pays a capture."""
-        for size in GRAPH_BUCKETS:
+        for size in self.buckets:
             if size <= self.max_len:
                 self.reset()
                 self.forward([0] * size)
