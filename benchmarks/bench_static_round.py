@@ -49,7 +49,7 @@ def main() -> None:
     layers = tuple(draft.config.eagle_aux_hidden_state_layer_ids)
     tree_depth, tree_topk, tree_budget = (int(x) for x in args.tree.split(","))
     max_len = len(PROMPT) + args.max_new_tokens + 2 * max(args.depth + 1, tree_budget + 1, 64)
-    target = StaticTarget(model, layers, max_len)
+    target = StaticTarget(model, layers, max_len, verify_tokens=max(args.depth, tree_budget) + 1)
     target.capture_all()
     static_draft = StaticDraft(draft, max_len, args.depth)
     static_chain_decode(target, static_draft, PROMPT, 16, set())  # warm-up: captures the round graphs

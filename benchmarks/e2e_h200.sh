@@ -6,11 +6,16 @@
 #                                                              #  static caches + CUDA graphs, same prompts
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh round   # the demo's draft: time per graphed round, per part
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh train   # training step, 8B shape, next to speculators 0.9.0
+#   bash scripts/device.sh bash benchmarks/e2e_h200.sh tau-data   # issue 4's τ run (configs/tau_h200.yaml):
+#   bash scripts/device.sh bash benchmarks/e2e_h200.sh tau-train  #  data in one call, training in the next
+# evals and round take DRAFT (default: the demo's draft; the τ run's is $WORK/tau/draft).
 # Results are copied under $OUT (the device tool brings them back). WORK defaults to /tmp/e2e.
 set -uo pipefail
 WORK=${WORK:-/tmp/e2e}
 OUT=${OUT:-$WORK/out}
 mkdir -p "$WORK" "$OUT"
+DRAFT=${DRAFT:-$WORK/demo/draft}
+TAU_CONFIG=benchmarks/configs/tau_h200.yaml
 eaglet() { python3 -m eaglet.cli "$@"; }
 case "${1:-}" in
   demo)
@@ -24,7 +29,7 @@ case "${1:-}" in
     # the demo's draft on EVAL_PROMPTS held-out prompts, 128 new tokens, greedy, chain and tree, with the static
     # caches + CUDA graphs (eval's GPU default) and without (--cuda-graphs off: the dynamic-cache engine); each
     # eval times its baseline (the same engine without the draft) in the same process
-    common=(--draft "$WORK/demo/draft" --max-prompts "${EVAL_PROMPTS:-16}" --max-new-tokens 128 --dtype "${EVAL_DTYPE:-float32}")
+    common=(--draft "$DRAFT" --max-prompts "${EVAL_PROMPTS:-16}" --max-new-tokens 128 --dtype "${EVAL_DTYPE:-float32}")
     for mode in chain tree; do
       if [ $mode = chain ]; then shape=(--mode chain --depth 5); else shape=(--mode tree --depth 6 --topk 8 --budget 48); fi
       for graphs in on off; do
@@ -37,7 +42,7 @@ case "${1:-}" in
   round)
     # where a graphed round's time goes (target at 1 / D+1 / tree-size tokens, chain and tree draft graphs), both dtypes
     for dtype in float32 bfloat16; do
-      python3 benchmarks/bench_static_round.py --draft "$WORK/demo/draft" --dtype $dtype --profile \
+      python3 benchmarks/bench_static_round.py --draft "$DRAFT" --dtype $dtype --profile \
         --out "$OUT/static_round_$dtype.json" 2>&1 | tail -40
     done
     ;;
@@ -46,5 +51,18 @@ case "${1:-}" in
     [ -d /tmp/specsite ] && PYTHONPATH=/tmp/specsite python3 /tmp/specbench/bench_eagle3.py --shape 8b --ttt 7 \
       --draft-vocab 32000 --optimizers adamw --out "$OUT/speculators_8b_h200.json" 2>&1 | tail -8
     ;;
-  *) echo "usage: bash benchmarks/e2e_h200.sh demo|evals|round|train" >&2; exit 2 ;;
+  tau-data)
+    for stage in regenerate prepare extract; do
+      /usr/bin/time -f "$stage %e s, peak RSS %M KB" python3 -m eaglet.cli run $TAU_CONFIG --out "$WORK/tau" --only $stage 2>&1 | tail -4
+    done
+    mkdir -p "$OUT/tau"
+    cp "$WORK/tau/run.json" "$WORK/tau/"*.manifest.json "$OUT/tau/" 2>/dev/null
+    ;;
+  tau-train)
+    /usr/bin/time -f "train %e s, peak RSS %M KB" timeout "${TRAIN_LIMIT_S:-580}" \
+      python3 -m eaglet.cli run $TAU_CONFIG --out "$WORK/tau" --only train 2>&1 | tail -12
+    mkdir -p "$OUT/tau"
+    cp "$WORK/tau/run.json" "$WORK/tau/draft/metrics.jsonl" "$WORK/tau/draft/"*.png "$OUT/tau/" 2>/dev/null
+    ;;
+  *) echo "usage: bash benchmarks/e2e_h200.sh demo|evals|round|train|tau-data|tau-train" >&2; exit 2 ;;
 esac
