@@ -11,8 +11,10 @@ import time
 from pathlib import Path
 
 import yaml
+from rich.console import Console
 
 from conftest import run_cli, small_conversations, write_jsonl
+from eaglet.pipeline import Pipeline, load_run_config
 
 
 def run_config(tmp_path: Path, target: Path, **changes) -> Path:
@@ -84,6 +86,35 @@ def test_run_all_then_skip_then_rerun_from_the_change(tmp_path, capsys, tiny_tar
     code, out, err = run_cli(["run", changed, "--from", "export"], capsys)
     assert code == 0, err
     assert statuses(run_dir, out)["export"] == "ran" and statuses(run_dir, out)["train"] == "skipped"
+
+
+def test_a_moved_run_directory_keeps_its_finished_stages(tmp_path, capsys, tiny_target):
+    """Moving a run (or copying it to another machine) re-runs nothing, and a stage re-run there finds the
+    store's prepared set beside the store, not at the absolute path recorded at extraction (gone)."""
+    config = run_config(tmp_path, tiny_target, eval__max_new_tokens=4)
+    code, out, err = run_cli(["run", config], capsys)
+    assert code == 0, err
+    # runs recorded under the earlier fingerprints (absolute paths) keep their stages, and are then re-recorded
+    pipeline = Pipeline(load_run_config(config), config, Console(quiet=True))
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    for stage in pipeline.stages:
+        record["stages"][stage.name]["fingerprint"] = pipeline._fingerprint(stage, record["stages"], run_relative=False)
+    (tmp_path / "run" / "run.json").write_text(json.dumps(record))
+    code, out, err = run_cli(["run", config], capsys)
+    assert code == 0, err
+    assert statuses(tmp_path / "run", out) == {s: "skipped" for s in ("prepare", "extract", "train", "export", "eval")}
+
+    moved = tmp_path / "elsewhere" / "run"
+    moved.parent.mkdir()
+    (tmp_path / "run").rename(moved)
+    code, out, err = run_cli(["run", config, "--out", str(moved)], capsys)
+    assert code == 0, err
+    assert statuses(moved, out) == {s: "skipped" for s in ("prepare", "extract", "train", "export", "eval")}
+    code, out, err = run_cli(["run", config, "--out", str(moved), "--from", "train"], capsys)
+    assert code == 0, err
+    assert statuses(moved, out)["train"] == "ran"
+    code, out, err = run_cli(["store", "verify", str(moved / "store")], capsys)
+    assert code == 0 and "not found" not in err, err  # token ids checked against the moved prepared set
 
 
 def test_killed_run_resumes_with_the_same_command(tmp_path, tiny_target):

@@ -9,6 +9,8 @@ Killed at any moment and restarted with the same command, only the missing shard
 
 from __future__ import annotations
 
+import os
+
 import queue
 import threading
 import time
@@ -299,6 +301,8 @@ def _manifest(store: Path, identity: dict[str, Any], plans: list[ShardPlan], con
         "totals": {"samples": sum(r["num_samples"] for r in done), "tokens": sum(r["tokens"] for r in done),
                    "bytes": sum(r["bytes"] for r in done)},
         "config": config.model_dump(exclude={"out", "device"}),
+        # outside the identity (a resumed store matches on the absolute path): found again after a move
+        "prepared_relative": os.path.relpath(identity["prepared"]["path"], store.resolve()),
         "shards": done,
     }
 

@@ -233,7 +233,7 @@ class Pipeline:
             state = self._state()
             evaluation = next((s for s in self.stages if s.name == "eval"), None)
             if evaluation is not None and state.get("eval", {}).get("complete") and \
-                    state["eval"].get("fingerprint") == self._fingerprint(evaluation, state):
+                    self._fingerprint_matches(evaluation, state, state["eval"]):
                 return out / "eval" / "report.json"
             return None
 
@@ -262,8 +262,16 @@ class Pipeline:
         write_json_atomic(self.out / RUN_FILE, {"schema": RUN_SCHEMA, "config": self.config.model_dump(),
                                                 "config_file": str(self.config_path), "stages": stages})
 
-    def _fingerprint(self, stage: Stage, state: dict[str, Any]) -> str | None:
-        """None while an upstream stage has no output yet."""
+    def _fingerprint_matches(self, stage: Stage, state: dict[str, Any], record: dict[str, Any] | None) -> bool:
+        """The record was made from this stage's settings and inputs (also under the earlier fingerprint,
+        which held absolute paths: runs made before it keep their finished stages)."""
+        recorded = (record or {}).get("fingerprint")
+        return recorded is not None and recorded in (
+            self._fingerprint(stage, state), self._fingerprint(stage, state, run_relative=False))
+
+    def _fingerprint(self, stage: Stage, state: dict[str, Any], run_relative: bool = True) -> str | None:
+        """None while an upstream stage has no output yet. Paths inside the run directory count relative to
+        it, so a run directory moved (or copied to another machine) keeps its finished stages."""
         upstream = []
         for name in stage.reads:
             if name not in {s.name for s in self.stages}:
@@ -272,10 +280,11 @@ class Pipeline:
             if record is None or not record.get("complete"):
                 return None
             upstream.append(record["output_hash"])
-        settings = stage.config.model_dump(mode="json") if stage.config is not None else None
+        place = (lambda value: _run_relative(value, self.out)) if run_relative else (lambda value: value)
+        settings = place(stage.config.model_dump(mode="json")) if stage.config is not None else None
         fields = {"stage": stage.name, "settings": settings, "upstream": upstream}
         if stage.heldout is not None:  # only then: runs made without held-out prompts keep their fingerprints
-            fields["heldout"] = stage.heldout.model_dump(mode="json")
+            fields["heldout"] = place(stage.heldout.model_dump(mode="json"))
         text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
 
@@ -328,7 +337,7 @@ class Pipeline:
                 plan = StagePlan(stage.name, "run", f"after {upstream[0]} (if its output changes)")
             elif fingerprint is None:
                 plan = StagePlan(stage.name, "run", "after its inputs")
-            elif record.get("fingerprint") != fingerprint:
+            elif not self._fingerprint_matches(stage, state, record):
                 plan = StagePlan(stage.name, "run", "settings or inputs changed")
             elif not record.get("complete"):
                 plan = StagePlan(stage.name, "run", "interrupted: resumes")
@@ -401,16 +410,20 @@ class Pipeline:
             record = state.get(stage.name)
             fingerprint = self._fingerprint(stage, state)  # now, with the upstream outputs of this run
             if plan.reason.startswith("after "):  # decided now that its inputs exist: did they change?
-                must_run = fingerprint is None or record is None or record.get("fingerprint") != fingerprint \
+                must_run = fingerprint is None or not self._fingerprint_matches(stage, state, record) \
                     or not record.get("complete") or self._output_hash(stage) != record.get("output_hash")
             else:
                 must_run = plan.action == "run"
             if not must_run:
                 result.outcomes.append(StageOutcome(stage.name, "skipped", 0.0, (record or {}).get("result", "")))
+                if record is not None and fingerprint is not None and record.get("fingerprint") != fingerprint \
+                        and self._fingerprint_matches(stage, state, record):  # made under the earlier fingerprint
+                    state[stage.name] = record | {"fingerprint": fingerprint}
+                    self._save_state(state)
                 continue
             if fingerprint is None:
                 raise EagletError(f"stage {stage.name} needs {', '.join(stage.reads)} first; run without --only")
-            if record is None or record.get("fingerprint") != fingerprint or from_stage is not None:
+            if not self._fingerprint_matches(stage, state, record) or from_stage is not None:
                 for path in self._outputs(stage):  # made from other settings or inputs: start that stage over
                     _remove(path)
             if stage.config is not None and stage.name in ("regenerate", "prepare", "extract", "train", "eval"):
@@ -460,6 +473,20 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
     else:
         path.unlink(missing_ok=True)  # a file, or nothing yet
+
+
+def _run_relative(value: Any, run: Path) -> Any:
+    """``value`` (a stage's settings) with every path inside ``run`` written as '<run>/relative/path'."""
+    if isinstance(value, dict):
+        return {key: _run_relative(item, run) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_run_relative(item, run) for item in value]
+    if isinstance(value, str):
+        try:
+            return "<run>/" + Path(value).relative_to(run).as_posix()
+        except ValueError:
+            return value
+    return value
 
 
 def _count_rows(files: list[str], split: str = "all") -> int:

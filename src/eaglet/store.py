@@ -224,6 +224,16 @@ def read_manifest(store: Path) -> dict[str, Any]:
     return manifest
 
 
+def prepared_path(store: Path, manifest: dict[str, Any]) -> Path:
+    """Where the store's prepared set is: the path recorded at extraction, or, when that is gone and the two
+    moved together (a run directory moved or copied to another machine), the same place relative to the store."""
+    recorded = Path(manifest["prepared"]["path"])
+    relative = manifest.get("prepared_relative")
+    if not (recorded / "manifest.json").is_file() and relative is not None and (store / relative / "manifest.json").is_file():
+        return (store / relative).resolve()
+    return recorded
+
+
 def check_same_target(store_manifest: dict[str, Any], target: dict[str, Any], what: str) -> None:
     """Refuse a store made from another target or tokenizer, naming both."""
     stored = store_manifest["target"]

@@ -12,7 +12,7 @@ from .config import ExtractConfig
 from .data.prepared import load_prepared
 from .errors import EagletError
 from .progress import progress_bar
-from .store import plan_shards, read_manifest, record_name, verify_shard
+from .store import plan_shards, prepared_path, read_manifest, record_name, verify_shard
 
 
 @dataclass
@@ -29,16 +29,16 @@ def verify_store(store: Path, check_prepared: bool = True, console: Console | No
     manifest = read_manifest(store)
     prepared = None
     if check_prepared:
-        prepared_path = Path(manifest["prepared"]["path"])
-        if (prepared_path / "manifest.json").is_file():
-            prepared = load_prepared(prepared_path)
+        prepared_dir = prepared_path(store, manifest)
+        if (prepared_dir / "manifest.json").is_file():
+            prepared = load_prepared(prepared_dir)
             if prepared.manifest_sha256 != manifest["prepared"]["manifest_sha256"]:
                 raise EagletError(
-                    f"{store}: the prepared set at {prepared_path} changed since extraction (manifest sha256 differs); "
+                    f"{store}: the prepared set at {prepared_dir} changed since extraction (manifest sha256 differs); "
                     "re-extract, or pass --no-prepared to skip the token check"
                 )
         else:
-            console.print(f"[yellow]prepared set {prepared_path} not found: token ids are not checked[/]")
+            console.print(f"[yellow]prepared set {prepared_dir} not found: token ids are not checked[/]")
     plans = None
     if prepared is not None:  # the samples each shard must hold, planned again from the lengths
         plans = {p.index: p for p in plan_shards(prepared.lengths, manifest["tokens_per_shard"],
@@ -66,7 +66,7 @@ def repair_store(store: Path, problems: list[ShardProblem], console: Console | N
     manifest = read_manifest(store)
     for problem in problems:
         (store / record_name(problem.index)).unlink(missing_ok=True)
-    config = ExtractConfig.model_validate(manifest["config"] | {"out": str(store), "prepared": manifest["prepared"]["path"]})
+    config = ExtractConfig.model_validate(manifest["config"] | {"out": str(store), "prepared": str(prepared_path(store, manifest))})
     return run_extract(config, console, only_shards={p.index for p in problems})
 
 
@@ -84,5 +84,5 @@ def store_summary(store: Path) -> dict[str, Any]:
         "samples": manifest["totals"]["samples"],
         "tokens": manifest["totals"]["tokens"],
         "bytes": manifest["totals"]["bytes"],
-        "prepared": manifest["prepared"]["path"],
+        "prepared": str(prepared_path(store, manifest)),
     }

@@ -34,7 +34,7 @@ from .layers import default_aux_layer_ids
 from .parallel import Parallel
 from .metrics import H200_BF16_DENSE_FLOPS, MetricsLog, draft_train_flops_per_token, plot_run
 from .progress import progress_bar
-from .store import ShardPlan, check_same_target, read_manifest
+from .store import ShardPlan, check_same_target, prepared_path, read_manifest
 from .target import load_head_weights, load_model, load_tokenizer, read_config, resolve_target, target_info
 from .ttt import FlexTTTAttention, TeacherHead, TTTInputs, attention_for, documents, simulated_acceptance, ttt_forward
 
@@ -81,7 +81,7 @@ def _setup(config: TrainConfig, device: str) -> Setup:
         check_same_target(manifest, target_identity, f"store {config.store}")
         if not manifest["complete"]:
             raise EagletError(f"{config.store}: extraction incomplete; run the same `eaglet extract` again to finish it")
-        prepared = load_prepared(manifest["prepared"]["path"])
+        prepared = load_prepared(prepared_path(Path(config.store), manifest))
         if prepared.manifest_sha256 != manifest["prepared"]["manifest_sha256"]:
             raise EagletError(f"{config.store}: its prepared set {prepared.path} changed since extraction; re-extract")
         source = StoreSource(config.store, config.token_budget, config.seed)

@@ -143,7 +143,7 @@ def extract_checks(cfg: Any) -> list[Check]:
 
 def train_checks(cfg: Any) -> list[Check]:
     from ..data.prepared import load_prepared
-    from ..store import read_manifest
+    from ..store import prepared_path, read_manifest
 
     checks = [Check("config", PASS, "valid")]
     if (cfg.store is None) == (cfg.prepared is None):
@@ -165,9 +165,9 @@ def train_checks(cfg: Any) -> list[Check]:
                             + ("" if manifest["complete"] else ", extraction incomplete"),
                             "" if same and manifest["complete"] else
                             ("extract with this --target" if not same else "rerun the same `eaglet extract` to finish it")))
-        prepared_path = Path(manifest["prepared"]["path"])
-        vocab_ok = (prepared_path / "vocab.safetensors").is_file() or cfg.draft_vocab_file
-        checks.append(Check("draft vocab", PASS if vocab_ok else FAIL, str(prepared_path / "vocab.safetensors"),
+        prepared_dir = prepared_path(Path(cfg.store), manifest)
+        vocab_ok = (prepared_dir / "vocab.safetensors").is_file() or cfg.draft_vocab_file
+        checks.append(Check("draft vocab", PASS if vocab_ok else FAIL, str(prepared_dir / "vocab.safetensors"),
                             "" if vocab_ok else "the store's prepared set moved: pass --set draft_vocab_file=PATH"))
     else:
         try:
