@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from eaglet.draft import DraftConfig, Eagle3Draft
-from eaglet.ttt import FLEX_MIN_HEAD_DIM, TeacherHead, TTTAttention, TTTInputs, documents, simulated_acceptance, ttt_forward
+from eaglet.draft import rope_tables
+from eaglet.ttt import (FLEX_MIN_HEAD_DIM, TeacherHead, TTTAttention, TTTInputs, documents, shift, simulated_acceptance,
+                        soft_cross_entropy, ttt_forward)
 
 
 class NaiveAttention:
@@ -75,6 +78,63 @@ def test_fast_path_equals_naive_reference(steps, draft_layers):
     assert "embed_tokens.weight" not in fast_grads  # frozen
     for a, b in zip(fast.step_counts, naive.step_counts):
         assert int(a) == int(b)
+
+
+def autograd_reference(draft, inputs, steps, decay=0.8):
+    """The loss written the plain way (autograd through log-softmax, the teacher shifted by copies): the
+    fused soft cross-entropy must give its loss, gradients and accuracy counts."""
+    cos, sin = rope_tables(inputs.positions, draft.config.head_dim, draft.config.rope_theta)
+    attends = [TTTAttention(inputs.doc_ids, steps) for _ in range(draft.config.num_hidden_layers)]
+    hidden = draft.fuse(inputs.aux)
+    index = torch.arange(len(inputs.input_ids))
+    total, correct = 0.0, []
+    for k in range(steps):
+        ids = torch.where(index + 1 + k < inputs.doc_end, shift(inputs.input_ids, 1 + k), 0)
+        hidden, logits = draft.step(ids, hidden, cos, sin, attends)
+        teacher = shift(inputs.teacher_logits, 1 + k)
+        mask = ((index + 2 + k < inputs.doc_end) & shift(inputs.loss_mask, 2 + k, False)
+                & shift(inputs.teacher_in_vocab, 1 + k, False))
+        cross_entropy = -(torch.softmax(teacher, -1) * torch.log_softmax(logits, -1)).sum(-1)
+        total = total + decay**k * (cross_entropy * mask).sum() / mask.sum().clamp_min(1)
+        correct.append(int(((logits.argmax(-1) == teacher.argmax(-1)) & mask).sum()))
+    return total, correct
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_fused_soft_cross_entropy_equals_autograd_through_log_softmax(steps):
+    draft, inputs = tiny_setup(seed=3)
+    fused = ttt_forward(draft, inputs, steps)
+    fused.loss.backward()
+    fused_grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+    draft.zero_grad()
+    loss, correct = autograd_reference(draft, inputs, steps)
+    loss.backward()
+    torch.testing.assert_close(fused.loss, loss, rtol=1e-10, atol=1e-10)
+    for name, grad in fused_grads.items():
+        torch.testing.assert_close(grad, dict(draft.named_parameters())[name].grad, rtol=1e-8, atol=1e-10, msg=name)
+    assert [int(c) for c in fused.step_correct] == correct
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_soft_cross_entropy_equals_torch_cross_entropy_with_probability_targets(dtype):
+    """Against the library: F.cross_entropy with probability targets, weighted rows, zero-weight rows whose
+    teacher rows are zeros (past a batch's end); loss and gradient, in the logits' dtype."""
+    torch.manual_seed(0)
+    logits = (torch.randn(12, 40, dtype=torch.float64) * 3).to(dtype).requires_grad_()
+    probs = torch.softmax(torch.randn(12, 40, dtype=torch.float64) * 2, -1)
+    probs[-3:] = 0
+    weights = torch.rand(12, dtype=torch.float64)
+    weights[-3:] = 0
+    loss, predicted = soft_cross_entropy(logits, probs, weights)
+    (loss * 0.7).backward()
+    expected_logits = logits.detach().double().requires_grad_()
+    expected = (F.cross_entropy(expected_logits, probs, reduction="none") * weights).sum()
+    (expected * 0.7).backward()
+    tolerance = {"rtol": 1e-10, "atol": 1e-10} if dtype == torch.float64 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(loss.double(), expected, **tolerance)
+    assert logits.grad.dtype == dtype
+    torch.testing.assert_close(logits.grad.double(), expected_logits.grad, **tolerance)
+    assert torch.equal(predicted, logits.detach().argmax(-1))
 
 
 def test_library_reference_attention_equals_the_loop_reference():

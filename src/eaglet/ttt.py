@@ -10,6 +10,7 @@ the target token is an assistant token and the teacher's full-vocab argmax lies 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +124,53 @@ class TTTAttention:
         return torch.softmax(scores, dim=-1).to(v0.dtype) @ v0
 
 
+def _soft_cross_entropy_rows(logits: torch.Tensor, teacher_probs: torch.Tensor,
+                             weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [T, Vd], teacher_probs [T, Vd] (rows summing to 1, or 0 where weights are 0), weights [T] ->
+    (Σ_t w_t · H(p_t, softmax(z_t)), its gradient dLoss/dz [T, Vd] in the logits' dtype, argmax z [T]).
+    H(p, softmax(z)) = logsumexp(z) - p·z, so its gradient is softmax(z) - p: computed here, in one pass."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)  # [T, 1]
+    loss = (weights * (lse[:, 0] - (teacher_probs * z).sum(-1))).sum()
+    grad = ((torch.exp(z - lse) - teacher_probs) * weights[:, None]).to(logits.dtype)
+    return loss, grad, z.argmax(-1)
+
+
+class _FusedSoftCrossEntropy(torch.autograd.Function):
+    """The loss and its gradient made together in the forward pass; backward only scales the gradient.
+    Autograd through log-softmax would keep two [T, Vd] float32 tensors per TTT step for backward and pass
+    over [T, Vd] some twenty times (memory-bound: most of a demo-size step); this reads the logits and the
+    teacher once, writes one gradient in the logits' dtype, and on GPU is one compiled kernel pair."""
+
+    @staticmethod
+    def forward(ctx, logits, teacher_probs, weights, row_math):
+        with torch.autocast(logits.device.type, enabled=False):  # the row math picks its own dtypes
+            loss, grad, predicted = row_math(logits, teacher_probs, weights)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(predicted)
+        return loss, predicted
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_predicted):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss.to(grad.dtype), None, None, None
+
+
+@functools.cache
+def _compiled_row_math():
+    return torch.compile(_soft_cross_entropy_rows)
+
+
+def soft_cross_entropy(logits: torch.Tensor, teacher_probs: torch.Tensor, weights: torch.Tensor,
+                       compiled: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ_t w_t · H(p_t, softmax(z_t)) (differentiable in the logits) and argmax z [T]. The row math is
+    compiled on GPU by default (one compile: batches are padded to the token budget); eager on CPU, where
+    compiling needs a C++ toolchain at run time."""
+    compiled = logits.device.type == "cuda" if compiled is None else compiled
+    row_math = _compiled_row_math() if compiled else _soft_cross_entropy_rows
+    return _FusedSoftCrossEntropy.apply(logits, teacher_probs, weights, row_math)
+
+
 def ttt_forward(draft: Eagle3Draft, inputs: TTTInputs, steps: int, decay: float = 0.8,
                 attention_factory=TTTAttention, feature_noise_std: float = 0.0) -> TTTOutput:
     """Unroll ``steps`` draft steps and return the weighted loss plus per-step statistics."""
@@ -133,22 +181,27 @@ def ttt_forward(draft: Eagle3Draft, inputs: TTTInputs, steps: int, decay: float 
     if feature_noise_std > 0:
         aux = aux + torch.randn_like(aux) * feature_noise_std
     hidden = draft.fuse(aux.to(draft.fc.weight.dtype))
-    index = torch.arange(len(inputs.input_ids), device=inputs.input_ids.device)
+    tokens = len(inputs.input_ids)
+    index = torch.arange(tokens, device=inputs.input_ids.device)
+    # the teacher once per batch, K zero rows past the end: step k reads rows 1+k..T+k as a view (no shifted copies)
+    teacher = inputs.teacher_logits
+    teacher_probs = teacher.new_zeros(tokens + steps, teacher.shape[1])  # [T+K, Vd]
+    teacher_probs[:tokens] = F.softmax(teacher, dim=-1)
+    teacher_top = torch.cat([teacher.argmax(-1), teacher.new_full((steps,), -1, dtype=torch.long)])  # [T+K]
     total = torch.zeros((), device=hidden.device)
     step_losses, step_correct, step_counts = [], [], []
     for k in range(steps):
         ids = torch.where(index + 1 + k < inputs.doc_end, shift(inputs.input_ids, 1 + k), 0)
         hidden, logits = draft.step(ids, hidden, cos, sin, attends)
-        teacher = shift(inputs.teacher_logits, 1 + k)  # [T, Vd]: predicts x[t+2+k]
         mask = ((index + 2 + k < inputs.doc_end) & shift(inputs.loss_mask, 2 + k, False)
                 & shift(inputs.teacher_in_vocab, 1 + k, False))
-        log_probs = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-        cross_entropy = -(F.softmax(teacher, dim=-1) * log_probs).sum(-1)  # [T]
         count = mask.sum()
-        loss = (cross_entropy * mask).sum() / count.clamp_min(1)
+        weights = mask.to(teacher_probs.dtype) / count.clamp_min(1)
+        # teacher at t+1+k: the target's distribution over x[t+2+k], what step k predicts
+        loss, predicted = soft_cross_entropy(logits, teacher_probs[1 + k : 1 + k + tokens], weights)
         total = total + decay**k * loss
         step_losses.append(loss.detach())
-        step_correct.append(((logits.argmax(-1) == teacher.argmax(-1)) & mask).sum().detach())
+        step_correct.append(((predicted == teacher_top[1 + k : 1 + k + tokens]) & mask).sum().detach())
         step_counts.append(count.detach())
     return TTTOutput(total, step_losses, step_correct, step_counts)
 
