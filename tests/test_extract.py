@@ -85,6 +85,23 @@ def test_verify_names_flipped_byte_and_repair_restores(tmp_path, capsys, tiny_st
     assert store_bytes(store) == store_bytes(tiny_store)
 
 
+def test_a_store_moved_with_its_prepared_set_verifies_and_repairs(tmp_path, capsys, tiny_prepared, tiny_target):
+    """A store and its prepared set moved together (a run directory moved, or copied to another machine): the
+    token check and the repair find the prepared set beside the store, and the repaired shard is the original."""
+    first = tmp_path / "before"
+    shutil.copytree(tiny_prepared, first / "prepared")
+    code, _, err = run_cli(extract_args(first / "prepared", first / "store", tiny_target), capsys)
+    assert code == 0, err
+    moved = tmp_path / "after"
+    first.rename(moved)
+    shards = {p.name: p.read_bytes() for p in (moved / "store").glob("shard-*.safetensors")}
+    shard = moved / "store" / "shard-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-8])
+    code, _, err = run_cli(["store", "verify", moved / "store", "--repair"], capsys)
+    assert code == 0 and "not found" not in err, err
+    assert {p.name: p.read_bytes() for p in (moved / "store").glob("shard-*.safetensors")} == shards
+
+
 def test_torchrun_two_cpu_processes_equal_one(tmp_path, tiny_store, tiny_prepared, tiny_target):
     out = tmp_path / "store"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",

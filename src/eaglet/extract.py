@@ -284,7 +284,10 @@ def store_identity(config: ExtractConfig, info: Any, layers: tuple[int, ...], pr
 def _check_resume(store: Path, identity: dict[str, Any]) -> None:
     existing = read_manifest(store)
     for key, value in identity.items():
-        if existing.get(key) != value:
+        was = existing.get(key)
+        if key == "prepared" and isinstance(was, dict):  # the same prepared set (by manifest hash), perhaps moved
+            was, value = {**was, "path": None}, {**value, "path": None}
+        if was != value:
             raise EagletError(
                 f"{store}: an existing store with different '{key}' ({existing.get(key)!r} vs {value!r}); "
                 "use another --out, or delete it to start over"
