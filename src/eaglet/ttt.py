@@ -138,9 +138,9 @@ def _soft_cross_entropy_rows(logits: torch.Tensor, teacher_probs: torch.Tensor,
 
 class _FusedSoftCrossEntropy(torch.autograd.Function):
     """The loss and its gradient made together in the forward pass; backward only scales the gradient.
-    Autograd through log-softmax would keep two [T, Vd] float32 tensors per TTT step for backward and pass
-    over [T, Vd] some twenty times (memory-bound: most of a demo-size step); this reads the logits and the
-    teacher once, writes one gradient in the logits' dtype, and on GPU is one compiled kernel pair."""
+    Autograd through log-softmax keeps two [T, Vd] float32 tensors per TTT step for backward and passes over
+    [T, Vd] some twenty times (memory-bound work growing with T·Vd·K); this reads the logits and the teacher
+    once and writes one gradient in the logits' dtype (on GPU, compiled into a few fused kernels)."""
 
     @staticmethod
     def forward(ctx, logits, teacher_probs, weights, row_math):
