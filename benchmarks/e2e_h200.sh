@@ -6,6 +6,7 @@
 #                                                              #  static caches + CUDA graphs, same prompts
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh round   # the demo's draft: time per graphed round, per part
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh train   # training step, 8B shape, next to speculators 0.9.0
+#   bash scripts/device.sh bash benchmarks/e2e_h200.sh loss     # the TTT loss alone, fused vs autograd, demo + 8B sizes
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh tau-data   # issue 4's τ run (configs/tau_h200.yaml):
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh tau-train  #  data in one call, training in the next
 # evals and round take DRAFT (default: the demo's draft; the τ run's is $WORK/tau/draft).
@@ -51,6 +52,10 @@ case "${1:-}" in
     [ -d /tmp/specsite ] && PYTHONPATH=/tmp/specsite python3 /tmp/specbench/bench_eagle3.py --shape 8b --ttt 7 \
       --draft-vocab 32000 --optimizers adamw --out "$OUT/speculators_8b_h200.json" 2>&1 | tail -8
     ;;
+  loss)
+    python3 benchmarks/bench_loss.py --tokens 16384 --out "$OUT/loss_demo_h200.json" 2>&1 | grep -E '"ms"|speedup|peak'
+    python3 benchmarks/bench_loss.py --tokens 2048 --out "$OUT/loss_8b_h200.json" 2>&1 | grep -E '"ms"|speedup|peak'
+    ;;
   tau-data)
     for stage in regenerate prepare extract; do
       /usr/bin/time -f "$stage %e s, peak RSS %M KB" python3 -m eaglet.cli run $TAU_CONFIG --out "$WORK/tau" --only $stage 2>&1 | tail -4
@@ -64,5 +69,5 @@ case "${1:-}" in
     mkdir -p "$OUT/tau"
     cp "$WORK/tau/run.json" "$WORK/tau/draft/metrics.jsonl" "$WORK/tau/draft/"*.png "$OUT/tau/" 2>/dev/null
     ;;
-  *) echo "usage: bash benchmarks/e2e_h200.sh demo|evals|round|train|tau-data|tau-train" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/e2e_h200.sh demo|evals|round|train|loss|tau-data|tau-train" >&2; exit 2 ;;
 esac
