@@ -1,4 +1,4 @@
-"""The TTT loss alone: the fused soft cross-entropy (`eaglet.ttt.soft_cross_entropy`) next to autograd
+"""The TTT loss alone: the fused soft cross-entropy (`eaglet.loss.soft_cross_entropy`) next to autograd
 through log-softmax with the teacher shifted by copies (how `ttt_forward` computed it before), same inputs.
 
 Times K steps' losses + backward to the logits (the draft itself left out) and reports peak memory on GPU.
@@ -31,7 +31,8 @@ def main() -> None:
     import torch.nn.functional as F
 
     from eaglet.target import pick_device
-    from eaglet.ttt import shift, soft_cross_entropy
+    from eaglet.loss import soft_cross_entropy
+    from eaglet.ttt import shift
 
     device = torch.device(pick_device(args.device))
     dtype = getattr(torch, args.dtype)

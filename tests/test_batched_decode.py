@@ -10,7 +10,8 @@ from eaglet.capture import FeatureCapture
 from eaglet.decode.batched import BatchDraft, BatchTarget, batched_speculative_decode, batched_target_only_decode
 from eaglet.decode.engine import DraftRunner, TargetRunner, speculative_decode, target_only_decode
 from eaglet.decode.sampling import Sampling
-from eaglet.ttt import TeacherHead, TTTInputs, documents, ttt_forward
+from eaglet.loss import TeacherHead
+from eaglet.ttt import TTTInputs, documents, ttt_forward
 
 LAYERS = (2, 4, 5)
 PROMPTS = [[5, 17, 33, 8, 26, 12], [3, 9], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [7], [60, 2, 2, 60]]

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from eaglet.draft import DraftConfig, Eagle3Draft
 from eaglet.draft import rope_tables
-from eaglet.ttt import (FLEX_MIN_HEAD_DIM, TeacherHead, TTTAttention, TTTInputs, documents, shift, simulated_acceptance,
-                        soft_cross_entropy, ttt_forward)
+from eaglet.loss import TeacherHead, soft_cross_entropy
+from eaglet.ttt import FLEX_MIN_HEAD_DIM, TTTAttention, TTTInputs, documents, shift, simulated_acceptance, ttt_forward
 
 
 class NaiveAttention:

@@ -36,7 +36,8 @@ from .metrics import H200_BF16_DENSE_FLOPS, MetricsLog, draft_train_flops_per_to
 from .progress import progress_bar
 from .store import ShardPlan, check_same_target, prepared_path, read_manifest
 from .target import load_head_weights, load_model, load_tokenizer, read_config, resolve_target, target_info
-from .ttt import FlexTTTAttention, TeacherHead, TTTInputs, attention_for, documents, simulated_acceptance, ttt_forward
+from .loss import TeacherHead
+from .ttt import FlexTTTAttention, TTTInputs, attention_for, documents, simulated_acceptance, ttt_forward
 
 
 class TTTModule(torch.nn.Module):

@@ -1,0 +1,80 @@
+"""The EAGLE-3 loss: the teacher's distribution over the draft vocabulary (the target's frozen LM head) and
+the soft cross-entropy of the draft's logits against it, with its gradient made in the same pass."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+TEACHER_CHUNK_TOKENS = 1024  # teacher logits over the full vocab are computed this many tokens at a time
+
+
+class TeacherHead:
+    """The target's frozen LM head: draft-vocab logits and whether the full argmax is in the draft vocab."""
+
+    def __init__(self, lm_head: torch.Tensor, d2t: torch.Tensor, softcap: float | None = None):
+        self.lm_head = lm_head  # [V, H]
+        self.used = torch.arange(len(d2t), device=d2t.device) + d2t  # [Vd] target ids of the draft vocab
+        self.in_vocab = torch.zeros(lm_head.shape[0], dtype=torch.bool, device=lm_head.device)
+        self.in_vocab[self.used] = True
+        self.softcap = softcap
+
+    @torch.no_grad()
+    def __call__(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """last [T, H] -> (logits over the draft vocab [T, Vd] float32, in-vocab argmax [T] bool)."""
+        draft_logits, in_vocab = [], []
+        for chunk in last.split(TEACHER_CHUNK_TOKENS):
+            logits = chunk.to(self.lm_head.dtype) @ self.lm_head.T  # [c, V]: only one chunk alive at a time
+            if self.softcap:
+                logits = torch.tanh(logits / self.softcap) * self.softcap
+            in_vocab.append(self.in_vocab[logits.argmax(-1)])
+            draft_logits.append(logits[:, self.used].float())
+        return torch.cat(draft_logits), torch.cat(in_vocab)
+
+
+def _soft_cross_entropy_rows(logits: torch.Tensor, teacher_probs: torch.Tensor,
+                             weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [T, Vd], teacher_probs [T, Vd] (rows summing to 1, or 0 where weights are 0), weights [T] ->
+    (Σ_t w_t · H(p_t, softmax(z_t)), its gradient dLoss/dz [T, Vd] in the logits' dtype, argmax z [T]).
+    H(p, softmax(z)) = logsumexp(z) - p·z, so its gradient is softmax(z) - p: computed here, in one pass."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)  # [T, 1]
+    loss = (weights * (lse[:, 0] - (teacher_probs * z).sum(-1))).sum()
+    grad = ((torch.exp(z - lse) - teacher_probs) * weights[:, None]).to(logits.dtype)
+    return loss, grad, z.argmax(-1)
+
+
+class _FusedSoftCrossEntropy(torch.autograd.Function):
+    """The loss and its gradient made together in the forward pass; backward only scales the gradient.
+    Autograd through log-softmax keeps two [T, Vd] float32 tensors per TTT step for backward and passes over
+    [T, Vd] some twenty times (memory-bound work growing with T·Vd·K); this reads the logits and the teacher
+    once and writes one gradient in the logits' dtype (on GPU, compiled into a few fused kernels)."""
+
+    @staticmethod
+    def forward(ctx, logits, teacher_probs, weights, row_math):
+        with torch.autocast(logits.device.type, enabled=False):  # the row math picks its own dtypes
+            loss, grad, predicted = row_math(logits, teacher_probs, weights)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(predicted)
+        return loss, predicted
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_predicted):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss.to(grad.dtype), None, None, None
+
+
+@functools.cache
+def _compiled_row_math():
+    return torch.compile(_soft_cross_entropy_rows)
+
+
+def soft_cross_entropy(logits: torch.Tensor, teacher_probs: torch.Tensor, weights: torch.Tensor,
+                       compiled: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ_t w_t · H(p_t, softmax(z_t)) (differentiable in the logits) and argmax z [T]. The row math is
+    compiled on GPU by default (one compile: batches are padded to the token budget); eager on CPU, where
+    compiling needs a C++ toolchain at run time."""
+    compiled = logits.device.type == "cuda" if compiled is None else compiled
+    row_math = _compiled_row_math() if compiled else _soft_cross_entropy_rows
+    return _FusedSoftCrossEntropy.apply(logits, teacher_probs, weights, row_math)
