@@ -5,7 +5,7 @@
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh evals   # the demo's draft: chain and tree, with and without
 #                                                              #  static caches + CUDA graphs, same prompts
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh round   # the demo's draft: time per graphed round, per part
-#   bash scripts/device.sh bash benchmarks/e2e_h200.sh train   # training step, 8B shape, next to speculators 0.9.0
+#   bash scripts/device.sh bash benchmarks/e2e_h200.sh train   # training step, 8B shape (next to speculators 0.9.0) and demo size
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh loss     # the TTT loss alone, fused vs autograd, demo + 8B sizes
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh tau-data   # issue 4's τ run (configs/tau_h200.yaml):
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh tau-train  #  data in one call, training in the next
@@ -49,6 +49,8 @@ case "${1:-}" in
     ;;
   train)
     python3 benchmarks/bench_train.py --shape 8b --out "$OUT/train_8b_h200.json" 2>&1 | tail -8
+    python3 benchmarks/bench_train.py --shape smollm --tokens 16384 --draft-vocab 32000 --kernels one --skip-naive \
+      --out "$OUT/train_demo_h200.json" 2>&1 | grep -E 'step_ms|tokens_per_s|mfu' 
     [ -d /tmp/specsite ] && PYTHONPATH=/tmp/specsite python3 /tmp/specbench/bench_eagle3.py --shape 8b --ttt 7 \
       --draft-vocab 32000 --optimizers adamw --out "$OUT/speculators_8b_h200.json" 2>&1 | tail -8
     ;;
