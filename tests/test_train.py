@@ -202,3 +202,28 @@ def test_an_unknown_attention_kernels_value_is_a_one_line_error(tmp_path, capsys
                            capsys)
     assert code == 2 and "attention_kernels" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="stream synchronisation is a GPU matter")
+def test_moving_a_batch_to_the_gpu_never_waits_for_the_stream():
+    """A pageable `.to("cuda")` waits for the queued kernels: each step would wait for the previous one
+    to finish before queuing its own work. A batch's inputs (features, ids, masks, documents, teacher)
+    reach the device without any synchronising call."""
+    from eaglet.features import FeatureBatch
+    from eaglet.loss import TeacherHead
+    from eaglet.train import _inputs
+
+    tokens, hidden = 40, 16
+    batch = FeatureBatch(input_ids=torch.randint(0, 50, (tokens,)), loss_mask=torch.ones(tokens, dtype=torch.uint8),
+                         aux=torch.randn(tokens, 3, hidden).bfloat16(), last=torch.randn(tokens, hidden).bfloat16(),
+                         doc_offsets=torch.tensor([0, 25, tokens]), sample_index=torch.tensor([0, 1]))
+    cuda = torch.device("cuda")
+    teacher = TeacherHead(torch.randn(50, hidden, device=cuda), torch.zeros(20, dtype=torch.long, device=cuda))
+    _inputs(batch, teacher, cuda, torch.float32, 64)  # warm-up: pinned-memory and kernel set-up
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        inputs = _inputs(batch, teacher, cuda, torch.float32, 64)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert inputs.aux.shape == (64, 3, hidden) and inputs.aux.dtype == torch.float32
+    assert inputs.doc_ids.device.type == "cuda" and int(inputs.loss_mask.sum()) == tokens

@@ -37,6 +37,7 @@ from .progress import progress_bar
 from .store import ShardPlan, check_same_target, prepared_path, read_manifest
 from .target import load_head_weights, load_model, load_tokenizer, read_config, resolve_target, target_info
 from .loss import TeacherHead
+from .transfer import to_device
 from .ttt import FlexTTTAttention, TTTInputs, attention_for, documents, simulated_acceptance, ttt_forward
 
 
@@ -138,12 +139,11 @@ def _inputs(batch: FeatureBatch, teacher: TeacherHead, device: torch.device, dty
     if budget is not None:
         batch = pad_to_budget(batch, budget)
     doc_ids, positions, doc_end = documents(batch.doc_offsets, device)
-    last = batch.last.to(device, non_blocking=True)
-    teacher_logits, in_vocab = teacher(last)
+    teacher_logits, in_vocab = teacher(to_device(batch.last, device))
     return TTTInputs(
-        input_ids=batch.input_ids.to(device, non_blocking=True),
-        aux=batch.aux.to(device, dtype, non_blocking=True),
-        loss_mask=batch.loss_mask.to(device).bool(),
+        input_ids=to_device(batch.input_ids, device),
+        aux=to_device(batch.aux, device, dtype),
+        loss_mask=to_device(batch.loss_mask, device).bool(),
         doc_ids=doc_ids, positions=positions, doc_end=doc_end,
         teacher_logits=teacher_logits, teacher_in_vocab=in_vocab,
     )

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from .draft import Eagle3Draft, rope_tables
 from .loss import soft_cross_entropy
+from .transfer import to_device
 
 @dataclass
 class TTTInputs:
@@ -46,7 +47,7 @@ def documents(doc_offsets: torch.Tensor, device: torch.device) -> tuple[torch.Te
     doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
     positions = torch.arange(int(doc_offsets[-1])) - doc_offsets[:-1][doc_ids]
     doc_end = doc_offsets[1:][doc_ids]
-    return doc_ids.to(device), positions.to(device), doc_end.to(device)
+    return to_device(doc_ids, device), to_device(positions, device), to_device(doc_end, device)
 
 
 def shift(x: torch.Tensor, k: int, fill: float | int | bool = 0) -> torch.Tensor:
