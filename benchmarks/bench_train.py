@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -94,12 +95,28 @@ def main() -> None:
                 times.append(time.perf_counter() - started)
         times.sort()
         median = times[len(times) // 2]
+        syncs = None
+        if device.type == "cuda":  # one more step, counting the calls that make the host wait for the GPU
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    with autocast():
+                        out = ttt_forward(draft, inputs, args.ttt, attention_factory=attention)
+                    out.loss.backward()
+                    torch.nn.utils.clip_grad_norm_(parameters, 0.5)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs = sum("synchroniz" in str(w.message) for w in caught)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         return {"step_ms_median": round(median * 1e3, 2), "tokens_per_s": round(args.tokens / median, 1),
                 "mfu": round(flops / median / H200_BF16_DENSE_FLOPS, 4) if device.type == "cuda" else None,
-                "peak_gib": round(peak, 2) if peak else None, "final_loss": round(float(out.loss), 4)}
+                "peak_gib": round(peak, 2) if peak else None, "final_loss": round(float(out.loss), 4),
+                "host_syncs_per_step": syncs}
 
     kernels = args.kernels.split(",") if device.type == "cuda" else ["per_step"]  # CPU: the dense path either way
     timed = {name: measure(attention_for(device, config.head_dim, name)) for name in kernels}
