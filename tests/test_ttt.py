@@ -137,6 +137,33 @@ def test_soft_cross_entropy_equals_torch_cross_entropy_with_probability_targets(
     assert torch.equal(predicted, logits.detach().argmax(-1))
 
 
+def test_the_compiled_loss_is_one_graph_for_every_step():
+    """What GPUs run, compiled here on the CPU: each TTT step reads the teacher through a view at another
+    offset of one padded buffer; all K steps (and a second batch) share one compiled graph, equal to eager."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    tokens, vocab, steps = 24, 41, 4  # an odd vocabulary: the views start at unaligned offsets
+    probs = torch.zeros(tokens + steps, vocab)
+    probs[:tokens] = torch.softmax(torch.randn(tokens, vocab), -1)
+    weights = torch.rand(tokens)
+    torch._dynamo.reset()
+    counters.clear()
+    for batch in range(2):
+        for k in range(steps):
+            logits = torch.randn(tokens, vocab, requires_grad=True)
+            view = probs[1 + k : 1 + k + tokens]
+            compiled, predicted = soft_cross_entropy(logits, view, weights, compiled=True)
+            compiled.backward()
+            eager_logits = logits.detach().clone().requires_grad_()
+            eager, _ = soft_cross_entropy(eager_logits, view, weights, compiled=False)
+            eager.backward()
+            torch.testing.assert_close(compiled, eager)
+            torch.testing.assert_close(logits.grad, eager_logits.grad)
+            assert torch.equal(predicted, logits.detach().argmax(-1))
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_library_reference_attention_equals_the_loop_reference():
     from eaglet.ttt import ReferenceAttention
 
