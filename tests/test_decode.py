@@ -167,27 +167,31 @@ def test_tree_sampling_matches_the_target_distribution():
 
 @pytest.mark.parametrize("draft_layers", [1, 2])
 def test_decoder_draft_steps_equal_the_training_time_test(draft_layers):
-    """The decoder's incremental draft (cache of real positions, then speculative steps at the last one)
-    computes what training computed: step 0 over the prefix, step 1 at the last position, every layer."""
+    """The decoder's incremental draft (cache of real positions, then speculative steps after the last one)
+    computes what training computed: step 0 over the prefix, step k at the last position with RoPE position
+    t + k (vLLM and SGLang advance the draft's position by one per step), every layer."""
     from eaglet.ttt import TTTAttention, documents
 
     torch.manual_seed(1)
     target, draft = tiny_pair(draft_layers=draft_layers)
     draft = draft.double()
-    n = 9
-    tokens = torch.randint(0, 64, (n + 2,))  # x_0 .. x_{n+1}
+    n, steps = 9, 3
+    tokens = torch.randint(0, 64, (n + steps,))  # x_0 .. x_{n+steps-1}
     aux = torch.randn(n, 3, 32, dtype=torch.float64)
     doc_ids, positions, _ = documents(torch.tensor([0, n]), torch.device("cpu"))
-    cos, sin = rope_tables(positions, 8, draft.config.rope_theta)
     attends = [TTTAttention(doc_ids) for _ in range(draft_layers)]
+    trained, hidden = [], draft.fuse(aux)
     with torch.no_grad():
-        hidden0, logits0 = draft.step(tokens[1 : n + 1], draft.fuse(aux), cos.double(), sin.double(), attends)
-        hidden1, logits1 = draft.step(tokens[2 : n + 2], hidden0, cos.double(), sin.double(), attends)
+        for k in range(steps):
+            cos, sin = rope_tables(positions + k, 8, draft.config.rope_theta)
+            hidden, logits = draft.step(tokens[1 + k : n + 1 + k], hidden, cos.double(), sin.double(), attends)
+            trained.append(logits[-1])
     runner = DraftRunner(draft)
     hidden, logits = runner.extend(tokens[1 : n + 1].tolist(), aux)
-    torch.testing.assert_close(logits.double(), logits0[-1], rtol=1e-5, atol=1e-5)  # the runner returns float32 logits
-    _, logits = runner.speculate(int(tokens[n + 1]), hidden)
-    torch.testing.assert_close(logits.double(), logits1[-1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits.double(), trained[0], rtol=1e-5, atol=1e-5)  # the runner returns float32 logits
+    for k in range(1, steps):
+        hidden, logits = runner.speculate(int(tokens[n + k]), hidden)
+        torch.testing.assert_close(logits.double(), trained[k], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("draft_layers", [1, 2])

@@ -83,13 +83,13 @@ def test_fast_path_equals_naive_reference(steps, draft_layers):
 def autograd_reference(draft, inputs, steps, decay=0.8):
     """The loss written the plain way (autograd through log-softmax, the teacher shifted by copies): the
     fused soft cross-entropy must give its loss, gradients and accuracy counts."""
-    cos, sin = rope_tables(inputs.positions, draft.config.head_dim, draft.config.rope_theta)
     attends = [TTTAttention(inputs.doc_ids, steps) for _ in range(draft.config.num_hidden_layers)]
     hidden = draft.fuse(inputs.aux)
     index = torch.arange(len(inputs.input_ids))
     total, correct = 0.0, []
     for k in range(steps):
         ids = torch.where(index + 1 + k < inputs.doc_end, shift(inputs.input_ids, 1 + k), 0)
+        cos, sin = rope_tables(inputs.positions + k, draft.config.head_dim, draft.config.rope_theta)
         hidden, logits = draft.step(ids, hidden, cos, sin, attends)
         teacher = shift(inputs.teacher_logits, 1 + k)
         mask = ((index + 2 + k < inputs.doc_end) & shift(inputs.loss_mask, 2 + k, False)

@@ -4,7 +4,8 @@ Step k at position t feeds token x[t+1+k] and (k=0) the fused target features at
 draft's own step-(k-1) output at t; it predicts x[t+2+k], whose teacher distribution is the target's
 softmax at t+1+k restricted to the draft vocabulary. Step 0 attends causally inside its document;
 step k also sees its own position's keys from steps 1..k (the "diagonal"), exactly what the draft
-sees when it runs autoregressively in serving. Loss: Σ_k decay^k · soft-CE_k over positions where
+sees when it runs autoregressively in serving, at RoPE position t+k (serving advances the draft's
+position by one per step). Loss: Σ_k decay^k · soft-CE_k over positions where
 the target token is an assistant token and the teacher's full-vocab argmax lies in the draft vocab.
 """
 
@@ -103,7 +104,6 @@ def ttt_forward(draft: Eagle3Draft, inputs: TTTInputs, steps: int, decay: float 
                 attention_factory=TTTAttention, feature_noise_std: float = 0.0) -> TTTOutput:
     """Unroll ``steps`` draft steps and return the weighted loss plus per-step statistics."""
     config = draft.config
-    cos, sin = rope_tables(inputs.positions, config.head_dim, config.rope_theta)
     attends = [attention_factory(inputs.doc_ids, steps) for _ in range(config.num_hidden_layers)]  # one key cache per layer
     aux = inputs.aux
     if feature_noise_std > 0:
@@ -120,6 +120,9 @@ def ttt_forward(draft: Eagle3Draft, inputs: TTTInputs, steps: int, decay: float 
     step_losses, step_correct, step_counts = [], [], []
     for k in range(steps):
         ids = torch.where(index + 1 + k < inputs.doc_end, shift(inputs.input_ids, 1 + k), 0)
+        # step k sits k positions past t, as serving runs it (vLLM and SGLang advance the draft's positions by
+        # one per step; EAGLE-3's reference trains with position_ids + step): its query and its own key
+        cos, sin = rope_tables(inputs.positions + k, config.head_dim, config.rope_theta)
         hidden, logits = draft.step(ids, hidden, cos, sin, attends)
         mask = ((index + 2 + k < inputs.doc_end) & shift(inputs.loss_mask, 2 + k, False)
                 & shift(inputs.teacher_in_vocab, 1 + k, False))

@@ -95,6 +95,7 @@ class BatchDraft:
         self.entry_positions = torch.zeros(0, dtype=torch.long, device=self.device)
         self.real_entries = 0  # entries before this index are real; after it, the current speculation's
         self.lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self.spec_steps = 0  # chain steps since the last extend
 
     def _run(self, tokens: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
              real: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,14 +142,17 @@ class BatchDraft:
         hidden = self.draft.fuse(aux[take].to(self.dtype))
         out, logits = self._run(tokens[take], hidden, rows, positions, real=True)
         self.lengths = self.lengths + counts
+        self.spec_steps = 0
         last = counts.cumsum(0) - 1  # each row's last new entry in the flat list
         return out[last], logits[last].float()
 
     @decode_step
     def speculate(self, tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One more chain step for every row (token [B], hidden [B, H]) at its last real position."""
+        """One more chain step for every row (token [B], hidden [B, H]): the j-th after a row's last real
+        position runs at that position + j (as in training and serving)."""
         rows = torch.arange(len(tokens), device=self.device)
-        out, logits = self._run(tokens, hidden, rows, self.lengths - 1, real=False)
+        self.spec_steps += 1
+        out, logits = self._run(tokens, hidden, rows, self.lengths - 1 + self.spec_steps, real=False)
         return out, logits.float()
 
 

@@ -4,8 +4,8 @@ Per round (batch 1), with the target's cache holding positions ``0..n-1`` and ``
 
 1. the draft proposes ``d_1..d_D``: ``d_1`` from its output at position n-1 (token ``x_n``, the target's
    aux features at n-1), then each ``d_{j+1}`` from one more step fed ``d_j`` and its own last hidden
-   state, at the same RoPE position and attending to its cached positions plus this chain's earlier
-   steps: exactly the training-time-test pattern the draft was trained with;
+   state, one RoPE position further per step (as vLLM and SGLang run drafts) and attending to its cached
+   positions plus this chain's earlier steps: exactly the training-time-test pattern the draft was trained with;
 2. the target verifies ``[x_n, d_1..d_D]`` in one forward, which also yields the aux features of
    those positions (what serving engines feed the draft);
 3. the longest agreeing prefix ``d_1..d_a`` is kept, plus one token from the target (the correction
@@ -243,9 +243,10 @@ class DraftRunner:
 
     @decode_step
     def speculate(self, token: int | torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One more chain step from the last real position (same RoPE position, as in training); ``token``
-        is a target id, as an int or a device tensor [1]."""
-        cos, sin = self._rope(torch.tensor([self.length - 1], device=self.device))
+        """One more chain step: the j-th after the last real position runs at RoPE position last + j (as in
+        training and serving); ``token`` is a target id, as an int or a device tensor [1]."""
+        step = len(self.caches[0].spec_keys) + 1
+        cos, sin = self._rope(torch.tensor([self.length - 1 + step], device=self.device))
         ids = token if isinstance(token, torch.Tensor) else torch.tensor([token], device=self.device)
         out, logits = self.draft.step(ids, hidden[None], cos, sin, self._attends("speculate"))
         return out[0], logits[0].float()
@@ -260,9 +261,9 @@ class DraftRunner:
                     budget: int) -> Tree:
         """EAGLE-2 dynamic tree: expand the ``topk`` best nodes of each layer by their ``topk`` best
         children (scores = cumulative draft log-probabilities), then keep the ``budget`` best nodes overall.
-        Every step runs at the root's RoPE position and sees its ancestors' entries, as in training."""
+        Level L's nodes run at RoPE position root + L - 1 and see their ancestors' entries, as in training
+        and as SGLang drafts trees."""
         self._clear_speculation()
-        cos, sin = self._rope(torch.tensor([self.length - 1], device=self.device))
         # candidate columns: target token, parent candidate (-1 = root), depth, score, input hidden, spec entry
         tokens, parents, depths, scores, entries = [], [], [], [], []
         inputs: list[torch.Tensor] = []
@@ -288,6 +289,7 @@ class DraftRunner:
                     node = parents[node]
                 visible.append(chain)
             ids = torch.tensor([tokens[c] for c in frontier]).to(self.device, non_blocking=True)
+            cos, sin = self._rope(torch.tensor([self.length - 1 + level - 1], device=self.device))
             out_hidden, out_logits = self.draft.step(
                 ids, torch.stack([inputs[c] for c in frontier]),
                 cos.expand(len(frontier), -1), sin.expand(len(frontier), -1), self._attends("tree", visible))

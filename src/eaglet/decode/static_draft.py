@@ -98,9 +98,9 @@ class StaticDraft:
         hidden, logits, _, end = self._extend_round_rows()
         token = self.used[logits.argmax(-1)]  # [1]
         drafted = [token]
-        cos, sin = draft_rope(self.draft, (end - 1).view(1))  # chain steps run at the last real position
         real = self._slot < end
         for step in range(1, self.depth):
+            cos, sin = draft_rope(self.draft, (end - 1 + step).view(1))  # step j: the last real position + j
             spec_slot = self.max_len + step - 1
             mask = (real | ((self._slot >= self.max_len) & (self._slot <= spec_slot)))[None]  # [1, slots]
             hidden, logits = self.draft.step(token, hidden, cos, sin, self._attends(self._slot[spec_slot:spec_slot + 1], mask))

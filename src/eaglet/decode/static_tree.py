@@ -43,8 +43,6 @@ class StaticTreeDraft(StaticDraft):
         """-> tree tokens [N], depths [N], parents [N] (root: 0), ancestor mask [N, N]; N = budget + 1."""
         k, device = self.width, self.device
         hidden, logits, root_token, end = self._extend_round_rows()
-        cos, sin = draft_rope(self.draft, (end - 1).view(1))  # every tree step runs at the root's position
-        cos, sin = cos.expand(k, -1), sin.expand(k, -1)
         real = self._slot < end  # [slots]
         spec = self._slot.shape[0] - self.max_len
         top = torch.log_softmax(logits[0].float(), -1).topk(k)
@@ -61,6 +59,7 @@ class StaticTreeDraft(StaticDraft):
             own = (level - 2) * k + torch.arange(k, device=device)  # [k] spec slots these rows write
             visible = ancestors[order] | (spec_index[None, :] == own[:, None])  # [k, spec]: ancestors + itself
             mask = torch.cat([real.expand(k, -1)[:, : self.max_len], visible], dim=1)  # [k, slots]
+            cos, sin = (t.expand(k, -1) for t in draft_rope(self.draft, (end + level - 2).view(1)))  # root + L - 1
             out_hidden, out_logits = self.draft.step(torch.cat(tokens)[frontier], inputs[order], cos, sin,
                                                      self._attends(self.max_len + own, mask))
             best = torch.log_softmax(out_logits.float(), -1).topk(k, dim=-1)  # [k, k]
