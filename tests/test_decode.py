@@ -8,7 +8,8 @@ import torch
 
 from eaglet.decode.engine import DraftRunner, TargetRunner, speculative_decode, target_only_decode
 from eaglet.decode.sampling import Sampling
-from eaglet.draft import DraftConfig, Eagle3Draft, rope_tables
+from eaglet.draft import DraftConfig, Eagle3Draft
+from eaglet.errors import EagletError
 
 
 def tiny_pair(vocab=64, seed=0, draft_layers=1):
@@ -183,7 +184,7 @@ def test_decoder_draft_steps_equal_the_training_time_test(draft_layers):
     trained, hidden = [], draft.fuse(aux)
     with torch.no_grad():
         for k in range(steps):
-            cos, sin = rope_tables(positions + k, 8, draft.config.rope_theta)
+            cos, sin = draft.rope(positions + k)
             hidden, logits = draft.step(tokens[1 + k : n + 1 + k], hidden, cos.double(), sin.double(), attends)
             trained.append(logits[-1])
     runner = DraftRunner(draft)
@@ -240,3 +241,57 @@ def test_tree_of_width_one_is_the_chain():
     chain = speculative_decode(runner, draft_runner, prompt, 30, depth=4, sampling=Sampling(), stop_ids=set())
     tree = tree_decode(runner, draft_runner, prompt, 30, depth=4, topk=1, budget=4, stop_ids=set())
     assert tree.tokens == chain.tokens and tree.accepted == chain.accepted
+
+
+LLAMA31_TARGET = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+                  "vocab_size": 64, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+                  "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                   "original_max_position_embeddings": 8192}}
+
+
+@pytest.mark.parametrize("scaling", [
+    None,
+    {"rope_type": "linear", "factor": 4.0},
+    LLAMA31_TARGET["rope_scaling"],
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
+])
+def test_the_draft_rotates_like_the_target(scaling):
+    """The draft inherits the target's RoPE, scaling included (vLLM and SGLang serve it with the config's
+    rope_scaling): its cos/sin equal transformers' own Llama rotary embedding, at long positions too."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    target = {**LLAMA31_TARGET, "rope_scaling": scaling}
+    config = DraftConfig.from_target(target, 32, (1, 2, 3))
+    assert config.rope_scaling == scaling
+    positions = torch.tensor([0, 1, 7, 1000, 20000, 100000])
+    cos, sin = Eagle3Draft(config).rope(positions)
+    reference = LlamaRotaryEmbedding(LlamaConfig(**{k: v for k, v in target.items() if k != "rope_scaling"},
+                                                 rope_scaling=dict(scaling) if scaling else None))  # (it edits it)
+    expected_cos, expected_sin = reference(torch.zeros(1, len(positions), 16), positions[None])
+    torch.testing.assert_close(cos, expected_cos[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sin, expected_sin[0], rtol=1e-5, atol=1e-5)
+
+
+def test_rope_scaling_in_transformers_5_configs_and_bf16_drafts():
+    """A config.json in transformers 5's form (theta and scaling in `rope_parameters`) gives the same draft
+    RoPE; casting the draft to bf16 leaves its frequencies in float32 (a bf16 inverse frequency would put
+    position 20,000 radians off)."""
+    legacy = DraftConfig.from_target(LLAMA31_TARGET, 32, (1, 2, 3))
+    parameters = {"rope_theta": 500000.0, **LLAMA31_TARGET["rope_scaling"]}
+    modern = DraftConfig.from_target({k: v for k, v in LLAMA31_TARGET.items() if k not in ("rope_theta", "rope_scaling")}
+                                     | {"rope_parameters": parameters}, 32, (1, 2, 3))
+    assert (modern.rope_theta, modern.rope_scaling) == (legacy.rope_theta, legacy.rope_scaling)
+    positions = torch.tensor([3, 20000])
+    draft = Eagle3Draft(legacy)
+    expected = draft.rope(positions)
+    draft = draft.to(torch.bfloat16)
+    for got, want in zip(draft.rope(positions), expected):
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+def test_an_unknown_rope_type_is_a_one_line_error():
+    config = DraftConfig.from_target({**LLAMA31_TARGET, "rope_scaling": {"rope_type": "spiral", "factor": 2.0}},
+                                     32, (1, 2, 3))
+    with pytest.raises(EagletError, match="RoPE type 'spiral' is not one transformers"):
+        Eagle3Draft(config).rope(torch.arange(4))

@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from eaglet.draft import DraftConfig, Eagle3Draft
-from eaglet.draft import rope_tables
 from eaglet.loss import TeacherHead, soft_cross_entropy
 from eaglet.ttt import FLEX_MIN_HEAD_DIM, TTTAttention, TTTInputs, documents, shift, simulated_acceptance, ttt_forward
 
@@ -89,7 +88,7 @@ def autograd_reference(draft, inputs, steps, decay=0.8):
     total, correct = 0.0, []
     for k in range(steps):
         ids = torch.where(index + 1 + k < inputs.doc_end, shift(inputs.input_ids, 1 + k), 0)
-        cos, sin = rope_tables(inputs.positions + k, draft.config.head_dim, draft.config.rope_theta)
+        cos, sin = draft.rope(inputs.positions + k)
         hidden, logits = draft.step(ids, hidden, cos, sin, attends)
         teacher = shift(inputs.teacher_logits, 1 + k)
         mask = ((index + 2 + k < inputs.doc_end) & shift(inputs.loss_mask, 2 + k, False)

@@ -63,7 +63,8 @@ class DraftConfig:
                     target_identity: dict[str, Any] | None = None, num_layers: int = 1) -> "DraftConfig":
         heads = int(target_config["num_attention_heads"])
         hidden = int(target_config["hidden_size"])
-        rope = target_config.get("rope_parameters") or {}
+        rope = target_config.get("rope_parameters") or {}  # transformers 5's form: theta and scaling in one dict
+        scaled = rope.get("rope_type", "default") != "default"
         return cls(
             hidden_size=hidden,
             num_attention_heads=heads,
@@ -76,7 +77,8 @@ class DraftConfig:
             eagle_aux_hidden_state_layer_ids=list(layer_ids),
             rms_norm_eps=float(target_config.get("rms_norm_eps", 1e-6)),
             rope_theta=float(target_config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-            rope_scaling=target_config.get("rope_scaling"),
+            rope_scaling=dict(target_config.get("rope_scaling") or {}) or (
+                {k: v for k, v in rope.items() if k != "rope_theta"} if scaled else None),
             max_position_embeddings=int(target_config.get("max_position_embeddings", 4096)),
             num_hidden_layers=num_layers,
             target=dict(target_identity or {}),
@@ -99,12 +101,48 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, head_dim] for integer positions [T] (Llama's rotate-half layout)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    angles = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat([angles, angles], dim=-1)
-    return emb.cos(), emb.sin()
+def rope_frequencies(config: DraftConfig, device: torch.device) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] (float32) and attention scaling of the target's RoPE. Scaled types
+    (linear, llama3, yarn, ...) come from transformers' own initialisers — the ones vLLM's and SGLang's
+    ``get_rope`` reproduce when they serve the draft with the ``rope_scaling`` its config carries."""
+    scaling = dict(config.rope_scaling or {})
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type == "default":
+        exponents = torch.arange(0, config.head_dim, 2, device=device, dtype=torch.float32) / config.head_dim
+        return 1.0 / (config.rope_theta ** exponents), 1.0
+    import transformers
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise EagletError(f"the target's RoPE type {rope_type!r} is not one transformers {transformers.__version__} "
+                          f"computes ({', '.join(sorted(ROPE_INIT_FUNCTIONS))}); upgrade transformers")
+    llama = LlamaConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+                        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                        max_position_embeddings=config.max_position_embeddings, rope_theta=config.rope_theta,
+                        rope_scaling=scaling)
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](llama, device)
+    return inv_freq.to(device, torch.float32), float(attention_scaling)
+
+
+class DraftRope:
+    """cos/sin tables of the target's RoPE for the draft, its frequencies made once per device in float32:
+    kept apart from the module's tensors, so casting the draft to bf16 does not round them."""
+
+    def __init__(self, config: DraftConfig):
+        self.config = config
+        self._frequencies: dict[torch.device, tuple[torch.Tensor, float]] = {}
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, head_dim] float32 for integer positions [T] (Llama's rotate-half layout)."""
+        if positions.device not in self._frequencies:
+            self._frequencies[positions.device] = rope_frequencies(self.config, positions.device)
+        inv_freq, attention_scaling = self._frequencies[positions.device]
+        angles = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat([angles, angles], dim=-1)
+        if attention_scaling == 1.0:
+            return emb.cos(), emb.sin()
+        return emb.cos() * attention_scaling, emb.sin() * attention_scaling
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -203,6 +241,7 @@ class Eagle3Draft(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.rope = DraftRope(config)  # positions -> cos/sin, the target's rotary embedding
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [T, 3, H_target] -> [T, H]."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .draft import Eagle3Draft, rope_tables
+from .draft import Eagle3Draft
 from .loss import soft_cross_entropy
 from .transfer import to_device
 
@@ -122,7 +122,7 @@ def ttt_forward(draft: Eagle3Draft, inputs: TTTInputs, steps: int, decay: float 
         ids = torch.where(index + 1 + k < inputs.doc_end, shift(inputs.input_ids, 1 + k), 0)
         # step k sits k positions past t, as serving runs it (vLLM and SGLang advance the draft's positions by
         # one per step; EAGLE-3's reference trains with position_ids + step): its query and its own key
-        cos, sin = rope_tables(inputs.positions + k, config.head_dim, config.rope_theta)
+        cos, sin = draft.rope(inputs.positions + k)
         hidden, logits = draft.step(ids, hidden, cos, sin, attends)
         mask = ((index + 2 + k < inputs.doc_end) & shift(inputs.loss_mask, 2 + k, False)
                 & shift(inputs.teacher_in_vocab, 1 + k, False))

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..capture import FeatureCapture
-from ..draft import Eagle3Draft, rope_tables
+from ..draft import Eagle3Draft
 from ..errors import EagletError
 from ..target import decoding_attention
 from .sampling import Sampling, accept_or_resample, walk_candidates
@@ -84,7 +84,7 @@ def draft_target_ids(draft: Eagle3Draft) -> torch.Tensor:
 
 def draft_rope(draft: Eagle3Draft, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [T, head_dim] for the draft at integer ``positions``, in the draft's dtype."""
-    cos, sin = rope_tables(positions, draft.config.head_dim, draft.config.rope_theta)
+    cos, sin = draft.rope(positions)
     dtype = draft.fc.weight.dtype
     return cos.to(dtype), sin.to(dtype)
 
