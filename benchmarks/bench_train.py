@@ -80,16 +80,21 @@ def main() -> None:
         draft = Eagle3Draft(config).to(device)
         parameters = [p for p in draft.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(parameters, lr=1e-4, fused=device.type == "cuda")
-        times = []
-        for index in range(args.warmup + args.steps):
-            sync()
-            started = time.perf_counter()
+
+        def train_step():
             with autocast():
                 out = ttt_forward(draft, inputs, args.ttt, attention_factory=attention)
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(parameters, 0.5)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            return out
+
+        times = []
+        for index in range(args.warmup + args.steps):
+            sync()
+            started = time.perf_counter()
+            out = train_step()
             sync()
             if index >= args.warmup:
                 times.append(time.perf_counter() - started)
@@ -101,12 +106,7 @@ def main() -> None:
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")
                 try:
-                    with autocast():
-                        out = ttt_forward(draft, inputs, args.ttt, attention_factory=attention)
-                    out.loss.backward()
-                    torch.nn.utils.clip_grad_norm_(parameters, 0.5)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
+                    out = train_step()
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
             syncs = sum("synchroniz" in str(w.message) for w in caught)
