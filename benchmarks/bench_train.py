@@ -115,7 +115,7 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         return {"step_ms_median": round(median * 1e3, 2), "tokens_per_s": round(args.tokens / median, 1),
                 "mfu": round(flops / median / H200_BF16_DENSE_FLOPS, 4) if device.type == "cuda" else None,
-                "peak_gib": round(peak, 2) if peak else None, "final_loss": round(float(out.loss), 4),
+                "peak_gib": round(peak, 2) if peak else None, "final_loss": round(float(out.loss.detach()), 4),
                 "host_syncs_per_step": syncs}
 
     kernels = args.kernels.split(",") if device.type == "cuda" else ["per_step"]  # CPU: the dense path either way
