@@ -9,7 +9,7 @@ the two graphs (proposals, accepted count, correction, the verify pass's feature
 The draft's static cache per layer is [Hkv, max_len + D, d]: real positions first (``0..length-1``), then
 D slots for the chain's speculative entries. A round extends by a fixed R = D + 1 rows (the accepted
 tokens and the correction, padded; padding rows write past ``length`` where nothing reads them), then runs
-D - 1 chain steps at the last real position, exactly the dynamic ``DraftRunner``'s arithmetic (tested).
+D - 1 chain steps, step j at the last real position + j, exactly the dynamic ``DraftRunner``'s arithmetic (tested).
 """
 
 from __future__ import annotations
