@@ -36,7 +36,12 @@ class NaiveAttention:
         return torch.softmax(scores, -1) @ values
 
 
-def tiny_setup(seed=0, head_dim=8, draft_layers=1):
+# a packed batch of whole 128-token blocks (the block layout built from the documents): one-token documents, one
+# ending on a block boundary, one starting on a boundary and spanning three blocks, padding at the end
+BLOCK_ALIGNED_DOCS = (0, 100, 101, 102, 128, 400, 512)
+
+
+def tiny_setup(seed=0, head_dim=8, draft_layers=1, doc_offsets=(0, 7, 12, 19)):
     torch.manual_seed(seed)
     vocab, draft_vocab, hidden = 50, 20, 4 * head_dim
     config = DraftConfig(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
@@ -49,8 +54,8 @@ def tiny_setup(seed=0, head_dim=8, draft_layers=1):
     t2d[used] = True
     lm_head = torch.randn(vocab, hidden, dtype=torch.float64)
     draft.init_from_target(torch.randn(vocab, hidden, dtype=torch.float64), lm_head, d2t, t2d)
-    doc_offsets = torch.tensor([0, 7, 12, 19])
-    tokens = 19
+    doc_offsets = torch.tensor(doc_offsets)
+    tokens = int(doc_offsets[-1])
     doc_ids, positions, doc_end = documents(doc_offsets, torch.device("cpu"))
     last = torch.randn(tokens, hidden, dtype=torch.float64)
     teacher_logits, in_vocab = TeacherHead(lm_head, d2t)(last)
@@ -209,8 +214,63 @@ def test_flex_attention_mask_matches_dense_forward():
     torch.testing.assert_close(flex.loss, dense.loss, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("key_steps", ["all", "filled"])
+def test_block_mask_from_documents_equals_create_block_mask(key_steps):
+    """The block layout built from the document structure lists exactly the blocks (full and partial) that
+    torch's create_block_mask finds by evaluating the mask at every point, for every step."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from eaglet.ttt import FlexTTTAttention, ttt_block_mask
+
+    steps = 4
+    doc_ids, _, _ = documents(torch.tensor(BLOCK_ALIGNED_DOCS), torch.device("cpu"))
+    attention = FlexTTTAttention(doc_ids, steps)
+
+    def listed(counts, indices, width):
+        dense = torch.zeros(counts.shape[-1], width, dtype=torch.bool)
+        for row, (count, row_indices) in enumerate(zip(counts[0, 0], indices[0, 0])):
+            dense[row, row_indices[: int(count)].long()] = True
+        return dense
+
+    for filled in range(1, steps + 1):
+        width = steps if key_steps == "all" else filled
+        key_limit = attention.key_limits[filled - 1]
+        tokens = len(doc_ids)
+
+        def allowed(batch, head, query, key):
+            position = key % tokens
+            same_doc = doc_ids[position] == doc_ids[query]
+            return (key < key_limit) & torch.where(key < tokens, (key <= query) & same_doc, position == query)
+
+        ours = ttt_block_mask(doc_ids, filled, width, allowed)
+        theirs = create_block_mask(allowed, None, None, tokens, tokens * width, device="cpu")
+        blocks = tokens * width // 128
+        for counts, indices in [("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")]:
+            torch.testing.assert_close(
+                listed(getattr(ours, counts), getattr(ours, indices), blocks),
+                listed(getattr(theirs, counts), getattr(theirs, indices), blocks))
+        torch.testing.assert_close(ours.to_dense(), theirs.to_dense())
+
+
+def test_flex_attention_block_layout_matches_dense_forward():
+    """The same as above for a batch of whole blocks, where the block mask is built from the documents."""
+    from eaglet.ttt import FlexTTTAttention
+
+    draft, inputs = tiny_setup(doc_offsets=BLOCK_ALIGNED_DOCS)
+    draft = draft.float()
+    inputs.aux = inputs.aux.float()
+    inputs.teacher_logits = inputs.teacher_logits.float()
+    with torch.no_grad():
+        dense = ttt_forward(draft, inputs, 3, attention_factory=TTTAttention)
+        flex = ttt_forward(draft, inputs, 3, attention_factory=FlexTTTAttention)
+    torch.testing.assert_close(flex.loss, dense.loss, rtol=1e-4, atol=1e-4)
+    for flex_loss, dense_loss in zip(flex.step_losses, dense.step_losses):
+        torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("kernels,compiles", [("one", 1), ("per_step", 5)])
-def test_flex_attention_kernel_count(kernels, compiles):
+@pytest.mark.parametrize("doc_offsets", [(0, 7, 12, 19), BLOCK_ALIGNED_DOCS])
+def test_flex_attention_kernel_count(kernels, compiles, doc_offsets):
     """Each compiled FlexAttention kernel costs ~30 s on an H200: "one" shares a kernel across all K steps
     (same key-buffer shape, the step limit read from a tensor), "per_step" compiles one per key length; both
     equal the dense path. Compiled here on the CPU (forward only: inductor's CPU FlexAttention has no backward)."""
@@ -226,7 +286,7 @@ def test_flex_attention_kernel_count(kernels, compiles):
         def _kernel(cls, device):
             return compiled
 
-    draft, inputs = tiny_setup()
+    draft, inputs = tiny_setup(doc_offsets=doc_offsets)
     draft = draft.float()
     inputs.aux = inputs.aux.float()
     inputs.teacher_logits = inputs.teacher_logits.float()
@@ -253,10 +313,11 @@ def test_small_heads_use_the_dense_path_on_gpu():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs a GPU")
 @pytest.mark.parametrize("kernels", ["one", "per_step"])
-def test_flex_attention_gradients_match_on_gpu(kernels):
+@pytest.mark.parametrize("doc_offsets", [(0, 7, 12, 19), BLOCK_ALIGNED_DOCS])
+def test_flex_attention_gradients_match_on_gpu(kernels, doc_offsets):
     from eaglet.ttt import ATTENTION_KERNELS
 
-    draft, inputs = tiny_setup(head_dim=FLEX_MIN_HEAD_DIM)
+    draft, inputs = tiny_setup(head_dim=FLEX_MIN_HEAD_DIM, doc_offsets=doc_offsets)
     device = torch.device("cuda")
     draft = draft.float().to(device)
     moved = TTTInputs(**{k: (v.float() if v.is_floating_point() else v).to(device) for k, v in vars(inputs).items()})
