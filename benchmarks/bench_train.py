@@ -7,6 +7,7 @@ master weights, timed with CUDA synchronisation after warm-up; teacher logits ar
   eaglet: FlexAttention (GPU: per-step kernels, train's default, and the one-kernel variant) / dense (CPU)
   naive: ReferenceAttention (explicit [T, T*(k+1)] mask)
 Usage: python benchmarks/bench_train.py --shape 8b|smollm [--tokens 2048] [--ttt 7] [--steps 20] [--out FILE.json]
+  [--profile]: after timing, one profiled step per layout; its busiest kernels are printed (where the step goes)
 The demo's step: --shape smollm --tokens 16384 --draft-vocab 32000 --kernels one --skip-naive
 """
 
@@ -40,6 +41,7 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=None, help="override the shape's draft vocabulary")
     parser.add_argument("--kernels", default="per_step,one", help="GPU FlexAttention layouts to time (train's attention_kernels)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--profile", action="store_true", help="print each layout's busiest kernels over one step")
     args = parser.parse_args()
 
     import torch
@@ -110,6 +112,8 @@ def main() -> None:
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
             syncs = sum("synchroniz" in str(w.message) for w in caught)
+        if args.profile:
+            profile_step(train_step, device)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -119,7 +123,10 @@ def main() -> None:
                 "host_syncs_per_step": syncs}
 
     kernels = args.kernels.split(",") if device.type == "cuda" else ["per_step"]  # CPU: the dense path either way
-    timed = {name: measure(attention_for(device, config.head_dim, name)) for name in kernels}
+    timed = {}
+    for name in kernels:  # each layout's numbers printed as soon as they exist (a cut-off run keeps them)
+        timed[name] = measure(attention_for(device, config.head_dim, name))
+        print(json.dumps({name: timed[name]}), flush=True)
     ours, one_kernel = timed.get("per_step"), timed.get("one")
     naive = None if args.skip_naive else measure(ReferenceAttention)
     record = {
@@ -127,10 +134,29 @@ def main() -> None:
         "torch": torch.__version__, "tokens": args.tokens, "documents": len(lengths), "ttt_steps": args.ttt,
         "draft_vocab": vocab, "flops_per_step": flops, "eaglet": ours, "eaglet_one_kernel": one_kernel, "naive_per_step": naive,
         "speedup_vs_naive": round(naive["step_ms_median"] / ours["step_ms_median"], 3) if naive and ours else None,
+        "one_kernel_speedup_vs_naive": (round(naive["step_ms_median"] / one_kernel["step_ms_median"], 3)
+                                        if naive and one_kernel else None),
     }
     print(json.dumps(record, indent=2))
     if args.out:
         args.out.write_text(json.dumps(record, indent=2) + "\n")
+
+
+PROFILE_ROWS = 15
+
+
+def profile_step(train_step, device) -> None:
+    """One step under torch.profiler: the kernels that take most of the device's time, busiest first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        train_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(profiler.key_averages().table(sort_by=sort_by, row_limit=PROFILE_ROWS, max_name_column_width=60))
 
 
 if __name__ == "__main__":

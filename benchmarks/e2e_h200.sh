@@ -9,7 +9,9 @@
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh loss     # the TTT loss alone, fused vs autograd, demo + 8B sizes
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh tau-data   # issue 4's τ run (configs/tau_h200.yaml):
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh tau-train  #  data in one call, training in the next
-# evals and round take DRAFT (default: the demo's draft; the τ run's is $WORK/tau/draft).
+# evals and round take DRAFT (default: the demo's draft; the τ run's is $WORK/tau/draft). tau-train takes
+# TAU_MAX_STEPS (the cosine schedule's length; set it from the measured step rate so the schedule ends annealed
+# when max_minutes stops the run).
 # Results are copied under $OUT (the device tool brings them back). WORK defaults to /tmp/e2e.
 set -uo pipefail
 WORK=${WORK:-/tmp/e2e}
@@ -48,11 +50,20 @@ case "${1:-}" in
     done
     ;;
   train)
-    python3 benchmarks/bench_train.py --shape 8b --out "$OUT/train_8b_h200.json" 2>&1 | tail -8
+    # 8B shape: the one-kernel layout and the naive reference, then the demo size (the τ run's step, profiled: the
+    # busiest kernels go to train_demo_profile.txt), then the 8B per-step layout (7 kernel compiles) and
+    # speculators 0.9.0's anchor (if staged) in the time left of TRAIN_BENCH_LIMIT_S
+    end=$((SECONDS + ${TRAIN_BENCH_LIMIT_S:-420}))
+    python3 benchmarks/bench_train.py --shape 8b --kernels one --out "$OUT/train_8b_h200.json" 2>&1 \
+      | grep -E 'step_ms|tokens_per_s|mfu|"eaglet|naive|^\{"'
     python3 benchmarks/bench_train.py --shape smollm --tokens 16384 --draft-vocab 32000 --kernels one --skip-naive \
-      --out "$OUT/train_demo_h200.json" 2>&1 | grep -E 'step_ms|tokens_per_s|mfu' 
-    [ -d /tmp/specsite ] && PYTHONPATH=/tmp/specsite python3 /tmp/specbench/bench_eagle3.py --shape 8b --ttt 7 \
-      --draft-vocab 32000 --optimizers adamw --out "$OUT/speculators_8b_h200.json" 2>&1 | tail -8
+      --profile --out "$OUT/train_demo_h200.json" > "$OUT/train_demo_profile.txt" 2>&1
+    grep -E 'step_ms|tokens_per_s|mfu|"eaglet' "$OUT/train_demo_h200.json"
+    timeout $((end - SECONDS)) python3 benchmarks/bench_train.py --shape 8b --kernels per_step --skip-naive \
+      --out "$OUT/train_8b_per_step_h200.json" 2>&1 | grep -E '^\{"'
+    [ -d /tmp/specsite ] && [ $((end - SECONDS)) -gt 60 ] && PYTHONPATH=/tmp/specsite timeout $((end - SECONDS)) \
+      python3 /tmp/specbench/bench_eagle3.py --shape 8b --ttt 7 --draft-vocab 32000 --optimizers adamw \
+      --out "$OUT/speculators_8b_h200.json" 2>&1 | tail -8
     ;;
   loss)
     python3 benchmarks/bench_loss.py --tokens 16384 --out "$OUT/loss_demo_h200.json" 2>&1 | grep -E '"ms"|speedup|peak'
@@ -66,8 +77,13 @@ case "${1:-}" in
     cp "$WORK/tau/run.json" "$WORK/tau/"*.manifest.json "$OUT/tau/" 2>/dev/null
     ;;
   tau-train)
+    config=$TAU_CONFIG
+    if [ -n "${TAU_MAX_STEPS:-}" ]; then
+      config=$WORK/tau_h200.yaml
+      sed "s/^  max_steps: [0-9]*/  max_steps: $TAU_MAX_STEPS/" $TAU_CONFIG > "$config"
+    fi
     /usr/bin/time -f "train %e s, peak RSS %M KB" timeout "${TRAIN_LIMIT_S:-580}" \
-      python3 -m eaglet.cli run $TAU_CONFIG --out "$WORK/tau" --only train 2>&1 | tail -12
+      python3 -m eaglet.cli run "$config" --out "$WORK/tau" --only train 2>&1 | tail -12
     mkdir -p "$OUT/tau"
     cp "$WORK/tau/run.json" "$WORK/tau/draft/metrics.jsonl" "$WORK/tau/draft/"*.png "$OUT/tau/" 2>/dev/null
     ;;
