@@ -200,11 +200,13 @@ def test_simulated_acceptance():
     assert simulated_acceptance([]) == 0.0
 
 
-def test_flex_attention_mask_matches_dense_forward():
-    """FlexAttention's block mask (the GPU path) gives the dense path's outputs; forward only on CPU."""
+@pytest.mark.parametrize("doc_offsets", [(0, 7, 12, 19), BLOCK_ALIGNED_DOCS])
+def test_flex_attention_mask_matches_dense_forward(doc_offsets):
+    """FlexAttention's block mask (the GPU path) gives the dense path's outputs; forward only on CPU. A batch of
+    whole 128-token blocks gets its block mask built from the documents, any other from create_block_mask."""
     from eaglet.ttt import FlexTTTAttention
 
-    draft, inputs = tiny_setup()
+    draft, inputs = tiny_setup(doc_offsets=doc_offsets)
     draft = draft.float()
     inputs.aux = inputs.aux.float()
     inputs.teacher_logits = inputs.teacher_logits.float()
@@ -212,6 +214,8 @@ def test_flex_attention_mask_matches_dense_forward():
         dense = ttt_forward(draft, inputs, 3, attention_factory=TTTAttention)
         flex = ttt_forward(draft, inputs, 3, attention_factory=FlexTTTAttention)
     torch.testing.assert_close(flex.loss, dense.loss, rtol=1e-4, atol=1e-4)
+    for flex_loss, dense_loss in zip(flex.step_losses, dense.step_losses):
+        torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("key_steps", ["all", "filled"])
@@ -232,16 +236,10 @@ def test_block_mask_from_documents_equals_create_block_mask(key_steps):
             dense[row, row_indices[: int(count)].long()] = True
         return dense
 
+    tokens = len(doc_ids)
     for filled in range(1, steps + 1):
         width = steps if key_steps == "all" else filled
-        key_limit = attention.key_limits[filled - 1]
-        tokens = len(doc_ids)
-
-        def allowed(batch, head, query, key):
-            position = key % tokens
-            same_doc = doc_ids[position] == doc_ids[query]
-            return (key < key_limit) & torch.where(key < tokens, (key <= query) & same_doc, position == query)
-
+        allowed = attention.mask_mod(filled)
         ours = ttt_block_mask(doc_ids, filled, width, allowed)
         theirs = create_block_mask(allowed, None, None, tokens, tokens * width, device="cpu")
         blocks = tokens * width // 128
@@ -250,22 +248,6 @@ def test_block_mask_from_documents_equals_create_block_mask(key_steps):
                 listed(getattr(ours, counts), getattr(ours, indices), blocks),
                 listed(getattr(theirs, counts), getattr(theirs, indices), blocks))
         torch.testing.assert_close(ours.to_dense(), theirs.to_dense())
-
-
-def test_flex_attention_block_layout_matches_dense_forward():
-    """The same as above for a batch of whole blocks, where the block mask is built from the documents."""
-    from eaglet.ttt import FlexTTTAttention
-
-    draft, inputs = tiny_setup(doc_offsets=BLOCK_ALIGNED_DOCS)
-    draft = draft.float()
-    inputs.aux = inputs.aux.float()
-    inputs.teacher_logits = inputs.teacher_logits.float()
-    with torch.no_grad():
-        dense = ttt_forward(draft, inputs, 3, attention_factory=TTTAttention)
-        flex = ttt_forward(draft, inputs, 3, attention_factory=FlexTTTAttention)
-    torch.testing.assert_close(flex.loss, dense.loss, rtol=1e-4, atol=1e-4)
-    for flex_loss, dense_loss in zip(flex.step_losses, dense.step_losses):
-        torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kernels,compiles", [("one", 1), ("per_step", 5)])

@@ -224,7 +224,9 @@ class FlexTTTAttention:
         """Steps' worth of keys the kernel sees: all K, whatever has run (one shape, one kernel)."""
         return self.steps
 
-    def _block_mask(self, filled_steps: int):
+    def mask_mod(self, filled_steps: int):
+        """FlexAttention's per-point rule for a query of step ``filled_steps - 1``; the step limit stays in it
+        (not only in the block layout) because eager FlexAttention applies the rule without the block layout."""
         tokens = len(self.doc_ids)
         doc_ids = self.doc_ids
         key_limit = self.key_limits[filled_steps - 1]  # a 0-d tensor, not an int: no recompile per step
@@ -234,7 +236,10 @@ class FlexTTTAttention:
             same_doc = doc_ids[position] == doc_ids[query]
             return (key < key_limit) & torch.where(key < tokens, (key <= query) & same_doc, position == query)
 
-        return ttt_block_mask(doc_ids, filled_steps, self.key_steps(filled_steps), allowed)
+        return allowed
+
+    def _block_mask(self, filled_steps: int):
+        return ttt_block_mask(self.doc_ids, filled_steps, self.key_steps(filled_steps), self.mask_mod(filled_steps))
 
     def _all_steps(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """[Hkv, T, d] per step so far -> [1, Hkv, T*key_steps, d], zeros for the steps not run yet."""
