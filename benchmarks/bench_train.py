@@ -4,9 +4,11 @@ Synthetic packed batch (documents of random lengths filling --tokens), the draft
 target's (hidden 4096, 32 heads / 8 KV heads, intermediate 14336, draft vocab 32000) or the embedded
 target's, K TTT steps. A step = forward + backward + grad clip + AdamW step, bf16 autocast over fp32
 master weights, timed with CUDA synchronisation after warm-up; teacher logits are precomputed.
-  eaglet: FlexAttention (GPU: per-step kernels, train's default, and the one-kernel variant) / dense (CPU)
-  naive: ReferenceAttention (explicit [T, T*(k+1)] mask)
+  eaglet: FlexAttention (GPU: per-step kernels, train's default, and the one-kernel variant) / dense (CPU), the
+          draft's pointwise work compiled (train's GPU default; "LAYOUT") and eager ("LAYOUT+eager_pointwise")
+  naive: ReferenceAttention (explicit [T, T*(k+1)] mask), eager
 Usage: python benchmarks/bench_train.py --shape 8b|smollm [--tokens 2048] [--ttt 7] [--steps 20] [--out FILE.json]
+  [--pointwise compiled,eager]: which of the two to time for each layout (GPU; the CPU runs eager)
   [--profile]: after timing, one profiled step per layout; its busiest kernels are printed (where the step goes)
 The demo's step: --shape smollm --tokens 16384 --draft-vocab 32000 --kernels one --skip-naive
 """
@@ -40,6 +42,7 @@ def main() -> None:
     parser.add_argument("--skip-naive", action="store_true")
     parser.add_argument("--draft-vocab", type=int, default=None, help="override the shape's draft vocabulary")
     parser.add_argument("--kernels", default="per_step,one", help="GPU FlexAttention layouts to time (train's attention_kernels)")
+    parser.add_argument("--pointwise", default="compiled,eager", help="GPU: time compiled and/or eager pointwise pieces")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--profile", action="store_true", help="print each layout's busiest kernels over one step")
     args = parser.parse_args()
@@ -77,9 +80,11 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    def measure(attention) -> dict:
+    def measure(attention, compile_pointwise: bool = False) -> dict:
         torch.manual_seed(0)
         draft = Eagle3Draft(config).to(device)
+        if compile_pointwise:
+            draft.compile_pointwise()
         parameters = [p for p in draft.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(parameters, lr=1e-4, fused=device.type == "cuda")
 
@@ -123,16 +128,20 @@ def main() -> None:
                 "host_syncs_per_step": syncs}
 
     kernels = args.kernels.split(",") if device.type == "cuda" else ["per_step"]  # CPU: the dense path either way
+    pointwise = args.pointwise.split(",") if device.type == "cuda" else ["eager"]
     timed = {}
-    for name in kernels:  # each layout's numbers printed as soon as they exist (a cut-off run keeps them)
-        timed[name] = measure(attention_for(device, config.head_dim, name))
-        print(json.dumps({name: timed[name]}), flush=True)
+    for layout in kernels:  # each variant's numbers printed as soon as they exist (a cut-off run keeps them)
+        for mode in pointwise:
+            name = layout if mode == "compiled" or device.type != "cuda" else f"{layout}+eager_pointwise"
+            timed[name] = measure(attention_for(device, config.head_dim, layout), compile_pointwise=mode == "compiled")
+            print(json.dumps({name: timed[name]}), flush=True)
     ours, one_kernel = timed.get("per_step"), timed.get("one")
     naive = None if args.skip_naive else measure(ReferenceAttention)
     record = {
         "benchmark": f"train_step_{args.shape}", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "tokens": args.tokens, "documents": len(lengths), "ttt_steps": args.ttt,
         "draft_vocab": vocab, "flops_per_step": flops, "eaglet": ours, "eaglet_one_kernel": one_kernel, "naive_per_step": naive,
+        "variants": timed,
         "speedup_vs_naive": round(naive["step_ms_median"] / ours["step_ms_median"], 3) if naive and ours else None,
         "one_kernel_speedup_vs_naive": (round(naive["step_ms_median"] / one_kernel["step_ms_median"], 3)
                                         if naive and one_kernel else None),

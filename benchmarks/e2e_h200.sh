@@ -50,17 +50,16 @@ case "${1:-}" in
     done
     ;;
   train)
-    # 8B shape: the one-kernel layout and the naive reference, then the demo size (the τ run's step, profiled: the
-    # busiest kernels go to train_demo_profile.txt), then the 8B per-step layout (7 kernel compiles) and
-    # speculators 0.9.0's anchor (if staged) in the time left of TRAIN_BENCH_LIMIT_S
+    # 8B shape: the one-kernel layout with the draft's pointwise work compiled (train's GPU default) and eager,
+    # profiled, and the naive reference; then the demo size (the τ run's step) the same two ways, profiled; then
+    # speculators 0.9.0's anchor (if staged) in the time left of TRAIN_BENCH_LIMIT_S. Profiles: train_*_profile.txt
     end=$((SECONDS + ${TRAIN_BENCH_LIMIT_S:-420}))
-    python3 benchmarks/bench_train.py --shape 8b --kernels one --out "$OUT/train_8b_h200.json" 2>&1 \
-      | grep -E 'step_ms|tokens_per_s|mfu|"eaglet|naive|^\{"'
+    python3 benchmarks/bench_train.py --shape 8b --kernels one --profile --out "$OUT/train_8b_h200.json" \
+      > "$OUT/train_8b_profile.txt" 2>&1
+    grep -E '^\{"' "$OUT/train_8b_profile.txt"; grep -E 'speedup' "$OUT/train_8b_h200.json"
     python3 benchmarks/bench_train.py --shape smollm --tokens 16384 --draft-vocab 32000 --kernels one --skip-naive \
       --profile --out "$OUT/train_demo_h200.json" > "$OUT/train_demo_profile.txt" 2>&1
-    grep -E 'step_ms|tokens_per_s|mfu|"eaglet' "$OUT/train_demo_h200.json"
-    timeout $((end - SECONDS)) python3 benchmarks/bench_train.py --shape 8b --kernels per_step --skip-naive \
-      --out "$OUT/train_8b_per_step_h200.json" 2>&1 | grep -E '^\{"'
+    grep -E '^\{"' "$OUT/train_demo_profile.txt"
     [ -d /tmp/specsite ] && [ $((end - SECONDS)) -gt 60 ] && PYTHONPATH=/tmp/specsite timeout $((end - SECONDS)) \
       python3 /tmp/specbench/bench_eagle3.py --shape 8b --ttt 7 --draft-vocab 32000 --optimizers adamw \
       --out "$OUT/speculators_8b_h200.json" 2>&1 | tail -8

@@ -154,6 +154,8 @@ def test_padding_to_the_budget_does_not_change_the_loss():
                          doc_offsets=torch.tensor([0, 7, 12, 19]), sample_index=torch.arange(3))
     padded = pad_to_budget(batch, 32)
     assert padded.tokens == 32 and padded.doc_offsets.tolist() == [0, 7, 12, 19, 32]
+    assert not padded.aux[19:].any() and not padded.input_ids[19:].any() and not padded.loss_mask[19:].any()
+    assert torch.equal(padded.aux[:19], batch.aux)
     doc_ids, positions, doc_end = documents(padded.doc_offsets, torch.device("cpu"))
     extra = 32 - 19
     grown = TTTInputs(input_ids=padded.input_ids, aux=padded.aux, loss_mask=padded.loss_mask.bool(), doc_ids=doc_ids,
@@ -205,13 +207,15 @@ def test_an_unknown_attention_kernels_value_is_a_one_line_error(tmp_path, capsys
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="stream synchronisation is a GPU matter")
-def test_moving_a_batch_to_the_gpu_never_waits_for_the_stream():
+@pytest.mark.parametrize("prefetched", [False, True])
+def test_moving_a_batch_to_the_gpu_never_waits_for_the_stream(prefetched):
     """A pageable `.to("cuda")` waits for the queued kernels: each step would wait for the previous one
     to finish before queuing its own work. A batch's inputs (features, ids, masks, documents, teacher)
-    reach the device without any synchronising call."""
+    reach the device without any synchronising call — padded here, or (the training loop) padded into
+    pinned memory ahead of time by the prefetch thread."""
     from eaglet.features import FeatureBatch
     from eaglet.loss import TeacherHead
-    from eaglet.train import _inputs
+    from eaglet.train import _inputs, pad_to_budget
 
     tokens, hidden = 40, 16
     batch = FeatureBatch(input_ids=torch.randint(0, 50, (tokens,)), loss_mask=torch.ones(tokens, dtype=torch.uint8),
@@ -219,10 +223,15 @@ def test_moving_a_batch_to_the_gpu_never_waits_for_the_stream():
                          doc_offsets=torch.tensor([0, 25, tokens]), sample_index=torch.tensor([0, 1]))
     cuda = torch.device("cuda")
     teacher = TeacherHead(torch.randn(50, hidden, device=cuda), torch.zeros(20, dtype=torch.long, device=cuda))
-    _inputs(batch, teacher, cuda, torch.float32, 64)  # warm-up: pinned-memory and kernel set-up
+    budget = 64
+    if prefetched:
+        batch = pad_to_budget(batch, budget, pin=True)
+        assert batch.aux.is_pinned() and batch.input_ids.is_pinned()
+        budget = None
+    _inputs(batch, teacher, cuda, torch.float32, budget)  # warm-up: pinned-memory and kernel set-up
     torch.cuda.set_sync_debug_mode("error")
     try:
-        inputs = _inputs(batch, teacher, cuda, torch.float32, 64)
+        inputs = _inputs(batch, teacher, cuda, torch.float32, budget)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert inputs.aux.shape == (64, 3, hidden) and inputs.aux.dtype == torch.float32

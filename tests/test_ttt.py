@@ -312,3 +312,68 @@ def test_flex_attention_gradients_match_on_gpu(kernels, doc_offsets):
     torch.testing.assert_close(flex.loss, dense.loss, rtol=1e-4, atol=1e-4)
     for name, grad in grads.items():
         torch.testing.assert_close(dict(draft.named_parameters())[name].grad, grad, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_compiled_pointwise_equals_eager(bf16):
+    """What training runs on GPU, compiled here on the CPU: the draft's norms, RoPE, SwiGLU and residuals through
+    torch.compile give eager's loss and gradients (under bf16 autocast too: the pieces cast their own outputs), and
+    every TTT step and layer reuses one graph per piece."""
+    from contextlib import nullcontext
+
+    from torch._dynamo.utils import counters
+
+    draft, inputs = tiny_setup(draft_layers=2)
+    draft = draft.float()
+    inputs = TTTInputs(**{k: (v.float() if v.is_floating_point() else v) for k, v in vars(inputs).items()})
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else nullcontext
+
+    def run():
+        with autocast():
+            out = ttt_forward(draft, inputs, 3, attention_factory=TTTAttention)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+        draft.zero_grad()
+        return out, grads
+
+    eager, eager_grads = run()
+    torch._dynamo.reset()
+    counters.clear()
+    draft.compile_pointwise()
+    compiled, compiled_grads = run()
+    assert compiled_grads.keys() == eager_grads.keys()
+    if bf16:  # fused kernels keep float32 between ops where eager rounds to bfloat16: agreement to bf16 precision
+        torch.testing.assert_close(compiled.loss, eager.loss, rtol=2e-3, atol=0)
+        for name, grad in eager_grads.items():
+            assert (compiled_grads[name] - grad).norm() <= 2e-2 * grad.norm(), name
+    else:  # fused kernels reorder float sums
+        torch.testing.assert_close(compiled.loss, eager.loss, rtol=1e-5, atol=0)
+        for name, grad in eager_grads.items():
+            torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert counters["stats"]["unique_graphs"] == 5  # input_mix, rope_pair, residual_norm, swiglu, norm
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs a GPU")
+def test_compiled_pointwise_with_flex_attention_on_gpu():
+    """Training's GPU step as it runs (inductor kernels, FlexAttention, bf16 autocast) against eager pieces."""
+    from eaglet.ttt import FlexTTTAttention
+
+    draft, inputs = tiny_setup(head_dim=FLEX_MIN_HEAD_DIM, doc_offsets=BLOCK_ALIGNED_DOCS)
+    device = torch.device("cuda")
+    draft = draft.float().to(device)
+    moved = TTTInputs(**{k: (v.float() if v.is_floating_point() else v).to(device) for k, v in vars(inputs).items()})
+
+    def run():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = ttt_forward(draft, moved, 3, attention_factory=FlexTTTAttention)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+        draft.zero_grad()
+        return out, grads
+
+    eager, eager_grads = run()
+    draft.compile_pointwise()
+    compiled, compiled_grads = run()
+    torch.testing.assert_close(compiled.loss, eager.loss, rtol=2e-3, atol=0)
+    for name, grad in eager_grads.items():
+        assert (compiled_grads[name] - grad).norm() <= 2e-2 * grad.norm(), name

@@ -15,10 +15,11 @@ Per position ``t`` (shapes for one packed sequence of T tokens)::
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +89,14 @@ class DraftConfig:
         return asdict(self)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm: normalised in float32, cast back to x's dtype, then scaled."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -95,10 +104,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_frequencies(config: DraftConfig, device: torch.device) -> tuple[torch.Tensor, float]:
@@ -152,6 +158,63 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast gives matmul inputs here (None outside autocast): the pointwise pieces below cast
+    their outputs to it themselves, fused, instead of leaving a float32 tensor for the next matmul to cast."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return x if dtype is None else x.to(dtype)
+
+
+# The draft layer's elementwise work between its matmuls, as pure functions: eager by default, compiled (each
+# into a few fused kernels, backward included) by ``Eagle3Draft.compile_pointwise``. Matmuls stay outside, so
+# autocast casts each weight once per training step, not once per call of a compiled region.
+def _input_mix(embeds: torch.Tensor, hidden: torch.Tensor, embed_norm: torch.Tensor, hidden_norm: torch.Tensor,
+               eps: float, norm_before_residual: bool, cast: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """embeds [T, H], hidden [T, H] -> (cat(norm(embeds), norm(hidden)) [T, 2H], the residual [T, H])."""
+    normed_hidden = rms_norm(hidden, hidden_norm, eps)
+    residual = normed_hidden if norm_before_residual else hidden
+    return _cast(torch.cat([rms_norm(embeds, embed_norm, eps), normed_hidden], dim=-1), cast), residual
+
+
+def _rope_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def _residual_norm(residual: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float,
+                   cast: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h = residual + update, norm(h)): the attention's residual and the MLP's input."""
+    h = residual + update
+    return h, _cast(rms_norm(h, weight, eps), cast)
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cast: torch.dtype | None) -> torch.Tensor:
+    return _cast(rms_norm(x, weight, eps), cast)
+
+
+class Pointwise(NamedTuple):
+    input_mix: Callable
+    rope_pair: Callable
+    residual_norm: Callable
+    swiglu: Callable
+    norm: Callable
+
+
+EAGER_POINTWISE = Pointwise(_input_mix, _rope_pair, _residual_norm, _swiglu, _norm)
+
+
+@functools.cache
+def compiled_pointwise(backend: str = "inductor") -> Pointwise:
+    """The same functions through torch.compile (fixed shapes: training pads batches to the token budget)."""
+    return Pointwise(*(torch.compile(fn, dynamic=False, backend=backend) for fn in EAGER_POINTWISE))
+
+
 # attention(q [Hq,T,d], k [Hkv,T,d], v [Hkv,T,d], step) -> [Hq,T,d]; the TTT module supplies it
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -165,12 +228,13 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(input_size, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttentionFn) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttentionFn,
+                pointwise: Pointwise = EAGER_POINTWISE) -> torch.Tensor:
         tokens = x.shape[0]
         q = self.q_proj(x).view(tokens, self.heads, self.head_dim).transpose(0, 1)  # [Hq, T, d]
         k = self.k_proj(x).view(tokens, self.kv_heads, self.head_dim).transpose(0, 1)  # [Hkv, T, d]
         v = self.v_proj(x).view(tokens, self.kv_heads, self.head_dim).transpose(0, 1)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = pointwise.rope_pair(q, k, cos, sin)
         out = attend(q, k, v)  # [Hq, T, d]
         return self.o_proj(out.transpose(0, 1).reshape(tokens, self.heads * self.head_dim))
 
@@ -182,8 +246,8 @@ class DraftMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, pointwise: Pointwise = EAGER_POINTWISE) -> torch.Tensor:
+        return self.down_proj(pointwise.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DraftLayer(nn.Module):
@@ -197,14 +261,16 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DraftMLP(config)
         self.norm_before_residual = config.norm_before_residual
+        self.pointwise = EAGER_POINTWISE
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attend: AttentionFn) -> torch.Tensor:
-        normed_hidden = self.hidden_norm(hidden)
-        residual = normed_hidden if self.norm_before_residual else hidden
-        x = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)  # [T, 2H]
-        h = residual + self.self_attn(x, cos, sin, attend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        cast, eps, fns = autocast_dtype(hidden.device.type), self.hidden_norm.eps, self.pointwise
+        x, residual = fns.input_mix(embeds, hidden, self.input_layernorm.weight, self.hidden_norm.weight, eps,
+                                    self.norm_before_residual, cast)  # x [T, 2H]; the residual is the un-normed h
+        h, normed = fns.residual_norm(residual, self.self_attn(x, cos, sin, attend, fns),
+                                      self.post_attention_layernorm.weight, eps, cast)
+        return h + self.mlp(normed, fns)
 
 
 class DraftStackLayer(nn.Module):
@@ -217,10 +283,14 @@ class DraftStackLayer(nn.Module):
         self.self_attn = DraftAttention(config, config.hidden_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DraftMLP(config)
+        self.pointwise = EAGER_POINTWISE
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttentionFn) -> torch.Tensor:
-        h = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        cast, eps, fns = autocast_dtype(hidden.device.type), self.input_layernorm.eps, self.pointwise
+        x = fns.norm(hidden, self.input_layernorm.weight, eps, cast)
+        h, normed = fns.residual_norm(hidden, self.self_attn(x, cos, sin, attend, fns),
+                                      self.post_attention_layernorm.weight, eps, cast)
+        return h + self.mlp(normed, fns)
 
 
 FROZEN_PREFIX = "embed_tokens"  # the target's embedding: copied in, never trained, never saved
@@ -242,6 +312,7 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.rope = DraftRope(config)  # positions -> cos/sin, the target's rotary embedding
+        self.pointwise = EAGER_POINTWISE  # compile_pointwise() swaps in the compiled functions
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [T, 3, H_target] -> [T, H]."""
@@ -254,7 +325,16 @@ class Eagle3Draft(nn.Module):
         hidden = self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, attends[0])
         for index, layer in enumerate(self.layers.values(), start=1):
             hidden = layer(hidden, cos, sin, attends[index])
-        return hidden, self.lm_head(self.norm(hidden))
+        normed = self.pointwise.norm(hidden, self.norm.weight, self.norm.eps, autocast_dtype(hidden.device.type))
+        return hidden, self.lm_head(normed)
+
+    def compile_pointwise(self, backend: str = "inductor") -> None:
+        """Run the elementwise work between the matmuls (norms, RoPE, SwiGLU, residuals) through torch.compile:
+        each piece becomes a few fused kernels, where eager runs one kernel (and one memory pass) per op."""
+        fns = compiled_pointwise(backend)
+        self.pointwise = fns
+        for layer in [self.midlayer, *self.layers.values()]:
+            layer.pointwise = fns
 
     def init_from_target(self, embed: torch.Tensor, lm_head: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor,
                          final_norm: torch.Tensor | None = None) -> None:

@@ -37,6 +37,7 @@ from .progress import progress_bar
 from .store import ShardPlan, check_same_target, prepared_path, read_manifest
 from .target import load_head_weights, load_model, load_tokenizer, read_config, resolve_target, target_info
 from .loss import TeacherHead
+from .prefetch import prefetched
 from .transfer import to_device
 from .ttt import FlexTTTAttention, TTTInputs, attention_for, documents, simulated_acceptance, ttt_forward
 
@@ -117,19 +118,28 @@ def _setup(config: TrainConfig, device: str) -> Setup:
                  eval_source)
 
 
-def pad_to_budget(batch: FeatureBatch, budget: int) -> FeatureBatch:
+PREFETCH_STEPS = 2  # optimizer steps' worth of micro-batches prepared ahead (packed, padded, pinned)
+
+
+def pad_to_budget(batch: FeatureBatch, budget: int, pin: bool = False) -> FeatureBatch:
     """Fill the packed batch up to exactly ``budget`` tokens with one padding document (loss-masked,
     attending only to itself), so every step has the same shapes: compiled kernels and block masks
-    are built once instead of once per batch length."""
+    are built once instead of once per batch length. ``pin``: written straight into pinned memory (one
+    copy), ready for a non-blocking copy to the GPU."""
     missing = budget - batch.tokens
-    if missing <= 0:
+    if missing <= 0 and not pin:
         return batch
+
+    def padded(tensor: torch.Tensor) -> torch.Tensor:  # [tokens, ...] -> [max(budget, tokens), ...], zeros after
+        out = torch.empty((max(budget, len(tensor)), *tensor.shape[1:]), dtype=tensor.dtype, pin_memory=pin)
+        out[: len(tensor)] = tensor
+        out[len(tensor):] = 0
+        return out
+
     return FeatureBatch(
-        input_ids=torch.cat([batch.input_ids, torch.zeros(missing, dtype=batch.input_ids.dtype)]),
-        loss_mask=torch.cat([batch.loss_mask, torch.zeros(missing, dtype=batch.loss_mask.dtype)]),
-        aux=torch.cat([batch.aux, torch.zeros((missing, *batch.aux.shape[1:]), dtype=batch.aux.dtype)]),
-        last=torch.cat([batch.last, torch.zeros((missing, *batch.last.shape[1:]), dtype=batch.last.dtype)]),
-        doc_offsets=torch.cat([batch.doc_offsets, torch.tensor([budget])]),
+        input_ids=padded(batch.input_ids), loss_mask=padded(batch.loss_mask), aux=padded(batch.aux),
+        last=padded(batch.last),
+        doc_offsets=torch.cat([batch.doc_offsets, torch.tensor([budget])]) if missing > 0 else batch.doc_offsets,
         sample_index=batch.sample_index,
     )
 
@@ -290,6 +300,8 @@ def run_train(config: TrainConfig, console: Console | None = None) -> TrainResul
                            None if head.final_norm is None else head.final_norm.float())
     draft.lm_head.weight.requires_grad_(not config.freeze_lm_head)
     draft.to(device)
+    if config.compile_pointwise and device.type == "cuda":  # CPU: eager (compiling needs a C++ toolchain at run time)
+        draft.compile_pointwise()
     teacher = TeacherHead(head.lm_head.to(device, torch.bfloat16 if use_bf16 else torch.float32), d2t.to(device),
                           head.softcap)
     module = TTTModule(draft, config.ttt_steps, config.loss_decay, config.feature_noise_std,
@@ -325,6 +337,13 @@ def run_train(config: TrainConfig, console: Console | None = None) -> TrainResul
     flops_per_token = draft_train_flops_per_token(draft_config, config.ttt_steps, mean_context,
                                                   head_trainable=not config.freeze_lm_head)
     stop = StopFlag()
+    pin = device.type == "cuda"
+
+    def host_ready(group: list[FeatureBatch]) -> tuple[list[FeatureBatch], int, int]:
+        """(this rank's micro-batches padded and pinned, the group's size and tokens): run ahead by a thread."""
+        mine = [pad_to_budget(batch, config.token_budget, pin) for batch in group[dist.rank :: dist.world]]
+        return mine, len(group), sum(batch.tokens for batch in group)
+
     started = time.perf_counter()
     window_tokens, window_started = 0, time.perf_counter()
     final_eval: dict[str, Any] = {}
@@ -333,17 +352,16 @@ def run_train(config: TrainConfig, console: Console | None = None) -> TrainResul
         with progress_bar("steps", console) as progress:
             task = progress.add_task("train", total=total_steps, completed=state.step)
             while state.step < total_steps and not stop.requested:
-                batches = _micro_batches(setup, config, state, train_select, per_step)
-                for group in batches:
-                    mine = group[dist.rank :: dist.world]
+                batches = prefetched(_micro_batches(setup, config, state, train_select, per_step), host_ready,
+                                     PREFETCH_STEPS)
+                for mine, group_size, group_tokens in batches:
                     step_losses = torch.zeros(config.ttt_steps, device=device)
                     step_correct = torch.zeros(config.ttt_steps, device=device)
                     step_counts = torch.zeros(config.ttt_steps, device=device)
                     loss_sum = torch.zeros((), device=device)
                     for index, batch in enumerate(mine):
                         with parallel.accumulating(wrapped, last=index == len(mine) - 1), autocast():
-                            loss, losses_k, correct_k, counts_k = wrapped(
-                                _inputs(batch, teacher, device, torch.float32, config.token_budget))
+                            loss, losses_k, correct_k, counts_k = wrapped(_inputs(batch, teacher, device, torch.float32))
                             (loss / len(mine)).backward()
                         loss_sum += loss.detach() / len(mine)
                         step_losses += losses_k.detach().float() * counts_k.float()
@@ -353,9 +371,8 @@ def run_train(config: TrainConfig, console: Console | None = None) -> TrainResul
                     optimizer.step()
                     scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
-                    group_tokens = sum(b.tokens for b in group)
                     state.step += 1
-                    state.micro_in_epoch += len(group)
+                    state.micro_in_epoch += group_size
                     state.tokens += group_tokens
                     window_tokens += group_tokens
                     progress.advance(task)
@@ -383,6 +400,7 @@ def run_train(config: TrainConfig, console: Console | None = None) -> TrainResul
                     if state.step % config.save_every == 0 or state.step == total_steps or stopping:
                         _save(run, module, optimizer, scheduler, state, setup, config, dist, parallel)
                     if state.step >= total_steps or stop.requested:
+                        batches.close()  # stops the prefetch thread
                         break
                 else:
                     state.epoch += 1
