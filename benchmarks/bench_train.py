@@ -9,7 +9,8 @@ master weights, timed with CUDA synchronisation after warm-up; teacher logits ar
   naive: ReferenceAttention (explicit [T, T*(k+1)] mask), eager
 Usage: python benchmarks/bench_train.py --shape 8b|smollm [--tokens 2048] [--ttt 7] [--steps 20] [--out FILE.json]
   [--pointwise compiled,eager]: which of the two to time for each layout (GPU; the CPU runs eager)
-  [--profile]: after timing, one profiled step per layout; its busiest kernels are printed (where the step goes)
+  [--profile]: after timing, one profiled step per layout; its busiest kernels and host operations are printed
+  [--find-syncs]: after timing, the stack of the call that makes the host wait for the GPU (if a step has one)
 The demo's step: --shape smollm --tokens 16384 --draft-vocab 32000 --kernels one --skip-naive
 """
 
@@ -45,6 +46,7 @@ def main() -> None:
     parser.add_argument("--pointwise", default="compiled,eager", help="GPU: time compiled and/or eager pointwise pieces")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--profile", action="store_true", help="print each layout's busiest kernels over one step")
+    parser.add_argument("--find-syncs", action="store_true", help="print where a step makes the host wait for the GPU")
     args = parser.parse_args()
 
     import torch
@@ -119,6 +121,9 @@ def main() -> None:
             syncs = sum("synchroniz" in str(w.message) for w in caught)
         if args.profile:
             profile_step(train_step, device)
+        if args.find_syncs and device.type == "cuda" and syncs:
+            find_host_syncs(train_step)
+            optimizer.zero_grad(set_to_none=True)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -155,7 +160,8 @@ PROFILE_ROWS = 15
 
 
 def profile_step(train_step, device) -> None:
-    """One step under torch.profiler: the kernels that take most of the device's time, busiest first."""
+    """One step under torch.profiler: the operations that take most of the device's time and, apart, of the
+    host's (a step whose host time exceeds its device time is launch-bound: the GPU waits for Python)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -164,8 +170,29 @@ def profile_step(train_step, device) -> None:
         train_step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    print(profiler.key_averages().table(sort_by=sort_by, row_limit=PROFILE_ROWS, max_name_column_width=60))
+    table = profiler.key_averages()
+    if device.type == "cuda":
+        print(table.table(sort_by="self_cuda_time_total", row_limit=PROFILE_ROWS, max_name_column_width=60))
+    print(table.table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS, max_name_column_width=60))
+
+
+def find_host_syncs(train_step) -> None:
+    """Where a step makes the host wait for the GPU: the first synchronising call raises under the CUDA sync
+    debug mode, and its stack (eaglet's and torch's frames) is printed. Run after timing: the step is abandoned."""
+    import traceback
+
+    import torch
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        train_step()
+        print("host syncs: none in a step")
+    except RuntimeError as exc:
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if "eaglet" in f.filename or "torch" in f.filename]
+        print(f"host sync: {exc}".splitlines()[0])
+        print("".join(traceback.format_list(frames[-12:])))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 if __name__ == "__main__":
