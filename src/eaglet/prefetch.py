@@ -12,6 +12,8 @@ import queue
 import threading
 from typing import Callable, Iterator, TypeVar
 
+import torch
+
 Item = TypeVar("Item")
 Prepared = TypeVar("Prepared")
 
@@ -24,6 +26,9 @@ def prefetched(items: Iterator[Item], prepare: Callable[[Item], Prepared], depth
     in the thread is raised here, at the item it happened on; closing the generator stops the thread."""
     ready: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
+    # the CUDA device is per thread: under torchrun each rank's worker must use its rank's GPU (pinned buffers,
+    # an online target's forward), not GPU 0
+    cuda_device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
     def offer(value) -> bool:
         while not stop.is_set():
@@ -35,6 +40,8 @@ def prefetched(items: Iterator[Item], prepare: Callable[[Item], Prepared], depth
         return False
 
     def produce() -> None:
+        if cuda_device is not None:
+            torch.cuda.set_device(cuda_device)
         try:
             for item in items:
                 if not offer((prepare(item), None)):
