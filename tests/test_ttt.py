@@ -67,6 +67,29 @@ def tiny_setup(seed=0, head_dim=8, draft_layers=1, doc_offsets=(0, 7, 12, 19)):
     return draft, inputs
 
 
+def float_inputs(inputs, device=torch.device("cpu")):
+    """tiny_setup's float64 inputs in float32 on ``device``."""
+    return TTTInputs(**{k: (v.float() if v.is_floating_point() else v).to(device) for k, v in vars(inputs).items()})
+
+
+def loss_and_grads(draft, inputs, attention, autocast, steps=3):
+    """One TTT forward + backward: (output, {parameter name: gradient}), the draft's gradients cleared after."""
+    with autocast():
+        out = ttt_forward(draft, inputs, steps, attention_factory=attention)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+    draft.zero_grad()
+    return out, grads
+
+
+def assert_close_to_bf16(compiled, compiled_grads, eager, eager_grads):
+    """Fused kernels keep float32 between ops where eager rounds to bfloat16: agreement to bf16 precision."""
+    assert compiled_grads.keys() == eager_grads.keys()
+    torch.testing.assert_close(compiled.loss, eager.loss, rtol=2e-3, atol=0)
+    for name, grad in eager_grads.items():
+        assert (compiled_grads[name] - grad).norm() <= 2e-2 * grad.norm(), name
+
+
 @pytest.mark.parametrize("steps,draft_layers", [(1, 1), (3, 1), (5, 1), (3, 2)])
 def test_fast_path_equals_naive_reference(steps, draft_layers):
     draft, inputs = tiny_setup(draft_layers=draft_layers)
@@ -301,8 +324,7 @@ def test_flex_attention_gradients_match_on_gpu(kernels, doc_offsets):
 
     draft, inputs = tiny_setup(head_dim=FLEX_MIN_HEAD_DIM, doc_offsets=doc_offsets)
     device = torch.device("cuda")
-    draft = draft.float().to(device)
-    moved = TTTInputs(**{k: (v.float() if v.is_floating_point() else v).to(device) for k, v in vars(inputs).items()})
+    draft, moved = draft.float().to(device), float_inputs(inputs, device)
     dense = ttt_forward(draft, moved, 3, attention_factory=TTTAttention)
     dense.loss.backward()
     grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
@@ -324,29 +346,17 @@ def test_compiled_pointwise_equals_eager(bf16):
     from torch._dynamo.utils import counters
 
     draft, inputs = tiny_setup(draft_layers=2)
-    draft = draft.float()
-    inputs = TTTInputs(**{k: (v.float() if v.is_floating_point() else v) for k, v in vars(inputs).items()})
+    draft, inputs = draft.float(), float_inputs(inputs)
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else nullcontext
-
-    def run():
-        with autocast():
-            out = ttt_forward(draft, inputs, 3, attention_factory=TTTAttention)
-        out.loss.backward()
-        grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
-        draft.zero_grad()
-        return out, grads
-
-    eager, eager_grads = run()
+    eager, eager_grads = loss_and_grads(draft, inputs, TTTAttention, autocast)
     torch._dynamo.reset()
     counters.clear()
     draft.compile_pointwise()
-    compiled, compiled_grads = run()
-    assert compiled_grads.keys() == eager_grads.keys()
-    if bf16:  # fused kernels keep float32 between ops where eager rounds to bfloat16: agreement to bf16 precision
-        torch.testing.assert_close(compiled.loss, eager.loss, rtol=2e-3, atol=0)
-        for name, grad in eager_grads.items():
-            assert (compiled_grads[name] - grad).norm() <= 2e-2 * grad.norm(), name
+    compiled, compiled_grads = loss_and_grads(draft, inputs, TTTAttention, autocast)
+    if bf16:
+        assert_close_to_bf16(compiled, compiled_grads, eager, eager_grads)
     else:  # fused kernels reorder float sums
+        assert compiled_grads.keys() == eager_grads.keys()
         torch.testing.assert_close(compiled.loss, eager.loss, rtol=1e-5, atol=0)
         for name, grad in eager_grads.items():
             torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
@@ -360,20 +370,8 @@ def test_compiled_pointwise_with_flex_attention_on_gpu():
 
     draft, inputs = tiny_setup(head_dim=FLEX_MIN_HEAD_DIM, doc_offsets=BLOCK_ALIGNED_DOCS)
     device = torch.device("cuda")
-    draft = draft.float().to(device)
-    moved = TTTInputs(**{k: (v.float() if v.is_floating_point() else v).to(device) for k, v in vars(inputs).items()})
-
-    def run():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = ttt_forward(draft, moved, 3, attention_factory=FlexTTTAttention)
-        out.loss.backward()
-        grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
-        draft.zero_grad()
-        return out, grads
-
-    eager, eager_grads = run()
+    draft, moved = draft.float().to(device), float_inputs(inputs, device)
+    autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
+    eager, eager_grads = loss_and_grads(draft, moved, FlexTTTAttention, autocast)
     draft.compile_pointwise()
-    compiled, compiled_grads = run()
-    torch.testing.assert_close(compiled.loss, eager.loss, rtol=2e-3, atol=0)
-    for name, grad in eager_grads.items():
-        assert (compiled_grads[name] - grad).norm() <= 2e-2 * grad.norm(), name
+    assert_close_to_bf16(*loss_and_grads(draft, moved, FlexTTTAttention, autocast), eager, eager_grads)
