@@ -2,10 +2,13 @@
 the draft's chain and tree round graphs, and whole greedy chain and tree decodes; optionally the CUDA kernels
 of the eager D+1 forward.
 
-A round costs one draft graph plus one verification; the speedup over plain decoding is roughly
-τ · t(target, 1 token) / (t(draft round) + t(target, D+1 tokens)), so these three numbers explain it.
-Usage: python benchmarks/bench_static_round.py --draft RUN/draft [--dtype float32|bfloat16] [--depth 5]
-       [--tree 6,8,48] [--profile] [--out FILE.json]
+A round costs the draft's part plus one verification; the speedup over plain decoding is roughly
+τ · t(target, 1 token) / (t(draft's part) + t(target, D+1 tokens)), so these three numbers explain it.
+Usage: python benchmarks/bench_static_round.py --draft RUN/draft|random [--dtype float32|bfloat16] [--depth 5]
+       [--tree 8,8,64 [--tree 10,10,96 ...]] [--draft-round compiled,eager] [--profile] [--out FILE.json]
+``--draft random`` builds an untrained draft of the shape `eaglet train` gives the target (draft vocabulary
+RANDOM_DRAFT_VOCAB): its rounds cost what a trained draft's cost, only τ differs, so a round can be timed
+without training one first.
 """
 
 from __future__ import annotations
@@ -17,6 +20,23 @@ from pathlib import Path
 
 PROMPT = list(range(100, 140))  # 40 prompt tokens
 REPEATS = 50
+DEFAULT_TREE = "8,8,64"
+RANDOM_DRAFT_VOCAB = 32000  # train's default draft vocabulary, min(32000, V)
+
+
+def random_draft(path, seed: int = 0):
+    """An untrained draft shaped as `eaglet train` shapes one for the target at ``path``."""
+    import torch
+
+    from eaglet.draft import DraftConfig, Eagle3Draft
+    from eaglet.layers import default_aux_layer_ids
+    from eaglet.target import read_config
+
+    target_config = read_config(path)
+    vocab = min(RANDOM_DRAFT_VOCAB, int(target_config["vocab_size"]))
+    config = DraftConfig.from_target(target_config, vocab, default_aux_layer_ids(int(target_config["num_hidden_layers"])))
+    torch.manual_seed(seed)
+    return Eagle3Draft(config)
 
 
 def main() -> None:
@@ -25,19 +45,24 @@ def main() -> None:
     parser.add_argument("--target", default="embedded")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--depth", type=int, default=5)
-    parser.add_argument("--tree", default="6,8,48", help="tree depth,top-k,budget for the tree figures")
+    parser.add_argument("--tree", action="append", help=f"tree depth,top-k,budget (repeatable; default {DEFAULT_TREE})")
+    parser.add_argument("--draft-round", default="compiled,eager",
+                        help="the draft's part of each round: compiled (eval's GPU default), eager, or both")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of an eager D+1 forward")
+    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of an eager D+1 forward and the busiest host operations of a tree decode")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
     import torch
 
-    from eaglet.decode.engine import _sync
+    from eaglet.decode.engine import _sync, target_only_decode
+    from eaglet.decode.sampling import Sampling
     from eaglet.decode.static import StaticTarget
-    from eaglet.decode.static_draft import StaticDraft, static_chain_decode
-    from eaglet.decode.static_tree import StaticTreeDraft, static_tree_decode
+    from eaglet.decode.rounds import (ChainRounds, GreedyTargetSteps, TreeRounds, static_chain_decode,
+                                      static_target_decode, static_tree_decode)
+    from eaglet.decode.static_draft import StaticDraft
+    from eaglet.decode.static_tree import StaticTreeDraft
     from eaglet.draft import load_draft
     from eaglet.target import load_head_weights, load_model, pick_device, resolve_target
 
@@ -45,16 +70,18 @@ def main() -> None:
     path = resolve_target(args.target).path
     model = load_model(path, str(device), args.dtype)
     dtype = next(model.parameters()).dtype
-    draft = load_draft(args.draft, embed=load_head_weights(path).embed.float()).to(device, dtype=dtype).eval()
+    draft = random_draft(path) if args.draft == "random" else load_draft(args.draft)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(load_head_weights(path).embed.float())
+    draft = draft.to(device, dtype=dtype).eval()
     layers = tuple(draft.config.eagle_aux_hidden_state_layer_ids)
-    tree_depth, tree_topk, tree_budget = (int(x) for x in args.tree.split(","))
-    max_len = len(PROMPT) + args.max_new_tokens + 2 * max(args.depth + 1, tree_budget + 1, 64)
-    target = StaticTarget(model, layers, max_len, verify_tokens=max(args.depth, tree_budget) + 1)
+    trees = [tuple(int(x) for x in spec.split(",")) for spec in (args.tree or [DEFAULT_TREE])]
+    largest = max([args.depth + 1, 64] + [budget + 1 for _, _, budget in trees])
+    max_len = len(PROMPT) + args.max_new_tokens + 2 * largest
+    target = StaticTarget(model, layers, max_len, verify_tokens=largest)
     target.capture_all()
-    static_draft = StaticDraft(draft, max_len, args.depth)
-    static_chain_decode(target, static_draft, PROMPT, 16, set())  # warm-up: captures the round graphs
-    tree_draft = StaticTreeDraft(draft, max_len, tree_depth, tree_topk, tree_budget)
-    static_tree_decode(target, tree_draft, PROMPT, 16, set())
+    steps = GreedyTargetSteps(target)
+    static_target_decode(target, PROMPT, 16, set(), steps)  # warm-up: captures the baseline's step
 
     def ms(fn) -> float:
         _sync(device)
@@ -65,34 +92,48 @@ def main() -> None:
         return round(1000 * (time.perf_counter() - started) / REPEATS, 3)
 
     record: dict = {"benchmark": "static_round", "device": str(device), "dtype": args.dtype, "depth": args.depth,
-                    "cuda_graphs": target.graphs, "torch": torch.__version__}
+                    "draft": args.draft, "cuda_graphs": target.graphs, "torch": torch.__version__}
     target.reset()
     target.forward(PROMPT)
     base = target.length
-    for size in (1, args.depth + 1, tree_draft.budget + 1):
+    for size in sorted({1, args.depth + 1, *(budget + 1 for _, _, budget in trees)}):
         def forward(size=size):
             target.crop(base)
             target.forward(list(range(5, 5 + size)))
         record[f"target_forward_{size}_ms"] = ms(forward)
-    rows = args.depth + 1
-    tokens = torch.zeros(rows, dtype=torch.long, device=device)
-    aux = torch.zeros(rows, len(layers), model.config.hidden_size, device=device, dtype=dtype)
+    baseline = target_only_decode(target, PROMPT, args.max_new_tokens, Sampling(), set())
+    record["baseline_forwards_ms_per_token"] = round(1000 * baseline.seconds / len(baseline.tokens), 3)
+    baseline = static_target_decode(target, PROMPT, args.max_new_tokens, set(), steps)
+    record["baseline_ms_per_token"] = round(1000 * baseline.seconds / len(baseline.tokens), 3)  # eval's baseline
     one = torch.ones((), dtype=torch.long, device=device)
-    static_draft.reset()
-    static_draft.length = len(PROMPT)
-    record["draft_round_ms"] = ms(lambda: static_draft.round(tokens, aux, one))
-    tree_rows = tree_draft.rows
-    tree_tokens = torch.zeros(tree_rows, dtype=torch.long, device=device)
-    tree_aux = torch.zeros(tree_rows, len(layers), model.config.hidden_size, device=device, dtype=dtype)
-    tree_draft.reset()
-    tree_draft.length = len(PROMPT)
-    record["tree_draft_round_ms"] = ms(lambda: tree_draft.round(tree_tokens, tree_aux, one))
-    result = static_chain_decode(target, static_draft, PROMPT, args.max_new_tokens, set())
-    record["chain_tokens_per_s"] = round(len(result.tokens) / result.seconds, 2)
-    record["chain_tau"] = round(result.acceptance_length, 3)
-    result = static_tree_decode(target, tree_draft, PROMPT, args.max_new_tokens, set())
-    record["tree_tokens_per_s"] = round(len(result.tokens) / result.seconds, 2)
-    record["tree_tau"] = round(result.acceptance_length, 3)
+
+    def measure(name: str, static_draft, rounds, decode, verify_size: int) -> None:
+        """The draft's part of a round alone, then whole decodes: a round's wall time against its parts timed
+        alone (the difference is what the host and the acceptance add)."""
+        decode(16)  # warm-up: compiles the draft's round, captures the round's graph
+        tokens = torch.zeros(static_draft.rows, dtype=torch.long, device=device)
+        aux = torch.zeros(static_draft.rows, len(layers), model.config.hidden_size, device=device, dtype=dtype)
+        static_draft.reset()
+        static_draft.length = len(PROMPT)
+        draft_ms = record[f"{name}_draft_ms"] = ms(lambda: static_draft.round(tokens, aux, one))
+        result = decode(args.max_new_tokens)
+        record[f"{name}_tau"] = round(result.acceptance_length, 3)
+        record[f"{name}_tokens_per_s"] = round(len(result.tokens) / result.seconds, 2)
+        record[f"{name}_round_ms"] = round(1000 * result.seconds / result.forwards, 3)
+        record[f"{name}_round_parts_ms"] = round(draft_ms + record[f"target_forward_{verify_size}_ms"], 3)
+        record[f"{name}_speedup"] = round(record[f"{name}_tokens_per_s"] * record["baseline_ms_per_token"] / 1000, 3)
+
+    for variant in args.draft_round.split(","):
+        compiled = variant == "compiled"
+        chain_draft = StaticDraft(draft, max_len, args.depth, compiled=compiled)
+        chain_rounds = ChainRounds(target, chain_draft)
+        measure(f"chain_{args.depth}_{variant}", chain_draft, chain_rounds,
+                lambda n: static_chain_decode(target, chain_draft, PROMPT, n, set(), chain_rounds), args.depth + 1)
+        for depth, topk, budget in trees:
+            tree_draft = StaticTreeDraft(draft, max_len, depth, topk, budget, compiled=compiled)
+            tree_rounds = TreeRounds(target, tree_draft)
+            measure(f"tree_{depth}_{topk}_{budget}_{variant}", tree_draft, tree_rounds,
+                    lambda n: static_tree_decode(target, tree_draft, PROMPT, n, set(), tree_rounds), tree_draft.budget + 1)
     print(json.dumps(record, indent=2))
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -103,10 +144,13 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             for _ in range(5):
                 eager.crop(len(PROMPT))
-                eager.forward(list(range(5, 5 + rows)))
+                eager.forward(list(range(5, 6 + args.depth)))
             _sync(device)
         print(prof.key_averages().table(sort_by="cuda_time_total" if device.type == "cuda" else "cpu_time_total",
                                         row_limit=12, max_name_column_width=70))
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:  # the tree loop's host work
+            static_tree_decode(target, tree_draft, PROMPT, 32, set(), tree_rounds)  # the last tree measured
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70))
     if args.out:
         args.out.write_text(json.dumps(record, indent=2) + "\n")
 

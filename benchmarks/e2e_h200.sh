@@ -5,11 +5,12 @@
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh evals   # the demo's draft: chain and tree, with and without
 #                                                              #  static caches + CUDA graphs, same prompts
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh round   # the demo's draft: time per graphed round, per part
+#   DRAFT=/tmp/e2e/tau/draft bash scripts/device.sh bash benchmarks/e2e_h200.sh speedup  # issue 5's headline evals
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh train   # training step, 8B shape (next to speculators 0.9.0) and demo size
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh loss     # the TTT loss alone, fused vs autograd, demo + 8B sizes
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh tau-data   # issue 4's τ run (configs/tau_h200.yaml):
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh tau-train  #  data in one call, training in the next
-# evals and round take DRAFT (default: the demo's draft; the τ run's is $WORK/tau/draft). tau-train takes
+# evals, round and speedup take DRAFT (default: the demo's draft; the τ run's is $WORK/tau/draft). tau-train takes
 # TAU_MAX_STEPS (the cosine schedule's length; set it from the measured step rate so the schedule ends annealed
 # when max_minutes stops the run).
 # Results are copied under $OUT (the device tool brings them back). WORK defaults to /tmp/e2e.
@@ -86,5 +87,20 @@ case "${1:-}" in
     mkdir -p "$OUT/tau"
     cp "$WORK/tau/run.json" "$WORK/tau/draft/metrics.jsonl" "$WORK/tau/draft/"*.png "$OUT/tau/" 2>/dev/null
     ;;
-  *) echo "usage: bash benchmarks/e2e_h200.sh demo|evals|round|train|loss|tau-data|tau-train" >&2; exit 2 ;;
+  speedup)
+    # issue 5's headline: DRAFT (the τ run's) at batch 1 on EVAL_PROMPTS held-out prompts, 128 tokens, graphed
+    # fused rounds with the draft's part compiled (eval's GPU default): bf16 chain and trees, float32 tree (exact
+    # lossless check); then the round's parts per tree shape, compiled and eager draft rounds side by side
+    common=(--draft "$DRAFT" --max-prompts "${EVAL_PROMPTS:-16}" --max-new-tokens 128 --cuda-graphs on)
+    for run in "bfloat16 chain 5" "bfloat16 tree 8 8 64" "bfloat16 tree 10 10 96" "float32 tree 8 8 64"; do
+      set -- $run
+      shape=(--mode "$2" --depth "$3"); [ "$2" = tree ] && shape+=(--topk "$4" --budget "$5")
+      name="speedup_${1}_${2}_${3}${4:+_$4_$5}"
+      eaglet eval "${common[@]}" --dtype "$1" "${shape[@]}" --out "$WORK/$name" 2>&1 | tail -2
+      cp "$WORK/$name/report.json" "$OUT/$name.json"
+    done
+    python3 benchmarks/bench_static_round.py --draft "$DRAFT" --dtype bfloat16 --tree 8,8,64 --tree 6,8,48 \
+      --tree 10,10,96 --out "$OUT/static_round_bfloat16.json" 2>&1 | tail -3
+    ;;
+  *) echo "usage: bash benchmarks/e2e_h200.sh demo|evals|round|speedup|train|loss|tau-data|tau-train" >&2; exit 2 ;;
 esac

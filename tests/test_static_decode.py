@@ -12,8 +12,10 @@ from eaglet.decode.engine import (DraftRunner, TargetRunner, Tree, speculative_d
                                   tree_decode)
 from eaglet.decode.sampling import Sampling
 from eaglet.decode.static import GRAPH_BUCKETS, StaticTarget, bucket_for, buckets_for
-from eaglet.decode.static_draft import StaticDraft, static_chain_decode
-from eaglet.decode.static_tree import StaticTreeDraft, static_tree_decode
+from eaglet.decode.rounds import (ChainRounds, GreedyTargetSteps, TreeRounds, static_chain_decode,
+                                  static_target_decode, static_tree_decode)
+from eaglet.decode.static_draft import StaticDraft
+from eaglet.decode.static_tree import StaticTreeDraft
 from eaglet.errors import EagletError
 
 LONG_PROMPT = [(7 * i) % 60 + 2 for i in range(GRAPH_BUCKETS[-1] + 9)]  # past the largest bucket: runs unbucketed
@@ -33,11 +35,18 @@ def test_bucket_sizes():
 
 
 def test_plain_decoding_equals_the_dynamic_cache(pair):
+    """The baseline both ways: forwards through ``StaticTarget`` and one fused step per token (argmax and the
+    next input on the device)."""
     target, _ = pair
     dynamic, static = TargetRunner(target, LAYERS), StaticTarget(target, LAYERS, MAX_LEN)
     for prompt in PROMPTS + [LONG_PROMPT]:
         expected = target_only_decode(dynamic, prompt, NEW_TOKENS, Sampling(), set())
         assert target_only_decode(static, prompt, NEW_TOKENS, Sampling(), set()).tokens == expected.tokens
+        fused = static_target_decode(static, prompt, NEW_TOKENS, set())
+        assert fused.tokens == expected.tokens and static.length == len(prompt) + NEW_TOKENS - 1
+    stop = expected.tokens[3]
+    stopped = static_target_decode(static, LONG_PROMPT, NEW_TOKENS, {stop})
+    assert stopped.tokens == expected.tokens[: expected.tokens.index(stop) + 1]
 
 
 def test_tree_forward_gives_the_dynamic_cache_logits_and_features(pair):
@@ -89,10 +98,11 @@ def test_static_draft_rounds_equal_the_dynamic_engine(pair, depth):
     target, draft = pair
     dynamic, drafts = TargetRunner(target, LAYERS), DraftRunner(draft)
     static, static_draft = StaticTarget(target, LAYERS, MAX_LEN), StaticDraft(draft, MAX_LEN, depth)
+    rounds = ChainRounds(static, static_draft)
     accepted = 0
     for prompt in PROMPTS + [LONG_PROMPT]:
         expected = speculative_decode(dynamic, drafts, prompt, NEW_TOKENS, depth, Sampling(), set())
-        result = static_chain_decode(static, static_draft, prompt, NEW_TOKENS, set())
+        result = static_chain_decode(static, static_draft, prompt, NEW_TOKENS, set(), rounds)
         assert result.tokens == expected.tokens and result.accepted == expected.accepted
         # the draft trails the target by the last round's accepted tokens + correction (the next round's rows)
         assert static.length - static_draft.length == result.accepted[-1] + 1
@@ -110,18 +120,25 @@ def test_static_tree_rounds_equal_the_dynamic_engine(pair, depth, topk, budget):
     target, draft = pair
     dynamic, drafts = TargetRunner(target, LAYERS), DraftRunner(draft)
     static, tree_draft = StaticTarget(target, LAYERS, MAX_LEN), StaticTreeDraft(draft, MAX_LEN, depth, topk, budget)
+    rounds = TreeRounds(static, tree_draft)
     accepted = 0
     for prompt in PROMPTS + [LONG_PROMPT]:
         expected = tree_decode(dynamic, drafts, prompt, NEW_TOKENS, depth, topk, budget, set())
-        result = static_tree_decode(static, tree_draft, prompt, NEW_TOKENS, set())
+        result = static_tree_decode(static, tree_draft, prompt, NEW_TOKENS, set(), rounds)
         assert result.tokens == expected.tokens and result.accepted == expected.accepted
+        assert static.length - tree_draft.length == result.accepted[-1] + 1
+        # the draft's cache was extended with each accepted path's own verify features (the dynamic engine's)
+        length = tree_draft.length
+        for static_keys, dynamic_cache in zip(tree_draft.keys, drafts.caches):
+            torch.testing.assert_close(static_keys[:, :length], dynamic_cache.keys[:, :length], rtol=1e-4, atol=1e-5)
         accepted += sum(result.accepted)
     assert accepted >= (5 if depth > 1 else 1)
 
 
 def test_a_tree_past_the_largest_bucket_verifies_in_its_own_bucket(pair):
-    """A budget past the largest bucket (eval's d10/k10/b96 tree on the H200) verifies in a bucket of its size
-    (a graph on GPU; it ran as an eager forward every round: 0.48x), with the dynamic engine's tokens."""
+    """A budget past the largest bucket (eval's d10/k10/b96 tree on the H200), drafted on the host (as sampled
+    trees are), verifies in a bucket of its size (a graph on GPU; it ran as an eager forward every round:
+    0.48x), with the dynamic engine's tokens; fused greedy rounds of that size give them too."""
     depth, topk, budget = 6, 4, GRAPH_BUCKETS[-1] + 6  # 4 + 5 * 16 = 84 candidates: the budget is filled
     target, draft = pair
     dynamic, drafts = TargetRunner(target, LAYERS), DraftRunner(draft)
@@ -129,9 +146,45 @@ def test_a_tree_past_the_largest_bucket_verifies_in_its_own_bucket(pair):
     tree_draft = StaticTreeDraft(draft, MAX_LEN + budget, depth, topk, budget)
     for prompt in PROMPTS:
         expected = tree_decode(dynamic, drafts, prompt, NEW_TOKENS, depth, topk, budget, set())
-        result = static_tree_decode(static, tree_draft, prompt, NEW_TOKENS, set())
+        result = tree_decode(static, drafts, prompt, NEW_TOKENS, depth, topk, budget, set())
         assert result.tokens == expected.tokens and result.accepted == expected.accepted
+        fused = static_tree_decode(static, tree_draft, prompt, NEW_TOKENS, set())
+        assert fused.tokens == expected.tokens and fused.accepted == expected.accepted
     assert static.buckets_used[-1] == budget + 1
+
+
+def test_rounds_with_the_compiled_draft_give_the_same_tokens(pair):
+    """eval's GPU default: the draft's part of a round through torch.compile (one graph per round shape), the
+    prompt's rows eager: the dynamic engine's tokens and acceptance, and no compile per prompt length."""
+    from torch._dynamo.utils import counters
+
+    target, draft = pair
+    dynamic, drafts, static = TargetRunner(target, LAYERS), DraftRunner(draft), StaticTarget(target, LAYERS, MAX_LEN)
+    chain_draft = StaticDraft(draft, MAX_LEN, 3, compiled=True)
+    tree_draft = StaticTreeDraft(draft, MAX_LEN, 4, 3, 12, compiled=True)
+    chain_rounds, tree_rounds = ChainRounds(static, chain_draft), TreeRounds(static, tree_draft)
+    counters.clear()
+    compiled_after = []
+    for prompt in [LONG_PROMPT] + PROMPTS[:2]:  # prompts of three lengths
+        expected = speculative_decode(dynamic, drafts, prompt, NEW_TOKENS, 3, Sampling(), set())
+        result = static_chain_decode(static, chain_draft, prompt, NEW_TOKENS, set(), chain_rounds)
+        assert result.tokens == expected.tokens and result.accepted == expected.accepted
+        expected = tree_decode(dynamic, drafts, prompt, NEW_TOKENS, 4, 3, 12, set())
+        result = static_tree_decode(static, tree_draft, prompt, NEW_TOKENS, set(), tree_rounds)
+        assert result.tokens == expected.tokens and result.accepted == expected.accepted
+        compiled_after.append(counters["stats"]["unique_graphs"])
+    assert compiled_after == [2, 2, 2]  # the chain's round and the tree's, whole (fullgraph), once
+
+
+def test_a_round_past_the_cache_is_refused_before_it_runs(pair):
+    """Inside a graph an index past the cache is a device fault; the host refuses the round first, by name."""
+    target, draft = pair
+    prompt = PROMPTS[0]
+    static = StaticTarget(target, LAYERS, len(prompt) + 6)
+    with pytest.raises(EagletError, match=f"static cache holds {len(prompt) + 6} positions"):
+        static_tree_decode(static, StaticTreeDraft(draft, len(prompt) + 6, 4, 3, 12), prompt, NEW_TOKENS, set())
+    with pytest.raises(EagletError, match="static cache holds"):
+        static_target_decode(static, prompt, NEW_TOKENS, set())
 
 
 def test_static_tree_matches_the_host_tree_node_for_node(pair):
@@ -170,24 +223,28 @@ def test_a_forward_past_the_cache_is_refused():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_replays_equal_the_dynamic_cache_on_gpu(pair):
-    """Captured mid-decode and replayed with new ids, positions and masks: the same tokens and acceptance."""
+    """Captured mid-decode and replayed with new ids, positions and masks: the same tokens and acceptance; the
+fused rounds (draft, verification, acceptance, compaction in one graph) captured once and replayed for every
+prompt."""
     target, draft = (module.to("cuda") for module in pair)
     try:
         dynamic, graphed, drafts = TargetRunner(target, LAYERS), StaticTarget(target, LAYERS, MAX_LEN), DraftRunner(draft)
         assert graphed.graphs
+        graphed_draft = StaticDraft(draft, MAX_LEN, 3, compiled=True)  # eval's GPU default
+        graphed_tree = StaticTreeDraft(draft, MAX_LEN, 4, 3, 12, compiled=True)
+        steps = GreedyTargetSteps(graphed)
+        chain_rounds, tree_rounds = ChainRounds(graphed, graphed_draft), TreeRounds(graphed, graphed_tree)
         for prompt in PROMPTS + [LONG_PROMPT]:
             expected = target_only_decode(dynamic, prompt, NEW_TOKENS, Sampling(), set())
             assert target_only_decode(graphed, prompt, NEW_TOKENS, Sampling(), set()).tokens == expected.tokens
             chain, tree = assert_chain_and_tree_match(dynamic, graphed, drafts, prompt)
-            graphed_draft = StaticDraft(draft, MAX_LEN, 3)
-            both = static_chain_decode(graphed, graphed_draft, prompt, NEW_TOKENS, set())
+            assert static_target_decode(graphed, prompt, NEW_TOKENS, set(), steps).tokens == expected.tokens
+            both = static_chain_decode(graphed, graphed_draft, prompt, NEW_TOKENS, set(), chain_rounds)
             assert both.tokens == chain.tokens and both.accepted == chain.accepted
-            assert graphed_draft.graphs and graphed_draft._graph is not None
-            graphed_tree = StaticTreeDraft(draft, MAX_LEN, 4, 3, 12)
-            both = static_tree_decode(graphed, graphed_tree, prompt, NEW_TOKENS, set())
+            both = static_tree_decode(graphed, graphed_tree, prompt, NEW_TOKENS, set(), tree_rounds)
             assert both.tokens == tree.tokens and both.accepted == tree.accepted
-            assert graphed_tree._graph is not None
         assert graphed._graphs and all(g.graph is not None for g in graphed._graphs.values())
+        assert all(r.graph.graph is not None for r in (steps, chain_rounds, tree_rounds))  # one capture each
     finally:
         for module in pair:
             module.to("cpu")

@@ -383,6 +383,8 @@ def eval_cmd(
     hf_generate_baseline: Optional[bool] = typer.Option(None, "--hf-generate-baseline", help="also time plain HF generate"),
     cuda_graphs: Optional[str] = typer.Option(None, "--cuda-graphs", help="auto (default: on GPU at batch 1), on, off: "
                                               "target and draft on static caches, their forwards replayed as CUDA graphs"),
+    compile_draft: Optional[str] = typer.Option(None, "--compile-draft", help="auto (default: on GPU), on, off: the "
+                                                "draft's part of each greedy round through torch.compile"),
     skip_preflight: bool = typer.Option(False, "--skip-preflight", help=SKIP_HELP),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
     overrides: List[str] = typer.Option([], "--set", help=SET_HELP),
@@ -396,7 +398,8 @@ def eval_cmd(
         dict(draft=draft, out=out, prompts=prompts, target=target, split=split, max_prompts=max_prompts, mode=mode,
              depth=depth, topk=topk, budget=budget,
              temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, device=device,
-             batch_size=batch_size, dtype=dtype, hf_generate_baseline=hf_generate_baseline, cuda_graphs=cuda_graphs),
+             batch_size=batch_size, dtype=dtype, hf_generate_baseline=hf_generate_baseline, cuda_graphs=cuda_graphs,
+             compile_draft=compile_draft),
         overrides,
     )
     _preflight(ctx, "eval", cfg, skip_preflight)

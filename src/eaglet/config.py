@@ -229,4 +229,7 @@ class EvalConfig(StrictModel):
     cuda_graphs: Literal["auto", "on", "off"] = Field(
         default="auto", description="batch 1: target and draft on static KV caches, their forwards (greedy: the "
         "draft's whole rounds) replayed as CUDA graphs (auto: on GPU; on: also on CPU, run eagerly; off: dynamic caches)")
+    compile_draft: Literal["auto", "on", "off"] = Field(
+        default="auto", description="greedy rounds on static caches: the draft's part of each round through "
+        "torch.compile (fused kernels inside the round's CUDA graph; auto: on GPU)")
     trust_remote_code: bool = False

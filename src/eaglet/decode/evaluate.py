@@ -24,8 +24,10 @@ from ..target import load_head_weights, load_model, load_tokenizer, pick_device,
 from .batched import BatchDraft, BatchTarget, batched_speculative_decode, batched_target_only_decode
 from .engine import DraftRunner, TargetRunner, speculative_decode, target_only_decode, tree_decode
 from .static import GRAPH_BUCKETS, StaticTarget, uses_static_cache
-from .static_draft import StaticDraft, static_chain_decode
-from .static_tree import StaticTreeDraft, static_tree_decode
+from .rounds import (ChainRounds, GreedyTargetSteps, TreeRounds, static_chain_decode, static_target_decode,
+                     static_tree_decode)
+from .static_draft import StaticDraft
+from .static_tree import StaticTreeDraft
 from .sampling import Sampling
 
 
@@ -147,34 +149,47 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
             static = False
     draft_runner = DraftRunner(draft)
     # greedy chains and trees run the draft on a static cache too (one graph per round); sampling drafts eagerly
-    static_draft = None
+    # and each greedy round (draft, verification, acceptance) is one graph, the baseline's step too
+    static_draft = rounds = steps = None
+    compiled = static and sampling.greedy and (config.compile_draft == "on" or
+                                                (config.compile_draft == "auto" and device.startswith("cuda")))
     if static and sampling.greedy:
-        static_draft = StaticDraft(draft, cache_length, config.depth) if config.mode == "chain" \
-            else StaticTreeDraft(draft, cache_length, config.depth, config.topk, config.budget)
+        if config.mode == "chain":
+            static_draft = StaticDraft(draft, cache_length, config.depth, compiled=compiled)
+            rounds = ChainRounds(target_runner, static_draft)
+        else:
+            static_draft = StaticTreeDraft(draft, cache_length, config.depth, config.topk, config.budget,
+                                           compiled=compiled)
+            rounds = TreeRounds(target_runner, static_draft)
+        steps = GreedyTargetSteps(target_runner)
 
     def speculate(ids: list[int], max_new: int, seed: int):
-        if isinstance(static_draft, StaticTreeDraft):
-            return static_tree_decode(target_runner, static_draft, ids, max_new, set(stop))
-        if static_draft is not None:
-            return static_chain_decode(target_runner, static_draft, ids, max_new, set(stop))
+        if isinstance(rounds, TreeRounds):
+            return static_tree_decode(target_runner, static_draft, ids, max_new, set(stop), rounds)
+        if isinstance(rounds, ChainRounds):
+            return static_chain_decode(target_runner, static_draft, ids, max_new, set(stop), rounds)
         if config.mode == "tree":
             return tree_decode(target_runner, draft_runner, ids, max_new, config.depth, config.topk, config.budget, set(stop),
                                sampling, torch.Generator().manual_seed(seed))
         return speculative_decode(target_runner, draft_runner, ids, max_new, config.depth, sampling, set(stop),
                                   torch.Generator().manual_seed(seed))
 
+    def baseline(ids: list[int], max_new: int, seed: int):
+        if steps is not None:
+            return static_target_decode(target_runner, ids, max_new, set(stop), steps)
+        return target_only_decode(target_runner, ids, max_new, sampling, set(stop), torch.Generator().manual_seed(seed))
+
     def one_at_a_time() -> list[PromptResult]:
         # warm-up: kernels, caches, allocator, graph captures
         if isinstance(target_runner, StaticTarget):
             target_runner.capture_all()
-        target_only_decode(target_runner, prompts[0][2], 4, sampling, set(stop), torch.Generator().manual_seed(0))
+        baseline(prompts[0][2], 4, 0)
         speculate(prompts[0][2], 4, 0)
         results = []
         with progress_bar("prompts", console) as progress:
             task = progress.add_task("eval", total=len(prompts))
             for index, (prompt_id, category, ids) in enumerate(prompts):
-                base = target_only_decode(target_runner, ids, config.max_new_tokens, sampling, set(stop),
-                                          torch.Generator().manual_seed(config.seed + index))
+                base = baseline(ids, config.max_new_tokens, config.seed + index)
                 spec = speculate(ids, config.max_new_tokens, config.seed + index)
                 lossless = (spec.tokens == base.tokens) if sampling.greedy else None
                 divergence = _divergence(model, layer_ids, ids, base.tokens, spec.tokens) if lossless is False else None
@@ -189,6 +204,7 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     report["settings"]["cuda_graphs"] = static and device.startswith("cuda")
     report["settings"]["static_cache"] = static
     report["settings"]["static_draft"] = static_draft is not None
+    report["settings"]["compiled_draft"] = compiled
     if config.hf_generate_baseline:
         report["hf_generate_tokens_per_s"] = round(
             _hf_generate_tokens_per_s(model, [p[2] for p in prompts], config.max_new_tokens, stop), 2)
@@ -266,7 +282,8 @@ def _engine_words(settings: dict[str, Any]) -> str:
     if not settings.get("static_cache"):
         return "dynamic KV caches, eager kernels"
     graphs = "replayed as CUDA graphs" if settings.get("cuda_graphs") else "run eagerly (no GPU)"
-    drafted = "the draft's rounds too" if settings.get("static_draft") else "the draft eager (sampling)"
+    drafted = ("each round (draft, verification, acceptance) one replay, the baseline's step one replay"
+               if settings.get("static_draft") else "the draft eager (sampling)")
     return f"static KV caches, the target's forwards {graphs}; {drafted}"
 
 

@@ -175,6 +175,24 @@ class StaticTarget:
     def crop(self, length: int) -> None:
         self._length = min(self._length, length)
 
+    def set_length(self, length: int) -> None:
+        """Where the cache ends after rounds that kept their count on the device (``rounds.py``)."""
+        self._length = length
+
+    def run_block(self, ids: torch.Tensor, depths: torch.Tensor, block: torch.Tensor,
+                  start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A forward whose every input is a device tensor — ids [n], depths [n], block [n, n], start 0-d —
+        for a caller capturing it inside a larger graph: logits [n, V], aux [n, layers, H]. ``length`` is
+        not moved (the caller keeps it on the device)."""
+        return self._run(ids[None], (start + depths)[None], start, block)
+
+    def move_entries(self, source: torch.Tensor, destination: torch.Tensor) -> None:
+        """Copy the cache entries at positions ``source`` [m] to ``destination`` [m] in every layer (device
+        indices: no host read, so a graph can capture it)."""
+        for layer in self.cache.layers:
+            layer.keys.index_copy_(2, destination, layer.keys.index_select(2, source))
+            layer.values.index_copy_(2, destination, layer.values.index_select(2, source))
+
     @torch.inference_mode()
     def keep(self, positions: torch.Tensor) -> None:
         """Keep these cache positions, in order: the prefix up to the tree's root is already in place, the
@@ -183,10 +201,7 @@ class StaticTarget:
         moved = (positions != torch.arange(len(positions), device=self.device)).nonzero()
         if len(moved):
             first = int(moved[0])
-            source, target = positions[first:], torch.arange(first, len(positions), device=self.device)
-            for layer in self.cache.layers:
-                layer.keys.index_copy_(2, target, layer.keys.index_select(2, source))
-                layer.values.index_copy_(2, target, layer.values.index_select(2, source))
+            self.move_entries(positions[first:], torch.arange(first, len(positions), device=self.device))
         self._length = len(positions)
 
     def capture_all(self) -> None:

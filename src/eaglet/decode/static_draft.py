@@ -1,10 +1,12 @@
-"""Greedy chain decoding with both models on static caches: one round = two graph replays, one host read.
+"""The draft on a static cache: a greedy chain's drafting (extend by the accepted rows, propose D tokens)
+with fixed shapes, so it can be captured in a CUDA graph.
 
 With the target replayed as a CUDA graph (``static.py``) a step of a small target costs a few ms, and the
 draft's eager Python (~40 kernel launches per draft step, each step waiting on the host) would cost as much
-as the verification it saves. So the whole draft side of a round — extending the draft's cache with the
-newly accepted positions, then proposing D tokens — is one graph too, and everything that flows between
-the two graphs (proposals, accepted count, correction, the verify pass's features) stays on the device.
+as the verification it saves. So the draft side of a round — extending the draft's cache with the newly
+accepted positions, then proposing D tokens — reads only device tensors (``in_*``); ``rounds.py`` captures
+it together with the verification and the acceptance as one graph. ``round`` replays the draft's part alone
+(what ``benchmarks/bench_static_round.py`` times).
 
 The draft's static cache per layer is [Hkv, max_len + D, d]: real positions first (``0..length-1``), then
 D slots for the chain's speculative entries. A round extends by a fixed R = D + 1 rows (the accepted
@@ -14,14 +16,12 @@ D - 1 chain steps, step j at the last real position + j, exactly the dynamic ``D
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
 from ..draft import Eagle3Draft
-from .engine import DecodeResult, _finish, _sync, draft_rope, draft_target_ids
-from .static import StaticTarget, capture
+from .engine import draft_rope, draft_target_ids
+from .static import capture
 
 
 class _StaticAttention:
@@ -41,9 +41,12 @@ class StaticDraft:
     """The draft on a static cache; ``round`` is one CUDA graph on GPU (eager elsewhere)."""
 
     def __init__(self, draft: Eagle3Draft, max_len: int, depth: int, graphs: bool | None = None,
-                 spec_slots: int | None = None):
+                 spec_slots: int | None = None, compiled: bool = False):
         config = draft.config
         self.draft = draft
+        # the round through torch.compile (fixed shapes, one graph): its ~60 small kernels per draft step fused into
+        # a few, captured in the round's CUDA graph like any kernel; prompts (any length) stay eager
+        self._draft_round = torch.compile(self._round, dynamic=False, fullgraph=True) if compiled else self._round
         self.device = draft.fc.weight.device
         self.dtype = draft.fc.weight.dtype
         self.depth, self.rows, self.max_len = depth, depth + 1, max_len
@@ -93,8 +96,12 @@ class StaticDraft:
         return (hidden.index_select(0, last), logits.index_select(0, last), self.in_tokens.index_select(0, last),
                 self.in_start + self.in_real_rows)
 
+    def draft_round(self) -> tuple[torch.Tensor, ...]:
+        """The draft's part of a round, from the ``in_*`` tensors (what a graph captures)."""
+        return self._draft_round()
+
     def _round(self) -> tuple[torch.Tensor, ...]:
-        """The round's body (what the graph captures): extend, then propose D tokens: (drafted [D] target ids,)."""
+        """Extend, then propose D tokens: (drafted [D] target ids,)."""
         hidden, logits, _, end = self._extend_round_rows()
         token = self.used[logits.argmax(-1)]  # [1]
         drafted = [token]
@@ -115,9 +122,9 @@ class StaticDraft:
         self.in_real_rows.copy_(real_rows)
         self.in_start.fill_(self.length)
         if not self.graphs:
-            return self._round()
+            return self.draft_round()
         if self._graph is None:
-            self._graph, self._outputs = capture(self.device, self._round)
+            self._graph, self._outputs = capture(self.device, self.draft_round)
         self._graph.replay()
         return tuple(output.clone() for output in self._outputs)
 
@@ -129,42 +136,14 @@ class StaticDraft:
     def advance(self, real_rows: int) -> None:
         self.length += real_rows
 
+    def round_state(self) -> list[torch.Tensor]:
+        """The device tensors a fused round (``rounds.py``) advances: next rows, their features, count, start."""
+        return [self.in_tokens, self.in_aux, self.in_real_rows, self.in_start]
 
-def static_chain_decode(target: StaticTarget, draft: StaticDraft, prompt: list[int], max_new: int,
-                        stop_ids: set[int]) -> DecodeResult:
-    """Greedy chain speculative decoding (``engine.speculative_decode``'s tokens and acceptance), each round
-    a draft graph and a target graph with one host read between rounds."""
-    _sync(target.device)
-    started = time.perf_counter()
-    target.reset()
-    draft.reset()
-    depth, rows = draft.depth, draft.rows
-    logits, aux = target.forward(prompt)
-    first = logits[-1].argmax().view(1)  # [1]
-    out = [int(first)]
-    draft.prefill(prompt[1:], aux[:-1])
-    tokens = first.expand(rows).clone()  # [R]: row 0 real
-    round_aux = aux[-1:].expand(rows, -1, -1).clone()  # [R, layers, H]
-    real_rows = torch.ones((), dtype=torch.long, device=target.device)
-    real_rows_host = 1
-    accepted_counts: list[int] = []
-    row_index = torch.arange(rows, device=target.device)
-    while not _finish(out, stop_ids, max_new)[1]:
-        base = target.length
-        drafted = draft.round(tokens, round_aux, real_rows)  # [D]
-        draft.advance(real_rows_host)
-        last = tokens.index_select(0, (real_rows - 1).view(1))  # [1]: the newest real token
-        verify_logits, verify_aux = target.forward(torch.cat([last, drafted]))  # [D+1, V], [D+1, layers, H]
-        choices = verify_logits.argmax(-1)  # [D+1]
-        accepted = (choices[:depth] == drafted).int().cumprod(0).sum()  # 0-d
-        correction = choices.index_select(0, accepted.view(1))  # [1]
-        host = torch.cat([accepted.view(1), correction, drafted]).tolist()  # the round's one host read
-        count = host[0]
-        out.extend(host[2:2 + count] + [host[1]])
-        accepted_counts.append(count)
-        target.crop(base + count + 1)
-        # the next round's draft rows: d_1..d_a, then the correction (later rows are padding)
-        tokens = torch.where(row_index < accepted, torch.cat([drafted, correction]), correction)
-        round_aux, real_rows, real_rows_host = verify_aux, accepted + 1, count + 1
-    _sync(target.device)
-    return DecodeResult(_finish(out, stop_ids, max_new)[0], accepted_counts, time.perf_counter() - started)
+    def set_round_inputs(self, tokens: torch.Tensor, aux: torch.Tensor, real_rows: int) -> None:
+        """The first round's rows (tokens [R], aux [R, layers, H]), starting at the draft's host ``length``."""
+        self.in_tokens.copy_(tokens)
+        self.in_aux.copy_(aux)
+        self.in_real_rows.fill_(real_rows)
+        self.in_start.fill_(self.length)
+

@@ -1,4 +1,4 @@
-"""Greedy EAGLE-2 tree decoding with both models on static caches: the whole tree drafted in one graph.
+"""The EAGLE-2 tree drafted on the device with fixed shapes: the whole tree in one graph.
 
 ``DraftRunner.expand_tree`` builds the tree on the host, one host read per level; on an H200 that costs
 more than the tree saves once the target is a CUDA graph (RESULTS.md: graphed trees ran at 0.66-0.68x).
@@ -6,20 +6,16 @@ Here the same tree is built with fixed shapes on the device: with k = top-k, lev
 children, and each further level expands the k best candidates of the level before into k children each
 (k*k candidates), so every level is one draft step over k rows. The ``budget`` best candidates overall
 (cumulative log-probability; stable sorts reproduce the host's tie order) become the tree, ordered by depth;
-its tokens, RoPE depths and ancestor mask go straight into the target's verification graph. The greedy
-walk (each node accepted when its token is the target's choice at its parent) is computed on the device;
-one host read per round brings back the accepted path.
+its tokens, RoPE depths and ancestor mask go straight into the target's verification, in the same graph
+(``rounds.TreeRounds``: the greedy walk, the cache compaction and the next round's rows follow on the device).
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..draft import Eagle3Draft
-from .engine import DecodeResult, _finish, _sync, draft_rope
-from .static import StaticTarget
+from .engine import draft_rope
 from .static_draft import StaticDraft
 
 
@@ -32,10 +28,11 @@ def _each_row_k_times(x: torch.Tensor, k: int) -> torch.Tensor:
 class StaticTreeDraft(StaticDraft):
     """The draft on a static cache whose round is: extend, then draft a whole tree (one graph on GPU)."""
 
-    def __init__(self, draft: Eagle3Draft, max_len: int, depth: int, topk: int, budget: int, graphs: bool | None = None):
+    def __init__(self, draft: Eagle3Draft, max_len: int, depth: int, topk: int, budget: int, graphs: bool | None = None,
+                 compiled: bool = False):
         self.width = min(topk, draft.config.draft_vocab_size)  # k: children per node and nodes expanded per level
         expanded = (depth - 1) * self.width  # spec entries: k rows per expanded level
-        super().__init__(draft, max_len, depth, graphs, spec_slots=expanded)
+        super().__init__(draft, max_len, depth, graphs, spec_slots=expanded, compiled=compiled)
         self.candidates = self.width + (depth - 1) * self.width**2
         self.budget = min(budget, self.candidates)
 
@@ -88,47 +85,3 @@ class StaticTreeDraft(StaticDraft):
         """As ``StaticDraft.round``, returning the tree: tokens [N], depths [N], parents [N], ancestor mask [N, N]."""
         return self._run_round(tokens, aux, real_rows)
 
-
-def static_tree_decode(target: StaticTarget, draft: StaticTreeDraft, prompt: list[int], max_new: int,
-                       stop_ids: set[int]) -> DecodeResult:
-    """Greedy tree speculative decoding (``engine.tree_decode``'s tokens and acceptance), each round a draft
-    graph and a target graph with one host read."""
-    _sync(target.device)
-    started = time.perf_counter()
-    target.reset()
-    draft.reset()
-    rows = draft.rows
-    logits, aux = target.forward(prompt)
-    first = logits[-1].argmax().view(1)
-    out = [int(first)]
-    draft.prefill(prompt[1:], aux[:-1])
-    tokens = first.expand(rows).clone()  # [R]: the draft's new rows, real ones first
-    round_aux = aux[-1:].expand(rows, -1, -1).clone()  # [R, layers, H]
-    real_rows_host = 1
-    accepted_counts: list[int] = []
-    while not _finish(out, stop_ids, max_new)[1]:
-        base = target.length
-        tree_tokens, tree_depths, tree_parents, block = draft.round(
-            tokens, round_aux, torch.tensor(real_rows_host, device=target.device))
-        draft.advance(real_rows_host)
-        verify_logits, verify_aux = target.forward_tree(tree_tokens, tree_depths, block)
-        choices = verify_logits.argmax(-1)  # [N]: the target's token after each node
-        accepted = torch.ones_like(tree_tokens, dtype=torch.bool)
-        for _ in range(draft.depth):  # a node is accepted when its parent is and it is the parent's choice
-            accepted = (tree_tokens == choices[tree_parents]) & accepted[tree_parents]
-            accepted[0] = True
-        host = torch.cat([accepted.long(), choices, tree_tokens]).tolist()  # the round's one host read
-        size = len(tree_tokens)
-        path = [node for node in range(1, size) if host[node]]  # one chain: siblings hold distinct tokens
-        correction = host[size + (path[-1] if path else 0)]
-        new_tokens = [host[2 * size + node] for node in path] + [correction]
-        out.extend(new_tokens)
-        accepted_counts.append(len(path))
-        target.keep(torch.cat([torch.arange(base), base + torch.tensor([0] + path)]))
-        # the next round's draft rows: the path's tokens, then the correction, with their verify features
-        real_rows_host = len(new_tokens)
-        tokens = torch.tensor(new_tokens + [correction] * (rows - real_rows_host), device=target.device)
-        index = torch.tensor([0] + path + [0] * (rows - real_rows_host), device=target.device)
-        round_aux = verify_aux.index_select(0, index)
-    _sync(target.device)
-    return DecodeResult(_finish(out, stop_ids, max_new)[0], accepted_counts, time.perf_counter() - started)
