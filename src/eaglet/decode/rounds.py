@@ -56,9 +56,11 @@ def _check_room(target: StaticTarget, target_length: int, writes: int, draft: St
                 draft_length: int = 0) -> None:
     """A round writes ``writes`` target entries at ``target_length`` and the draft's R rows at ``draft_length``;
     inside a graph an index past the cache would be a device-side fault, so the host refuses it first."""
-    if target_length + writes > target.max_len or (draft is not None and draft_length + draft.rows > draft.max_len):
-        raise EagletError(f"the static cache holds {target.max_len} positions; this round needs "
-                          f"{target_length + writes} (raise max_len: prompt + max new tokens + the largest verification)")
+    needed = max(target_length + writes, draft_length + draft.rows if draft is not None else 0)
+    if needed > target.max_len or (draft is not None and needed > draft.max_len):
+        raise EagletError(f"the static cache holds {min(target.max_len, draft.max_len if draft else target.max_len)} "
+                          f"positions; this round needs {needed} (raise max_len: prompt + max new tokens + the "
+                          "largest verification)")
 
 
 class _Rounds:

@@ -24,6 +24,13 @@ from .engine import draft_rope, draft_target_ids
 from .static import capture
 
 
+# Sorts stay ATen's kernels (the eager rounds' ones): with persistent reductions on, inductor lowers sorts of
+# <= 512 elements to a Triton bitonic network, and on the H200 (torch 2.11) the d10/k10/b96 tree's compiled
+# round stopped on a device-side "index out of bounds" where its sort indices are used (the tree's per-level
+# sorts of 10 and 100 scores; d8/k8/b64, whose level sorts hold 8 and 64, ran right).
+COMPILE_OPTIONS = {"triton.persistent_reductions": False}
+
+
 class _StaticAttention:
     """One draft layer's static cache; each call writes its keys at ``write_at`` and attends under ``mask``."""
 
@@ -46,7 +53,8 @@ class StaticDraft:
         self.draft = draft
         # the round through torch.compile (fixed shapes, one graph): its ~60 small kernels per draft step fused into
         # a few, captured in the round's CUDA graph like any kernel; prompts (any length) stay eager
-        self._draft_round = torch.compile(self._round, dynamic=False, fullgraph=True) if compiled else self._round
+        self._draft_round = torch.compile(self._round, dynamic=False, fullgraph=True, options=COMPILE_OPTIONS) \
+            if compiled else self._round
         self.device = draft.fc.weight.device
         self.dtype = draft.fc.weight.dtype
         self.depth, self.rows, self.max_len = depth, depth + 1, max_len
