@@ -210,7 +210,8 @@ def test_report_explains_a_failed_lossless_check_outside_float32():
 
 
 def test_static_cache_eval_gives_the_dynamic_cache_results(tmp_path, capsys, tiny_draft, tiny_target):
-    """`--cuda-graphs on` off the GPU runs the static-cache target eagerly: same tokens, same acceptance."""
+    """`--cuda-graphs on` off the GPU runs the static-cache target eagerly, each greedy round one fused body, the
+    draft's part compiled (`--compile-draft on`, as on GPU by default): same tokens, same acceptance."""
     prompts = write_jsonl(tmp_path / "p.jsonl", [
         {"id": "a", "prompt": "the cat sat", "split": "heldout"},
         {"id": "b", "prompt": "two dogs ran past the old barn", "split": "heldout"},
@@ -220,13 +221,15 @@ def test_static_cache_eval_gives_the_dynamic_cache_results(tmp_path, capsys, tin
         for graphs in ("off", "on"):
             out = tmp_path / f"{mode}_{graphs}"
             code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", tiny_target, "--prompts", prompts, "--out",
-                                    out, "--max-new-tokens", "16", "--device", "cpu", "--cuda-graphs", graphs, *shape], capsys)
+                                    out, "--max-new-tokens", "16", "--device", "cpu", "--cuda-graphs", graphs,
+                                    "--compile-draft", graphs, *shape], capsys)
             assert code == 0, err
             reports[mode, graphs] = json.loads((out / "report.json").read_text())
         static, dynamic = reports[mode, "on"], reports[mode, "off"]
         assert static["settings"]["static_cache"] is True and dynamic["settings"]["static_cache"] is False
         assert static["settings"]["cuda_graphs"] is False  # CPU: the same functions, run eagerly
         assert static["settings"]["static_draft"] is True  # greedy chains and trees draft on static caches
+        assert static["settings"]["compiled_draft"] is True and dynamic["settings"]["compiled_draft"] is False
         assert "static KV caches" in (tmp_path / f"{mode}_on" / "report.md").read_text()
         assert static["lossless"] is True
         for key in ("acceptance_length", "acceptance_by_position", "generated_tokens", "target_forwards"):
@@ -235,6 +238,27 @@ def test_static_cache_eval_gives_the_dynamic_cache_results(tmp_path, capsys, tin
                             tmp_path / "x", "--device", "cpu", "--cuda-graphs", "yes"], capsys)
     assert code == 2 and "'cuda_graphs'" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "x").exists()
+
+
+def test_compile_draft_on_without_a_compiler_stops_before_decoding(tmp_path, capsys, monkeypatch, tiny_draft, tiny_target):
+    """`--compile-draft on` where torch.compile has no compiler to call: one line naming the fix, exit 1, no
+    report; preflight says the same before any weights load, and `auto` on CPU does not compile at all."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "the cat sat", "split": "heldout"}])
+    monkeypatch.setenv("CXX", "no-such-c++-compiler")
+    common = ["--draft", tiny_draft, "--target", tiny_target, "--prompts", prompts, "--out", tmp_path / "x",
+              "--device", "cpu", "--cuda-graphs", "on"]
+    for skip in ([], ["--skip-preflight"]):  # preflight's check, then eval's own
+        code, _, err = run_cli(["eval", *common, "--compile-draft", "on", *skip], capsys)
+        last = err.strip().splitlines()[-1]  # (preflight prints its table first)
+        assert code == 2 and "no-such-c++-compiler" in last and "--compile-draft off" in last, err
+        assert "Traceback" not in err
+        assert not (tmp_path / "x" / "report.json").exists()
+    checks = {}
+    for mode in ("on", "auto"):
+        code, stdout, err = run_cli(["preflight", "--json", "eval", *common, "--compile-draft", mode], capsys)
+        checks[mode] = {c["name"]: c for c in json.loads(stdout)["checks"]}
+    assert checks["on"]["draft compile"]["status"] == "fail" and "--compile-draft off" in checks["on"]["draft compile"]["fix"]
+    assert "draft compile" not in checks["auto"]  # auto compiles on GPU only
 
 
 def test_a_lossless_failure_is_located_and_sized():

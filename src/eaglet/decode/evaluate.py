@@ -26,7 +26,7 @@ from .engine import DraftRunner, TargetRunner, speculative_decode, target_only_d
 from .static import GRAPH_BUCKETS, StaticTarget, uses_static_cache
 from .rounds import (ChainRounds, GreedyTargetSteps, TreeRounds, static_chain_decode, static_target_decode,
                      static_tree_decode)
-from .static_draft import StaticDraft
+from .static_draft import StaticDraft, compiles_draft_round, draft_compile_problem
 from .static_tree import StaticTreeDraft
 from .sampling import Sampling
 
@@ -151,8 +151,13 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     # greedy chains and trees run the draft on a static cache too (one graph per round); sampling drafts eagerly
     # and each greedy round (draft, verification, acceptance) is one graph, the baseline's step too
     static_draft = rounds = steps = None
-    compiled = static and sampling.greedy and (config.compile_draft == "on" or
-                                                (config.compile_draft == "auto" and device.startswith("cuda")))
+    compiled = compiles_draft_round(config.compile_draft, static, sampling.greedy, device)
+    problem = draft_compile_problem(device) if compiled else None
+    if problem and config.compile_draft == "on":
+        raise EagletError(f"--compile-draft on: {problem}; pass --compile-draft off")
+    if problem:
+        console.print(f"eaglet eval: the draft's rounds run uncompiled: {problem}")
+        compiled = False
     if static and sampling.greedy:
         if config.mode == "chain":
             static_draft = StaticDraft(draft, cache_length, config.depth, compiled=compiled)

@@ -16,6 +16,9 @@ D - 1 chain steps, step j at the last real position + j, exactly the dynamic ``D
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +32,22 @@ from .static import capture
 # round stopped on a device-side "index out of bounds" where its sort indices are used (the tree's per-level
 # sorts of 10 and 100 scores; d8/k8/b64, whose level sorts hold 8 and 64, ran right).
 COMPILE_OPTIONS = {"triton.persistent_reductions": False}
+
+
+def compiles_draft_round(compile_draft: str, static: bool, greedy: bool, device: str) -> bool:
+    """Whether eval runs the draft's round through torch.compile: greedy rounds on static caches, and
+    ``--compile-draft on`` (any device) or ``auto`` on a GPU."""
+    return static and greedy and (compile_draft == "on" or (compile_draft == "auto" and device.startswith("cuda")))
+
+
+def draft_compile_problem(device: str) -> str | None:
+    """Why torch.compile cannot build the draft's round here (Triton on GPU, a C++ compiler on CPU), or None."""
+    if device.startswith("cuda"):
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "torch.compile on GPU needs Triton, which this Python environment lacks"
+    compiler = os.environ.get("CXX", "g++")  # what inductor's C++ backend calls
+    return None if shutil.which(compiler) else f"torch.compile on CPU needs a C++ compiler ({compiler!r} is not on PATH)"
 
 
 class _StaticAttention:

@@ -218,7 +218,22 @@ def eval_checks(cfg: Any) -> list[Check]:
         if uses_static_cache(cfg.cuda_graphs, cfg.batch_size, device):
             checks.append(check_static_cache(found[0].path, cfg.cuda_graphs, device.startswith("cuda"),
                                              cfg.trust_remote_code))
-    return checks
+            checks.append(check_draft_compile(cfg.compile_draft, cfg.temperature == 0, device))
+    return [check for check in checks if check is not None]
+
+
+def check_draft_compile(mode: str, greedy: bool, device: str) -> Check | None:
+    """eval's compiled draft rounds can be built here (None when eval will not compile them)."""
+    from ..decode.static_draft import compiles_draft_round, draft_compile_problem
+
+    if not compiles_draft_round(mode, True, greedy, device):
+        return None
+    problem = draft_compile_problem(device)
+    if problem is None:
+        return Check("draft compile", PASS, "the draft's rounds can go through torch.compile")
+    if mode == "on":
+        return Check("draft compile", FAIL, problem, "pass --compile-draft off (or auto, which falls back)")
+    return Check("draft compile", WARN, f"{problem}: eval runs the draft's rounds uncompiled (slower on GPU)", "")
 
 
 def check_static_cache(target_path: Any, mode: str, graphs: bool, trust_remote_code: bool) -> Check:
