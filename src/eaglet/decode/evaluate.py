@@ -141,7 +141,9 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     target_runner = TargetRunner(model, layer_ids)
     if static:
         try:
-            target_runner = StaticTarget(model, layer_ids, cache_length, verify_tokens=_verify_tokens(config))
+            # greedy rounds verify inside their own graph; sampled ones verify through a bucket of this size
+            target_runner = StaticTarget(model, layer_ids, cache_length,
+                                         verify_tokens=1 if sampling.greedy else _verify_tokens(config))
         except EagletError as error:
             if config.cuda_graphs == "on":
                 raise

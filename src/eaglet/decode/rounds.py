@@ -21,9 +21,8 @@ from typing import Callable
 
 import torch
 
-from ..errors import EagletError
 from .engine import DecodeResult, _finish, _sync
-from .static import StaticTarget, capture
+from .static import StaticTarget, cache_too_short, capture
 from .static_draft import StaticDraft
 from .static_tree import StaticTreeDraft
 
@@ -58,9 +57,7 @@ def _check_room(target: StaticTarget, target_length: int, writes: int, draft: St
     inside a graph an index past the cache would be a device-side fault, so the host refuses it first."""
     needed = max(target_length + writes, draft_length + draft.rows if draft is not None else 0)
     if needed > target.max_len or (draft is not None and needed > draft.max_len):
-        raise EagletError(f"the static cache holds {min(target.max_len, draft.max_len if draft else target.max_len)} "
-                          f"positions; this round needs {needed} (raise max_len: prompt + max new tokens + the "
-                          "largest verification)")
+        raise cache_too_short(min(target.max_len, draft.max_len if draft else target.max_len), needed)
 
 
 class _Rounds:
@@ -96,9 +93,8 @@ class ChainRounds(_Rounds):
         super().__init__(target)
         self.draft = draft
         depth, device = draft.depth, target.device
-        self._depths = torch.arange(depth + 1, device=device)  # [D+1]
+        self._row = torch.arange(depth + 1, device=device)  # [D+1]: row index, and the chain's RoPE offsets
         self._causal = torch.ones(depth + 1, depth + 1, dtype=torch.bool, device=device).tril()
-        self._row = torch.arange(depth + 1, device=device)
         self.graph = RoundGraph(device, target.graphs, self._body, [self.target_length, *draft.round_state()])
 
     def _body(self) -> torch.Tensor:
@@ -107,7 +103,7 @@ class ChainRounds(_Rounds):
         last = draft.in_tokens.index_select(0, (draft.in_real_rows - 1).view(1))  # [1]: the newest real token
         drafted = draft.draft_round()[0]  # [D]
         draft.in_start.add_(draft.in_real_rows)
-        logits, aux = self.target.run_block(torch.cat([last, drafted]), self._depths, self._causal, self.target_length)
+        logits, aux = self.target.run_block(torch.cat([last, drafted]), self._row, self._causal, self.target_length)
         choices = logits.argmax(-1)  # [D+1]
         accepted = (choices[:depth] == drafted).int().cumprod(0).sum()  # 0-d
         correction = choices.index_select(0, accepted.view(1))  # [1]

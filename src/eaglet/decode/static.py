@@ -92,6 +92,11 @@ def static_cache_problem(config: Any, graphs: bool, cache: Any = None) -> str | 
     return None
 
 
+def cache_too_short(holds: int, needs: int) -> EagletError:
+    return EagletError(f"the static cache holds {holds} positions; this forward needs {needs} "
+                       "(raise max_len: prompt + max new tokens + the largest verification)")
+
+
 class _Graph:
     """One captured forward of ``size`` tokens: static inputs it reads, outputs it leaves."""
 
@@ -156,8 +161,7 @@ class StaticTarget:
         count = len(tokens)
         start = self._length
         if start + count > self.max_len:
-            raise EagletError(f"the static cache holds {self.max_len} positions; this forward needs {start + count} "
-                              "(raise max_len: prompt + max new tokens + the largest verification)")
+            raise cache_too_short(self.max_len, start + count)
         size = bucket_for(count, self.buckets)
         if size is None or start + size > self.max_len:  # no bucket, or its padding would run past the cache
             logits, aux = self._run(self._as_ids(tokens)[None], (start + depths.to(self.device))[None],

@@ -218,16 +218,17 @@ def eval_checks(cfg: Any) -> list[Check]:
         if uses_static_cache(cfg.cuda_graphs, cfg.batch_size, device):
             checks.append(check_static_cache(found[0].path, cfg.cuda_graphs, device.startswith("cuda"),
                                              cfg.trust_remote_code))
-            checks.append(check_draft_compile(cfg.compile_draft, cfg.temperature == 0, device))
-    return [check for check in checks if check is not None]
+            from ..decode.static_draft import compiles_draft_round
+
+            if compiles_draft_round(cfg.compile_draft, True, cfg.temperature == 0, device):
+                checks.append(check_draft_compile(cfg.compile_draft, device))
+    return checks
 
 
-def check_draft_compile(mode: str, greedy: bool, device: str) -> Check | None:
-    """eval's compiled draft rounds can be built here (None when eval will not compile them)."""
-    from ..decode.static_draft import compiles_draft_round, draft_compile_problem
+def check_draft_compile(mode: str, device: str) -> Check:
+    """eval's compiled draft rounds can be built here."""
+    from ..decode.static_draft import draft_compile_problem
 
-    if not compiles_draft_round(mode, True, greedy, device):
-        return None
     problem = draft_compile_problem(device)
     if problem is None:
         return Check("draft compile", PASS, "the draft's rounds can go through torch.compile")
