@@ -259,6 +259,9 @@ def test_compile_draft_on_without_a_compiler_stops_before_decoding(tmp_path, cap
         checks[mode] = {c["name"]: c for c in json.loads(stdout)["checks"]}
     assert checks["on"]["draft compile"]["status"] == "fail" and "--compile-draft off" in checks["on"]["draft compile"]["fix"]
     assert "draft compile" not in checks["auto"]  # auto compiles on GPU only
+    code, _, err = run_cli(["eval", *common, "--compile-draft", "maybe"], capsys)
+    assert code == 2 and "'compile_draft'" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "x").exists()
 
 
 def test_a_lossless_failure_is_located_and_sized():
