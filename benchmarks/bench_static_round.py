@@ -50,7 +50,7 @@ def main() -> None:
                         help="the draft's part of each round: compiled (eval's GPU default), eager, or both")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of an eager D+1 forward and the busiest host operations of a tree decode")
+    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of an eager D+1 forward, the busiest host operations of a tree decode and the kernels its round graphs replay")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -149,8 +149,16 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="cuda_time_total" if device.type == "cuda" else "cpu_time_total",
                                         row_limit=12, max_name_column_width=70))
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:  # the tree loop's host work
-            static_tree_decode(target, tree_draft, PROMPT, 32, set(), tree_rounds)  # the last tree measured
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70))
+            result = static_tree_decode(target, tree_draft, PROMPT, 32, set(), tree_rounds)  # the last tree measured
+        events = prof.key_averages()
+        print(events.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70))
+        # the kernels the rounds' graphs replay (CUPTI records them one by one): where a round's GPU time goes
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        launches = sum(e.count for e in kernels)
+        gpu_us = sum(e.self_device_time_total for e in kernels)
+        print(f"tree decode: {result.forwards} rounds, {launches / result.forwards:.0f} kernels and "
+              f"{gpu_us / 1000 / result.forwards:.3f} ms of kernel time per round (prefill included)")
+        print(events.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90))
     if args.out:
         args.out.write_text(json.dumps(record, indent=2) + "\n")
 

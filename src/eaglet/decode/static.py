@@ -127,6 +127,7 @@ class StaticTarget:
         self.cache_kwarg = cache_kwarg(model)
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
         self._check_cache()
+        self._entries = self._stack_entries()
         self._length = 0
         self._key_index = torch.arange(max_len, device=self.device)  # [max_len]
         self._graphs: dict[int, _Graph] = {}
@@ -136,6 +137,28 @@ class StaticTarget:
         problem = static_cache_problem(self.model.config, self.graphs, self.cache)
         if problem:
             raise EagletError(f"{problem} (run eval with --cuda-graphs off)")
+
+    def _stack_entries(self) -> torch.Tensor | None:
+        """Back every layer's keys and values by one tensor [layers, 2, 1, Hkv, max_len, d] (the layers' own
+        tensors become views of it), so a compaction moves the accepted path in all layers with one gather and
+        one scatter: per layer it was 120 kernels, 0.44 ms of a 5.9 ms tree round (H200, 135 M target).
+        None where the layers' shapes differ (then ``move_entries`` goes layer by layer)."""
+        config = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") \
+            else self.model.config
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dtype = self.model.get_input_embeddings().weight.dtype
+        if not hasattr(self.cache, "early_initialization"):
+            return None
+        self.cache.early_initialization(1, heads, head_dim, dtype, self.device)
+        layers = self.cache.layers
+        shape = layers[0].keys.shape  # [1, Hkv, max_len, d]
+        if any(tensor.shape != shape for layer in layers for tensor in (layer.keys, layer.values)):
+            return None
+        entries = torch.zeros(len(layers), 2, *shape, dtype=dtype, device=self.device)
+        for layer, (keys, values) in zip(layers, entries):
+            layer.keys, layer.values = keys, values
+        return entries
 
     # --- TargetRunner's interface -------------------------------------------------------------------
     def reset(self) -> None:
@@ -193,6 +216,9 @@ class StaticTarget:
     def move_entries(self, source: torch.Tensor, destination: torch.Tensor) -> None:
         """Copy the cache entries at positions ``source`` [m] to ``destination`` [m] in every layer (device
         indices: no host read, so a graph can capture it)."""
+        if self._entries is not None:  # all layers at once; the gather completes before the scatter
+            self._entries.index_copy_(4, destination, self._entries.index_select(4, source))
+            return
         for layer in self.cache.layers:
             layer.keys.index_copy_(2, destination, layer.keys.index_select(2, source))
             layer.values.index_copy_(2, destination, layer.values.index_select(2, source))
