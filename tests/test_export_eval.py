@@ -12,7 +12,7 @@ from conftest import run_cli, write_jsonl
 from eaglet.decode.engine import DraftRunner, TargetRunner, speculative_decode
 from eaglet.decode.sampling import Sampling
 from eaglet.draft import load_draft
-from eaglet.target import load_head_weights, load_model, resolve_target
+from eaglet.target import config_identity, load_head_weights, load_model, resolve_target
 
 EXPECTED_TENSORS = {
     "fc.weight": [64, 192], "midlayer.input_layernorm.weight": [64], "midlayer.hidden_norm.weight": [64],
@@ -151,6 +151,33 @@ def test_eval_refuses_draft_for_another_target(tmp_path, capsys, tiny_draft):
     # the stage itself refuses too when preflight is skipped
     code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", other, "--out", tmp_path / "e", "--skip-preflight"], capsys)
     assert code == 2 and "PREFLIGHT SKIPPED" in err and "trained for target tiny-target0" in err
+
+
+def test_a_draft_moves_between_transformers_releases(tmp_path, capsys, tiny_draft, tiny_target):
+    """Trained where one transformers release wrote the target's config.json (it stamps its version in), evaluated
+    where another did: the same target. A draft recorded with the whole config's hash (before the identity) too."""
+    import shutil
+
+    from eaglet.target import target_info
+
+    moved = tmp_path / "target"
+    shutil.copytree(tiny_target, moved)
+    config = json.loads((moved / "config.json").read_text())
+    (moved / "config.json").write_text(json.dumps(config | {"transformers_version": "0.0.1"}))
+    here, there = target_info(resolve_target(str(tiny_target))), target_info(resolve_target(str(moved)))
+    assert here.config_hash == there.config_hash and here.legacy_config_hash != there.legacy_config_hash
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "the cat sat", "split": "heldout"}])
+    old_draft = tmp_path / "old_draft"
+    shutil.copytree(tiny_draft, old_draft)
+    draft_config = json.loads((old_draft / "config.json").read_text())
+    draft_config["target"]["config_hash"] = there.legacy_config_hash
+    (old_draft / "config.json").write_text(json.dumps(draft_config))
+    for draft in (tiny_draft, old_draft):
+        code, _, err = run_cli(["eval", "--draft", draft, "--target", moved, "--prompts", prompts, "--out",
+                                tmp_path / "e", "--max-new-tokens", "4", "--device", "cpu"], capsys)
+        assert code == 0, err
+    config["hidden_size"] = 2 * config["hidden_size"]  # what the model computes changed: another target
+    assert config_identity(config) != here.config_hash
 
 
 def test_eval_tree_mode_is_lossless_and_samples(tmp_path, capsys, tiny_draft, tiny_target):

@@ -152,6 +152,15 @@ def test_store_from_other_target_refused_by_source(tiny_store):
         StoreSource(tiny_store, token_budget=128, expect_target=other)
 
 
+def test_store_recorded_with_the_whole_config_hash_still_matches(tiny_store):
+    """Stores extracted before the config identity recorded the whole config.json's hash: still this target."""
+    from eaglet.features import StoreSource
+
+    manifest = read_manifest(tiny_store)
+    now = dict(manifest["target"], config_hash="1" * 64, legacy_config_hash=manifest["target"]["config_hash"])
+    assert StoreSource(tiny_store, token_budget=128, expect_target=now).plans
+
+
 def test_non_finite_features_name_the_sample(tmp_path, tiny_prepared, tiny_target):
     from eaglet.config import ExtractConfig
     from eaglet.errors import EagletError

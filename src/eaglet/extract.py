@@ -281,12 +281,14 @@ def store_identity(config: ExtractConfig, info: Any, layers: tuple[int, ...], pr
     }
 
 
-def _check_resume(store: Path, identity: dict[str, Any]) -> None:
+def _check_resume(store: Path, identity: dict[str, Any], legacy_config_hash: str = "") -> None:
     existing = read_manifest(store)
     for key, value in identity.items():
         was = existing.get(key)
         if key == "prepared" and isinstance(was, dict):  # the same prepared set (by manifest hash), perhaps moved
             was, value = {**was, "path": None}, {**value, "path": None}
+        if key == "target" and isinstance(was, dict) and was.get("config_hash") == legacy_config_hash:
+            was = {**was, "config_hash": value["config_hash"]}  # recorded before the config identity: the same target
         if was != value:
             raise EagletError(
                 f"{store}: an existing store with different '{key}' ({existing.get(key)!r} vs {value!r}); "
@@ -334,7 +336,7 @@ def run_extract(config: ExtractConfig, console: Console | None = None, model: to
     identity = store_identity(config, info, layers, prepared, tokens_per_shard, model_dtype)
 
     if (store / MANIFEST_FILE).is_file():
-        _check_resume(store, identity)
+        _check_resume(store, identity, info.legacy_config_hash)
     todo_all = [p for p in plans if read_record(store, p.index) is None and (only_shards is None or p.index in only_shards)]
     mine = [p for p in todo_all if p.index % dist.world == dist.rank]
     _check_disk(store, sum(p.tokens for p in todo_all) * per_token, config.reserve_gb)

@@ -179,12 +179,28 @@ class TargetInfo:
     dtype: str
     has_chat_template: bool
     aux_layer_ids: tuple[int, ...]
-    config_hash: str
+    config_hash: str  # what the model computes (``config_identity``)
     tokenizer_hash: str
     template_hash: str | None
+    legacy_config_hash: str = ""  # the whole config.json's, which runs before the identity recorded
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def same_config(self, recorded: str | None) -> bool:
+        """Whether a config hash a prepared set, store or draft recorded is this target's (either form)."""
+        return recorded in (self.config_hash, self.legacy_config_hash)
+
+
+# config.json keys that say how the file was written, not what the model computes: transformers stamps its own
+# version into every config it saves, so the same target converted by two releases (a GPU server's and a
+# laptop's) hashed differently and a draft trained on one was refused on the other as "another target".
+VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache")
+
+
+def config_identity(config: dict[str, Any]) -> str:
+    """A target's config hash: its config without ``VOLATILE_CONFIG_KEYS``."""
+    return sha256_json({key: value for key, value in config.items() if key not in VOLATILE_CONFIG_KEYS})
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -227,9 +243,10 @@ def target_info(resolved: ResolvedTarget, tokenizer: Any | None = None) -> Targe
         dtype=str(config.get("torch_dtype") or config.get("dtype") or "?"),
         has_chat_template=template is not None,
         aux_layer_ids=default_aux_layer_ids(num_layers),
-        config_hash=sha256_json(config),
+        config_hash=config_identity(config),
         tokenizer_hash=tokenizer_hash(tokenizer),
         template_hash=sha256_json(template) if template else None,
+        legacy_config_hash=sha256_json(config),
     )
 
 

@@ -79,9 +79,10 @@ def _setup(config: TrainConfig, device: str) -> Setup:
     resolved = resolve_target(config.target, config.trust_remote_code)
     info = target_info(resolved, load_tokenizer(resolved.path, config.trust_remote_code))
     target_identity = {"name": info.name, "config_hash": info.config_hash, "tokenizer_hash": info.tokenizer_hash}
+    accepted_target = target_identity | {"legacy_config_hash": info.legacy_config_hash}
     if config.store is not None:
         manifest = read_manifest(Path(config.store))
-        check_same_target(manifest, target_identity, f"store {config.store}")
+        check_same_target(manifest, accepted_target, f"store {config.store}")
         if not manifest["complete"]:
             raise EagletError(f"{config.store}: extraction incomplete; run the same `eaglet extract` again to finish it")
         prepared = load_prepared(prepared_path(Path(config.store), manifest))
@@ -106,7 +107,7 @@ def _setup(config: TrainConfig, device: str) -> Setup:
     eval_source = None
     if config.eval_store is not None:
         eval_manifest = read_manifest(Path(config.eval_store))
-        check_same_target(eval_manifest, target_identity, f"eval store {config.eval_store}")
+        check_same_target(eval_manifest, accepted_target, f"eval store {config.eval_store}")
         if tuple(eval_manifest["aux_layer_ids"]) != tuple(layer_ids):
             raise EagletError(f"eval store {config.eval_store}: aux layers {eval_manifest['aux_layer_ids']}, training uses {list(layer_ids)}")
         eval_source = StoreSource(config.eval_store, config.token_budget, config.seed)

@@ -123,7 +123,7 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     info = target_info(resolved, tokenizer)
     draft = load_draft(config.draft, embed=load_head_weights(resolved.path).embed.float())
     draft_target = draft.config.target or {}
-    if draft_target.get("config_hash") not in (None, info.config_hash):
+    if draft_target.get("config_hash") is not None and not info.same_config(draft_target.get("config_hash")):
         raise EagletError(
             f"{config.draft}: trained for target {draft_target.get('name')} (config {str(draft_target.get('config_hash'))[:12]}), "
             f"not {info.name} ({info.config_hash[:12]}); pass the matching --target"

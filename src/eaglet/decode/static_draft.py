@@ -57,10 +57,18 @@ class _StaticAttention:
         self.keys, self.values, self.write_at, self.mask = keys, values, write_at, mask
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [Hq, T, d], k/v [Hkv, T, d] -> [Hq, T, d]. The query heads sharing a key head are folded into its
+        rows ([1, Hkv, G*T, d], mask repeated per group): a masked SDPA with ``enable_gqa`` has no fused kernel
+        and ran as float32 math (two float32 GEMMs per draft step on the H200); this form takes cuDNN's."""
         self.keys.index_copy_(1, self.write_at, k)
         self.values.index_copy_(1, self.write_at, v)
-        return F.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=self.mask,
-                                              enable_gqa=q.shape[0] != k.shape[0])
+        heads, rows, dim = q.shape
+        kv_heads = self.keys.shape[0]
+        groups = heads // kv_heads
+        mask = self.mask.expand(rows, self.mask.shape[-1]).repeat(groups, 1)  # [G*T, slots]
+        out = F.scaled_dot_product_attention(q.reshape(1, kv_heads, groups * rows, dim), self.keys[None],
+                                             self.values[None], attn_mask=mask[None, None])
+        return out.view(heads, rows, dim)
 
 
 class StaticDraft:

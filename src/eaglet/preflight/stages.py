@@ -124,7 +124,7 @@ def extract_checks(cfg: Any) -> list[Check]:
         existing = json.loads((store / "manifest.json").read_text())
         mismatch = [k for k, v in (("aux_layer_ids", cfg.layers), ("storage_dtype", cfg.storage_dtype))
                     if v is not None and existing.get(k) != v]
-        if existing.get("target", {}).get("config_hash") != info.config_hash:
+        if not info.same_config(existing.get("target", {}).get("config_hash")):
             mismatch.append("target")
         checks.append(Check("output", FAIL if mismatch else PASS,
                             f"{store} exists" + (f" with a different {', '.join(mismatch)}" if mismatch else "; missing shards are computed"),
@@ -158,7 +158,7 @@ def train_checks(cfg: Any) -> list[Check]:
             manifest = read_manifest(Path(cfg.store))
         except EagletError as exc:
             return checks + [Check("store", FAIL, exc.message, "run `eaglet extract` first")]
-        same = manifest["target"]["config_hash"] == info.config_hash and manifest["target"]["tokenizer_hash"] == info.tokenizer_hash
+        same = info.same_config(manifest["target"]["config_hash"]) and manifest["target"]["tokenizer_hash"] == info.tokenizer_hash
         checks.append(Check("store", PASS if same and manifest["complete"] else FAIL,
                             f"{manifest['totals']['tokens']:,} tokens from {manifest['target']['name']}, layers "
                             f"{manifest['aux_layer_ids']} ({manifest['aux_convention']})"
@@ -205,7 +205,7 @@ def eval_checks(cfg: Any) -> list[Check]:
     elif found:
         config = json.loads(draft_config.read_text())
         target = config.get("target") or {}
-        same = target.get("config_hash") in (None, found[1].config_hash)
+        same = target.get("config_hash") is None or found[1].same_config(target.get("config_hash"))
         checks.append(Check("draft", PASS if same else FAIL, f"trained for {target.get('name', '?')}, layers "
                             f"{config.get('eagle_aux_hidden_state_layer_ids')}", "" if same else "pass the draft's --target"))
     checks.append(check_rows([resolve_input(p) for p in cfg.prompts], need_assistant=False))
