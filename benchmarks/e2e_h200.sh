@@ -90,17 +90,21 @@ case "${1:-}" in
   speedup)
     # issue 5's headline: DRAFT (the τ run's) at batch 1 on EVAL_PROMPTS held-out prompts, 128 tokens, graphed
     # fused rounds with the draft's part compiled (eval's GPU default): bf16 chain and trees, float32 tree (exact
-    # lossless check); then the round's parts per tree shape, compiled and eager draft rounds side by side
+    # lossless check); then a round's parts per tree shape (SPEEDUP_TREES, default 8,8,64) and the kernels its graph
+    # replays. SPEEDUP_RUNS: ';'-separated "dtype mode depth [topk budget]" (default below)
     common=(--draft "$DRAFT" --max-prompts "${EVAL_PROMPTS:-16}" --max-new-tokens 128 --cuda-graphs on)
-    for run in "bfloat16 chain 5" "bfloat16 tree 8 8 64" "bfloat16 tree 10 10 96" "float32 tree 8 8 64"; do
+    IFS=';' read -ra runs <<< "${SPEEDUP_RUNS:-float32 tree 8 8 64;bfloat16 tree 8 8 64;bfloat16 chain 5;bfloat16 tree 10 10 96}"
+    for run in "${runs[@]}"; do
       set -- $run
       shape=(--mode "$2" --depth "$3"); [ "$2" = tree ] && shape+=(--topk "$4" --budget "$5")
       name="speedup_${1}_${2}_${3}${4:+_$4_$5}"
       eaglet eval "${common[@]}" --dtype "$1" "${shape[@]}" --out "$WORK/$name" 2>&1 | tail -2
       cp "$WORK/$name/report.json" "$OUT/$name.json"
     done
-    python3 benchmarks/bench_static_round.py --draft "$DRAFT" --dtype bfloat16 --tree 8,8,64 --tree 6,8,48 \
-      --tree 10,10,96 --out "$OUT/static_round_bfloat16.json" 2>&1 | tail -3
+    trees=(); for tree in ${SPEEDUP_TREES:-8,8,64}; do trees+=(--tree "$tree"); done
+    python3 benchmarks/bench_static_round.py --draft "$DRAFT" --dtype bfloat16 "${trees[@]}" --draft-round compiled \
+      --profile --out "$OUT/static_round_bfloat16.json" > "$OUT/static_round_profile.txt" 2>&1
+    grep -E '_ms"|speedup|kernels' "$OUT/static_round_profile.txt"
     ;;
   *) echo "usage: bash benchmarks/e2e_h200.sh demo|evals|round|speedup|train|loss|tau-data|tau-train" >&2; exit 2 ;;
 esac

@@ -23,7 +23,7 @@ import torch
 
 from .engine import DecodeResult, _finish, _sync
 from .static import StaticTarget, cache_too_short, capture
-from .static_draft import StaticDraft
+from .static_draft import StaticDraft, compile_round_part
 from .static_tree import StaticTreeDraft
 
 
@@ -126,25 +126,34 @@ class TreeRounds(_Rounds):
         self._levels = torch.arange(1, depth + 1, device=device)  # [D]
         self._row = torch.arange(depth + 1, device=device)  # [D+1]
         self._root = torch.zeros(1, dtype=torch.long, device=device)
+        # the greedy walk's ~60 small kernels (D passes down the tree) fused when the draft's part is compiled
+        self._accept = compile_round_part(self._walk, draft.compiled)
         self.graph = RoundGraph(device, target.graphs, self._body, [self.target_length, *draft.round_state()])
+
+    def _walk(self, tokens: torch.Tensor, depths: torch.Tensor, parents: torch.Tensor,
+              logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Follow the target's argmax down the tree: (accepted count 0-d, nodes [D+1]: root then the path, 0 past
+        its end; new tokens [D+1]: the path's, then the correction, padded with it)."""
+        choices = logits.argmax(-1)  # [N]: the target's token after each node
+        is_root = torch.arange(len(tokens), device=tokens.device) == 0
+        accepted = is_root
+        for _ in range(self.draft.depth):  # a node is accepted when its parent is and it is the parent's choice
+            accepted = ((tokens == choices[parents]) & accepted[parents]) | is_root
+        count = accepted.sum() - 1  # 0-d: siblings hold distinct tokens, so the accepted nodes form one path
+        at_level = accepted[None, :] & (depths[None, :] == self._levels[:, None])  # [D, N]
+        nodes = torch.cat([self._root, at_level.int().argmax(-1)])  # [D+1]
+        correction = choices.index_select(0, nodes.index_select(0, count.view(1)))  # [1]
+        new_tokens = torch.where(self._row < count, torch.cat([tokens[nodes[1:]], correction]), correction)  # [D+1]
+        return count, nodes, new_tokens
 
     def _body(self) -> torch.Tensor:
         """-> [D+2]: accepted count a, then the path's tokens and the correction (padded with the correction)."""
-        draft, depth = self.draft, self.draft.depth
+        draft = self.draft
         tokens, depths, parents, block = draft.draft_round()  # [N], [N], [N], [N, N]; node 0 is the root
         draft.in_start.add_(draft.in_real_rows)
         start = self.target_length
         logits, aux = self.target.run_block(tokens, depths, block, start)  # [N, V], [N, layers, H]
-        choices = logits.argmax(-1)  # [N]: the target's token after each node
-        is_root = torch.arange(len(tokens), device=tokens.device) == 0
-        accepted = is_root
-        for _ in range(depth):  # a node is accepted when its parent is and it is the parent's choice
-            accepted = ((tokens == choices[parents]) & accepted[parents]) | is_root
-        count = accepted.sum() - 1  # 0-d: siblings hold distinct tokens, so the accepted nodes form one path
-        at_level = accepted[None, :] & (depths[None, :] == self._levels[:, None])  # [D, N]
-        nodes = torch.cat([self._root, at_level.int().argmax(-1)])  # [D+1]: root, then the path (0 past its end)
-        correction = choices.index_select(0, nodes.index_select(0, count.view(1)))  # [1]
-        new_tokens = torch.where(self._row < count, torch.cat([tokens[nodes[1:]], correction]), correction)  # [D+1]
+        count, nodes, new_tokens = self._accept(tokens, depths, parents, logits)
         self.target.move_entries(start + nodes, start + self._row)  # root + path behind the prefix
         self.target_length.add_(count + 1)
         draft.in_tokens.copy_(new_tokens)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import Callable, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,13 @@ from .static import capture
 # round stopped on a device-side "index out of bounds" where its sort indices are used (the tree's per-level
 # sorts of 10 and 100 scores; d8/k8/b64, whose level sorts hold 8 and 64, ran right).
 COMPILE_OPTIONS = {"triton.persistent_reductions": False}
+T = TypeVar("T")
+
+
+def compile_round_part(fn: Callable[..., T], compiled: bool) -> Callable[..., T]:
+    """``fn`` (fixed shapes, no host reads) through torch.compile when ``compiled``: its small kernels fused into a
+    few, which a round's CUDA graph then replays like any other."""
+    return torch.compile(fn, dynamic=False, fullgraph=True, options=COMPILE_OPTIONS) if compiled else fn
 
 
 def compiles_draft_round(compile_draft: str, static: bool, greedy: bool, device: str) -> bool:
@@ -78,10 +86,10 @@ class StaticDraft:
                  spec_slots: int | None = None, compiled: bool = False):
         config = draft.config
         self.draft = draft
+        self.compiled = compiled
         # the round through torch.compile (fixed shapes, one graph): its ~60 small kernels per draft step fused into
         # a few, captured in the round's CUDA graph like any kernel; prompts (any length) stay eager
-        self._draft_round = torch.compile(self._round, dynamic=False, fullgraph=True, options=COMPILE_OPTIONS) \
-            if compiled else self._round
+        self._draft_round = compile_round_part(self._round, compiled)
         self.device = draft.fc.weight.device
         self.dtype = draft.fc.weight.dtype
         self.depth, self.rows, self.max_len = depth, depth + 1, max_len
