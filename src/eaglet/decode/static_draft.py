@@ -59,24 +59,30 @@ def draft_compile_problem(device: str) -> str | None:
 
 
 class _StaticAttention:
-    """One draft layer's static cache; each call writes its keys at ``write_at`` and attends under ``mask``."""
+    """One draft layer's static cache; each call writes its keys at ``write_at`` and attends under ``mask``.
+    ``fold``: the query heads sharing a key head folded into its rows ([1, Hkv, G*T, d], the mask repeated per
+    group). A masked SDPA with ``enable_gqa`` has no fused kernel and runs as float32 math (two float32 GEMMs per
+    draft step on the H200); the folded form takes cuDNN's — for the rounds' fixed shapes only: cuDNN builds a
+    plan per new shape, and prompts of new lengths cost ~50 ms each that way (H200, session 9)."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, write_at: torch.Tensor, mask: torch.Tensor):
-        self.keys, self.values, self.write_at, self.mask = keys, values, write_at, mask
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, write_at: torch.Tensor, mask: torch.Tensor,
+                 fold: bool):
+        self.keys, self.values, self.write_at, self.mask, self.fold = keys, values, write_at, mask, fold
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [Hq, T, d], k/v [Hkv, T, d] -> [Hq, T, d]. The query heads sharing a key head are folded into its
-        rows ([1, Hkv, G*T, d], mask repeated per group): a masked SDPA with ``enable_gqa`` has no fused kernel
-        and ran as float32 math (two float32 GEMMs per draft step on the H200); this form takes cuDNN's."""
+        """q [Hq, T, d], k/v [Hkv, T, d] -> [Hq, T, d]."""
         self.keys.index_copy_(1, self.write_at, k)
         self.values.index_copy_(1, self.write_at, v)
+        if not self.fold:
+            return F.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=self.mask,
+                                                  enable_gqa=q.shape[0] != k.shape[0])
         heads, rows, dim = q.shape
         kv_heads = self.keys.shape[0]
         groups = heads // kv_heads
         mask = self.mask.expand(rows, self.mask.shape[-1]).repeat(groups, 1)  # [G*T, slots]
         out = F.scaled_dot_product_attention(q.reshape(1, kv_heads, groups * rows, dim), self.keys[None],
                                              self.values[None], attn_mask=mask[None, None])
-        return out.view(heads, rows, dim)
+        return out.reshape(heads, rows, dim)  # (the memory-efficient kernel's output is laid out [1, G*T, Hkv, d])
 
 
 class StaticDraft:
@@ -114,21 +120,23 @@ class StaticDraft:
     def reset(self) -> None:
         self.length = 0
 
-    def _attends(self, write_at: torch.Tensor, mask: torch.Tensor) -> list[_StaticAttention]:
-        return [_StaticAttention(k, v, write_at, mask) for k, v in zip(self.keys, self.values)]
+    def _attends(self, write_at: torch.Tensor, mask: torch.Tensor, fold: bool = True) -> list[_StaticAttention]:
+        return [_StaticAttention(k, v, write_at, mask, fold) for k, v in zip(self.keys, self.values)]
 
-    def _extend(self, tokens: torch.Tensor, aux: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _extend(self, tokens: torch.Tensor, aux: torch.Tensor, start: torch.Tensor,
+                fold: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows at positions start.. (causal over the real cache): hidden [n, H], logits [n, Vd]."""
         rows = torch.arange(len(tokens), device=self.device) + start  # [n] positions
         cos, sin = draft_rope(self.draft, rows)
         mask = self._slot[None, :] <= rows[:, None]  # [n, slots]: real keys up to its own position
-        return self.draft.step(tokens, self.draft.fuse(aux.to(self.dtype)), cos, sin, self._attends(rows, mask))
+        return self.draft.step(tokens, self.draft.fuse(aux.to(self.dtype)), cos, sin, self._attends(rows, mask, fold))
 
     @torch.inference_mode()
     def prefill(self, tokens: list[int], aux: torch.Tensor) -> None:
         """The prompt's rows (all but the newest), eagerly: their count varies by prompt."""
         if tokens:
-            self._extend(torch.tensor(tokens, device=self.device), aux, torch.tensor(self.length, device=self.device))
+            self._extend(torch.tensor(tokens, device=self.device), aux, torch.tensor(self.length, device=self.device),
+                         fold=False)
             self.length += len(tokens)
 
     def _extend_round_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
