@@ -91,7 +91,7 @@ case "${1:-}" in
     # issue 5's headline: DRAFT (the τ run's) at batch 1 on EVAL_PROMPTS held-out prompts, 128 tokens, graphed
     # fused rounds with the draft's part compiled (eval's GPU default): bf16 chain and trees, float32 tree (exact
     # lossless check); then a round's parts per tree shape (SPEEDUP_TREES, default 8,8,64) and the kernels its graph
-    # replays. SPEEDUP_RUNS: ';'-separated "dtype mode depth [topk budget]" (default below)
+    # replays (SPEEDUP_BENCH=0 skips it). SPEEDUP_RUNS: ';'-separated "dtype mode depth [topk budget]" (default below)
     common=(--draft "$DRAFT" --max-prompts "${EVAL_PROMPTS:-16}" --max-new-tokens 128 --cuda-graphs on)
     IFS=';' read -ra runs <<< "${SPEEDUP_RUNS:-float32 tree 8 8 64;bfloat16 tree 8 8 64;bfloat16 chain 5;bfloat16 tree 10 10 96}"
     for run in "${runs[@]}"; do
@@ -101,6 +101,7 @@ case "${1:-}" in
       eaglet eval "${common[@]}" --dtype "$1" "${shape[@]}" --out "$WORK/$name" 2>&1 | tail -2
       cp "$WORK/$name/report.json" "$OUT/$name.json"
     done
+    [ "${SPEEDUP_BENCH:-1}" = 0 ] && exit 0  # evals only
     trees=(); for tree in ${SPEEDUP_TREES:-8,8,64}; do trees+=(--tree "$tree"); done
     python3 benchmarks/bench_static_round.py --draft "$DRAFT" --dtype bfloat16 "${trees[@]}" --draft-round compiled \
       --profile --out "$OUT/static_round_bfloat16.json" > "$OUT/static_round_profile.txt" 2>&1
