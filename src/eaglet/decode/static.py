@@ -147,7 +147,7 @@ class StaticTarget:
             else self.model.config
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        dtype = self.model.get_input_embeddings().weight.dtype
+        dtype = self.model.dtype  # the activations' dtype (what the keys are computed in)
         if not hasattr(self.cache, "early_initialization"):
             return None
         self.cache.early_initialization(1, heads, head_dim, dtype, self.device)
