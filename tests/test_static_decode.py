@@ -49,11 +49,16 @@ def test_plain_decoding_equals_the_dynamic_cache(pair):
     assert stopped.tokens == expected.tokens[: expected.tokens.index(stop) + 1]
 
 
-def test_tree_forward_gives_the_dynamic_cache_logits_and_features(pair):
+@pytest.mark.parametrize("one_tensor", [True, False])
+def test_tree_forward_gives_the_dynamic_cache_logits_and_features(pair, one_tensor):
     """A padded tree forward (5 tokens in a bucket of 8) after a prompt, then the accepted path kept and one
-    more token: logits and aux features equal the dynamic cache's at every step."""
+    more token: logits and aux features equal the dynamic cache's at every step — with the layers' entries in one
+    tensor (one gather moves them all) and layer by layer (targets whose layers differ in shape)."""
     target, _ = pair
     dynamic, static = TargetRunner(target, LAYERS), StaticTarget(target, LAYERS, MAX_LEN)
+    assert static._entries is not None
+    if not one_tensor:
+        static._entries = None
     tree = Tree(tokens=[9, 11, 13, 15, 17], parents=[-1, 0, 0, 1, 3], depths=[0, 1, 1, 2, 3])
     for runner in (dynamic, static):
         runner.reset()
