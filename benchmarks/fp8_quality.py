@@ -31,7 +31,7 @@ def main() -> None:
     from eaglet.data.prepared import load_prepared
     from eaglet.extract import run_extract
     from eaglet.layers import default_aux_layer_ids
-    from eaglet.store import decode_features, load_shard, read_manifest
+    from eaglet.store import decode_features, read_manifest, read_shard
     from eaglet.target import load_model, resolve_target
 
     quiet = Console(stderr=True, quiet=True)
@@ -48,7 +48,7 @@ def main() -> None:
                                       max_samples=args.max_samples, reserve_gb=0, dtype="float32"), quiet)
             per_sample = {}
             for entry in read_manifest(store)["shards"]:
-                tensors = load_shard(store / entry["file"])
+                tensors = read_shard(store, entry)
                 aux, last = decode_features(tensors)
                 offsets = tensors["offsets"].tolist()
                 for row, sample in enumerate(tensors["sample_index"].tolist()):

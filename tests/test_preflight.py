@@ -14,7 +14,8 @@ def test_extract_preflight_passes_quickly_as_json(capsys, tmp_path, tiny_prepare
     report = json.loads(stdout)
     assert report["status"] == "pass" and report["seconds"] < 5
     names = [c["name"] for c in report["checks"]]
-    assert names == ["config", "prepared set", "target", "transformers API", "tokenizer", "aux layer ids", "output", "disk", "memory"]
+    assert names == ["config", "device", "prepared set", "target", "transformers API", "tokenizer", "aux layer ids", "output",
+                     "disk", "memory"]
     assert all(set(c) == {"name", "status", "detail", "fix"} for c in report["checks"])
     assert not (tmp_path / "store").exists()
 

@@ -436,8 +436,7 @@ def _preflight(ctx: typer.Context, stage: str, cfg: object, skip: bool) -> None:
         else:
             out_console.print(_checks_table(stage, checks, seconds))
         raise typer.Exit(2 if status == FAIL else 1 if status == WARN and mode.get("strict") else 0)
-    if status == FAIL:
-        err_console.print(_checks_table(stage, checks, seconds))
+    if status == FAIL:  # one line: the first failed check and its fix (`eaglet preflight STAGE ...` lists them all)
         first = next(c for c in checks if c.status == FAIL)
         raise EagletError(f"preflight failed for {stage}: {first.name}: {first.detail}" + (f" ({first.fix})" if first.fix else ""))
     for check in checks:

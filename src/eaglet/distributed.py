@@ -24,9 +24,11 @@ class Dist:
             dist.barrier()
 
     def device(self, requested: str) -> str:
-        """``auto`` -> this rank's GPU (cuda:LOCAL_RANK) when there is one, else cpu."""
+        """``auto`` -> this rank's GPU (cuda:LOCAL_RANK) when there is one, else cpu; anything else checked."""
+        from .target import pick_device
+
         if requested != "auto":
-            return requested
+            return pick_device(requested)
         if torch.cuda.is_available():
             return f"cuda:{self.local_rank}"
         return "cpu"

@@ -282,7 +282,7 @@ def store_identity(config: ExtractConfig, info: Any, layers: tuple[int, ...], pr
 
 
 def _check_resume(store: Path, identity: dict[str, Any], legacy_config_hash: str = "") -> None:
-    existing = read_manifest(store)
+    existing = read_manifest(store, check_shards=False)  # its shard list is rebuilt from the shard records
     for key, value in identity.items():
         was = existing.get(key)
         if key == "prepared" and isinstance(was, dict):  # the same prepared set (by manifest hash), perhaps moved
@@ -335,11 +335,15 @@ def run_extract(config: ExtractConfig, console: Console | None = None, model: to
     model_dtype = str(pick_dtype(config.dtype, device)).replace("torch.", "")
     identity = store_identity(config, info, layers, prepared, tokens_per_shard, model_dtype)
 
+    if store.exists() and not store.is_dir():
+        raise EagletError(f"--out {store}: a file, not a directory; give the store a directory path")
     if (store / MANIFEST_FILE).is_file():
         _check_resume(store, identity, info.legacy_config_hash)
     todo_all = [p for p in plans if read_record(store, p.index) is None and (only_shards is None or p.index in only_shards)]
     mine = [p for p in todo_all if p.index % dist.world == dist.rank]
     _check_disk(store, sum(p.tokens for p in todo_all) * per_token, config.reserve_gb)
+    if mine and model is None:  # before the store is created: a target that cannot load leaves nothing behind
+        model = load_model(resolved.path, device, config.dtype, config.trust_remote_code)
     if dist.is_main:
         store.mkdir(parents=True, exist_ok=True)
         write_json_atomic(store / MANIFEST_FILE, _manifest(store, identity, plans, config))
@@ -348,8 +352,6 @@ def run_extract(config: ExtractConfig, console: Console | None = None, model: to
     started = time.perf_counter()
     stall_s = 0.0
     if mine:
-        if model is None:
-            model = load_model(resolved.path, device, config.dtype, config.trust_remote_code)
         batch_tokens = config.batch_tokens or (GPU_BATCH_TOKENS if device.startswith("cuda") else CPU_BATCH_TOKENS)
         max_shard_tokens = max(p.tokens for p in mine)
         extractor = ShardExtractor(model, layers, config.storage_dtype, batch_tokens, max_shard_tokens)

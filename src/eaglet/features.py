@@ -7,8 +7,6 @@ token budget. So online and offline training share one code path and one data or
 
 from __future__ import annotations
 
-import queue
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol
@@ -20,8 +18,9 @@ from .capture import FeatureCapture
 from .data.prepared import PreparedSet
 from .errors import EagletError
 from .extract import batches_by_length
-from .store import (ShardPlan, check_same_target, decode_features, load_shard, plan_shards, read_manifest,
-                    read_sample_index)
+from .prefetch import prefetched
+from .store import (ShardError, ShardPlan, check_layout, check_same_target, decode_features, plan_shards, read_header,
+                    read_manifest, read_shard, read_tensor)
 
 PREFETCH_SHARDS = 2
 
@@ -96,7 +95,9 @@ def _assemble(pieces: list[tuple[int, dict[str, torch.Tensor]]], token_budget: i
 
 
 class StoreSource:
-    """Streams a store's shards (a prefetch thread reads ahead) in the epoch's order."""
+    """Streams a store's shards (a prefetch thread reads ahead) in the epoch's order. The shard list, each shard's
+    size and tensor layout are checked against the manifest when the source opens (headers only: seconds), and each
+    shard's sha256 as it is read, before anything of it is trained on."""
 
     def __init__(self, store: str | Path, token_budget: int, seed: int = 0, expect_target: dict | None = None):
         self.store = Path(store)
@@ -105,16 +106,38 @@ class StoreSource:
             raise EagletError(f"{store}: extraction incomplete; run the same `eaglet extract` command again to finish it")
         if expect_target is not None:
             check_same_target(self.manifest, expect_target, f"store {store}")
-        self.plans = [ShardPlan(s["index"], read_sample_index(self.store / s["file"]), s["tokens"])
-                      for s in self.manifest["shards"]]
+        self.hidden_size = self.manifest["hidden_size"]
+        self.plans = [ShardPlan(entry["index"], self._sample_index(entry), entry["tokens"])
+                      for entry in self.manifest["shards"]]
         self.by_index = {s["index"]: s for s in self.manifest["shards"]}
         self.token_budget = token_budget
         self.seed = seed
-        self.hidden_size = self.manifest["hidden_size"]
         self.layer_ids = tuple(self.manifest["aux_layer_ids"])
 
+    def _damaged(self, entry: dict, reason: str) -> EagletError:
+        return EagletError(f"{self.store / entry['file']}: {reason}; run `eaglet store verify {self.store} --repair` "
+                           "to re-extract the damaged shards")
+
+    def _sample_index(self, entry: dict) -> tuple[int, ...]:
+        """The shard's samples, read from its header and index tensor (its layout checked on the way)."""
+        path = self.store / entry["file"]
+        try:
+            if path.stat().st_size != entry["bytes"]:
+                raise ShardError(f"size {path.stat().st_size} bytes, the manifest says {entry['bytes']}")
+            check_layout(read_header(path), entry, self.hidden_size)
+            return tuple(read_tensor(path, "sample_index").tolist())
+        except FileNotFoundError:
+            raise self._damaged(entry, "file missing") from None
+        except ShardError as exc:
+            raise self._damaged(entry, str(exc)) from None
+
     def _shard_samples(self, index: int) -> dict[int, dict[str, torch.Tensor]]:
-        tensors = load_shard(self.store / self.by_index[index]["file"])
+        entry = self.by_index[index]
+        try:
+            tensors = read_shard(self.store, entry)
+            check_layout({k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}, entry, self.hidden_size)
+        except ShardError as exc:
+            raise self._damaged(entry, str(exc)) from None
         aux, last = decode_features(tensors, torch.bfloat16 if tensors["aux"].dtype == torch.bfloat16 else torch.float32)
         offsets = tensors["offsets"].tolist()
         samples = {}
@@ -125,17 +148,9 @@ class StoreSource:
         return samples
 
     def _prefetched(self, shards: list[int]) -> Iterator[tuple[int, dict[int, dict[str, torch.Tensor]]]]:
-        """Shards in the given order, read ahead by a background thread."""
-        loaded: queue.Queue = queue.Queue(maxsize=PREFETCH_SHARDS)
-
-        def reader() -> None:
-            for shard in shards:
-                loaded.put((shard, self._shard_samples(shard)))
-            loaded.put(None)
-
-        threading.Thread(target=reader, name="eaglet-shard-prefetch", daemon=True).start()
-        while (item := loaded.get()) is not None:
-            yield item
+        """Shards in the given order, read (and checked) ahead by a background thread; a damaged shard's error is
+        raised here, at that shard."""
+        return prefetched(iter(shards), lambda shard: (shard, self._shard_samples(shard)), PREFETCH_SHARDS)
 
     def batches(self, epoch: int, select: SampleFilter | None = None) -> Iterator[FeatureBatch]:
         order = epoch_order(self.plans, self.seed, epoch, select)

@@ -85,6 +85,11 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
 
+def json_error_text(error: json.JSONDecodeError) -> str:
+    """``Expecting value at column 3``: json's message with its column, read as one phrase."""
+    return f"{error.msg.removesuffix(' at')} at column {error.colno}"
+
+
 def read_json(path: str | Path) -> Any:
     with open(path, encoding="utf-8") as handle:
         return json.load(handle)

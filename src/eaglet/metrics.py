@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .draft import DraftConfig
+from .fsio import write_bytes_atomic
 
 H200_BF16_DENSE_FLOPS = 989.4e12  # the MFU denominator used by every eaglet benchmark
 
@@ -26,10 +27,17 @@ def draft_train_flops_per_token(config: DraftConfig, steps: int, mean_context: f
 
 
 class MetricsLog:
-    def __init__(self, run: Path, enabled: bool, tensorboard: bool = True):
+    """``metrics.jsonl`` of a run. Opened at ``resumed_step`` (the checkpoint a run continues from, 0 for a fresh
+    run), it first drops the rows logged after that step: the resumed run logs those steps again."""
+
+    def __init__(self, run: Path, enabled: bool, tensorboard: bool = True, resumed_step: int = 0):
         self.path = run / "metrics.jsonl"
         self.enabled = enabled
         self.writer = None
+        if enabled and self.path.is_file():
+            kept = [line for line in self.path.read_text(encoding="utf-8").splitlines()
+                    if line.strip() and _step_of(line) <= resumed_step]
+            write_bytes_atomic(self.path, "".join(line + "\n" for line in kept).encode("utf-8"))
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -54,6 +62,14 @@ class MetricsLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def _step_of(line: str) -> float:
+    """The step a metrics row was logged at (a row cut short by a kill counts as after every checkpoint)."""
+    try:
+        return json.loads(line).get("step", float("inf"))
+    except json.JSONDecodeError:
+        return float("inf")
 
 
 def read_metrics(run: Path) -> list[dict[str, Any]]:

@@ -18,16 +18,17 @@ extractor's right-padded batches waste almost nothing on padding, however small 
 
 from __future__ import annotations
 
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
 from .errors import EagletError
-from .fsio import atomic_file, read_json, sha256_file, write_json_atomic
+from .fsio import atomic_file, read_json, write_json_atomic
 
 STORE_SCHEMA = "eaglet.store/2"  # 2: shards hold length-sorted windows, not consecutive rows
 MANIFEST_FILE = "manifest.json"
@@ -140,7 +141,6 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int
     several writer threads run in parallel. Files are read back with the safetensors library.
     Returns (bytes written, sha256 of the file).
     """
-    import hashlib
     import json as _json
 
     names = sorted(tensors)
@@ -184,10 +184,155 @@ def write_shard(store: Path, plan: ShardPlan, tensors: dict[str, torch.Tensor]) 
     return record
 
 
-def read_sample_index(path: Path) -> tuple[int, ...]:
-    """A shard's samples (rows of the prepared set, stored order), read without loading its features."""
-    with safe_open(str(path), framework="pt") as shard:
-        return tuple(shard.get_tensor("sample_index").tolist())
+class ShardError(Exception):
+    """What is wrong with one shard (the caller names the store and the fix)."""
+
+
+SAFETENSORS_TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()} | {"BOOL": torch.bool}
+HEADER_LENGTH_BYTES = 8
+MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
+
+
+def _parse_header(head: bytes, size: int) -> tuple[dict[str, Any], int]:
+    """(the header's tensor entries, where the data starts) of a safetensors file of ``size`` bytes."""
+    import json as _json
+
+    if size < HEADER_LENGTH_BYTES:
+        raise ShardError(f"{size} bytes: too short for a safetensors file")
+    length = int.from_bytes(head[:HEADER_LENGTH_BYTES], "little")
+    if length > MAX_HEADER_BYTES or HEADER_LENGTH_BYTES + length > size:
+        raise ShardError(f"corrupt safetensors header (length {length} of a {size}-byte file)")
+    try:
+        header = _json.loads(bytes(head[HEADER_LENGTH_BYTES : HEADER_LENGTH_BYTES + length]))
+    except (ValueError, UnicodeDecodeError):
+        raise ShardError("corrupt safetensors header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise ShardError("corrupt safetensors header (not a mapping)")
+    header.pop("__metadata__", None)
+    data_start = HEADER_LENGTH_BYTES + length
+    for name, info in header.items():
+        try:
+            begin, end = info["data_offsets"]
+            count = int(np.prod(info["shape"], dtype=np.int64))
+            width = torch.empty((), dtype=SAFETENSORS_TORCH_DTYPES[info["dtype"]]).element_size()
+        except (KeyError, TypeError, ValueError):
+            raise ShardError(f"corrupt safetensors header (tensor {name!r})") from None
+        if not 0 <= begin <= end <= size - data_start or end - begin != count * width:
+            raise ShardError(f"corrupt safetensors header (tensor {name!r} lies outside the file)")
+    return header, data_start
+
+
+def _read_header(handle: Any, size: int) -> tuple[dict[str, Any], int]:
+    head = handle.read(HEADER_LENGTH_BYTES)
+    if len(head) == HEADER_LENGTH_BYTES:
+        head += handle.read(min(int.from_bytes(head, "little"), MAX_HEADER_BYTES))
+    return _parse_header(head, size)
+
+
+def read_header(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """A shard's tensor names, dtypes and shapes, from its header alone (no tensor data read)."""
+    try:
+        with open(path, "rb") as handle:
+            header, _ = _read_header(handle, path.stat().st_size)
+    except FileNotFoundError:
+        raise ShardError("file missing") from None
+    return {name: (SAFETENSORS_TORCH_DTYPES[info["dtype"]], tuple(info["shape"])) for name, info in header.items()}
+
+
+def read_tensor(path: Path, name: str) -> torch.Tensor:
+    """One tensor of a shard, read by its header's offsets (not checksummed: the whole file is, when trained on)."""
+    with open(path, "rb") as handle:
+        header, data_start = _read_header(handle, path.stat().st_size)
+        if name not in header:
+            raise ShardError(f"tensor '{name}' missing")
+        begin, end = header[name]["data_offsets"]
+        handle.seek(data_start + begin)
+        data = bytearray(handle.read(end - begin))
+    dtype = SAFETENSORS_TORCH_DTYPES[header[name]["dtype"]]
+    return torch.frombuffer(data, dtype=dtype).view(tuple(header[name]["shape"])) if data else torch.empty(0, dtype=dtype)
+
+
+READ_CHUNK_BYTES = 4 << 20
+
+
+def read_shard(store: Path, entry: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A shard's tensors, its sha256 computed over the bytes as they are read (one pass, no second read) and
+    checked against the manifest before any tensor is returned. Tensors are views of the one read buffer."""
+    path = store / entry["file"]
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise ShardError("file missing") from None
+    if size != entry["bytes"]:
+        raise ShardError(f"size {size} bytes, the manifest says {entry['bytes']}")
+    buffer = torch.empty(size, dtype=torch.uint8)  # not zero-filled: every byte is read into it
+    view = memoryview(buffer.numpy())
+    digest = hashlib.sha256()
+    # chunk i is hashed on a second thread while chunk i+1 is read (both release the GIL): the check costs
+    # max(read, hash) instead of their sum
+    with open(path, "rb", buffering=0) as handle, ThreadPoolExecutor(max_workers=1) as hasher:
+        position, hashing = 0, None
+        while position < size:
+            read = handle.readinto(view[position : position + READ_CHUNK_BYTES])
+            if not read:
+                raise ShardError(f"file ends at byte {position} of {size}")
+            if hashing is not None:
+                hashing.result()
+            hashing = hasher.submit(digest.update, view[position : position + read])
+            position += read
+        if hashing is not None:
+            hashing.result()
+    if digest.hexdigest() != entry["sha256"]:
+        raise ShardError("sha256 mismatch (the file changed after it was written)")
+    header, data_start = _parse_header(view, size)
+    tensors = {}
+    for name, info in header.items():
+        dtype, shape = SAFETENSORS_TORCH_DTYPES[info["dtype"]], tuple(info["shape"])
+        begin, end = info["data_offsets"]
+        raw = buffer[data_start + begin : data_start + end]
+        if (data_start + begin) % torch.empty((), dtype=dtype).element_size():
+            raw = raw.clone()  # a view must start at a multiple of its element size
+        tensors[name] = raw.view(dtype).view(shape) if end > begin else torch.empty(shape, dtype=dtype)
+    return tensors
+
+
+def expected_tensors(entry: dict[str, Any], hidden_size: int) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """What a shard holding ``entry``'s tokens and samples must contain (None: either storage dtype)."""
+    tokens, samples = entry["tokens"], entry["num_samples"]
+    return {
+        "input_ids": ((tokens,), torch.int32),
+        "loss_mask": ((tokens,), torch.uint8),
+        "offsets": ((samples + 1,), torch.int64),
+        "sample_index": ((samples,), torch.int64),
+        "aux": ((tokens, 3, hidden_size), None),
+        "last": ((tokens, hidden_size), None),
+    }
+
+
+def check_layout(found: dict[str, tuple[torch.dtype, tuple[int, ...]]], entry: dict[str, Any], hidden_size: int) -> None:
+    """The shard holds the tensors its manifest entry says, in the right shapes and dtypes."""
+    for key, (shape, dtype) in expected_tensors(entry, hidden_size).items():
+        if key not in found:
+            raise ShardError(f"tensor '{key}' missing")
+        if tuple(found[key][1]) != shape:
+            raise ShardError(f"tensor '{key}' has shape {tuple(found[key][1])}, the manifest's counts need {shape}")
+        if dtype is not None and found[key][0] != dtype:
+            raise ShardError(f"tensor '{key}' has dtype {found[key][0]}, expected {dtype}")
+
+
+def check_entry(entry: Any, where: str) -> None:
+    """A shard entry (manifest or record) names its own shard by plain file name: nothing outside the store."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("index"), int) or entry["index"] < 0:
+        raise EagletError(f"{where}: a shard entry without a valid index ({str(entry)[:80]}); re-run the same "
+                          "`eaglet extract` command to rebuild the manifest from the shard records")
+    if entry.get("file") != shard_name(entry["index"]):
+        raise EagletError(f"{where}: shard {entry['index']} is listed as {entry.get('file')!r}, not "
+                          f"{shard_name(entry['index'])!r} (shards are plain file names inside the store); re-run "
+                          "the same `eaglet extract` command to rebuild the manifest from the shard records")
+    for key in ("tokens", "num_samples", "bytes"):
+        if not isinstance(entry.get(key), int) or entry[key] < 0:
+            raise EagletError(f"{where}: shard {entry['index']} has no valid '{key}'; re-run the same `eaglet extract` "
+                              "command to rebuild the manifest from the shard records")
 
 
 def read_record(store: Path, index: int) -> dict[str, Any] | None:
@@ -198,30 +343,65 @@ def read_record(store: Path, index: int) -> dict[str, Any] | None:
     try:
         record = read_json(path)
     except ValueError:
-        return None
+        return None  # a record cut short: the shard is computed again
+    check_entry(record, str(path))
     shard = store / record["file"]
     if not shard.is_file() or shard.stat().st_size != record["bytes"]:
         return None
     return record
 
 
-def load_shard(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(path))
-
-
-def read_manifest(store: Path) -> dict[str, Any]:
-    path = Path(store) / MANIFEST_FILE
+def read_manifest(store: Path, check_shards: bool = True) -> dict[str, Any]:
+    """The store's manifest; with ``check_shards`` its shard list is checked too (names, indices, counts)."""
+    store = Path(store)
+    path = store / MANIFEST_FILE
     if not path.is_file():
-        raise EagletError(f"{store}: not a store (no {MANIFEST_FILE}); run `eaglet extract` first")
+        raise EagletError(f"{store}: not a store (no {MANIFEST_FILE}); run `eaglet extract` to make one")
     try:
         manifest = read_json(path)
     except ValueError as exc:
-        raise EagletError(f"{path}: unreadable manifest ({exc})") from None
-    if manifest.get("schema") != STORE_SCHEMA:
-        raise EagletError(f"{path}: schema {manifest.get('schema')!r}, this eaglet reads {STORE_SCHEMA!r}")
+        raise EagletError(f"{path}: unreadable manifest ({exc}); re-run the same `eaglet extract` command to "
+                          "rewrite it") from None
+    if not isinstance(manifest, dict) or manifest.get("schema") != STORE_SCHEMA:
+        found = manifest.get("schema") if isinstance(manifest, dict) else type(manifest).__name__
+        raise EagletError(f"{path}: schema {found!r}, this eaglet reads {STORE_SCHEMA!r}; extract the store again")
+    if check_shards:
+        check_shard_list(path, manifest)
     return manifest
+
+
+def check_shard_list(path: Path, manifest: dict[str, Any]) -> None:
+    """Entries name their own shards, each once, inside the plan; totals and completeness agree with them."""
+    shards = manifest.get("shards")
+    planned = manifest.get("num_shards")
+    if not isinstance(shards, list) or not isinstance(planned, int):
+        raise EagletError(f"{path}: no shard list; re-run the same `eaglet extract` command to rebuild it")
+    seen: set[int] = set()
+    for entry in shards:
+        check_entry(entry, str(path))
+        if entry["index"] in seen or entry["index"] >= planned:
+            raise EagletError(f"{path}: shard {entry['index']} listed twice or beyond the {planned} planned; re-run the "
+                              "same `eaglet extract` command to rebuild the manifest from the shard records")
+        seen.add(entry["index"])
+    totals = manifest.get("totals", {})
+    for key, field in (("samples", "num_samples"), ("tokens", "tokens"), ("bytes", "bytes")):
+        listed = sum(entry[field] for entry in shards)
+        if totals.get(key) != listed:
+            raise EagletError(f"{path}: totals say {totals.get(key)} {key}, its shard list holds {listed}; re-run the "
+                              "same `eaglet extract` command to rebuild the manifest from the shard records")
+    if manifest.get("complete") and len(seen) != planned:
+        raise EagletError(f"{path}: marked complete but lists {len(seen)} of {planned} shards; re-run the same "
+                          "`eaglet extract` command to finish the store and rebuild its manifest")
+
+
+def check_store_counts(store: Path, manifest: dict[str, Any], prepared: Any) -> None:
+    """A complete store holds exactly the samples and tokens of the prepared set it was extracted from."""
+    samples = manifest["prepared"]["samples"]
+    expected = {"samples": samples, "tokens": int(prepared.lengths[:samples].sum())}
+    for key, value in expected.items():
+        if manifest["totals"][key] != value:
+            raise EagletError(f"{store / MANIFEST_FILE}: holds {manifest['totals'][key]:,} {key}, its prepared set "
+                              f"{prepared.path} has {value:,}; the store does not match its prepared set: re-extract it")
 
 
 def prepared_path(store: Path, manifest: dict[str, Any]) -> Path:
@@ -249,35 +429,13 @@ def check_same_target(store_manifest: dict[str, Any], target: dict[str, Any], wh
 def verify_shard(store: Path, entry: dict[str, Any], hidden_size: int, prepared: Any | None,
                  plan: ShardPlan | None = None) -> str | None:
     """None if the shard is sound, else what is wrong with it (``plan``: the samples it must hold)."""
-    path = store / entry["file"]
-    if not path.is_file():
-        return "file missing"
-    if path.stat().st_size != entry["bytes"]:
-        return f"size {path.stat().st_size} bytes, manifest says {entry['bytes']}"
-    if sha256_file(path) != entry["sha256"]:
-        return "sha256 mismatch (the file changed after it was written)"
     try:
-        tensors = load_shard(path)
-    except Exception as exc:  # a corrupt header
-        return f"unreadable safetensors ({str(exc).splitlines()[0]})"
-    tokens, samples = entry["tokens"], entry["num_samples"]
-    expected = {
-        "input_ids": ((tokens,), torch.int32),
-        "loss_mask": ((tokens,), torch.uint8),
-        "offsets": ((samples + 1,), torch.int64),
-        "sample_index": ((samples,), torch.int64),
-        "aux": ((tokens, 3, hidden_size), None),
-        "last": ((tokens, hidden_size), None),
-    }
-    for key, (shape, dtype) in expected.items():
-        if key not in tensors:
-            return f"tensor '{key}' missing"
-        if tuple(tensors[key].shape) != shape:
-            return f"tensor '{key}' has shape {tuple(tensors[key].shape)}, expected {shape}"
-        if dtype is not None and tensors[key].dtype != dtype:
-            return f"tensor '{key}' has dtype {tensors[key].dtype}, expected {dtype}"
+        tensors = read_shard(store, entry)
+        check_layout({k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}, entry, hidden_size)
+    except ShardError as exc:
+        return str(exc)
     offsets = tensors["offsets"]
-    if offsets[0] != 0 or offsets[-1] != tokens or bool((offsets[1:] < offsets[:-1]).any()):
+    if offsets[0] != 0 or offsets[-1] != entry["tokens"] or bool((offsets[1:] < offsets[:-1]).any()):
         return "offsets are not a valid packing of the tokens"
     if plan is not None and tensors["sample_index"].tolist() != list(plan.samples):
         return "sample_index does not match the shard's planned samples"

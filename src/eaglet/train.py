@@ -34,7 +34,7 @@ from .layers import default_aux_layer_ids
 from .parallel import Parallel
 from .metrics import H200_BF16_DENSE_FLOPS, MetricsLog, draft_train_flops_per_token, plot_run
 from .progress import progress_bar
-from .store import ShardPlan, check_same_target, prepared_path, read_manifest
+from .store import ShardPlan, check_same_target, check_store_counts, prepared_path, read_manifest
 from .target import load_head_weights, load_model, load_tokenizer, read_config, resolve_target, target_info
 from .loss import TeacherHead
 from .prefetch import prefetched
@@ -88,6 +88,8 @@ def _setup(config: TrainConfig, device: str) -> Setup:
         prepared = load_prepared(prepared_path(Path(config.store), manifest))
         if prepared.manifest_sha256 != manifest["prepared"]["manifest_sha256"]:
             raise EagletError(f"{config.store}: its prepared set {prepared.path} changed since extraction; re-extract")
+        check_store_counts(Path(config.store), manifest, prepared)
+        vocab = DraftVocab.load(config.draft_vocab_file or prepared.vocab_path)
         source = StoreSource(config.store, config.token_budget, config.seed)
         plans = source.plans
         layer_ids = tuple(manifest["aux_layer_ids"])
@@ -98,12 +100,12 @@ def _setup(config: TrainConfig, device: str) -> Setup:
                 f"{config.prepared}: prepared with the tokenizer of {prepared.manifest['target']['name']}, not "
                 f"{info.name}'s; prepare again with --target {config.target}"
             )
+        vocab = DraftVocab.load(config.draft_vocab_file or prepared.vocab_path)  # before the target loads
         layer_ids = default_aux_layer_ids(info.num_layers)
         model = load_model(resolved.path, device, "auto", config.trust_remote_code)
         source = LiveSource(prepared, model, layer_ids, config.token_budget, config.online_chunk_tokens, config.seed,
                             config.online_forward_tokens)
         plans = source.plans
-    vocab = DraftVocab.load(config.draft_vocab_file or prepared.vocab_path)
     eval_source = None
     if config.eval_store is not None:
         eval_manifest = read_manifest(Path(config.eval_store))
@@ -333,7 +335,7 @@ def run_train(config: TrainConfig, console: Console | None = None) -> TrainResul
     if dist.is_main:
         write_json_atomic(run / "train_config.json", {"config": config.model_dump(), "identity": setup.identity,
                                                       "total_steps": total_steps, "eaglet_version": __version__})
-    metrics = MetricsLog(run, dist.is_main)
+    metrics = MetricsLog(run, dist.is_main, resumed_step=state.step)
     mean_context = float(np.mean(np.minimum(setup.lengths, config.token_budget))) / 2
     flops_per_token = draft_train_flops_per_token(draft_config, config.ttt_steps, mean_context,
                                                   head_trainable=not config.freeze_lm_head)

@@ -1,4 +1,9 @@
-"""Read a prepared set (the output of `eaglet prepare`) as flat numpy arrays, without per-row Python objects."""
+"""Read a prepared set (the output of `eaglet prepare`) as flat numpy arrays, without per-row Python objects.
+
+Opening one checks it the way every later stage relies on: the manifest is eaglet's, the samples file is the one
+the manifest hashed, every row's loss mask is as long as its ids, ids lie inside the target's vocabulary and mask
+values are 0 or 1. A set that fails is refused with the file, the row and the fix, before any model loads.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import EagletError
-from ..fsio import read_json, sha256_file
+from ..fsio import json_error_text, sha256_file
 from .prepare import MANIFEST_FILE, PREPARED_SCHEMA, SAMPLES_FILE, VOCAB_FILE
+
+REQUIRED_COLUMNS = {"id": pa.string(), "input_ids": pa.list_(pa.int32()), "loss_mask": pa.list_(pa.uint8())}
+PREPARE_AGAIN = "run `eaglet prepare` again to rewrite it"
 
 
 @dataclass
@@ -45,30 +54,89 @@ class PreparedSet:
         return self.path / VOCAB_FILE
 
 
-def load_prepared(path: str | Path, max_samples: int | None = None) -> PreparedSet:
-    path = Path(path)
+def read_prepared_manifest(path: Path) -> dict[str, Any]:
+    """The prepared set's manifest, refused in one line when it is missing, not JSON or not eaglet's."""
+    import json
+
     manifest_path = path / MANIFEST_FILE
-    if not manifest_path.is_file():
-        raise EagletError(f"{path}: not a prepared set (no {MANIFEST_FILE}); run `eaglet prepare` first")
-    manifest = read_json(manifest_path)
-    if manifest.get("schema") != PREPARED_SCHEMA:
-        raise EagletError(f"{manifest_path}: schema {manifest.get('schema')!r}, expected {PREPARED_SCHEMA!r}")
+    if not path.is_dir() or not manifest_path.is_file():
+        raise EagletError(f"{path}: not a prepared set (no {MANIFEST_FILE}); run `eaglet prepare` to make one")
     try:
-        table = pq.read_table(path / SAMPLES_FILE)
-    except Exception as exc:
-        raise EagletError(f"{path / SAMPLES_FILE}: unreadable ({str(exc).splitlines()[0]})") from None
-    if max_samples is not None:
-        table = table.slice(0, max_samples)
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise EagletError(f"{manifest_path}:{exc.lineno}: not valid JSON ({json_error_text(exc)}); {PREPARE_AGAIN}") from None
+    except UnicodeDecodeError:
+        raise EagletError(f"{manifest_path}: not UTF-8 text; {PREPARE_AGAIN}") from None
+    if not isinstance(manifest, dict) or manifest.get("schema") != PREPARED_SCHEMA:
+        found = manifest.get("schema") if isinstance(manifest, dict) else type(manifest).__name__
+        raise EagletError(f"{manifest_path}: schema {found!r}, expected {PREPARED_SCHEMA!r}; {PREPARE_AGAIN}")
+    for key in ("target", "files"):
+        if not isinstance(manifest.get(key), dict):
+            raise EagletError(f"{manifest_path}: no '{key}' section; {PREPARE_AGAIN}")
+    return manifest
+
+
+def _check_rows(samples: Path, table: pa.Table, vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, mask, offsets) of the table, each row checked: equal lengths, ids in the vocabulary, 0/1 masks."""
+    for name, kind in REQUIRED_COLUMNS.items():
+        if name not in table.column_names:
+            raise EagletError(f"{samples}: no '{name}' column (not written by `eaglet prepare`); {PREPARE_AGAIN}")
+        if table.schema.field(name).type != kind:
+            raise EagletError(f"{samples}: column '{name}' is {table.schema.field(name).type}, expected {kind}; "
+                              f"{PREPARE_AGAIN}")
     ids_column = table.column("input_ids").combine_chunks()
     mask_column = table.column("loss_mask").combine_chunks()
+    if ids_column.null_count or mask_column.null_count:
+        row = int(np.flatnonzero(np.asarray(ids_column.is_null()) | np.asarray(mask_column.is_null()))[0])
+        raise EagletError(f"{samples}: row {row}: null ids or loss mask; {PREPARE_AGAIN}")
     offsets = np.asarray(ids_column.offsets, dtype=np.int64)
-    offsets = offsets - offsets[0]
+    mask_offsets = np.asarray(mask_column.offsets, dtype=np.int64)
+    offsets, mask_offsets = offsets - offsets[0], mask_offsets - mask_offsets[0]
+    if not np.array_equal(offsets, mask_offsets):
+        row = int(np.flatnonzero(np.diff(offsets) != np.diff(mask_offsets))[0])
+        raise EagletError(f"{samples}: row {row}: loss_mask has {int(mask_offsets[row + 1] - mask_offsets[row])} entries "
+                          f"for {int(offsets[row + 1] - offsets[row])} tokens; {PREPARE_AGAIN}")
+    tokens = np.asarray(ids_column.flatten(), dtype=np.int32)
+    mask = np.asarray(mask_column.flatten(), dtype=np.uint8)
+    bad = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))
+    if len(bad):
+        row = int(np.searchsorted(offsets, bad[0], side="right")) - 1
+        raise EagletError(f"{samples}: row {row}: token id {int(tokens[bad[0]])} outside the target's vocabulary "
+                          f"(0..{vocab_size - 1}); {PREPARE_AGAIN}")
+    if len(mask) and int(mask.max()) > 1:
+        row = int(np.searchsorted(offsets, int(np.argmax(mask > 1)), side="right")) - 1
+        raise EagletError(f"{samples}: row {row}: loss mask values other than 0 and 1; {PREPARE_AGAIN}")
+    if len(offsets) < 2:
+        raise EagletError(f"{samples}: no samples; {PREPARE_AGAIN}")
+    return tokens, mask, offsets
+
+
+def load_prepared(path: str | Path, max_samples: int | None = None) -> PreparedSet:
+    path = Path(path)
+    manifest = read_prepared_manifest(path)
+    samples = path / SAMPLES_FILE
+    if not samples.is_file():
+        raise EagletError(f"{path}: no {SAMPLES_FILE}; {PREPARE_AGAIN}")
+    recorded = manifest["files"].get(SAMPLES_FILE)
+    if recorded is not None and sha256_file(samples) != recorded:
+        raise EagletError(f"{samples}: changed since `eaglet prepare` wrote it (sha256 differs from the manifest's); "
+                          f"{PREPARE_AGAIN}")
+    try:
+        table = pq.read_table(samples)
+    except Exception as exc:  # pyarrow's errors for a damaged file
+        raise EagletError(f"{samples}: unreadable ({str(exc).splitlines()[0]}); {PREPARE_AGAIN}") from None
+    if max_samples is not None:
+        table = table.slice(0, max_samples)
+    vocab_size = manifest["target"].get("vocab_size")
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise EagletError(f"{path / MANIFEST_FILE}: no target vocab_size; {PREPARE_AGAIN}")
+    tokens, mask, offsets = _check_rows(samples, table, vocab_size)
     return PreparedSet(
         path=path,
         manifest=manifest,
-        manifest_sha256=sha256_file(manifest_path),
+        manifest_sha256=sha256_file(path / MANIFEST_FILE),
         ids=table.column("id").to_pylist(),
-        tokens=np.asarray(ids_column.flatten(), dtype=np.int32),
-        mask=np.asarray(mask_column.flatten(), dtype=np.uint8),
+        tokens=tokens,
+        mask=mask,
         offsets=offsets,
     )

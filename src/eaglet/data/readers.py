@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import EagletError
+from ..fsio import json_error_text
 
 ROLE_ALIASES = {
     "human": "user",
@@ -194,7 +195,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any | BadRow]]:
             try:
                 yield where, json.loads(text)
             except json.JSONDecodeError as exc:
-                yield where, BadRow(where, f"invalid JSON ({exc.msg} at column {exc.colno})")
+                yield where, BadRow(where, f"invalid JSON ({json_error_text(exc)})")
 
 
 def _json_rows(path: Path) -> Iterator[tuple[str, Any | BadRow]]:
@@ -205,7 +206,7 @@ def _json_rows(path: Path) -> Iterator[tuple[str, Any | BadRow]]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise EagletError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+        raise EagletError(f"{path}:{exc.lineno}: invalid JSON ({json_error_text(exc)})") from None
     if isinstance(data, dict) and isinstance(data.get("data"), list):
         data = data["data"]
     if not isinstance(data, list):

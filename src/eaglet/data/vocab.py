@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..config import DEFAULT_DRAFT_VOCAB_CAP
+from ..errors import EagletError
 
 
 @dataclass
@@ -40,12 +41,26 @@ class DraftVocab:
 
     @classmethod
     def load(cls, path: str | Path) -> "DraftVocab":
+        """The vocabulary `eaglet prepare` wrote (or ``--set draft_vocab_file``), refused in one line when it is
+        missing or not one: the sizes and the mapping must agree."""
         from safetensors.torch import load_file
 
-        tensors = load_file(str(path))
-        counts = tensors["counts"].numpy()
-        t2d = tensors["t2d"].numpy()
-        return cls(tensors["d2t"].numpy(), t2d, counts, coverage_of(counts, t2d))
+        path = Path(path)
+        fix = "prepare again, or pass --set draft_vocab_file=PATH"
+        if not path.is_file():
+            raise EagletError(f"{path}: no draft vocabulary here; {fix}")
+        try:
+            tensors = load_file(str(path))
+        except Exception as exc:  # safetensors' own error for a damaged file
+            raise EagletError(f"{path}: unreadable ({str(exc).splitlines()[0]}); {fix}") from None
+        if not {"d2t", "t2d", "counts"} <= set(tensors):
+            raise EagletError(f"{path}: needs tensors d2t, t2d and counts, has {sorted(tensors)}; {fix}")
+        d2t, t2d, counts = tensors["d2t"].numpy(), tensors["t2d"].numpy().astype(bool), tensors["counts"].numpy()
+        used = np.arange(len(d2t)) + d2t
+        if len(t2d) != len(counts) or int(t2d.sum()) != len(d2t) or len(used) and (
+                used.min() < 0 or used.max() >= len(t2d) or not t2d[used].all()):
+            raise EagletError(f"{path}: d2t and t2d do not describe the same {len(d2t)}-token vocabulary; {fix}")
+        return cls(d2t, t2d, counts, coverage_of(counts, t2d))
 
 
 def default_draft_vocab_size(target_vocab: int) -> int:

@@ -40,7 +40,7 @@ def guarded(name: str, fn: Callable[[], Check | list[Check]]) -> list[Check]:
     try:
         result = fn()
     except EagletError as exc:
-        return [Check(name, FAIL, exc.message, "see the message")]
+        return [Check(name, FAIL, exc.message)]  # eaglet's errors carry their fix
     return result if isinstance(result, list) else [result]
 
 
@@ -78,7 +78,7 @@ def check_target(spec: str, need_template: bool, trust_remote_code: bool = False
         resolved = resolve_target(spec, trust_remote_code)
         info = target_info(resolved, load_tokenizer(resolved.path, trust_remote_code))
     except EagletError as exc:
-        return [Check("target", FAIL, exc.message, "pass --target embedded, an HF directory, a .gguf file or a hub id")], None
+        return [Check("target", FAIL, exc.message)], None
     checks = [Check("target", PASS, f"{info.name}: {info.architecture}, {info.num_layers} layers, hidden {info.hidden_size}, "
                                     f"vocab {info.vocab_size:,}, {info.num_parameters:,} parameters")]
     if need_template:
@@ -86,6 +86,16 @@ def check_target(spec: str, need_template: bool, trust_remote_code: bool = False
                       Check("chat template", FAIL, "the target has no chat template",
                             "pass --chat-template FILE.jinja with the template it is served with"))
     return checks, (resolved, info)
+
+
+def check_device(requested: str) -> Check:
+    """The device exists for this torch (a CPU build has no cuda; tpu is not one eaglet runs on)."""
+    from ..target import pick_device
+
+    try:
+        return Check("device", PASS, pick_device(requested))
+    except EagletError as exc:
+        return Check("device", FAIL, exc.message)
 
 
 def check_layers(layers: list[int] | None, num_layers: int) -> Check:
@@ -114,7 +124,7 @@ def check_rows(paths: Iterable[str], need_assistant: bool, skip_bad: bool = Fals
             if checked >= DATA_ROWS_CHECKED:
                 break
     except EagletError as exc:
-        return Check("data", FAIL, exc.message, "check the input paths")
+        return Check("data", FAIL, exc.message)
     return Check("data", PASS, f"first {checked} rows parse")
 
 

@@ -15,6 +15,7 @@ from .checks import (
     WARN,
     ACTIVATION_FACTOR,
     Check,
+    check_device,
     check_disk,
     check_library_api,
     check_layers,
@@ -86,6 +87,9 @@ def regenerate_checks(cfg: Any) -> list[Check]:
     if cfg.backend == "openai":
         checks.append(check_server(cfg.base_url))
     if cfg.backend == "hf":
+        checks.append(check_device(cfg.device))
+        if checks[-1].status == FAIL:
+            return checks
         target_checks, found = check_target(cfg.target, need_template=True, trust_remote_code=cfg.trust_remote_code)
         checks += target_checks
         if found:
@@ -102,11 +106,13 @@ def extract_checks(cfg: Any) -> list[Check]:
     from ..data.prepared import load_prepared
     from ..store import bytes_per_token
 
-    checks = [Check("config", PASS, "valid")]
+    checks = [Check("config", PASS, "valid"), check_device(cfg.device)]
+    if checks[-1].status == FAIL:
+        return checks
     try:
         prepared = load_prepared(cfg.prepared, cfg.max_samples)
     except EagletError as exc:
-        return checks + [Check("prepared set", FAIL, exc.message, "run `eaglet prepare` first")]
+        return checks + [Check("prepared set", FAIL, exc.message)]
     checks.append(Check("prepared set", PASS, f"{len(prepared):,} samples, {int(prepared.lengths.sum()):,} tokens"))
     target_checks, found = check_target(cfg.target, need_template=False, trust_remote_code=cfg.trust_remote_code)
     checks += target_checks
@@ -145,7 +151,9 @@ def train_checks(cfg: Any) -> list[Check]:
     from ..data.prepared import load_prepared
     from ..store import prepared_path, read_manifest
 
-    checks = [Check("config", PASS, "valid")]
+    checks = [Check("config", PASS, "valid"), check_device(cfg.device)]
+    if checks[-1].status == FAIL:
+        return checks
     if (cfg.store is None) == (cfg.prepared is None):
         return checks + [Check("input", FAIL, "needs exactly one of --store and --prepared", "offline: --store; online: --prepared")]
     target_checks, found = check_target(cfg.target, need_template=False, trust_remote_code=cfg.trust_remote_code)
@@ -157,7 +165,7 @@ def train_checks(cfg: Any) -> list[Check]:
         try:
             manifest = read_manifest(Path(cfg.store))
         except EagletError as exc:
-            return checks + [Check("store", FAIL, exc.message, "run `eaglet extract` first")]
+            return checks + [Check("store", FAIL, exc.message)]
         same = info.same_config(manifest["target"]["config_hash"]) and manifest["target"]["tokenizer_hash"] == info.tokenizer_hash
         checks.append(Check("store", PASS if same and manifest["complete"] else FAIL,
                             f"{manifest['totals']['tokens']:,} tokens from {manifest['target']['name']}, layers "
@@ -166,18 +174,20 @@ def train_checks(cfg: Any) -> list[Check]:
                             "" if same and manifest["complete"] else
                             ("extract with this --target" if not same else "rerun the same `eaglet extract` to finish it")))
         prepared_dir = prepared_path(Path(cfg.store), manifest)
-        vocab_ok = (prepared_dir / "vocab.safetensors").is_file() or cfg.draft_vocab_file
-        checks.append(Check("draft vocab", PASS if vocab_ok else FAIL, str(prepared_dir / "vocab.safetensors"),
-                            "" if vocab_ok else "the store's prepared set moved: pass --set draft_vocab_file=PATH"))
     else:
         try:
             prepared = load_prepared(cfg.prepared)
         except EagletError as exc:
-            return checks + [Check("prepared set", FAIL, exc.message, "run `eaglet prepare` first")]
+            return checks + [Check("prepared set", FAIL, exc.message)]
         same = prepared.manifest["target"]["tokenizer_hash"] == info.tokenizer_hash
         checks.append(Check("prepared set", PASS if same else FAIL, f"{len(prepared):,} samples",
                             "" if same else "prepare again with this --target"))
         checks.append(check_library_api())  # online: the target is loaded and driven through transformers
+        prepared_dir = Path(cfg.prepared)
+    vocab_file = Path(cfg.draft_vocab_file or prepared_dir / "vocab.safetensors")
+    checks.append(Check("draft vocab", PASS, str(vocab_file)) if vocab_file.is_file() else Check(
+        "draft vocab", FAIL, f"{vocab_file}: no draft vocabulary here",
+        "prepare again (or pass --set draft_vocab_file=PATH when the prepared set moved)"))
     checks.append(check_output_dir(Path(cfg.out), overwrite=False, resumable=True))
     # draft parameters ~ fc (3H^2) + one decoder layer (~12H^2) + lm_head (H x Vd)
     draft_params = 15 * info.hidden_size**2 + info.hidden_size * min(32000, info.vocab_size)
@@ -194,7 +204,9 @@ def train_checks(cfg: Any) -> list[Check]:
 def eval_checks(cfg: Any) -> list[Check]:
     from ..resources import resolve_input
 
-    checks = [Check("config", PASS, "valid")]
+    checks = [Check("config", PASS, "valid"), check_device(cfg.device)]
+    if checks[-1].status == FAIL:
+        return checks
     target_checks, found = check_target(cfg.target, need_template=True, trust_remote_code=cfg.trust_remote_code)
     checks += target_checks
     draft_config = Path(cfg.draft) / "eaglet_draft.json"

@@ -1,0 +1,30 @@
+"""What every reliability test asserts of a refused input: one `error:` line naming the file and the fix, exit
+code 2, no traceback, and the output left as it was."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+
+def tree_digest(path: Path) -> dict[str, str] | None:
+    """Every file under ``path`` (relative name -> sha256), None when ``path`` does not exist."""
+    if not path.exists():
+        return None
+    if path.is_file():
+        return {path.name: hashlib.sha256(path.read_bytes()).hexdigest()}
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def assert_refused(result: tuple[int, str, str], *fragments: str) -> str:
+    """``result`` from ``run_cli``: exit 2 and one error line, the last (after any progress bar), holding every
+    fragment; no traceback."""
+    code, _, err = result
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert code == 2, err
+    assert "Traceback" not in err and lines and lines[-1].startswith("error:"), err
+    assert sum(line.startswith("error:") for line in lines) == 1, err
+    for fragment in fragments:
+        assert fragment in lines[-1], (fragment, lines[-1])
+    return lines[-1]

@@ -1,0 +1,128 @@
+"""Prepared sets damaged after `eaglet prepare`, wrong devices, wrong paths and broken targets: each refused in one
+line naming the file (or option) and the fix, before any model loads, writing nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import extract_args, run_cli, tiny_llama_dir
+from helpers import assert_refused, tree_digest
+
+PREPARE_AGAIN = "run `eaglet prepare` again"
+
+
+@pytest.fixture
+def prepared(tmp_path, tiny_prepared) -> Path:
+    copy = tmp_path / "prepared"
+    shutil.copytree(tiny_prepared, copy)
+    return copy
+
+
+def rewrite_samples(prepared: Path, table: pa.Table, keep_hash: bool = True) -> None:
+    """Replace samples.parquet; ``keep_hash``: record its sha256 in the manifest, as if prepare had written it
+    (so the row checks, not the checksum, are what refuses it)."""
+    pq.write_table(table, prepared / "samples.parquet")
+    if keep_hash:
+        manifest = json.loads((prepared / "manifest.json").read_text())
+        manifest["files"]["samples.parquet"] = hashlib.sha256((prepared / "samples.parquet").read_bytes()).hexdigest()
+        (prepared / "manifest.json").write_text(json.dumps(manifest))
+
+
+def refused_by_extract(tmp_path, prepared, target, capsys, *fragments) -> str:
+    store = tmp_path / "store"
+    before = tree_digest(prepared)
+    line = assert_refused(run_cli(extract_args(prepared, store, target), capsys), *fragments)
+    assert not store.exists() and tree_digest(prepared) == before
+    return line
+
+
+@pytest.mark.parametrize("text,message", [("", "manifest.json:1: not valid JSON (Expecting value at column 1)"),
+                                          ('{"schema": "eaglet.prepared/1", "target":', "not valid JSON"),
+                                          ("[]", "schema 'list'"),
+                                          ('{"schema": "eaglet.prepared/0"}', "schema 'eaglet.prepared/0'")])
+def test_a_broken_manifest(tmp_path, capsys, prepared, tiny_target, text, message):
+    (prepared / "manifest.json").write_text(text)
+    line = refused_by_extract(tmp_path, prepared, tiny_target, capsys, str(prepared / "manifest.json"), message, PREPARE_AGAIN)
+    assert "at at" not in line
+
+
+def test_samples_changed_after_prepare(tmp_path, capsys, prepared, tiny_target):
+    table = pq.read_table(prepared / "samples.parquet")
+    rewrite_samples(prepared, table.slice(0, len(table) - 1), keep_hash=False)
+    refused_by_extract(tmp_path, prepared, tiny_target, capsys, "samples.parquet", "sha256 differs", PREPARE_AGAIN)
+
+
+def test_no_input_ids_column(tmp_path, capsys, prepared, tiny_target):
+    table = pq.read_table(prepared / "samples.parquet")
+    rewrite_samples(prepared, table.drop(["input_ids"]))
+    refused_by_extract(tmp_path, prepared, tiny_target, capsys, "samples.parquet", "no 'input_ids' column", PREPARE_AGAIN)
+
+
+def test_a_loss_mask_shorter_than_its_ids(tmp_path, capsys, prepared, tiny_target):
+    """Extracted as it was, every later sample's mask would have been shifted by one."""
+    table = pq.read_table(prepared / "samples.parquet")
+    masks = table.column("loss_mask").to_pylist()
+    masks[3] = masks[3][:-1]
+    rewrite_samples(prepared, table.set_column(2, "loss_mask", pa.array(masks, type=pa.list_(pa.uint8()))))
+    refused_by_extract(tmp_path, prepared, tiny_target, capsys, "samples.parquet", "row 3: loss_mask has", PREPARE_AGAIN)
+
+
+def test_a_token_id_beyond_the_vocabulary(tmp_path, capsys, prepared, tiny_target):
+    table = pq.read_table(prepared / "samples.parquet")
+    ids = table.column("input_ids").to_pylist()
+    vocab = json.loads((prepared / "manifest.json").read_text())["target"]["vocab_size"]
+    ids[5][2] = vocab + 17
+    rewrite_samples(prepared, table.set_column(1, "input_ids", pa.array(ids, type=pa.list_(pa.int32()))))
+    refused_by_extract(tmp_path, prepared, tiny_target, capsys, "row 5: token id", f"(0..{vocab - 1})", PREPARE_AGAIN)
+
+
+def test_online_training_without_the_draft_vocabulary(tmp_path, capsys, prepared, tiny_target):
+    (prepared / "vocab.safetensors").unlink()
+    out = tmp_path / "run"
+    result = run_cli(["train", "--prepared", prepared, "--out", out, "--target", tiny_target, "--max-steps", "2"], capsys)
+    assert_refused(result, "vocab.safetensors: no draft vocabulary here", "prepare again")
+    assert not out.exists()
+    result = run_cli(["train", "--prepared", prepared, "--out", out, "--target", tiny_target, "--max-steps", "2",
+                      "--skip-preflight"], capsys)  # the stage itself refuses too, before the target loads
+    assert_refused(result, "vocab.safetensors: no draft vocabulary here")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("device,message", [("tpu:7", "not a device"), ("cuda:0", "CUDA is not available here"),
+                                            ("meta", "eaglet runs on cpu or cuda")])
+def test_a_device_this_torch_does_not_have(tmp_path, capsys, tiny_prepared, tiny_store, tiny_target, device, message):
+    import torch
+
+    if torch.cuda.is_available() and device == "cuda:0":
+        pytest.skip("this machine has CUDA")
+    store, run = tmp_path / "store", tmp_path / "run"
+    for skip in ((), ("--skip-preflight",)):  # the preflight and the stage itself both refuse
+        assert_refused(run_cli(extract_args(tiny_prepared, store, tiny_target, "--device", device, *skip), capsys),
+                       f"--device {device}", message)
+        assert_refused(run_cli(["train", "--store", tiny_store, "--out", run, "--target", tiny_target, "--device", device,
+                                *skip], capsys), f"--device {device}", message)
+        assert not store.exists() and not run.exists()
+
+
+def test_extract_into_a_file(tmp_path, capsys, tiny_prepared, tiny_target):
+    out = tmp_path / "store"
+    out.write_text("not a store")
+    for skip in ((), ("--skip-preflight",)):
+        assert_refused(run_cli(extract_args(tiny_prepared, out, tiny_target, *skip), capsys), str(out), "not a directory")
+        assert out.read_text() == "not a store"
+
+
+@pytest.mark.parametrize("text,message", [('{"hidden_size": 64,', "config.json:1: not valid JSON"),
+                                          ('{"model_type": "llama"}', "no integer 'hidden_size'")])
+def test_a_target_with_a_broken_config(tmp_path, capsys, tiny_prepared, text, message):
+    target = tiny_llama_dir(tmp_path / "target")
+    (target / "config.json").write_text(text)
+    line = refused_by_extract(tmp_path, tiny_prepared, target, capsys, str(target / "config.json"), message)
+    assert "tokenizer" not in line and "at at" not in line
