@@ -27,10 +27,11 @@ if ! "$py" -c "import torch" >/dev/null 2>&1; then
 fi
 
 stamp="$venv/.eaglet-setup"
-want=$(cat pyproject.toml | "$py" -c "import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())")
+want=$(cat pyproject.toml "$0" | "$py" -c "import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())")
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "eaglet setup: installing eaglet and its dependencies" >&2
-  pip_install -e ".[dev]"
+  echo "eaglet setup: installing eaglet, its test dependencies and speculators (the consumer tests run)" >&2
+  pip_install -e ".[test]"
+  pip_install --no-deps "speculators==0.9.0"  # pyproject.toml's test extra says why --no-deps
   echo "$want" > "$stamp"
 fi
 

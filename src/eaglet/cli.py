@@ -345,19 +345,66 @@ def train(
 
 @app.command()
 def export(
-    draft: Path = typer.Option(..., "--draft", "-d", help="draft directory (`eaglet train` output)"),
-    format: str = typer.Option(..., "--format", "-f", help="vllm, sglang or speculators"),
-    out: Path = typer.Option(..., "--out", "-o", help="output directory (written atomically)"),
-    verifier: Optional[str] = typer.Option(None, help="the target's name or path written into configs and the model card"),
-    speculative_tokens: int = typer.Option(3, help="draft tokens per step recorded for serving"),
-    report: Optional[Path] = typer.Option(None, help="an `eaglet eval` report.json whose τ goes into the model card"),
-    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --out"),
+    ctx: typer.Context,
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="draft directory (`eaglet train` output)"),
+    format: Optional[str] = typer.Option(None, "--format", "-f", help="vllm, sglang or speculators"),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="output directory (written atomically)"),
+    verifier: Optional[str] = typer.Option(None, help="how configs name the target (default: its hub id when known, "
+                                           "else its local path)"),
+    target: Optional[str] = typer.Option(None, "--target", "-t", help="the draft's target (default: the one it "
+                                         "records); the speculators format carries its embedding"),
+    speculative_tokens: Optional[int] = typer.Option(None, help="draft tokens per step recorded for serving (default: 3)"),
+    report: Optional[str] = typer.Option(None, help="an `eaglet eval` report.json whose τ goes into the model card"),
+    overwrite: Optional[bool] = typer.Option(None, "--overwrite", help="replace an existing --out"),
+    engines: Optional[List[str]] = typer.Option(None, "--engine", help="an engine release the export will be served "
+                                                "with, ENGINE==VERSION (repeatable): preflight warns when eaglet's "
+                                                "readers of its loader do not cover it"),
+    check: Optional[Path] = typer.Option(None, "--check", help="check an export directory against each engine's "
+                                         "released loader instead of writing one"),
+    as_json: bool = typer.Option(False, "--json", help="with --check: print JSON"),
+    skip_preflight: bool = typer.Option(False, "--skip-preflight", help=SKIP_HELP),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
+    overrides: List[str] = typer.Option([], "--set", help=SET_HELP),
 ) -> None:
     """Write a draft as the directory vLLM, SGLang or speculators load (config.json + model.safetensors + README)."""
+    if check is not None:
+        _export_check(check, as_json)
+        return
+    from .config import ExportConfig, build_config
     from .export import export_draft
 
-    path = export_draft(draft, format, out, verifier, speculative_tokens, report, overwrite)
-    out_console.print(f"exported {draft} as {format} -> {path} (serve it as its README.md shows)")
+    cfg = build_config(
+        ExportConfig, "export", config,
+        dict(draft=draft, format=format, out=out, verifier=verifier, target=target,
+             speculative_tokens=speculative_tokens, report=report, overwrite=overwrite, engines=engines or None),
+        overrides,
+    )
+    _preflight(ctx, "export", cfg, skip_preflight)
+    path = export_draft(cfg.draft, cfg.format, cfg.out, cfg.verifier, cfg.speculative_tokens, cfg.report, cfg.overwrite,
+                        cfg.target)
+    out_console.print(f"exported {cfg.draft} as {cfg.format} -> {path} (serve it as its README.md shows; "
+                      f"`eaglet export --check {path}` checks it against each engine)")
+
+
+def _export_check(directory: Path, as_json: bool) -> None:
+    """Each consumer's verdict on an export directory: a table (or JSON); exit 2 when one fails."""
+    from .consumers.check import FAIL, check_export
+
+    results = check_export(directory)
+    if as_json:
+        out_console.print_json(json.dumps({"directory": str(directory), "results": [r.as_dict() for r in results]}))
+    else:
+        styles = {"pass": "green", "unverified": "yellow", "fail": "bold red"}
+        table = Table(title=f"export check {directory}")
+        for column in ("consumer", "status", "findings"):
+            table.add_column(column)
+        for result in results:
+            table.add_row(result.consumer, f"[{styles[result.status]}]{result.status}[/]",
+                          escape("\n".join(result.findings)))
+        out_console.print(table)
+    failed = [r for r in results if r.status == FAIL]
+    if failed:
+        raise EagletError(f"{directory}: {failed[0].consumer} would not serve it as trained: {failed[0].findings[0]}")
 
 
 @app.command("eval")
@@ -457,7 +504,7 @@ def _checks_table(stage: str, checks: list, seconds: float) -> Table:
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def preflight(
     ctx: typer.Context,
-    stage: str = typer.Argument(..., help="prepare, regenerate, extract, train, eval; calls (API check of your code); self"),
+    stage: str = typer.Argument(..., help="prepare, regenerate, extract, train, export, eval; calls (API check of your code); self"),
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
     strict: bool = typer.Option(False, "--strict", help="exit 1 on warnings"),
 ) -> None:

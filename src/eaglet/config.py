@@ -205,6 +205,21 @@ class TrainConfig(StrictModel):
     trust_remote_code: bool = False
 
 
+class ExportConfig(StrictModel):
+    draft: str = Field(description="a draft directory (`eaglet train` output)")
+    format: Literal["vllm", "sglang", "speculators"] = Field(description="the consumer the directory is written for")
+    out: str = Field(description="output directory (written atomically)")
+    verifier: str | None = Field(default=None, description="how configs name the target (default: its hub id when "
+                                 "known, else its local path)")
+    target: str | None = Field(default=None, description="the target (default: the one the draft records); the "
+                               "speculators format carries its embedding")
+    speculative_tokens: int = Field(default=3, ge=1, le=16)
+    report: str | None = Field(default=None, description="an `eaglet eval` report.json whose τ goes into the model card")
+    overwrite: bool = False
+    engines: list[str] = Field(default_factory=list, description="engine releases the export will be served with "
+                               "(ENGINE==VERSION): preflight warns when eaglet's readers do not cover one")
+
+
 class EvalConfig(StrictModel):
     draft: str = Field(description="a draft directory (`eaglet train` output or an `eaglet export` directory)")
     out: str = Field(description="report directory")

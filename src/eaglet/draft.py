@@ -294,6 +294,7 @@ class DraftStackLayer(nn.Module):
 
 
 FROZEN_PREFIX = "embed_tokens"  # the target's embedding: copied in, never trained, never saved
+FIRST_LAYER_PREFIX = "midlayer."  # the EAGLE-3 layer's serving name (the speculators library calls it layers.0.)
 
 
 class Eagle3Draft(nn.Module):
@@ -369,10 +370,21 @@ def save_draft(config: DraftConfig, weights: dict[str, torch.Tensor], directory:
 
 
 EXPORTED_DRAFT_CONFIG_FILE = "eaglet_draft.json"  # eaglet's config kept inside exported directories
+EXPORT_ONLY_KEYS = ("export_format",)  # what an export adds to eaglet's config
+SPECULATORS_FIRST_LAYER_PREFIX = "layers.0."
+
+
+def _eaglet_names(state: dict[str, torch.Tensor], export_format: str | None) -> dict[str, torch.Tensor]:
+    """Tensors of any eaglet export under eaglet's names (the speculators format calls the first layer layers.0.)."""
+    if export_format != "speculators":
+        return state
+    return {FIRST_LAYER_PREFIX + k[len(SPECULATORS_FIRST_LAYER_PREFIX):] if k.startswith(SPECULATORS_FIRST_LAYER_PREFIX)
+            else k: v for k, v in state.items()}
 
 
 def load_draft(directory: str | Path, embed: torch.Tensor | None = None) -> Eagle3Draft:
-    """A draft from `eaglet train`'s output or from any `eaglet export` directory (weights in float32)."""
+    """A draft from `eaglet train`'s output or from any `eaglet export` directory (weights in float32). An
+    export without ``d2t``/``t2d`` has the target's whole vocabulary (the identity mapping)."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
@@ -381,17 +393,24 @@ def load_draft(directory: str | Path, embed: torch.Tensor | None = None) -> Eagl
         config_file = directory / DRAFT_CONFIG_FILE
     if not config_file.is_file():
         raise EagletError(f"{directory}: not a draft (no {DRAFT_CONFIG_FILE}); run `eaglet train`")
+    fields = json.loads(config_file.read_text())
+    export_format = fields.get("export_format")
     try:
-        config = DraftConfig(**json.loads(config_file.read_text()))
+        config = DraftConfig(**{k: v for k, v in fields.items() if k not in EXPORT_ONLY_KEYS})
     except TypeError as exc:
         raise EagletError(f"{config_file}: not an eaglet draft config ({exc})") from None
     model = Eagle3Draft(config)
-    state = {k: (v.float() if v.is_floating_point() else v) for k, v in load_file(str(directory / DRAFT_WEIGHTS_FILE)).items()}
+    raw = load_file(str(directory / DRAFT_WEIGHTS_FILE))
+    state = {k: (v.float() if v.is_floating_point() else v) for k, v in _eaglet_names(raw, export_format).items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or [m for m in missing if not m.startswith("embed_tokens")]:
+    full_vocab = config.draft_vocab_size == config.vocab_size
+    optional = (FROZEN_PREFIX,) + (("d2t", "t2d") if full_vocab else ())
+    if unexpected or [m for m in missing if not m.startswith(optional)]:
         raise EagletError(f"{directory}: weights do not match the config (missing {missing}, unexpected {unexpected})")
-    if embed is not None:
-        with torch.no_grad():
+    with torch.no_grad():
+        if full_vocab and "t2d" in missing:
+            model.t2d.fill_(True)  # d2t stays zeros: draft id i is target id i
+        if embed is not None:
             model.embed_tokens.weight.copy_(embed)
     return model
 

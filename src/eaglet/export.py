@@ -1,19 +1,19 @@
 """`eaglet export`: a trained draft as the directory vLLM, SGLang or speculators load.
 
-Every format is ``config.json`` + ``model.safetensors`` (bf16 weights; ``d2t`` int64, ``t2d`` bool)
-under the serving names (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``), plus a
-``README.md`` model card. What differs is the config, each written for the loader it names:
+Every format is ``config.json`` + ``model.safetensors`` (bf16 weights) + a ``README.md`` model card, written
+the way its consumer reads it (``eaglet export --check`` runs those readers, see ``eaglet.consumers``):
 
-- vllm: ``LlamaForCausalLMEagle3`` read by vllm/model_executor/models/llama_eagle3.py
-  (``Eagle3LlamaForCausalLM``; vLLM main as of 2026-11: ``midlayer.`` -> ``layers.0.``, ``d2t`` ->
-  ``draft_id_to_target_id``, ``t2d`` skipped, embedding shared with the target when absent; deeper drafts'
-  ``layers.{i}`` for i >= 1 are plain Llama layers over the hidden state, as vLLM 0.33 builds them). Aux ids
-  top-level as ``eagle_aux_hidden_state_layer_ids`` in vLLM's convention (= eaglet's: input of layer i).
-- sglang: the same architecture for sglang/srt/models/llama_eagle3.py; SGLang captures the output of
-  layer ``j`` for an explicit id ``j`` (it adds one), so ids are written as ``i - 1`` under ``eagle_config``.
-- speculators: ``speculators_model_type: eagle3`` with ``transformer_layer_config``, ``speculators_config``
-  (proposal methods with ``speculative_tokens``, the verifier), as vllm/transformers_utils/configs/
-  speculators/base.py reads it (``norm_before_residual`` defaults to true there, so it is always written).
+- vllm / sglang: ``LlamaForCausalLMEagle3`` under the serving names (``fc``, ``midlayer.*``, ``norm``,
+  ``lm_head``, ``d2t``, ``t2d``). The two engines read the aux layer ids from different fields and count them
+  differently: vLLM takes the top-level ``eagle_aux_hidden_state_layer_ids`` (before ``eagle_config``) as the
+  inputs of those layers, SGLang takes only ``eagle_config``'s and adds one. Both directories carry both, so
+  either engine pointed at either directory captures the layers the draft was trained on.
+- speculators: ``Eagle3Speculator`` with the speculators library's own parameter names (``layers.0.*`` for the
+  first decoder layer) and the target's embedding (``embed_tokens.weight``: its model has no other source),
+  plus ``speculators_config`` naming the verifier and the proposal method (vLLM serves it directly).
+
+``d2t``/``t2d`` are written only when the draft vocabulary is smaller than the target's: with equal vocabularies
+vLLM and speculators build no mapping parameter, and a shipped one fails the load.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .draft import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE
+from .draft import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, EXPORTED_DRAFT_CONFIG_FILE, FIRST_LAYER_PREFIX
 from .errors import EagletError
 from .fsio import atomic_directory, read_json, write_json_atomic
 from .layers import to_sglang_layer_ids
@@ -32,6 +32,9 @@ FORMATS = ("vllm", "sglang", "speculators")
 SERVING_DTYPE = torch.bfloat16
 SPECULATORS_VERSION = "0.9.0"
 DEFAULT_SPECULATIVE_TOKENS = 3
+SPECULATORS_FIRST_LAYER_PREFIX = "layers.0."  # speculators' Eagle3DraftModel: layers[0] is the EAGLE-3 layer
+EMBEDDING_NAME = "embed_tokens.weight"
+VOCAB_MAPPINGS = ("d2t", "t2d")
 
 
 def _llama_fields(config: dict[str, Any]) -> dict[str, Any]:
@@ -56,6 +59,11 @@ def _llama_fields(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def uses_vocab_mapping(config: dict[str, Any]) -> bool:
+    """Whether the draft vocabulary is a subset of the target's (then ``d2t``/``t2d`` travel with it)."""
+    return int(config["draft_vocab_size"]) != int(config["vocab_size"])
+
+
 def serving_config(config: dict[str, Any], fmt: str, verifier: str, speculative_tokens: int) -> dict[str, Any]:
     """The config.json of one format, from eaglet's draft config."""
     ids = list(config["eagle_aux_hidden_state_layer_ids"])
@@ -64,15 +72,13 @@ def serving_config(config: dict[str, Any], fmt: str, verifier: str, speculative_
         "target_hidden_size": config["target_hidden_size"],
         "norm_before_residual": config["norm_before_residual"],
     }
-    if fmt == "vllm":
+    if fmt in ("vllm", "sglang"):
         return {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(config), **eagle3,
-                "eagle_aux_hidden_state_layer_ids": ids}
-    if fmt == "sglang":
-        return {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(config), **eagle3,
+                "eagle_aux_hidden_state_layer_ids": ids,  # vLLM reads this first (input of layer i)
                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(to_sglang_layer_ids(tuple(ids))),
-                                 "use_aux_hidden_state": True}}
+                                 "use_aux_hidden_state": True}}  # SGLang reads only this, and adds one
     if fmt == "speculators":
-        return {
+        return {  # no top-level model_type: vLLM recognises the format by `speculators_config` only without one
             "architectures": ["Eagle3Speculator"],
             "speculators_model_type": "eagle3",
             "speculators_version": SPECULATORS_VERSION,
@@ -90,6 +96,38 @@ def serving_config(config: dict[str, Any], fmt: str, verifier: str, speculative_
     raise EagletError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 
+def serving_weights(weights: dict[str, torch.Tensor], config: dict[str, Any], fmt: str,
+                    embedding: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The draft's tensors under the names ``fmt``'s consumer loads, floating point in bf16."""
+    mapped = uses_vocab_mapping(config)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        if name in VOCAB_MAPPINGS and not mapped:
+            continue
+        if fmt == "speculators" and name.startswith(FIRST_LAYER_PREFIX):
+            name = SPECULATORS_FIRST_LAYER_PREFIX + name[len(FIRST_LAYER_PREFIX):]
+        out[name] = tensor.to(SERVING_DTYPE) if tensor.is_floating_point() else tensor
+    if fmt == "speculators":
+        if embedding is None:
+            raise EagletError("the speculators format carries the target's embedding: the target is needed (--target)")
+        out[EMBEDDING_NAME] = embedding.to(SERVING_DTYPE).contiguous()
+    return out
+
+
+def verifier_reference(config: dict[str, Any], override: str | None = None) -> tuple[str, str]:
+    """How exported configs name the target: (name_or_path, how it was chosen). A hub id where one is known
+    (portable); the local directory otherwise (works on this machine only)."""
+    target = config.get("target", {})
+    if override:
+        return override, "given with --verifier"
+    if target.get("hub_id"):
+        return target["hub_id"], "the target's hub id"
+    if target.get("path"):
+        return target["path"], ("a local path: this export is not portable; re-export with --verifier ORG/NAME "
+                                "(the hub id) to serve it elsewhere")
+    return target.get("name") or "TARGET", "the target's name (no hub id or path recorded)"
+
+
 def serve_command(fmt: str, verifier: str, speculative_tokens: int, path: str = "PATH/TO/THIS/DIR") -> str:
     """The shell command that serves an exported draft (``path``) with its verifier in the format's engine."""
     return {
@@ -102,19 +140,27 @@ def serve_command(fmt: str, verifier: str, speculative_tokens: int, path: str = 
     }[fmt]
 
 
-def model_card(fmt: str, config: dict[str, Any], verifier: str, speculative_tokens: int, report: dict | None) -> str:
+def model_card(fmt: str, config: dict[str, Any], verifier: tuple[str, str], speculative_tokens: int,
+               report: dict | None) -> str:
     measured = "not measured yet (run `eaglet eval`)"
     if report:
         measured = (f"τ = {report['acceptance_length']:.2f} accepted tokens per target forward, speedup "
                     f"{report['speedup']:.2f}× ({report['settings']['mode']}, measured by `eaglet eval` on "
                     f"{report['settings']['device']})")
-    serve = serve_command(fmt, verifier, speculative_tokens)
+    name, how = verifier
+    serve = serve_command(fmt, name, speculative_tokens)
     ids = config["eagle_aux_hidden_state_layer_ids"]
-    return f"""# EAGLE-3 draft for {verifier} ({fmt} format)
+    embedding = ("\nIt carries the target's embedding (`embed_tokens.weight`), which the speculators model needs.\n"
+                 if fmt == "speculators" else "")
+    source = config.get("target", {}).get("source")
+    trained_on = f"\nTrained on the features of {source}.\n" if source else ""
+    return f"""# EAGLE-3 draft for {name} ({fmt} format)
 
 Trained with eaglet. One Llama-style decoder layer over the target's aux hidden states
 (eaglet/vLLM layer ids {ids}: the inputs of those decoder layers), draft vocabulary of
 {config['draft_vocab_size']:,} of the target's {config['vocab_size']:,} tokens.
+{embedding}{trained_on}
+Verifier: `{name}` ({how}).
 
 Acceptance: {measured}.
 
@@ -123,12 +169,30 @@ Acceptance: {measured}.
 ```bash
 {serve}
 ```
+
+`eaglet export --check PATH/TO/THIS/DIR` checks this directory against each engine's released loader.
 """
+
+
+def _target_embedding(config: dict[str, Any], target: str | None) -> torch.Tensor:
+    """The target's input embedding, from ``target`` or the target the draft recorded, checked to be that one."""
+    from .target import config_identity, load_head_weights, read_config, resolve_target
+
+    recorded = config.get("target", {})
+    spec = target or recorded.get("spec")
+    if not spec:
+        raise EagletError("the speculators format carries the target's embedding and this draft does not record its "
+                          "target: pass --target")
+    resolved = resolve_target(spec)
+    if recorded.get("config_hash") and config_identity(read_config(resolved.path)) != recorded["config_hash"]:
+        raise EagletError(f"--target {spec}: not the target this draft was trained for ({recorded.get('name')}); "
+                          "pass that target")
+    return load_head_weights(resolved.path).embed
 
 
 def export_draft(draft_dir: str | Path, fmt: str, out: str | Path, verifier: str | None = None,
                  speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS, report_path: str | Path | None = None,
-                 overwrite: bool = False) -> Path:
+                 overwrite: bool = False, target: str | None = None) -> Path:
     from safetensors.torch import load_file, save_file
 
     draft_dir, out = Path(draft_dir), Path(out)
@@ -142,13 +206,13 @@ def export_draft(draft_dir: str | Path, fmt: str, out: str | Path, verifier: str
     if fmt == "sglang" and config.get("num_hidden_layers", 1) > 1:
         raise EagletError(f"{draft_dir}: a {config['num_hidden_layers']}-layer draft; SGLang's llama_eagle3 loads one "
                           "decoder layer (midlayer) only: export --format vllm or speculators, or train with --draft-layers 1")
-    verifier = verifier or config.get("target", {}).get("name") or "TARGET"
+    reference = verifier_reference(config, verifier)
     report = read_json(report_path) if report_path and Path(report_path).is_file() else None
-    weights = load_file(str(draft_dir / DRAFT_WEIGHTS_FILE))
-    serving = {k: (v.to(SERVING_DTYPE) if v.is_floating_point() else v) for k, v in weights.items()}
+    embedding = _target_embedding(config, target) if fmt == "speculators" else None
+    weights = serving_weights(load_file(str(draft_dir / DRAFT_WEIGHTS_FILE)), config, fmt, embedding)
     with atomic_directory(out, overwrite=overwrite) as tmp:
-        save_file(serving, str(tmp / DRAFT_WEIGHTS_FILE), metadata={"format": "pt"})
-        write_json_atomic(tmp / DRAFT_CONFIG_FILE, serving_config(config, fmt, verifier, speculative_tokens))
-        (tmp / "README.md").write_text(model_card(fmt, config, verifier, speculative_tokens, report), encoding="utf-8")
-        write_json_atomic(tmp / "eaglet_draft.json", config)  # eaglet's own config, for round trips
+        save_file(weights, str(tmp / DRAFT_WEIGHTS_FILE), metadata={"format": "pt"})
+        write_json_atomic(tmp / DRAFT_CONFIG_FILE, serving_config(config, fmt, reference[0], speculative_tokens))
+        (tmp / "README.md").write_text(model_card(fmt, config, reference, speculative_tokens, report), encoding="utf-8")
+        write_json_atomic(tmp / EXPORTED_DRAFT_CONFIG_FILE, config | {"export_format": fmt})  # for round trips
     return out

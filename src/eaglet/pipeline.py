@@ -222,10 +222,9 @@ class Pipeline:
         stages.append(Stage("train", train, ("extract" if offline else "prepare",), out / "draft", run_training))
 
         def run_export(report: Path | None = None) -> str:
-            verifier = self.verifier()
             for fmt in cfg.export.formats:
-                export_draft(out / "draft", fmt, out / "export" / fmt, verifier=verifier,
-                             speculative_tokens=cfg.export.speculative_tokens, report_path=report, overwrite=True)
+                export_draft(out / "draft", fmt, out / "export" / fmt, speculative_tokens=cfg.export.speculative_tokens,
+                             report_path=report, overwrite=True, target=cfg.target)
             return ", ".join(str(out / "export" / fmt) for fmt in cfg.export.formats)
 
         def current_report() -> Path | None:
@@ -447,23 +446,16 @@ class Pipeline:
         result.serve = self.serve_commands()
         return result
 
-    def verifier(self) -> str:
-        """The target as serving engines load it: a hub id as given, anything local as its HF directory."""
-        from .target import resolve_target
-
-        spec = self.config.target
-        local = spec == "embedded" or spec.endswith(".gguf") or Path(spec).exists()
-        return str(resolve_target(spec, self.config.trust_remote_code).path) if local else spec
-
     def serve_commands(self) -> dict[str, str]:
-        """How to serve each exported draft, with its real path and verifier."""
-        from .export import serve_command
+        """How to serve each exported draft, with its real path and the verifier its config names."""
+        from .draft import EXPORTED_DRAFT_CONFIG_FILE
+        from .export import serve_command, verifier_reference
 
-        verifier = self.verifier()
         commands = {}
         for fmt in self.config.export.formats:
             directory = self.out / "export" / fmt
-            if (directory / "eaglet_draft.json").is_file():
+            if (directory / EXPORTED_DRAFT_CONFIG_FILE).is_file():
+                verifier, _ = verifier_reference(read_json(directory / EXPORTED_DRAFT_CONFIG_FILE))
                 commands[fmt] = serve_command(fmt, verifier, self.config.export.speculative_tokens, str(directory))
         return commands
 

@@ -164,6 +164,33 @@ def _status(message: str) -> None:
     Console(stderr=True).print(f"[dim]eaglet:[/] {message}")
 
 
+HUB_CACHE_PREFIX = "models--"  # huggingface_hub's cache: .../models--ORG--NAME/snapshots/REVISION
+
+
+def hub_id_of(resolved: ResolvedTarget) -> str | None:
+    """The target's hub id when it is known: the embedded model's, a hub id as given, or the repository of a
+    hub cache snapshot; None for local directories and GGUF files of unknown origin."""
+    if resolved.spec == "embedded":
+        return EMBEDDED_HUB_ID
+    if HUB_ID.fullmatch(resolved.spec) and not Path(resolved.spec).expanduser().exists():
+        return resolved.spec
+    for part in resolved.path.parts:
+        if part.startswith(HUB_CACHE_PREFIX) and "--" in part[len(HUB_CACHE_PREFIX):]:
+            return part[len(HUB_CACHE_PREFIX):].replace("--", "/", 1)
+    return None
+
+
+def target_record(resolved: ResolvedTarget, info: "TargetInfo") -> dict[str, Any]:
+    """What a draft records of its target beyond its identity: how to find it again and how to name it."""
+    source = None
+    if resolved.spec == "embedded":
+        source = f"the Q4_1 GGUF of {EMBEDDED_HUB_ID} ({EMBEDDED_WHEEL_REQUIREMENT}), dequantized"
+    elif resolved.spec.endswith(".gguf"):
+        source = f"{Path(resolved.spec).name} (GGUF), dequantized"
+    return {"spec": resolved.spec, "path": str(resolved.path), "hub_id": hub_id_of(resolved), "source": source,
+            "architectures": [info.architecture], "num_layers": info.num_layers, "vocab_size": info.vocab_size}
+
+
 # ---------------------------------------------------------------------------------------------
 # Metadata (no weights loaded)
 

@@ -35,7 +35,8 @@ from .parallel import Parallel
 from .metrics import H200_BF16_DENSE_FLOPS, MetricsLog, draft_train_flops_per_token, plot_run
 from .progress import progress_bar
 from .store import ShardPlan, check_same_target, check_store_counts, prepared_path, read_manifest
-from .target import load_head_weights, load_model, load_tokenizer, read_config, resolve_target, target_info
+from .target import (load_head_weights, load_model, load_tokenizer, read_config, resolve_target, target_info,
+                     target_record)
 from .loss import TeacherHead
 from .prefetch import prefetched
 from .transfer import to_device
@@ -68,6 +69,7 @@ class Setup:
     vocab: DraftVocab
     layer_ids: tuple[int, ...]
     identity: dict[str, Any]  # what a checkpoint must match
+    target_record: dict[str, Any]  # the draft's record of its target: identity + how to find and name it
     target_path: Path
     target_config: dict[str, Any]
     eval_source: Any = None  # a separate held-out store, when given
@@ -117,8 +119,8 @@ def _setup(config: TrainConfig, device: str) -> Setup:
                 "draft_layers": config.draft_layers,
                 "ttt_steps": config.ttt_steps, "token_budget": config.token_budget, "seed": config.seed,
                 "input": "store" if config.store else "online", "eval_fraction": config.eval_fraction}
-    return Setup(source, plans, prepared.lengths, vocab, layer_ids, identity, resolved.path, read_config(resolved.path),
-                 eval_source)
+    return Setup(source, plans, prepared.lengths, vocab, layer_ids, identity, target_identity | target_record(resolved, info),
+                 resolved.path, read_config(resolved.path), eval_source)
 
 
 PREFETCH_STEPS = 2  # optimizer steps' worth of micro-batches prepared ahead (packed, padded, pinned)
@@ -294,7 +296,7 @@ def run_train(config: TrainConfig, console: Console | None = None) -> TrainResul
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
 
     head = load_head_weights(setup.target_path)
-    draft_config = DraftConfig.from_target(setup.target_config, setup.vocab.size, setup.layer_ids, setup.identity["target"],
+    draft_config = DraftConfig.from_target(setup.target_config, setup.vocab.size, setup.layer_ids, setup.target_record,
                                            num_layers=config.draft_layers)
     torch.manual_seed(config.seed)
     draft = Eagle3Draft(draft_config)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -101,15 +102,28 @@ class TTTAttention:
         return torch.softmax(scores, dim=-1).to(v0.dtype) @ v0
 
 
+def unroll(draft: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, doc_ids: torch.Tensor,
+           positions: torch.Tensor, doc_end: torch.Tensor, steps: int,
+           attention_factory=TTTAttention) -> Iterator[torch.Tensor]:
+    """The draft's logits [T, Vd] of each TTT step in turn (the module docstring says what step k sees)."""
+    attends = [attention_factory(doc_ids, steps) for _ in range(draft.config.num_hidden_layers)]  # key caches per layer
+    hidden = draft.fuse(aux.to(draft.fc.weight.dtype))
+    index = torch.arange(len(input_ids), device=input_ids.device)
+    for k in range(steps):
+        ids = torch.where(index + 1 + k < doc_end, shift(input_ids, 1 + k), 0)
+        # step k sits k positions past t, as serving runs it (vLLM and SGLang advance the draft's positions by
+        # one per step; EAGLE-3's reference trains with position_ids + step): its query and its own key
+        cos, sin = draft.rope(positions + k)
+        hidden, logits = draft.step(ids, hidden, cos, sin, attends)
+        yield logits
+
+
 def ttt_forward(draft: Eagle3Draft, inputs: TTTInputs, steps: int, decay: float = 0.8,
                 attention_factory=TTTAttention, feature_noise_std: float = 0.0) -> TTTOutput:
     """Unroll ``steps`` draft steps and return the weighted loss plus per-step statistics."""
-    config = draft.config
-    attends = [attention_factory(inputs.doc_ids, steps) for _ in range(config.num_hidden_layers)]  # one key cache per layer
     aux = inputs.aux
     if feature_noise_std > 0:
         aux = aux + torch.randn_like(aux) * feature_noise_std
-    hidden = draft.fuse(aux.to(draft.fc.weight.dtype))
     tokens = len(inputs.input_ids)
     index = torch.arange(tokens, device=inputs.input_ids.device)
     # the teacher once per batch, K zero rows past the end: step k reads rows 1+k..T+k as a view (no shifted copies)
@@ -117,14 +131,11 @@ def ttt_forward(draft: Eagle3Draft, inputs: TTTInputs, steps: int, decay: float 
     teacher_probs = teacher.new_zeros(tokens + steps, teacher.shape[1])  # [T+K, Vd]
     teacher_probs[:tokens] = F.softmax(teacher, dim=-1)
     teacher_top = torch.cat([teacher.argmax(-1), teacher.new_full((steps,), -1, dtype=torch.long)])  # [T+K]
-    total = torch.zeros((), device=hidden.device)
+    total = torch.zeros((), device=aux.device)
     step_losses, step_correct, step_counts = [], [], []
-    for k in range(steps):
-        ids = torch.where(index + 1 + k < inputs.doc_end, shift(inputs.input_ids, 1 + k), 0)
-        # step k sits k positions past t, as serving runs it (vLLM and SGLang advance the draft's positions by
-        # one per step; EAGLE-3's reference trains with position_ids + step): its query and its own key
-        cos, sin = draft.rope(inputs.positions + k)
-        hidden, logits = draft.step(ids, hidden, cos, sin, attends)
+    step_logits = unroll(draft, inputs.input_ids, aux, inputs.doc_ids, inputs.positions, inputs.doc_end, steps,
+                         attention_factory)
+    for k, logits in enumerate(step_logits):
         mask = ((index + 2 + k < inputs.doc_end) & shift(inputs.loss_mask, 2 + k, False)
                 & shift(inputs.teacher_in_vocab, 1 + k, False))
         count = mask.sum()

@@ -263,12 +263,79 @@ def check_static_cache(target_path: Any, mode: str, graphs: bool, trust_remote_c
     return Check("static cache", WARN, f"{problem}: eval falls back to dynamic caches (slower on GPU)", "")
 
 
+# the engines that load each export format (speculators-format directories are served by vLLM)
+FORMAT_ENGINES = {"vllm": ("vllm",), "sglang": ("sglang",), "speculators": ("vllm", "speculators")}
+
+
+def check_engine_coverage(fmt: str, declared: list[str]) -> list[Check]:
+    """Each engine release the export will meet (installed here, or declared with --engine) is one whose
+    loader eaglet's readers were made from; warn for any other."""
+    import importlib.metadata
+
+    from ..consumers.fixtures import covered_versions
+    from ..export import SPECULATORS_VERSION
+
+    wanted: dict[str, set[str]] = {}
+    for spec in declared:
+        engine, _, version = spec.partition("==")
+        if engine not in ("vllm", "sglang", "speculators") or not version:
+            return [Check("engines", FAIL, f"--engine {spec!r}: expected ENGINE==VERSION with ENGINE vllm, sglang or "
+                          "speculators", "e.g. --engine vllm==0.33.0")]
+        wanted.setdefault(engine, set()).add(version)
+    for engine in FORMAT_ENGINES[fmt]:
+        try:
+            wanted.setdefault(engine, set()).add(importlib.metadata.version(engine))
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    checks = []
+    for engine in FORMAT_ENGINES[fmt]:
+        covered = [SPECULATORS_VERSION] if engine == "speculators" else covered_versions(engine)
+        for version in sorted(wanted.get(engine, ())):
+            if version in covered:
+                checks.append(Check("engines", PASS, f"{engine} {version}: its loader is one eaglet reads"))
+            else:
+                fix = (f"run scripts/refresh_consumer_fixtures.py --{engine} {version}, then `eaglet export --check`"
+                       if engine != "speculators" else f"check the export with speculators {version} (eaglet's test "
+                       "extra pins the release it was checked against)")
+                checks.append(Check("engines", WARN, f"{engine} {version}: eaglet's readers cover "
+                                    f"{', '.join(covered)} only", fix))
+    return checks or [Check("engines", PASS, "covered: " + "; ".join(
+        f"{e} {', '.join([SPECULATORS_VERSION] if e == 'speculators' else covered_versions(e))}" for e in FORMAT_ENGINES[fmt]))]
+
+
+def export_checks(cfg: Any) -> list[Check]:
+    from ..draft import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE
+
+    checks = [Check("config", PASS, "valid")]
+    draft = Path(cfg.draft)
+    if not (draft / DRAFT_CONFIG_FILE).is_file() or not (draft / DRAFT_WEIGHTS_FILE).is_file():
+        return checks + [Check("draft", FAIL, f"{draft}: not a draft (needs {DRAFT_CONFIG_FILE} and {DRAFT_WEIGHTS_FILE})",
+                               "run `eaglet train`, or pass its --out")]
+    try:
+        recorded = json.loads((draft / DRAFT_CONFIG_FILE).read_text(encoding="utf-8")).get("target", {})
+    except ValueError as exc:
+        return checks + [Check("draft", FAIL, f"{draft / DRAFT_CONFIG_FILE}: not valid JSON ({exc})", "train again")]
+    checks.append(Check("draft", PASS, f"trained for {recorded.get('name', '?')}"))
+    if cfg.format == "speculators":
+        spec = cfg.target or recorded.get("spec")
+        if not spec:
+            checks.append(Check("target", FAIL, "the speculators format carries the target's embedding; this draft "
+                                "does not record its target", "pass --target"))
+        else:
+            target_checks, _ = check_target(spec, need_template=False)
+            checks += target_checks
+    checks.append(check_output_dir(Path(cfg.out), cfg.overwrite, resumable=False))
+    checks += check_engine_coverage(cfg.format, cfg.engines)
+    return checks
+
+
 STAGE_CHECKS: dict[str, Callable[[Any], list[Check]]] = {
     "prepare": prepare_checks,
     "regenerate": regenerate_checks,
     "extract": extract_checks,
     "train": train_checks,
     "eval": eval_checks,
+    "export": export_checks,
 }
 
 
