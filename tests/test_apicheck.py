@@ -132,3 +132,22 @@ def test_self_check_of_eaglets_transformers_calls(capsys):
     assert code == 0, out + err
     data = json.loads(out)
     assert data["package"] == "transformers" and data["errors"] == 0 and data["call_sites"] >= 5
+
+
+def test_shapes_of_real_packages_bind_as_python_binds_them():
+    """Star-import chains in binding order (vllm.distributed's shape), decorators over dataclasses (vLLM's @config,
+    pydantic, registries, dataclass_transform metaclasses): no false error, and a decorator that hands back another
+    object leaves the call unverified, with the reason."""
+    report = check_calls([APP / "decorated.py"], "applib", [CORPUS / "v2"], "v2")
+    marks = {(file, line) for file, line in expected()["v2: error"] if file == "decorated.py"}
+    assert lines(report, "error") == marks
+    barrier = next(f for f in report.findings if f.line == 13)
+    assert barrier.target == "applib.dist.state.barrier"  # the later star import's binding, not comm.barrier
+    assert report.unverified == {"decorated by X, which may not return the class": 1}
+
+
+def test_version_from_the_packages_own_version_module():
+    """No dist-info beside the sources: the version is what the package's version module assigns (not the
+    "dev" of its except-branch fallback)."""
+    report = check_calls([APP / "basics.py"], "verlib", [CORPUS / "nodist"], "nodist")
+    assert report.version == "3.1.0"

@@ -8,7 +8,9 @@ cannot follow for certain come back as *unverified* with the reason, never as a 
 
 from __future__ import annotations
 
+import ast
 import re
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,10 @@ from .signature import Kind, Param, Signature
 
 MAX_ALIAS_HOPS = 40  # re-export chains longer than this are treated as cycles
 DATACLASS_DECORATORS = {"dataclasses.dataclass"}
+PYDANTIC_DATACLASS_DECORATORS = {"pydantic.dataclasses.dataclass"}
+# decorators known to hand back the class they decorate (a library's own are read: see _returns_its_argument)
+TRANSPARENT_DECORATORS = {"functools.total_ordering", "typing.final", "typing_extensions.final", "typing.runtime_checkable",
+                          "typing_extensions.runtime_checkable", "enum.unique", "typing.no_type_check"}
 ATTRS_DECORATORS = {"attr.s", "attr.attrs", "attr.define", "attr.frozen", "attr.mutable", "attr.dataclass",
                     "attrs.define", "attrs.frozen", "attrs.mutable"}
 ATTRS_FIELD_CALLS = {"attr.ib", "attr.attrib", "attr.field", "attrs.field"}
@@ -27,6 +33,9 @@ PYDANTIC_BASES = {"pydantic.BaseModel", "pydantic.main.BaseModel"}
 MSGSPEC_BASES = {"msgspec.Struct"}
 SIGNATURE_KEEPING = {"property", "functools.cached_property", "builtins.property"}  # not calls: attribute access
 COMPILED_SUFFIXES = (".so", ".pyd")
+VERSION_MODULES = ("", "version", "_version", "__about__")  # where packages keep their version ("" = __init__)
+UNVERIFIED = "unverified"  # a family: the class's constructor cannot be known statically
+PYDANTIC_DATACLASS = "pydantic-dataclass"
 STAR_IMPORT = re.compile(r"^\s*from\s+(\.*)([\w.]*)\s+import\s+\*", re.MULTILINE)
 
 
@@ -58,21 +67,24 @@ class Library:
     modules: dict[str, Any] = field(default_factory=dict)  # module name -> griffe Module | "compiled" | None
     texts: dict[str, str | None] = field(default_factory=dict)  # module name -> source text (None: unreadable)
     exports: dict[str, set[str] | None] = field(default_factory=dict)  # module name -> names `import *` binds
+    star_bindings: dict[tuple[str, str], Any] = field(default_factory=dict)  # (module, name) -> _star_binding's answer
 
     @property
     def version(self) -> str:
-        """The distribution's version from its dist-info next to the sources, else ``__version__``."""
+        """The distribution's version from its dist-info next to the sources, else the string the package's own
+        version module assigns (``__init__``, ``version``, ``_version``, ``__about__``: vLLM, torch and setuptools-scm
+        packages keep it there)."""
         wanted = re.sub(r"[-_.]+", "_", self.package).lower()
         for root in self.roots:
             for info in sorted(root.glob("*.dist-info")):
                 name, _, rest = info.name[: -len(".dist-info")].partition("-")
                 if re.sub(r"[-_.]+", "_", name).lower() == wanted and rest:
                     return rest
-        module = self.module(self.package)
-        if module not in (None, "compiled") and "__version__" in module.members:
-            member = module.members["__version__"]
-            if not member.is_alias and member.value is not None:
-                return str(member.value).strip("'\"")
+        for module in VERSION_MODULES:
+            text = self._text(self.package if not module else f"{self.package}.{module}")
+            version = _assigned_version(text) if text else None
+            if version:
+                return version
         return "unknown"
 
     # ------------------------------------------------------------------ modules
@@ -90,11 +102,19 @@ class Library:
         return None
 
     def module(self, name: str) -> Any:
-        """The griffe module, "compiled" (a binary without stubs) or None (no such module)."""
+        """The griffe module, "compiled" (a binary without stubs) or None (no such module). A submodule is read
+        under its parent package, so griffe resolves its relative imports against the package (without the parent,
+        ``from .state import x`` in ``pkg.comm`` reads as ``pkg.comm.state.x``)."""
         if name not in self.modules:
             file = self._file(name)
             if isinstance(file, Path):
-                self.modules[name] = griffe.visit(name, filepath=file, code=file.read_text(encoding="utf-8", errors="replace"))
+                package, _, short = name.rpartition(".")
+                parent = self.module(package) if package else None
+                code = file.read_text(encoding="utf-8", errors="replace")
+                if isinstance(parent, griffe.Module):
+                    self.modules[name] = griffe.visit(short, filepath=file, code=code, parent=parent)
+                else:
+                    self.modules[name] = griffe.visit(name, filepath=file, code=code)
             else:
                 self.modules[name] = file
         return self.modules[name]
@@ -138,25 +158,26 @@ class Library:
     def _member(self, owner: Any, owner_path: str, name: str, hops: int) -> Resolved:
         if isinstance(owner, griffe.Module):
             member = _member_or_stub_overload(owner, name)
-            if member is not None and not (member.is_alias and "/" in member.name):
-                return Resolved("found", f"{owner_path}.{name}", member)
-            if owner.is_package or owner.filepath.name.startswith("__init__"):
-                submodule = f"{owner_path}.{name}"
+            if member is not None and member.is_alias and "/" in member.name:
+                member = None
+            # Python binds names in statement order: a star import below the name's own binding rebinds it
+            explicit_line = _line(member) if member is not None else -1
+            if member is None and (owner.is_package or owner.filepath.name.startswith("__init__")):
+                submodule = f"{owner_path}.{name}"  # `import pkg.sub` binds pkg.sub whatever pkg star-imports
                 if self.module(submodule) is not None:
                     return Resolved("found", submodule, "module")
-            for wildcard in [m for m in owner.members.values() if m.is_alias and m.name.endswith("/*")]:
-                source = wildcard.target_path
-                if not self._may_define(source, name, set()):
-                    continue
-                source_module = self.module(source)
-                if source_module in (None, "compiled"):
-                    return Resolved("unverified", f"{owner_path}.{name}", reason=f"'from {source} import *' of a module it cannot read")
-                exports = None if source_module.exports is None else {str(e).strip("'\"") for e in source_module.exports}
-                if (exports is not None and name not in exports) or (exports is None and name.startswith("_")):
-                    continue
-                found = self._member(source_module, source, name, hops + 1)
-                if found.status != "missing":
-                    return found
+            wildcards = [m for m in owner.members.values() if m.is_alias and m.name.endswith("/*")]
+            for wildcard in sorted(wildcards, key=_line, reverse=True):
+                if _line(wildcard) < explicit_line:
+                    break
+                if member is not None and not self._mentions(wildcard.target_path, name):
+                    continue  # below a definition only a module naming it itself rebinds it (spares deep chains)
+                found = self._star_binding(wildcard.target_path, name, hops)
+                if found is not None and not (found.status == "unverified" and member is not None):
+                    return found  # a compiled module star-imported below a definition is taken not to rebind it
+
+            if member is not None:
+                return Resolved("found", f"{owner_path}.{name}", member)
             if "__getattr__" in owner.members:
                 return Resolved("unverified", f"{owner_path}.{name}", reason=f"module '{owner_path}' defines __getattr__ (dynamic names)")
             return Resolved("missing", f"{owner_path}.{name}", reason=f"module '{owner_path}' has no attribute '{name}'")
@@ -166,6 +187,32 @@ class Library:
                 return found
             return Resolved("missing", f"{owner_path}.{name}", reason=f"class '{owner_path}' has no attribute '{name}'")
         return Resolved("unverified", f"{owner_path}.{name}", reason="attribute of a value whose type is not known")
+
+    def _star_binding(self, source: str, name: str, hops: int) -> Resolved | None:
+        """What ``from source import *`` binds to ``name`` (None: it binds nothing of that name). Without ``__all__``
+        the star import binds every public name of ``source``, those it imported included. Remembered per (source,
+        name): packages star-import the same modules along many chains."""
+        key = (source, name)
+        if key not in self.star_bindings:
+            self.star_bindings[key] = None  # a star-import cycle binds nothing more
+            self.star_bindings[key] = self._read_star_binding(source, name, hops)
+        return self.star_bindings[key]
+
+    def _read_star_binding(self, source: str, name: str, hops: int) -> Resolved | None:
+        if not self._may_define(source, name, set()):
+            return None
+        source_module = self.module(source)
+        if source_module in (None, "compiled"):
+            return Resolved("unverified", name, reason=f"'from {source} import *' of a module it cannot read")
+        exports = None if source_module.exports is None else {str(e).strip("'\"") for e in source_module.exports}
+        if (exports is not None and name not in exports) or (exports is None and name.startswith("_")):
+            return None
+        found = self._member(source_module, source, name, hops + 1)
+        return None if found.status == "missing" else found
+
+    def _mentions(self, module_path: str, name: str) -> bool:
+        text = self._text(module_path) if self.inside(module_path) else None
+        return text is not None and re.search(rf"\b{re.escape(name)}\b", text) is not None
 
     def _text(self, name: str) -> str | None:
         if name not in self.texts:
@@ -180,7 +227,12 @@ class Library:
             return module_path not in seen
         seen.add(module_path)
         text = self._text(module_path)
-        if text is None or re.search(rf"\b{re.escape(name)}\b", text):
+        if text is None:
+            return True
+        listed = _literal_all(text)
+        if listed is not None:  # `import *` of a module with a literal __all__ binds exactly those names
+            return name in listed
+        if re.search(rf"\b{re.escape(name)}\b", text):
             return True
         file = self._file(module_path)
         package = module_path if isinstance(file, Path) and file.stem == "__init__" else module_path.rsplit(".", 1)[0]
@@ -284,18 +336,24 @@ class Library:
     # ------------------------------------------------------------------ signatures
 
     def function_signatures(self, function: Any) -> list[Signature]:
-        """One signature, or each overload's (a call is fine if any binds)."""
-        overloads = getattr(function, "overloads", None) or []
-        if not overloads and function.parent is not None:  # one of a stub's overloads (no implementation)
+        """One signature, or each overload's and the implementation's (a call is fine if any binds: at run time
+        Python binds the implementation, whatever the overloads declare)."""
+        overloads = list(getattr(function, "overloads", None) or [])
+        if overloads:
+            overloads.append(function)  # the implementation the overloads describe
+        elif function.parent is not None:  # one of a stub's overloads (no implementation)
             siblings = getattr(function.parent, "overloads", {}).get(function.name) or []
             overloads = siblings if function in siblings else []
-        functions = list(overloads) or [function]
+        functions = overloads or [function]
         return [Signature(tuple(Param(p.name, Kind(p.kind.value), p.default is not None) for p in f.parameters))
                 for f in functions]
 
-    def generated_init(self, cls: Any, path: str) -> Constructor | None:
-        """The ``__init__`` a dataclass-like decorator or base generates from the class's fields."""
+    def generated_init(self, cls: Any, path: str) -> Constructor | Resolved | None:
+        """The ``__init__`` a dataclass-like decorator or base generates from the class's fields (unverified when a
+        decorator may replace the class)."""
         family, options = self._dataclass_family(cls, path)
+        if family == UNVERIFIED:
+            return Resolved("unverified", path, reason=options["reason"])
         if family is None or options.get("init") is False:
             return None
         fields: dict[str, Param] = {}
@@ -320,11 +378,14 @@ class Library:
                     fields[name] = param  # a redefinition keeps the field's first position, as dataclasses do
             if family == "pydantic":
                 ignores = self._pydantic_extra(owner) or ignores
+            elif family == PYDANTIC_DATACLASS:
+                ignores = _extra_option(str(owner_options.get("config", ""))) or ignores
         params = [p for p in fields.values() if p.kind is not Kind.KEYWORD_ONLY]
         params += [p for p in fields.values() if p.kind is Kind.KEYWORD_ONLY]
-        if family == "pydantic" and ignores == "allow":
+        pydantic = family in ("pydantic", PYDANTIC_DATACLASS)  # extra="ignore" unless configured otherwise
+        if pydantic and ignores == "allow":
             params.append(Param("extra", Kind.VAR_KEYWORD, True))
-        signature = Signature(tuple(params), ignores_unknown_keywords=family == "pydantic" and ignores != "forbid" and ignores != "allow")
+        signature = Signature(tuple(params), ignores_unknown_keywords=pydantic and ignores not in ("forbid", "allow"))
         return Constructor([signature], f"{cls.filepath}:{cls.lineno}", f"{path}.__init__ (generated by {family})")
 
     def _pydantic_extra(self, cls: Any) -> str | bool:
@@ -333,17 +394,14 @@ class Library:
         inner = cls.members.get("Config")
         if isinstance(inner, griffe.Class) and "extra" in inner.members:
             text += f" extra={inner.members['extra'].value}"
-        for option in ("forbid", "allow", "ignore"):
-            if re.search(rf"extra\s*=\s*(['\"]{option}['\"]|Extra\.{option})", text):
-                return option
-        return False
+        return _extra_option(text)
 
     def _field(self, family: str, name: str, member: Any, kw_only: bool) -> Param | None:
         value = member.value
         call = value if isinstance(value, griffe.ExprCall) else None
         call_path = getattr(call.function, "canonical_path", "") if call is not None else ""
         keywords = {a.name: str(a.value) for a in (call.arguments if call else []) if isinstance(a, griffe.ExprKeyword)}
-        if family == "dataclass" and call_path in ("dataclasses.field",):
+        if family in ("dataclass", PYDANTIC_DATACLASS) and call_path in ("dataclasses.field",):
             if keywords.get("init") == "False":
                 return None
             has_default = "default" in keywords or "default_factory" in keywords
@@ -357,7 +415,7 @@ class Library:
             else:
                 has_default = value is not None
             name = name.lstrip("_")
-        elif family == "pydantic":
+        elif family in ("pydantic", PYDANTIC_DATACLASS) and (family == "pydantic" or call_path.endswith("Field")):
             if name.startswith("_") or name == "model_config":
                 return None
             if call is not None and call_path.endswith("Field"):
@@ -371,36 +429,72 @@ class Library:
         return Param(name, Kind.KEYWORD_ONLY if kw_only else Kind.POSITIONAL_OR_KEYWORD, has_default)
 
     def _dataclass_family(self, cls: Any, path: str) -> tuple[str | None, dict[str, Any]]:
-        for decorator in cls.decorators:
+        """What makes the class's ``__init__``: its decorators, applied bottom-up (a decorator that hands back the
+        class changes nothing; one that may not makes the constructor ``UNVERIFIED``), then a base or metaclass."""
+        family: str | None = None
+        options: dict[str, Any] = {}
+        for decorator in reversed(cls.decorators):
             expr = decorator.value
             call = expr if isinstance(expr, griffe.ExprCall) else None
             target = call.function if call is not None else expr
             target_path = getattr(target, "canonical_path", str(target))
-            options = {a.name: str(a.value) == "True" if str(a.value) in ("True", "False") else str(a.value)
-                       for a in (call.arguments if call else []) if isinstance(a, griffe.ExprKeyword)}
+            keywords = {a.name: str(a.value) == "True" if str(a.value) in ("True", "False") else str(a.value)
+                        for a in (call.arguments if call else []) if isinstance(a, griffe.ExprKeyword)}
             if target_path in DATACLASS_DECORATORS:
-                return "dataclass", options
-            if target_path in ATTRS_DECORATORS:
-                return "attrs", options
-            transform = self._transform_options(target_path)
-            if transform is not None:
-                return "dataclass", {"kw_only": transform.get("kw_only_default", False)} | options
-        for owner_path, owner in self.mro(cls, path)[1:]:
+                family, options = "dataclass", keywords
+            elif target_path in PYDANTIC_DATACLASS_DECORATORS:
+                family, options = PYDANTIC_DATACLASS, keywords
+            elif target_path in ATTRS_DECORATORS:
+                family, options = "attrs", keywords
+            elif target_path in TRANSPARENT_DECORATORS:
+                continue
+            elif (transform := self._transform_options(target_path)) is not None:  # PEP 681: before its body says
+                family, options = "dataclass", {"kw_only": transform.get("kw_only_default", False)} | keywords
+            elif not self._returns_its_argument(target_path):
+                return UNVERIFIED, {"reason": f"decorated by '{target_path}', which may not return the class"}
+        if family is not None:
+            return family, options
+        for owner_path, owner in self.mro(cls, path):
             if owner is None and owner_path in PYDANTIC_BASES:
                 return "pydantic", {}
             if owner is None and owner_path in MSGSPEC_BASES:
                 return "msgspec", {"kw_only": getattr(cls, "keywords", {}).get("kw_only") == "True"}
-            if owner is not None:
-                for decorator in owner.decorators:
-                    expr = decorator.value
-                    target = expr.function if isinstance(expr, griffe.ExprCall) else expr
-                    if getattr(target, "canonical_path", "") in DATACLASS_TRANSFORM:
-                        keywords = {a.name: str(a.value) for a in (expr.arguments if isinstance(expr, griffe.ExprCall) else [])
-                                    if isinstance(a, griffe.ExprKeyword)}
-                        class_kw = getattr(cls, "keywords", {}) or {}
-                        kw_only = class_kw.get("kw_only", keywords.get("kw_only_default", "False")) == "True"
-                        return "dataclass", {"kw_only": kw_only}
+            if owner is None:
+                continue
+            metaclass = (getattr(owner, "keywords", {}) or {}).get("metaclass")
+            declared = [owner] if owner is not cls else []  # a base class declared with dataclass_transform
+            if metaclass is not None:
+                found = self.resolve(getattr(metaclass, "canonical_path", str(metaclass)))
+                declared += [found.obj] if found.found and isinstance(found.obj, griffe.Class) else []
+            for declarer in declared:
+                transform = _transform_keywords(declarer)
+                if transform is not None:
+                    class_kw = getattr(cls, "keywords", {}) or {}
+                    kw_only = class_kw.get("kw_only", transform.get("kw_only_default", "False")) == "True"
+                    return "dataclass", {"kw_only": kw_only}
         return None, {}
+
+    def _returns_its_argument(self, decorator_path: str) -> bool:
+        """A decorator of the library whose every ``return`` hands back its first parameter (registries, checks)."""
+        if not self.inside(decorator_path):
+            return False
+        resolved = self.resolve(decorator_path)
+        if not resolved.found or not isinstance(resolved.obj, griffe.Function) or not resolved.obj.parameters:
+            return False
+        function = resolved.obj
+        text = self._text(function.module.path) if hasattr(function, "module") else None
+        if text is None or function.lineno is None or function.endlineno is None:
+            return False
+        try:
+            tree = ast.parse(textwrap.dedent("\n".join(text.splitlines()[function.lineno - 1 : function.endlineno])))
+        except SyntaxError:
+            return False
+        node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
+        if node is None or not node.args.args:
+            return False
+        first = node.args.args[0].arg
+        returns = [n for n in ast.walk(node) if isinstance(n, ast.Return)]
+        return bool(returns) and all(isinstance(r.value, ast.Name) and r.value.id == first for r in returns)
 
     def _transform_options(self, decorator_path: str) -> dict[str, Any] | None:
         """A decorator function marked with @dataclass_transform makes classes dataclass-like."""
@@ -409,14 +503,65 @@ class Library:
         resolved = self.resolve(decorator_path)
         if not resolved.found or not isinstance(resolved.obj, griffe.Function):
             return None
-        for decorator in resolved.obj.decorators:
-            expr = decorator.value
-            target = expr.function if isinstance(expr, griffe.ExprCall) else expr
-            if getattr(target, "canonical_path", "") in DATACLASS_TRANSFORM:
-                keywords = {a.name: str(a.value) == "True" for a in (expr.arguments if isinstance(expr, griffe.ExprCall) else [])
-                            if isinstance(a, griffe.ExprKeyword)}
-                return keywords
+        keywords = _transform_keywords(resolved.obj)
+        return None if keywords is None else {k: v == "True" for k, v in keywords.items()}
+
+
+def _transform_keywords(obj: Any) -> dict[str, str] | None:
+    """The keywords of ``@dataclass_transform(...)`` on a function or class, None when it has none."""
+    for decorator in obj.decorators:
+        expr = decorator.value
+        target = expr.function if isinstance(expr, griffe.ExprCall) else expr
+        if getattr(target, "canonical_path", "") in DATACLASS_TRANSFORM:
+            return {a.name: str(a.value) for a in (expr.arguments if isinstance(expr, griffe.ExprCall) else [])
+                    if isinstance(a, griffe.ExprKeyword)}
+    return None
+
+
+def _extra_option(text: str) -> str | bool:
+    """pydantic's ``extra`` setting named in a config's source text (False: not set, pydantic ignores extras)."""
+    for option in ("forbid", "allow", "ignore"):
+        if re.search(rf"extra\s*=\s*(['\"]{option}['\"]|Extra\.{option})", text):
+            return option
+    return False
+
+
+LITERAL_ALL = re.compile(r"^__all__\s*(?::[^=]*)?=\s*[\[(]([^\])]*)[\])]\s*$", re.MULTILINE)
+QUOTED = re.compile(r"""['"]([A-Za-z_][A-Za-z0-9_]*)['"]""")
+
+
+def _literal_all(text: str) -> set[str] | None:
+    """The names of a module's ``__all__`` when it is one literal list or tuple of strings (assigned once, never
+    extended); None otherwise (then only parsing the module tells)."""
+    found = LITERAL_ALL.findall(text)
+    if len(found) != 1 or re.search(r"^__all__\s*(\+=|\.(append|extend))", text, re.MULTILINE):
         return None
+    body = re.sub(r"#[^\n]*", "", found[0])
+    names = QUOTED.findall(body)
+    return set(names) if re.fullmatch(r"[\s,]*", QUOTED.sub("", body)) else None
+
+
+def _assigned_version(text: str) -> str | None:
+    """The string a module assigns to ``__version__`` (or ``version``) at its top level; assignments in ``except``
+    fallbacks ("dev" when the generated version file is missing) are not the release's."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return None
+    statements = list(tree.body)
+    for node in tree.body:  # the body (not the handlers) of a top-level try runs first
+        if isinstance(node, ast.Try):
+            statements += node.body
+    for node in statements:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            if any(isinstance(t, ast.Name) and t.id in ("__version__", "version") for t in node.targets):
+                return node.value.value
+    return None
+
+
+def _line(member: Any) -> int:
+    """Where a member is bound in its module (an alias's own import line, not its target's)."""
+    return (member.alias_lineno if member.is_alias else member.lineno) or 0
 
 
 def _member_or_stub_overload(owner: Any, name: str) -> Any:
