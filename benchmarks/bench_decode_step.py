@@ -28,7 +28,9 @@ def main() -> None:
 
     import torch
 
-    from eaglet.decode.engine import TargetRunner, _sync, target_only_decode
+    from eaglet.decode.baseline import target_only_decode
+    from eaglet.decode.common import sync
+    from eaglet.decode.runners import TargetRunner
     from eaglet.decode.static import StaticTarget
     from eaglet.decode.sampling import Sampling
     from eaglet.target import load_model, pick_device, resolve_target
@@ -46,10 +48,10 @@ def main() -> None:
     ids = torch.tensor([prompt], device=device)
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=4, do_sample=False)
-        _sync(torch.device(device))
+        sync(torch.device(device))
         started = time.perf_counter()
         model.generate(ids, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
-        _sync(torch.device(device))
+        sync(torch.device(device))
         generate_s = time.perf_counter() - started
     record = {"benchmark": "decode_step", "device": device, "torch": torch.__version__, "tokens": args.tokens,
               "engine_ms_per_token": round(1000 * result.seconds / len(result.tokens), 2),

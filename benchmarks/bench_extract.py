@@ -87,9 +87,10 @@ def main() -> None:
     from eaglet.capture import FeatureCapture, base_model_of
     from eaglet.config import ExtractConfig, PrepareConfig
     from eaglet.data.prepare import run_prepare
-    from eaglet.data.prepared import load_prepared
-    from eaglet.extract import batches_by_length, run_extract
-    from eaglet.layers import default_aux_layer_ids
+    from eaglet.formats.prepared import load_prepared
+    from eaglet.capture import batches_by_length
+    from eaglet.extract import run_extract
+    from eaglet.formats.layers import default_aux_layer_ids
     from eaglet.target import load_model, resolve_target
 
     quiet = Console(stderr=True, quiet=True)

@@ -28,8 +28,9 @@ def random_draft(path, seed: int = 0):
     """An untrained draft shaped as `eaglet train` shapes one for the target at ``path``."""
     import torch
 
-    from eaglet.draft import DraftConfig, Eagle3Draft
-    from eaglet.layers import default_aux_layer_ids
+    from eaglet.draft import Eagle3Draft
+    from eaglet.formats.draft import DraftConfig
+    from eaglet.formats.layers import default_aux_layer_ids
     from eaglet.target import read_config
 
     target_config = read_config(path)
@@ -56,13 +57,15 @@ def main() -> None:
 
     import torch
 
-    from eaglet.decode.engine import _sync, target_only_decode
+    from eaglet.decode.baseline import target_only_decode
+    from eaglet.decode.common import sync
     from eaglet.decode.sampling import Sampling
     from eaglet.decode.static import StaticTarget
-    from eaglet.decode.rounds import (ChainRounds, GreedyTargetSteps, TreeRounds, static_chain_decode,
-                                      static_target_decode, static_tree_decode)
-    from eaglet.decode.static_draft import StaticDraft
-    from eaglet.decode.static_tree import StaticTreeDraft
+    from eaglet.decode.baseline import GreedyTargetSteps, static_target_decode
+    from eaglet.decode.chain import ChainRounds, static_chain_decode
+    from eaglet.decode.tree import TreeRounds, static_tree_decode
+    from eaglet.decode.chain import StaticChainDraft
+    from eaglet.decode.tree import StaticTreeDraft
     from eaglet.draft import load_draft
     from eaglet.target import load_head_weights, load_model, pick_device, resolve_target
 
@@ -84,11 +87,11 @@ def main() -> None:
     static_target_decode(target, PROMPT, 16, set(), steps)  # warm-up: captures the baseline's step
 
     def ms(fn) -> float:
-        _sync(device)
+        sync(device)
         started = time.perf_counter()
         for _ in range(REPEATS):
             fn()
-        _sync(device)
+        sync(device)
         return round(1000 * (time.perf_counter() - started) / REPEATS, 3)
 
     record: dict = {"benchmark": "static_round", "device": str(device), "dtype": args.dtype, "depth": args.depth,
@@ -125,7 +128,7 @@ def main() -> None:
 
     for variant in args.draft_round.split(","):
         compiled = variant == "compiled"
-        chain_draft = StaticDraft(draft, max_len, args.depth, compiled=compiled)
+        chain_draft = StaticChainDraft(draft, max_len, args.depth, compiled=compiled)
         chain_rounds = ChainRounds(target, chain_draft)
         measure(f"chain_{args.depth}_{variant}", chain_draft, chain_rounds,
                 lambda n: static_chain_decode(target, chain_draft, PROMPT, n, set(), chain_rounds), args.depth + 1)
@@ -145,7 +148,7 @@ def main() -> None:
             for _ in range(5):
                 eager.crop(len(PROMPT))
                 eager.forward(list(range(5, 6 + args.depth)))
-            _sync(device)
+            sync(device)
         print(prof.key_averages().table(sort_by="cuda_time_total" if device.type == "cuda" else "cpu_time_total",
                                         row_limit=12, max_name_column_width=70))
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:  # the tree loop's host work

@@ -51,8 +51,9 @@ def main() -> None:
 
     import torch
 
-    from eaglet.draft import DraftConfig, Eagle3Draft
-    from eaglet.metrics import H200_BF16_DENSE_FLOPS, draft_train_flops_per_token
+    from eaglet.draft import Eagle3Draft
+    from eaglet.formats.draft import DraftConfig
+    from eaglet.train.metrics import H200_BF16_DENSE_FLOPS, draft_train_flops_per_token
     from eaglet.ttt import ReferenceAttention, TTTInputs, attention_for, documents, ttt_forward
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

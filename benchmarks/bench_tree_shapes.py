@@ -25,7 +25,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from eaglet.config import EvalConfig
-    from eaglet.decode.engine import DraftRunner, TargetRunner, tree_decode
+    from eaglet.decode.runners import DraftRunner, TargetRunner
+    from eaglet.decode.tree import tree_decode
     from eaglet.decode.evaluate import _prompts
     from eaglet.draft import load_draft
     from eaglet.target import load_head_weights, load_model, load_tokenizer, pick_device, resolve_target

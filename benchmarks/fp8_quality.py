@@ -28,10 +28,11 @@ def main() -> None:
 
     from eaglet.capture import FeatureCapture, teacher_logits
     from eaglet.config import ExtractConfig
-    from eaglet.data.prepared import load_prepared
+    from eaglet.formats.prepared import load_prepared
     from eaglet.extract import run_extract
-    from eaglet.layers import default_aux_layer_ids
-    from eaglet.store import decode_features, read_manifest, read_shard
+    from eaglet.formats.layers import default_aux_layer_ids
+    from eaglet.formats.store import read_manifest
+    from eaglet.store import decode_features, read_shard
     from eaglet.target import load_model, resolve_target
 
     quiet = Console(stderr=True, quiet=True)

@@ -8,7 +8,9 @@ import torch
 from test_decode import tiny_pair
 from eaglet.capture import FeatureCapture
 from eaglet.decode.batched import BatchDraft, BatchTarget, batched_speculative_decode, batched_target_only_decode
-from eaglet.decode.engine import DraftRunner, TargetRunner, speculative_decode, target_only_decode
+from eaglet.decode.baseline import target_only_decode
+from eaglet.decode.chain import speculative_decode
+from eaglet.decode.runners import DraftRunner, TargetRunner
 from eaglet.decode.sampling import Sampling
 from eaglet.loss import TeacherHead
 from eaglet.ttt import TTTInputs, documents, ttt_forward

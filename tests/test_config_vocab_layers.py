@@ -8,7 +8,7 @@ import pytest
 from eaglet.config import PrepareConfig, RegenerateConfig, build_config
 from eaglet.data.vocab import DraftVocab, build_draft_vocab, default_draft_vocab_size
 from eaglet.errors import EagletError
-from eaglet.layers import default_aux_layer_ids, to_sglang_layer_ids, validate_aux_layer_ids
+from eaglet.formats.layers import default_aux_layer_ids, to_sglang_layer_ids, validate_aux_layer_ids
 
 
 def test_precedence_file_then_cli_then_set(tmp_path):

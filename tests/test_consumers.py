@@ -14,7 +14,8 @@ from conftest import run_cli
 from eaglet.consumers import speculators
 from eaglet.consumers.check import FAIL, PASS, check_export
 from eaglet.consumers.fixtures import ENGINES, fixtures
-from eaglet.draft import DraftConfig, Eagle3Draft, save_draft
+from eaglet.draft import Eagle3Draft, save_draft
+from eaglet.formats.draft import DraftConfig
 from eaglet.export import export_draft
 from eaglet.target import load_head_weights, read_config, resolve_target, target_info, target_record
 

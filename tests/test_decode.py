@@ -6,9 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from eaglet.decode.engine import DraftRunner, TargetRunner, speculative_decode, target_only_decode
+from eaglet.decode.baseline import target_only_decode
+from eaglet.decode.chain import speculative_decode
+from eaglet.decode.runners import DraftRunner, TargetRunner
 from eaglet.decode.sampling import Sampling
-from eaglet.draft import DraftConfig, Eagle3Draft
+from eaglet.draft import Eagle3Draft
+from eaglet.formats.draft import DraftConfig
 from eaglet.errors import EagletError
 
 
@@ -146,7 +149,7 @@ def test_walking_tree_candidates_keeps_the_target_distribution():
 @pytest.mark.slow
 def test_tree_sampling_matches_the_target_distribution():
     """Second and third generated tokens (drawn through the tree): speculative vs plain sampling."""
-    from eaglet.decode.engine import tree_decode
+    from eaglet.decode.tree import tree_decode
 
     target, draft = tiny_pair(vocab=16, seed=3)
     runner, draft_runner = TargetRunner(target, (2, 4, 5)), DraftRunner(draft)
@@ -197,7 +200,7 @@ def test_decoder_draft_steps_equal_the_training_time_test(draft_layers):
 
 @pytest.mark.parametrize("draft_layers", [1, 2])
 def test_tree_greedy_is_lossless(draft_layers):
-    from eaglet.decode.engine import tree_decode
+    from eaglet.decode.tree import tree_decode
 
     target, draft = tiny_pair(draft_layers=draft_layers)
     runner, draft_runner = TargetRunner(target, (2, 4, 5)), DraftRunner(draft)
@@ -211,7 +214,7 @@ def test_tree_greedy_is_lossless(draft_layers):
 
 
 def test_tree_structure():
-    from eaglet.decode.engine import Tree
+    from eaglet.decode.tree import Tree
 
     tree = Tree(tokens=[7, 1, 2, 3, 4], parents=[-1, 0, 0, 1, 3], depths=[0, 1, 1, 2, 3])
     mask = tree.ancestor_mask()
@@ -221,19 +224,21 @@ def test_tree_structure():
 
 
 def test_draft_tree_expansion_shape():
+    from eaglet.decode.tree import expand_tree
+
     target, draft = tiny_pair()
     runner, draft_runner = TargetRunner(target, (2, 4, 5)), DraftRunner(draft)
     runner.reset()
     logits, aux = runner.forward([1, 5, 9, 2])
     hidden, draft_logits = draft_runner.extend([5, 9, 2, 11], aux)
-    tree = draft_runner.expand_tree(11, hidden, draft_logits, topk=3, depth=4, budget=10)
+    tree = expand_tree(draft_runner, 11, hidden, draft_logits, topk=3, depth=4, budget=10)
     assert len(tree.tokens) == 11 and tree.tokens[0] == 11 and tree.parents[0] == -1
     assert all(tree.parents[i] < i and tree.depths[i] == tree.depths[tree.parents[i]] + 1 for i in range(1, 11))
     assert max(tree.depths) <= 4 and sum(d == 1 for d in tree.depths) <= 3
 
 
 def test_tree_of_width_one_is_the_chain():
-    from eaglet.decode.engine import tree_decode
+    from eaglet.decode.tree import tree_decode
 
     target, draft = tiny_pair(seed=2)
     runner, draft_runner = TargetRunner(target, (2, 4, 5)), DraftRunner(draft)

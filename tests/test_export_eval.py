@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 
 from conftest import run_cli, write_jsonl
-from eaglet.decode.engine import DraftRunner, TargetRunner, speculative_decode
+from eaglet.decode.chain import speculative_decode
+from eaglet.decode.runners import DraftRunner, TargetRunner
 from eaglet.decode.sampling import Sampling
 from eaglet.draft import load_draft
 from eaglet.target import config_identity, load_head_weights, load_model, resolve_target
@@ -294,7 +295,8 @@ def test_a_lossless_failure_is_located_and_sized():
     """Where a greedy output leaves the target's own, the report says at which token and by how many logits
     (and rounding units) the target preferred its own choice: near-ties (bf16) read differently from a bug."""
     from test_decode import tiny_pair
-    from eaglet.decode.engine import TargetRunner, target_only_decode
+    from eaglet.decode.baseline import target_only_decode
+    from eaglet.decode.runners import TargetRunner
     from eaglet.decode.evaluate import _divergence, _divergence_lines
     from eaglet.decode.sampling import Sampling
 

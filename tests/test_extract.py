@@ -15,8 +15,9 @@ from safetensors.torch import load_file
 
 from conftest import extract_args, run_cli, store_bytes
 from eaglet.capture import FeatureCapture, teacher_logits
-from eaglet.data.prepared import load_prepared
-from eaglet.store import decode_features, read_manifest, read_shard
+from eaglet.formats.prepared import load_prepared
+from eaglet.formats.store import read_manifest
+from eaglet.store import decode_features, read_shard
 from eaglet.target import load_model, resolve_target
 
 
@@ -117,7 +118,7 @@ def test_resume_with_other_settings_refused(tmp_path, capsys, tiny_store, tiny_p
 
 def test_store_from_other_target_refused_by_source(tiny_store):
     from eaglet.errors import EagletError
-    from eaglet.features import StoreSource
+    from eaglet.train.data import StoreSource
 
     manifest = read_manifest(tiny_store)
     other = dict(manifest["target"], config_hash="0" * 64, name="OtherModel")
@@ -127,7 +128,7 @@ def test_store_from_other_target_refused_by_source(tiny_store):
 
 def test_store_recorded_with_the_whole_config_hash_still_matches(tiny_store):
     """Stores extracted before the config identity recorded the whole config.json's hash: still this target."""
-    from eaglet.features import StoreSource
+    from eaglet.train.data import StoreSource
 
     manifest = read_manifest(tiny_store)
     now = dict(manifest["target"], config_hash="1" * 64, legacy_config_hash=manifest["target"]["config_hash"])
@@ -167,7 +168,7 @@ def test_fp8_storage_quality(tmp_path, tiny_prepared, tiny_target):
 
 
 def test_store_and_live_sources_give_the_same_batches(tiny_store, tiny_prepared, tiny_target):
-    from eaglet.features import LiveSource, StoreSource
+    from eaglet.train.data import LiveSource, StoreSource
 
     manifest = read_manifest(tiny_store)
     store_source = StoreSource(tiny_store, token_budget=200, seed=3)
@@ -212,8 +213,8 @@ def test_shard_writer_output_reads_back_with_safetensors(tmp_path):
 def test_shard_plan_partitions_samples_into_length_sorted_windows():
     """Every sample in exactly one shard; a shard's samples have nearly one length, so the extractor's
     padded batches waste little even when a shard is smaller than one batch (8B-sized features)."""
-    from eaglet.extract import batches_by_length
-    from eaglet.store import plan_shards
+    from eaglet.capture import batches_by_length
+    from eaglet.formats.store import plan_shards
 
     lengths = np.random.default_rng(0).integers(300, 2048, size=3000)
     plans = plan_shards(lengths, tokens_per_shard=16000)

@@ -2,7 +2,7 @@ import threading
 
 import pytest
 
-from eaglet.prefetch import prefetched
+from eaglet.train.prefetch import prefetched
 
 
 def test_items_come_out_in_order_each_once():

@@ -8,14 +8,12 @@ import torch
 
 from test_batched_decode import LAYERS, NEW_TOKENS, PROMPTS, trained_pair
 from test_decode import tiny_pair
-from eaglet.decode.engine import (DraftRunner, TargetRunner, Tree, speculative_decode, target_only_decode,
-                                  tree_decode)
+from eaglet.decode.baseline import GreedyTargetSteps, static_target_decode, target_only_decode
+from eaglet.decode.chain import ChainRounds, StaticChainDraft, speculative_decode, static_chain_decode
+from eaglet.decode.runners import DraftRunner, TargetRunner
 from eaglet.decode.sampling import Sampling
 from eaglet.decode.static import GRAPH_BUCKETS, StaticTarget, bucket_for, buckets_for
-from eaglet.decode.rounds import (ChainRounds, GreedyTargetSteps, TreeRounds, static_chain_decode,
-                                  static_target_decode, static_tree_decode)
-from eaglet.decode.static_draft import StaticDraft
-from eaglet.decode.static_tree import StaticTreeDraft
+from eaglet.decode.tree import StaticTreeDraft, Tree, TreeRounds, expand_tree, static_tree_decode, tree_decode
 from eaglet.errors import EagletError
 
 LONG_PROMPT = [(7 * i) % 60 + 2 for i in range(GRAPH_BUCKETS[-1] + 9)]  # past the largest bucket: runs unbucketed
@@ -102,7 +100,7 @@ def test_static_draft_rounds_equal_the_dynamic_engine(pair, depth):
     tokens and its accepted counts, prompt by prompt (one-token and past-the-largest-bucket prompts too)."""
     target, draft = pair
     dynamic, drafts = TargetRunner(target, LAYERS), DraftRunner(draft)
-    static, static_draft = StaticTarget(target, LAYERS, MAX_LEN), StaticDraft(draft, MAX_LEN, depth)
+    static, static_draft = StaticTarget(target, LAYERS, MAX_LEN), StaticChainDraft(draft, MAX_LEN, depth)
     rounds = ChainRounds(static, static_draft)
     accepted = 0
     for prompt in PROMPTS + [LONG_PROMPT]:
@@ -165,7 +163,7 @@ def test_rounds_with_the_compiled_draft_give_the_same_tokens(pair):
 
     target, draft = pair
     dynamic, drafts, static = TargetRunner(target, LAYERS), DraftRunner(draft), StaticTarget(target, LAYERS, MAX_LEN)
-    chain_draft = StaticDraft(draft, MAX_LEN, 3, compiled=True)
+    chain_draft = StaticChainDraft(draft, MAX_LEN, 3, compiled=True)
     tree_draft = StaticTreeDraft(draft, MAX_LEN, 4, 3, 12, compiled=True)
     chain_rounds, tree_rounds = ChainRounds(static, chain_draft), TreeRounds(static, tree_draft)
     counters.clear()
@@ -193,7 +191,8 @@ def test_a_round_past_the_cache_is_refused_before_it_runs(pair):
 
 
 def test_static_tree_matches_the_host_tree_node_for_node(pair):
-    """One round's tree, built on the device, against ``DraftRunner.expand_tree`` from the same state."""
+    """One round's tree grown on the static caches (inside a round) against the same builder on the dynamic caches,
+    from the same state."""
     target, draft = pair
     prompt = PROMPTS[0]
     dynamic, drafts = TargetRunner(target, LAYERS), DraftRunner(draft)
@@ -202,7 +201,7 @@ def test_static_tree_matches_the_host_tree_node_for_node(pair):
     logits, aux = dynamic.forward(prompt)
     first = int(logits[-1].argmax())
     hidden, draft_logits = drafts.extend(prompt[1:] + [first], aux)
-    expected = drafts.expand_tree(first, hidden, draft_logits, 3, 4, 14)
+    expected = expand_tree(drafts, first, hidden, draft_logits, 3, 4, 14)
     tree_draft = StaticTreeDraft(draft, MAX_LEN, 4, 3, 14)
     tree_draft.reset()
     tree_draft.prefill(prompt[1:], aux[:-1])
@@ -235,7 +234,7 @@ prompt."""
     try:
         dynamic, graphed, drafts = TargetRunner(target, LAYERS), StaticTarget(target, LAYERS, MAX_LEN), DraftRunner(draft)
         assert graphed.graphs
-        graphed_draft = StaticDraft(draft, MAX_LEN, 3, compiled=True)  # eval's GPU default
+        graphed_draft = StaticChainDraft(draft, MAX_LEN, 3, compiled=True)  # eval's GPU default
         graphed_tree = StaticTreeDraft(draft, MAX_LEN, 4, 3, 12, compiled=True)
         steps = GreedyTargetSteps(graphed)
         chain_rounds, tree_rounds = ChainRounds(graphed, graphed_draft), TreeRounds(graphed, graphed_tree)
@@ -271,7 +270,7 @@ def test_mixture_of_experts_targets_are_not_graphed():
     (eval's auto mode falls back; preflight says so from the config); a static cache alone is fine."""
     from transformers import Qwen3MoeConfig
 
-    from eaglet.decode.static import static_cache_problem
+    from eaglet.support import static_cache_problem
 
     config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import run_cli
-from eaglet.metrics import read_metrics
+from eaglet.train.metrics import read_metrics
 
 BASE = ["--token-budget", "128", "--log-every", "1", "--eval-every", "10", "--lr", "3e-3", "--seed", "1"]
 
@@ -74,7 +74,7 @@ def test_sigterm_then_resume_gives_the_same_losses(tmp_path, capsys, tiny_store,
 
 
 def test_online_takes_the_same_steps_as_offline(tmp_path, capsys, tiny_store, tiny_target, tiny_prepared):
-    from eaglet.store import read_manifest
+    from eaglet.formats.store import read_manifest
 
     chunk = read_manifest(tiny_store)["tokens_per_shard"]
     offline, online = tmp_path / "offline", tmp_path / "online"
@@ -85,6 +85,38 @@ def test_online_takes_the_same_steps_as_offline(tmp_path, capsys, tiny_store, ti
     assert code == 0, err
     # the store holds bf16 features, the live target float32: equal up to that rounding
     assert train_losses(online) == pytest.approx(train_losses(offline), rel=2e-2)
+
+
+def test_online_training_uses_the_layers_asked_for(tmp_path, capsys, tiny_target, tiny_prepared):
+    """Online --layers captures those layers live: the same steps as a store extracted with the same --layers."""
+    from conftest import extract_args
+    from eaglet.formats.store import read_manifest
+
+    store = tmp_path / "store"
+    assert run_cli(extract_args(tiny_prepared, store, tiny_target, "--layers", "1,3,6"), capsys)[0] == 0
+    offline, online = tmp_path / "offline", tmp_path / "online"
+    assert run_cli(train_args(store, offline, tiny_target, "--max-steps", "4"), capsys)[0] == 0
+    args = ["train", "--prepared", tiny_prepared, "--out", online, "--target", tiny_target, *BASE, "--max-steps", "4",
+            "--layers", "1,3,6", "--set", f"online_chunk_tokens={read_manifest(store)['tokens_per_shard']}"]
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    assert json.loads((online / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]
+    assert train_losses(online) == pytest.approx(train_losses(offline), rel=2e-2)
+
+
+@pytest.mark.parametrize("source, layers, expected", [
+    ("prepared", "1,3,99", "aux layer"),  # past the target's 8 layers
+    ("prepared", "1,x,3", "--layers '1,x,3'"),  # not integers
+    ("store", "1,3,6", "the store holds [2, 4, 5]"),  # the store was extracted from other layers
+])
+def test_bad_layers_for_training_are_one_line_errors_before_anything_loads(tmp_path, capsys, tiny_store, tiny_target,
+                                                                           tiny_prepared, source, layers, expected):
+    out = tmp_path / "run"
+    given = ["--store", tiny_store] if source == "store" else ["--prepared", tiny_prepared]
+    code, _, err = run_cli(["train", *given, "--out", out, "--target", tiny_target, *BASE, "--max-steps", "1",
+                            "--layers", layers], capsys)
+    assert code != 0 and expected in err and "Traceback" not in err, err
+    assert not out.exists()
 
 
 @pytest.mark.slow
@@ -143,8 +175,7 @@ def test_time_budget_and_separate_eval_store(tmp_path, capsys, tiny_store, tiny_
 
 
 def test_padding_to_the_budget_does_not_change_the_loss():
-    from eaglet.features import FeatureBatch
-    from eaglet.train import pad_to_budget
+    from eaglet.train.data import FeatureBatch, pad_to_budget
     from eaglet.ttt import TTTInputs, documents, ttt_forward
     from test_ttt import tiny_setup
 
@@ -213,9 +244,9 @@ def test_moving_a_batch_to_the_gpu_never_waits_for_the_stream(prefetched):
     to finish before queuing its own work. A batch's inputs (features, ids, masks, documents, teacher)
     reach the device without any synchronising call — padded here, or (the training loop) padded into
     pinned memory ahead of time by the prefetch thread."""
-    from eaglet.features import FeatureBatch
     from eaglet.loss import TeacherHead
-    from eaglet.train import _inputs, pad_to_budget
+    from eaglet.train.data import FeatureBatch, pad_to_budget
+    from eaglet.train.step import device_inputs
 
     tokens, hidden = 40, 16
     batch = FeatureBatch(input_ids=torch.randint(0, 50, (tokens,)), loss_mask=torch.ones(tokens, dtype=torch.uint8),
@@ -228,10 +259,10 @@ def test_moving_a_batch_to_the_gpu_never_waits_for_the_stream(prefetched):
         batch = pad_to_budget(batch, budget, pin=True)
         assert batch.aux.is_pinned() and batch.input_ids.is_pinned()
         budget = None
-    _inputs(batch, teacher, cuda, torch.float32, budget)  # warm-up: pinned-memory and kernel set-up
+    device_inputs(batch, teacher, cuda, torch.float32, budget)  # warm-up: pinned-memory and kernel set-up
     torch.cuda.set_sync_debug_mode("error")
     try:
-        inputs = _inputs(batch, teacher, cuda, torch.float32, budget)
+        inputs = device_inputs(batch, teacher, cuda, torch.float32, budget)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert inputs.aux.shape == (64, 3, hidden) and inputs.aux.dtype == torch.float32

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eaglet.draft import DraftConfig, Eagle3Draft
+from eaglet.draft import Eagle3Draft
+from eaglet.formats.draft import DraftConfig
 from eaglet.loss import TeacherHead, soft_cross_entropy
 from eaglet.ttt import FLEX_MIN_HEAD_DIM, TTTAttention, TTTInputs, documents, shift, simulated_acceptance, ttt_forward
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -93,3 +94,18 @@ def teacher_logits(model: nn.Module, last: torch.Tensor) -> torch.Tensor:
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return logits
+
+
+def batches_by_length(lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray]:
+    """Sample indices, longest first, grouped so each batch's padded size stays within ``batch_tokens``."""
+    order = np.argsort(-lengths, kind="stable")
+    batches, current, width = [], [], 0
+    for index in order.tolist():
+        width = width or int(lengths[index])  # the first (longest) sample fixes the padded width
+        if current and (len(current) + 1) * width > batch_tokens:
+            batches.append(np.asarray(current))
+            current, width = [], int(lengths[index])
+        current.append(index)
+    if current:
+        batches.append(np.asarray(current))
+    return batches

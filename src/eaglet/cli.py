@@ -212,15 +212,9 @@ def extract(
     from .config import ExtractConfig, build_config
     from .extract import run_extract
 
-    layer_list = None
-    if layers is not None:
-        try:
-            layer_list = [int(x) for x in layers.split(",")]
-        except ValueError:
-            raise EagletError(f"--layers {layers!r}: expected comma-separated integers, e.g. 2,15,27") from None
     cfg = build_config(
         ExtractConfig, "extract", config,
-        dict(prepared=prepared, out=out, target=target, layers=layer_list, storage_dtype=storage_dtype,
+        dict(prepared=prepared, out=out, target=target, layers=_layer_ids(layers), storage_dtype=storage_dtype,
              shard_mb=shard_mb, batch_tokens=batch_tokens, max_samples=max_samples, device=device, dtype=dtype,
              reserve_gb=reserve_gb),
         overrides,
@@ -282,6 +276,16 @@ def store_info(
     out_console.print(table)
 
 
+def _layer_ids(text: str | None) -> list[int] | None:
+    """--layers 2,15,27 as a list (None when not given)."""
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise EagletError(f"--layers {text!r}: expected comma-separated integers, e.g. 2,15,27") from None
+
+
 # ---------------------------------------------------------------------------------------------
 # train
 
@@ -295,6 +299,7 @@ def train(
     target: Optional[str] = typer.Option(None, "--target", "-t", help=TARGET_HELP),
     ttt_steps: Optional[int] = typer.Option(None, help="training-time-test unroll K (default: 7)"),
     draft_layers: Optional[int] = typer.Option(None, help="decoder layers in the draft (default: 1, EAGLE-3's)"),
+    layers: Optional[str] = typer.Option(None, help="online: aux layer ids, e.g. 2,15,27 (default: 2,N//2,N-3)"),
     token_budget: Optional[int] = typer.Option(None, help="tokens per packed micro-batch (default: 4096)"),
     grad_accum: Optional[int] = typer.Option(None, help="micro-batches per optimizer step and rank (default: 1)"),
     parallel: Optional[str] = typer.Option(None, help="under torchrun: ddp (default) or fsdp2 (shards weights and optimizer)"),
@@ -320,7 +325,7 @@ def train(
     cfg = build_config(
         TrainConfig, "train", config,
         dict(out=out, store=store, prepared=prepared, target=target, ttt_steps=ttt_steps, draft_layers=draft_layers,
-             token_budget=token_budget,
+             layers=_layer_ids(layers), token_budget=token_budget,
              grad_accum=grad_accum, parallel=parallel, lr=lr, max_steps=max_steps, epochs=epochs, tokens=tokens, max_minutes=max_minutes,
              eval_store=eval_store, seed=seed,
              eval_every=eval_every, log_every=log_every, save_every=save_every, device=device),

@@ -173,6 +173,8 @@ class TrainConfig(StrictModel):
     compile_pointwise: bool = Field(
         default=True, description="GPU: fuse the draft's norms, RoPE, SwiGLU and residuals with torch.compile")
     draft_layers: int = Field(default=1, ge=1, le=8, description="decoder layers in the draft (1 = EAGLE-3's; SGLang serves 1 only)")
+    layers: list[int] | None = Field(default=None, description="online: aux layer ids (default (2, N//2, N-3)); "
+                                     "offline the store's are used")
     loss_decay: float = Field(default=0.8, gt=0, le=1)
     token_budget: int = Field(default=4096, ge=16, description="tokens per packed micro-batch")
     grad_accum: int = Field(default=1, ge=1)

@@ -34,6 +34,23 @@ class Dist:
         return "cpu"
 
 
+def all_reduce_sum(tensors: list[torch.Tensor], group: Dist) -> list[torch.Tensor]:
+    """Each tensor summed over the ranks, in place (a plain run: unchanged)."""
+    if group.world > 1:
+        for tensor in tensors:
+            dist.all_reduce(tensor)
+    return tensors
+
+
+def any_rank(flag: bool, group: Dist, device: torch.device) -> bool:
+    """True on every rank when it is true on any: all ranks stop at the same step."""
+    if group.world == 1:
+        return flag
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def init_distributed() -> Dist:
     """Join the process group torchrun describes in the environment; a plain run is rank 0 of 1."""
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -16,78 +16,16 @@ Per position ``t`` (shapes for one packed sequence of T tokens)::
 from __future__ import annotations
 
 import functools
-import json
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .errors import EagletError
-from .layers import AUX_CONVENTION
-
-DRAFT_CONFIG_FILE = "config.json"
-DRAFT_WEIGHTS_FILE = "model.safetensors"
-DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
-
-
-@dataclass
-class DraftConfig:
-    """Written as an HF-style config.json; rope settings are inherited from the target."""
-
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int  # the target's
-    draft_vocab_size: int
-    target_hidden_size: int
-    eagle_aux_hidden_state_layer_ids: list[int]
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int = 4096
-    num_hidden_layers: int = 1
-    hidden_act: str = "silu"
-    norm_before_residual: bool = False
-    tie_word_embeddings: bool = False
-    architectures: list[str] = field(default_factory=lambda: [DRAFT_ARCHITECTURE])
-    model_type: str = "llama"
-    aux_layer_convention: str = AUX_CONVENTION
-    target: dict[str, Any] = field(default_factory=dict)  # name, config_hash, tokenizer_hash
-
-    @classmethod
-    def from_target(cls, target_config: dict[str, Any], draft_vocab_size: int, layer_ids: tuple[int, ...],
-                    target_identity: dict[str, Any] | None = None, num_layers: int = 1) -> "DraftConfig":
-        heads = int(target_config["num_attention_heads"])
-        hidden = int(target_config["hidden_size"])
-        rope = target_config.get("rope_parameters") or {}  # transformers 5's form: theta and scaling in one dict
-        scaled = rope.get("rope_type", "default") != "default"
-        return cls(
-            hidden_size=hidden,
-            num_attention_heads=heads,
-            num_key_value_heads=int(target_config.get("num_key_value_heads") or heads),
-            head_dim=int(target_config.get("head_dim") or hidden // heads),
-            intermediate_size=int(target_config["intermediate_size"]),
-            vocab_size=int(target_config["vocab_size"]),
-            draft_vocab_size=draft_vocab_size,
-            target_hidden_size=hidden,
-            eagle_aux_hidden_state_layer_ids=list(layer_ids),
-            rms_norm_eps=float(target_config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(target_config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-            rope_scaling=dict(target_config.get("rope_scaling") or {}) or (
-                {k: v for k, v in rope.items() if k != "rope_theta"} if scaled else None),
-            max_position_embeddings=int(target_config.get("max_position_embeddings", 4096)),
-            num_hidden_layers=num_layers,
-            target=dict(target_identity or {}),
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
+from .formats.draft import FIRST_LAYER_PREFIX, SPECULATORS_FIRST_LAYER_PREFIX, DraftConfig, read_draft_config
+from .formats.files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's RMSNorm: normalised in float32, cast back to x's dtype, then scaled."""
@@ -294,7 +232,6 @@ class DraftStackLayer(nn.Module):
 
 
 FROZEN_PREFIX = "embed_tokens"  # the target's embedding: copied in, never trained, never saved
-FIRST_LAYER_PREFIX = "midlayer."  # the EAGLE-3 layer's serving name (the speculators library calls it layers.0.)
 
 
 class Eagle3Draft(nn.Module):
@@ -369,11 +306,6 @@ def save_draft(config: DraftConfig, weights: dict[str, torch.Tensor], directory:
     write_json_atomic(directory / DRAFT_CONFIG_FILE, config.to_dict())
 
 
-EXPORTED_DRAFT_CONFIG_FILE = "eaglet_draft.json"  # eaglet's config kept inside exported directories
-EXPORT_ONLY_KEYS = ("export_format",)  # what an export adds to eaglet's config
-SPECULATORS_FIRST_LAYER_PREFIX = "layers.0."
-
-
 def _eaglet_names(state: dict[str, torch.Tensor], export_format: str | None) -> dict[str, torch.Tensor]:
     """Tensors of any eaglet export under eaglet's names (the speculators format calls the first layer layers.0.)."""
     if export_format != "speculators":
@@ -388,20 +320,11 @@ def load_draft(directory: str | Path, embed: torch.Tensor | None = None) -> Eagl
     from safetensors.torch import load_file
 
     directory = Path(directory)
-    config_file = directory / EXPORTED_DRAFT_CONFIG_FILE
-    if not config_file.is_file():
-        config_file = directory / DRAFT_CONFIG_FILE
-    if not config_file.is_file():
-        raise EagletError(f"{directory}: not a draft (no {DRAFT_CONFIG_FILE}); run `eaglet train`")
-    fields = json.loads(config_file.read_text())
-    export_format = fields.get("export_format")
-    try:
-        config = DraftConfig(**{k: v for k, v in fields.items() if k not in EXPORT_ONLY_KEYS})
-    except TypeError as exc:
-        raise EagletError(f"{config_file}: not an eaglet draft config ({exc})") from None
+    stored = read_draft_config(directory)
+    config = stored.config
     model = Eagle3Draft(config)
     raw = load_file(str(directory / DRAFT_WEIGHTS_FILE))
-    state = {k: (v.float() if v.is_floating_point() else v) for k, v in _eaglet_names(raw, export_format).items()}
+    state = {k: (v.float() if v.is_floating_point() else v) for k, v in _eaglet_names(raw, stored.export_format).items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     full_vocab = config.draft_vocab_size == config.vocab_size
     optional = (FROZEN_PREFIX,) + (("d2t", "t2d") if full_vocab else ())
@@ -413,4 +336,3 @@ def load_draft(directory: str | Path, embed: torch.Tensor | None = None) -> Eagl
         if embed is not None:
             model.embed_tokens.weight.copy_(embed)
     return model
-

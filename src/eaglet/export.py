@@ -23,16 +23,15 @@ from typing import Any
 
 import torch
 
-from .draft import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, EXPORTED_DRAFT_CONFIG_FILE, FIRST_LAYER_PREFIX
+from .formats.draft import (EXPORT_FORMATS, FIRST_LAYER_PREFIX, SPECULATORS_FIRST_LAYER_PREFIX, SPECULATORS_VERSION,
+                            read_draft_config)
+from .formats.files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, EXPORTED_DRAFT_CONFIG_FILE, MODEL_CARD_FILE
 from .errors import EagletError
 from .fsio import atomic_directory, read_json, write_json_atomic
-from .layers import to_sglang_layer_ids
+from .formats.layers import to_sglang_layer_ids
 
-FORMATS = ("vllm", "sglang", "speculators")
 SERVING_DTYPE = torch.bfloat16
-SPECULATORS_VERSION = "0.9.0"
 DEFAULT_SPECULATIVE_TOKENS = 3
-SPECULATORS_FIRST_LAYER_PREFIX = "layers.0."  # speculators' Eagle3DraftModel: layers[0] is the EAGLE-3 layer
 EMBEDDING_NAME = "embed_tokens.weight"
 VOCAB_MAPPINGS = ("d2t", "t2d")
 
@@ -93,7 +92,7 @@ def serving_config(config: dict[str, Any], fmt: str, verifier: str, speculative_
                 "verifier": {"name_or_path": verifier, "architectures": config.get("target", {}).get("architectures", [])},
             },
         }
-    raise EagletError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    raise EagletError(f"unknown export format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
 
 
 def serving_weights(weights: dict[str, torch.Tensor], config: dict[str, Any], fmt: str,
@@ -196,13 +195,11 @@ def export_draft(draft_dir: str | Path, fmt: str, out: str | Path, verifier: str
     from safetensors.torch import load_file, save_file
 
     draft_dir, out = Path(draft_dir), Path(out)
-    if fmt not in FORMATS:
-        raise EagletError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if not (draft_dir / DRAFT_CONFIG_FILE).is_file() or not (draft_dir / DRAFT_WEIGHTS_FILE).is_file():
-        raise EagletError(f"{draft_dir}: not a draft (needs {DRAFT_CONFIG_FILE} and {DRAFT_WEIGHTS_FILE}); run `eaglet train`")
+    if fmt not in EXPORT_FORMATS:
+        raise EagletError(f"unknown export format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
+    config = read_draft_config(draft_dir).config.to_dict()
     if out.exists() and not overwrite:
         raise EagletError(f"{out}: already exists; pass --overwrite or choose another --out")
-    config = read_json(draft_dir / DRAFT_CONFIG_FILE)
     if fmt == "sglang" and config.get("num_hidden_layers", 1) > 1:
         raise EagletError(f"{draft_dir}: a {config['num_hidden_layers']}-layer draft; SGLang's llama_eagle3 loads one "
                           "decoder layer (midlayer) only: export --format vllm or speculators, or train with --draft-layers 1")
@@ -213,6 +210,6 @@ def export_draft(draft_dir: str | Path, fmt: str, out: str | Path, verifier: str
     with atomic_directory(out, overwrite=overwrite) as tmp:
         save_file(weights, str(tmp / DRAFT_WEIGHTS_FILE), metadata={"format": "pt"})
         write_json_atomic(tmp / DRAFT_CONFIG_FILE, serving_config(config, fmt, reference[0], speculative_tokens))
-        (tmp / "README.md").write_text(model_card(fmt, config, reference, speculative_tokens, report), encoding="utf-8")
+        (tmp / MODEL_CARD_FILE).write_text(model_card(fmt, config, reference, speculative_tokens, report), encoding="utf-8")
         write_json_atomic(tmp / EXPORTED_DRAFT_CONFIG_FILE, config | {"export_format": fmt})  # for round trips
     return out

@@ -23,26 +23,17 @@ import torch
 from rich.console import Console
 
 from . import __version__
-from .capture import FeatureCapture
+from .capture import FeatureCapture, batches_by_length
 from .config import ExtractConfig
-from .data.prepared import PreparedSet, load_prepared
+from .formats.prepared import PreparedSet, load_prepared
 from .distributed import init_distributed
 from .errors import EagletError
 from .fsio import free_disk_bytes, write_json_atomic
-from .layers import AUX_CONVENTION, default_aux_layer_ids, validate_aux_layer_ids
+from .formats.layers import AUX_CONVENTION, default_aux_layer_ids, validate_aux_layer_ids
 from .progress import progress_bar
-from .store import (
-    MANIFEST_FILE,
-    SORT_WINDOW_SHARDS,
-    STORE_SCHEMA,
-    ShardPlan,
-    bytes_per_token,
-    encode_features,
-    plan_shards,
-    read_manifest,
-    read_record,
-    write_shard,
-)
+from .formats.files import MANIFEST_FILE, STORE_SCHEMA
+from .formats.store import SORT_WINDOW_SHARDS, ShardPlan, bytes_per_token, plan_shards, read_manifest, read_record
+from .store import encode_features, write_shard
 from .target import load_model, load_tokenizer, pick_dtype, resolve_target, target_info
 
 GPU_BATCH_TOKENS = 32768
@@ -50,21 +41,6 @@ CPU_BATCH_TOKENS = 4096
 WRITE_QUEUE_DEPTH = 3  # finished shards waiting for a writer while the next one computes
 WRITER_THREADS = 4  # shards written (hashed, written, fsynced) in parallel: one stream does not fill the disk
 GIB = 1 << 30
-
-
-def batches_by_length(lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray]:
-    """Sample indices, longest first, grouped so each batch's padded size stays within ``batch_tokens``."""
-    order = np.argsort(-lengths, kind="stable")
-    batches, current, width = [], [], 0
-    for index in order.tolist():
-        width = width or int(lengths[index])  # the first (longest) sample fixes the padded width
-        if current and (len(current) + 1) * width > batch_tokens:
-            batches.append(np.asarray(current))
-            current, width = [], int(lengths[index])
-        current.append(index)
-    if current:
-        batches.append(np.asarray(current))
-    return batches
 
 
 @dataclass

@@ -29,11 +29,10 @@ from rich.console import Console
 from .config import (EvalConfig, ExtractConfig, PrepareConfig, RegenerateConfig, StrictModel, TrainConfig,
                      describe_validation_error, read_yaml)
 from .errors import EagletError
+from .formats.files import (DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, EXPORTED_DRAFT_CONFIG_FILE, MANIFEST_FILE,
+                            REPORT_FILE, RUN_FILE, RUN_SCHEMA, answers_manifest)
 from .fsio import read_json, sha256_file, write_json_atomic
 
-STAGES = ("regenerate", "prepare", "extract", "train", "export", "eval")
-RUN_FILE = "run.json"
-RUN_SCHEMA = "eaglet.run/1"
 BYTES_PER_ANSWER_TOKEN = 8  # JSON text
 # Rough rates for --plan's time column (measured: benchmarks/RESULTS.md; CPU = this project's 2-core machine)
 RATES = {"cpu": {"generate_tok_s": 66, "extract_tok_s": 600, "decode_tok_s": 15},
@@ -81,15 +80,39 @@ def load_run_config(path: Path, overrides: dict[str, Any] | None = None) -> RunC
         raise EagletError(describe_validation_error(exc, f"config {path}")) from None
 
 
+@dataclass(frozen=True)
+class StageKind:
+    """What a stage of `eaglet run` is, whatever the run's settings: where its output goes, what it reads, which of
+    its files identify its output, how its settings are made from the run's and how it runs."""
+
+    name: str
+    output: str  # under the run directory
+    heldout_output: str | None  # the held-out twin's output (with `heldout:`)
+    reads: tuple[str, ...]  # upstream stages, nearest first: the first the run has is the one read
+    identifying: Callable[[Path, "RunConfig"], list[Path]]  # an output's files that make its output hash
+    present: Callable[["RunConfig"], bool]
+    configure: Callable[["Pipeline"], tuple[Any, Any]]  # (settings, the held-out twin's settings or None)
+    execute: Callable[["Pipeline", "Stage"], str]  # does the work, returns the one-line result
+    preflight: bool = True  # `eaglet preflight` checks its settings before it runs
+
+
 @dataclass
 class Stage:
-    name: str
-    config: Any  # the stage's validated config (None for export)
-    reads: tuple[str, ...]  # upstream stages whose outputs it consumes
+    """A stage as this run has it: its kind with validated settings and paths."""
+
+    kind: StageKind
+    config: Any  # the stage's validated config (the export section for export)
+    reads: tuple[str, ...]
     output: Path
-    run: Callable[[], str]  # does the work, returns the one-line result
     heldout: Any = None  # the same stage's config for the held-out prompts (RunConfig.heldout), or None
     heldout_output: Path | None = None
+
+    @property
+    def name(self) -> str:
+        return self.kind.name
+
+    def outputs(self) -> list[Path]:
+        return [self.output] + ([self.heldout_output] if self.heldout_output is not None else [])
 
 
 @dataclass
@@ -140,115 +163,37 @@ class Pipeline:
             raise EagletError(describe_validation_error(exc, f"config {self.config_path} section '{name}'")) from None
 
     def _build_stages(self) -> list[Stage]:
-        from .data.prepare import run_prepare
-        from .data.regenerate import run_regenerate
-        from .decode.evaluate import run_eval
-        from .export import export_draft
-        from .extract import run_extract
-        from .train import run_train
-
-        cfg, out, console = self.config, self.out, self.console
-        common = {"target": cfg.target, "trust_remote_code": cfg.trust_remote_code}
-        stages: list[Stage] = []
-        answers, heldout_answers = out / "regenerated.jsonl", out / "heldout.jsonl"
-        offline = cfg.extract is not None
-        if cfg.heldout is not None and (cfg.regenerate is None or not offline):
+        cfg = self.config
+        if cfg.heldout is not None and (cfg.regenerate is None or cfg.extract is None):
             raise EagletError(f"config {self.config_path}: 'heldout' needs a 'regenerate' section (the held-out split of "
                               "its prompts) and offline training (an 'extract' section); remove 'heldout' or add them")
-        regenerate_heldout = None
-        if cfg.regenerate is not None:
-            regenerate = self._section(RegenerateConfig, "regenerate", cfg.regenerate, {"out": str(answers), **common},
-                                       {"prompts": ["demo"], "split": "train"})
-            if cfg.heldout is not None:
-                if regenerate.split != "train":
-                    raise EagletError(f"config {self.config_path}: 'heldout' needs regenerate.split: train (got "
-                                      f"{regenerate.split!r}): the held-out prompts must not be trained on")
-                regenerate_heldout = regenerate.model_copy(update={
-                    "out": str(heldout_answers), "split": "heldout", "temperature": 0.0, "top_p": 1.0, "n": 1,
-                    "max_prompts": cfg.heldout.max_prompts})  # greedy: what `eaglet eval` decodes
-
-            def run_regeneration() -> str:
-                counts = run_regenerate(regenerate, console).manifest["counts"]["requests"]
-                if regenerate_heldout is None:
-                    return f"{counts} answers by the target"
-                held = run_regenerate(regenerate_heldout, console).manifest["counts"]["requests"]
-                return f"{counts} answers by the target, {held} held-out"
-
-            stages.append(Stage("regenerate", regenerate, (), answers, run_regeneration, regenerate_heldout,
-                                heldout_answers if regenerate_heldout is not None else None))
-        prepare_fixed = {"out": str(out / "prepared"), "overwrite": True, **common}
-        if cfg.regenerate is not None:
-            prepare_fixed["inputs"] = [str(answers)]
-        elif "inputs" not in cfg.prepare:
-            raise EagletError(f"config {self.config_path}: prepare.inputs is required without a 'regenerate' section; "
-                              "list conversation files, or add `regenerate:` to have the target answer prompts")
-        prepare = self._section(PrepareConfig, "prepare", cfg.prepare, prepare_fixed)
-        prepare_heldout = None if regenerate_heldout is None else prepare.model_copy(
-            update={"inputs": [str(heldout_answers)], "out": str(out / "prepared_heldout")})
-
-        def run_preparation() -> str:
-            manifest = run_prepare(prepare, console).manifest
-            if prepare_heldout is not None:
-                run_prepare(prepare_heldout, console)
-            return (f"{manifest['counts']['samples']:,} samples, {manifest['tokens']['total']:,} tokens, "
-                    f"draft vocab coverage {manifest['draft_vocab']['coverage']:.1%}")
-
-        stages.append(Stage("prepare", prepare, ("regenerate",) if cfg.regenerate is not None else (), out / "prepared",
-                            run_preparation, prepare_heldout, out / "prepared_heldout" if prepare_heldout else None))
-        if offline:
-            extract = self._section(ExtractConfig, "extract", cfg.extract, {"prepared": str(out / "prepared"),
-                                                                           "out": str(out / "store"), **common})
-            extract_heldout = None if prepare_heldout is None else extract.model_copy(
-                update={"prepared": str(out / "prepared_heldout"), "out": str(out / "store_heldout")})
-
-            def run_extraction() -> str:
-                totals = run_extract(extract, console).manifest["totals"]
-                if extract_heldout is not None:
-                    run_extract(extract_heldout, console)
-                return f"{totals['tokens']:,} tokens, {totals['bytes'] / 1e9:.2f} GB"
-
-            stages.append(Stage("extract", extract, ("prepare",), out / "store", run_extraction, extract_heldout,
-                                out / "store_heldout" if extract_heldout else None))
-        source = {"store": str(out / "store")} if offline else {"prepared": str(out / "prepared")}
-        if cfg.heldout is not None:
-            source["eval_store"] = str(out / "store_heldout")
-        train = self._section(TrainConfig, "train", cfg.train, {"out": str(out / "draft"), **source, **common})
-
-        def run_training() -> str:
-            result = run_train(train, console)
-            tau = result.final_eval.get("tau")
-            return f"step {result.steps}" + (f", held-out simulated acceptance {tau:.2f}" if tau is not None else "")
-
-        stages.append(Stage("train", train, ("extract" if offline else "prepare",), out / "draft", run_training))
-
-        def run_export(report: Path | None = None) -> str:
-            for fmt in cfg.export.formats:
-                export_draft(out / "draft", fmt, out / "export" / fmt, speculative_tokens=cfg.export.speculative_tokens,
-                             report_path=report, overwrite=True, target=cfg.target)
-            return ", ".join(str(out / "export" / fmt) for fmt in cfg.export.formats)
-
-        def current_report() -> Path | None:
-            """The eval report, when it was made from the draft being exported (so cards quote its τ)."""
-            state = self._state()
-            evaluation = next((s for s in self.stages if s.name == "eval"), None)
-            if evaluation is not None and state.get("eval", {}).get("complete") and \
-                    self._fingerprint_matches(evaluation, state, state["eval"]):
-                return out / "eval" / "report.json"
-            return None
-
-        stages.append(Stage("export", cfg.export, ("train",), out / "export", lambda: run_export(current_report())))
-        if cfg.eval is not None:
-            evaluation = self._section(EvalConfig, "eval", cfg.eval, {"draft": str(out / "draft"), "out": str(out / "eval"),
-                                                                      **common})
-
-            def run_evaluation() -> str:
-                report = run_eval(evaluation, console)
-                run_export(out / "eval" / "report.json")  # the model cards quote the measured τ
-                return (f"τ {report['acceptance_length']:.2f}, speedup {report['speedup']:.2f}x, "
-                        f"lossless {report['lossless']}")
-
-            stages.append(Stage("eval", evaluation, ("train",), out / "eval", run_evaluation))
+        stages: list[Stage] = []
+        for kind in STAGE_KINDS:
+            if not kind.present(cfg):
+                continue
+            config, heldout = kind.configure(self)
+            upstream = next(([name] for name in kind.reads if name in {s.name for s in stages}), [])
+            stages.append(Stage(kind, config, tuple(upstream), self.out / kind.output, heldout,
+                                self.out / kind.heldout_output if heldout is not None and kind.heldout_output else None))
         return stages
+
+    def common(self) -> dict[str, Any]:
+        """The keys every stage takes from the run itself."""
+        return {"target": self.config.target, "trust_remote_code": self.config.trust_remote_code}
+
+    def path(self, name: str) -> Path:
+        """The output of stage ``name`` (or its held-out twin, ``name`` + '_heldout') in this run."""
+        kind = STAGE_KINDS_BY_NAME[name.removesuffix("_heldout")]
+        return self.out / (kind.heldout_output if name.endswith("_heldout") else kind.output)  # type: ignore[operator]
+
+    def current_report(self) -> Path | None:
+        """The eval report, when it was made from the draft being exported (so cards quote its τ)."""
+        state = self._state()
+        evaluation = next((s for s in self.stages if s.name == "eval"), None)
+        if evaluation is not None and state.get("eval", {}).get("complete") and \
+                self._fingerprint_matches(evaluation, state, state["eval"]):
+            return evaluation.output / REPORT_FILE
+        return None
 
     # ------------------------------------------------------------------ state
 
@@ -289,22 +234,13 @@ class Pipeline:
 
     def _outputs(self, stage: Stage) -> list[Path]:
         """Everything a stage writes (regenerate's answers keep their manifest beside them)."""
-        outputs = [stage.output] + ([stage.heldout_output] if stage.heldout_output is not None else [])
         if stage.name == "regenerate":
-            return [p for output in outputs for p in (output, output.with_name(output.name + ".manifest.json"))]
-        return outputs
+            return [p for output in stage.outputs() for p in (output, answers_manifest(output))]
+        return stage.outputs()
 
     def _output_hash(self, stage: Stage) -> str | None:
-        """A hash of the stage's output manifest (what downstream fingerprints include)."""
-        outputs = [stage.output] + ([stage.heldout_output] if stage.heldout_output is not None else [])
-        candidates = [path for output in outputs for path in {
-            "regenerate": [output.with_name(output.name + ".manifest.json")],
-            "prepare": [output / "manifest.json"],
-            "extract": [output / "manifest.json"],
-            "train": [output / "model.safetensors", output / "config.json"],
-            "export": [output / fmt / "model.safetensors" for fmt in self.config.export.formats],
-            "eval": [output / "report.json"],
-        }[stage.name]]
+        """A hash of the files identifying the stage's output (what downstream fingerprints include)."""
+        candidates = [path for output in stage.outputs() for path in stage.kind.identifying(output, self.config)]
         if not all(p.is_file() for p in candidates):
             return None
         digest = hashlib.sha256()
@@ -379,7 +315,7 @@ class Pipeline:
                 plan.disk_bytes = prepared_tokens * 5
                 plan.seconds = 10 + prepared_tokens / 200_000
             elif plan.name == "extract":
-                from .store import bytes_per_token
+                from .formats.store import bytes_per_token
 
                 plan.disk_bytes = prepared_tokens * bytes_per_token(hidden, by_name["extract"].config.storage_dtype)
                 plan.seconds = 20 + prepared_tokens / rates["extract_tok_s"]
@@ -425,7 +361,7 @@ class Pipeline:
             if not self._fingerprint_matches(stage, state, record) or from_stage is not None:
                 for path in self._outputs(stage):  # made from other settings or inputs: start that stage over
                     _remove(path)
-            if stage.config is not None and stage.name in ("regenerate", "prepare", "extract", "train", "eval"):
+            if stage.kind.preflight:
                 checks = run_checks(stage.name, stage.config)
                 failed = [c for c in checks if c.status == FAIL]
                 if failed:
@@ -435,7 +371,7 @@ class Pipeline:
             self._save_state(state)
             self.console.print(f"[bold]== {stage.name}[/] ({plan.reason})")
             started = time.perf_counter()
-            outcome = stage.run()
+            outcome = stage.kind.execute(self, stage)
             seconds = time.perf_counter() - started
             state[stage.name] = {"fingerprint": fingerprint, "complete": True, "output_hash": self._output_hash(stage),
                                  "seconds": round(seconds, 1), "result": outcome}
@@ -448,7 +384,6 @@ class Pipeline:
 
     def serve_commands(self) -> dict[str, str]:
         """How to serve each exported draft, with its real path and the verifier its config names."""
-        from .draft import EXPORTED_DRAFT_CONFIG_FILE
         from .export import serve_command, verifier_reference
 
         commands = {}
@@ -458,6 +393,147 @@ class Pipeline:
                 verifier, _ = verifier_reference(read_json(directory / EXPORTED_DRAFT_CONFIG_FILE))
                 commands[fmt] = serve_command(fmt, verifier, self.config.export.speculative_tokens, str(directory))
         return commands
+
+
+# ---------------------------------------------------------------------------------------------- the stages
+
+
+def _configure_regenerate(pipeline: Pipeline) -> tuple[RegenerateConfig, RegenerateConfig | None]:
+    cfg = pipeline.config
+    regenerate = pipeline._section(RegenerateConfig, "regenerate", cfg.regenerate or {},
+                                   {"out": str(pipeline.path("regenerate")), **pipeline.common()},
+                                   {"prompts": ["demo"], "split": "train"})
+    if cfg.heldout is None:
+        return regenerate, None
+    if regenerate.split != "train":
+        raise EagletError(f"config {pipeline.config_path}: 'heldout' needs regenerate.split: train (got "
+                          f"{regenerate.split!r}): the held-out prompts must not be trained on")
+    return regenerate, regenerate.model_copy(update={  # greedy: what `eaglet eval` decodes
+        "out": str(pipeline.path("regenerate_heldout")), "split": "heldout", "temperature": 0.0, "top_p": 1.0, "n": 1,
+        "max_prompts": cfg.heldout.max_prompts})
+
+
+def _run_regenerate(pipeline: Pipeline, stage: Stage) -> str:
+    from .data.regenerate import run_regenerate
+
+    counts = run_regenerate(stage.config, pipeline.console).manifest["counts"]["requests"]
+    if stage.heldout is None:
+        return f"{counts} answers by the target"
+    held = run_regenerate(stage.heldout, pipeline.console).manifest["counts"]["requests"]
+    return f"{counts} answers by the target, {held} held-out"
+
+
+def _configure_prepare(pipeline: Pipeline) -> tuple[PrepareConfig, PrepareConfig | None]:
+    cfg = pipeline.config
+    fixed = {"out": str(pipeline.path("prepare")), "overwrite": True, **pipeline.common()}
+    if cfg.regenerate is not None:
+        fixed["inputs"] = [str(pipeline.path("regenerate"))]
+    elif "inputs" not in cfg.prepare:
+        raise EagletError(f"config {pipeline.config_path}: prepare.inputs is required without a 'regenerate' section; "
+                          "list conversation files, or add `regenerate:` to have the target answer prompts")
+    prepare = pipeline._section(PrepareConfig, "prepare", cfg.prepare, fixed)
+    heldout = None if cfg.heldout is None else prepare.model_copy(
+        update={"inputs": [str(pipeline.path("regenerate_heldout"))], "out": str(pipeline.path("prepare_heldout"))})
+    return prepare, heldout
+
+
+def _run_prepare(pipeline: Pipeline, stage: Stage) -> str:
+    from .data.prepare import run_prepare
+
+    manifest = run_prepare(stage.config, pipeline.console).manifest
+    if stage.heldout is not None:
+        run_prepare(stage.heldout, pipeline.console)
+    return (f"{manifest['counts']['samples']:,} samples, {manifest['tokens']['total']:,} tokens, "
+            f"draft vocab coverage {manifest['draft_vocab']['coverage']:.1%}")
+
+
+def _configure_extract(pipeline: Pipeline) -> tuple[ExtractConfig, ExtractConfig | None]:
+    extract = pipeline._section(ExtractConfig, "extract", pipeline.config.extract or {},
+                                {"prepared": str(pipeline.path("prepare")), "out": str(pipeline.path("extract")),
+                                 **pipeline.common()})
+    heldout = None if pipeline.config.heldout is None else extract.model_copy(
+        update={"prepared": str(pipeline.path("prepare_heldout")), "out": str(pipeline.path("extract_heldout"))})
+    return extract, heldout
+
+
+def _run_extract(pipeline: Pipeline, stage: Stage) -> str:
+    from .extract import run_extract
+
+    totals = run_extract(stage.config, pipeline.console).manifest["totals"]
+    if stage.heldout is not None:
+        run_extract(stage.heldout, pipeline.console)
+    return f"{totals['tokens']:,} tokens, {totals['bytes'] / 1e9:.2f} GB"
+
+
+def _configure_train(pipeline: Pipeline) -> tuple[TrainConfig, None]:
+    cfg = pipeline.config
+    source = {"store": str(pipeline.path("extract"))} if cfg.extract is not None \
+        else {"prepared": str(pipeline.path("prepare"))}
+    if cfg.heldout is not None:
+        source["eval_store"] = str(pipeline.path("extract_heldout"))
+    return pipeline._section(TrainConfig, "train", cfg.train,
+                             {"out": str(pipeline.path("train")), **source, **pipeline.common()}), None
+
+
+def _run_train(pipeline: Pipeline, stage: Stage) -> str:
+    from .train import run_train
+
+    result = run_train(stage.config, pipeline.console)
+    tau = result.final_eval.get("tau")
+    return f"step {result.steps}" + (f", held-out simulated acceptance {tau:.2f}" if tau is not None else "")
+
+
+def _export_all(pipeline: Pipeline, report: Path | None) -> str:
+    from .export import export_draft
+
+    section = pipeline.config.export
+    for fmt in section.formats:
+        export_draft(pipeline.path("train"), fmt, pipeline.path("export") / fmt,
+                     speculative_tokens=section.speculative_tokens, report_path=report, overwrite=True,
+                     target=pipeline.config.target)
+    return ", ".join(str(pipeline.path("export") / fmt) for fmt in section.formats)
+
+
+def _run_export(pipeline: Pipeline, stage: Stage) -> str:
+    return _export_all(pipeline, pipeline.current_report())
+
+
+def _configure_eval(pipeline: Pipeline) -> tuple[EvalConfig, None]:
+    return pipeline._section(EvalConfig, "eval", pipeline.config.eval or {},
+                             {"draft": str(pipeline.path("train")), "out": str(pipeline.path("eval")),
+                              **pipeline.common()}), None
+
+
+def _run_eval(pipeline: Pipeline, stage: Stage) -> str:
+    from .decode.evaluate import run_eval
+
+    report = run_eval(stage.config, pipeline.console)
+    _export_all(pipeline, stage.output / REPORT_FILE)  # the model cards quote the measured τ
+    return (f"τ {report['acceptance_length']:.2f}, speedup {report['speedup']:.2f}x, "
+            f"lossless {report['lossless']}")
+
+
+STAGE_KINDS = (
+    StageKind("regenerate", "regenerated.jsonl", "heldout.jsonl", (),
+              lambda output, run: [answers_manifest(output)],
+              lambda run: run.regenerate is not None, _configure_regenerate, _run_regenerate),
+    StageKind("prepare", "prepared", "prepared_heldout", ("regenerate",),
+              lambda output, run: [output / MANIFEST_FILE],
+              lambda run: True, _configure_prepare, _run_prepare),
+    StageKind("extract", "store", "store_heldout", ("prepare",),
+              lambda output, run: [output / MANIFEST_FILE],
+              lambda run: run.extract is not None, _configure_extract, _run_extract),
+    StageKind("train", "draft", None, ("extract", "prepare"),
+              lambda output, run: [output / DRAFT_WEIGHTS_FILE, output / DRAFT_CONFIG_FILE],
+              lambda run: True, _configure_train, _run_train),
+    StageKind("export", "export", None, ("train",),
+              lambda output, run: [output / fmt / DRAFT_WEIGHTS_FILE for fmt in run.export.formats],
+              lambda run: True, lambda pipeline: (pipeline.config.export, None), _run_export, preflight=False),
+    StageKind("eval", "eval", None, ("train",),
+              lambda output, run: [output / REPORT_FILE],
+              lambda run: run.eval is not None, _configure_eval, _run_eval),
+)
+STAGE_KINDS_BY_NAME = {kind.name: kind for kind in STAGE_KINDS}
 
 
 def _remove(path: Path) -> None:
@@ -502,7 +578,7 @@ def _count_rows(files: list[str], split: str = "all") -> int:
 
 
 def _prepared_tokens(prepared: Path) -> int:
-    manifest = prepared / "manifest.json"
+    manifest = prepared / MANIFEST_FILE
     if not manifest.is_file():
         return 0
     return int(read_json(manifest).get("tokens", {}).get("total", 0))

@@ -9,10 +9,12 @@ from typing import Any
 from rich.console import Console
 
 from .config import ExtractConfig
-from .data.prepared import load_prepared
 from .errors import EagletError
+from .formats.files import MANIFEST_FILE, record_name
+from .formats.prepared import load_prepared
+from .formats.store import plan_shards, prepared_path, read_manifest
 from .progress import progress_bar
-from .store import plan_shards, prepared_path, read_manifest, record_name, verify_shard
+from .store import verify_shard
 
 
 @dataclass
@@ -30,7 +32,7 @@ def verify_store(store: Path, check_prepared: bool = True, console: Console | No
     prepared = None
     if check_prepared:
         prepared_dir = prepared_path(store, manifest)
-        if (prepared_dir / "manifest.json").is_file():
+        if (prepared_dir / MANIFEST_FILE).is_file():
             prepared = load_prepared(prepared_dir)
             if prepared.manifest_sha256 != manifest["prepared"]["manifest_sha256"]:
                 raise EagletError(

@@ -19,7 +19,8 @@ from typing import Any
 
 from .errors import EagletError
 from .fsio import atomic_directory, json_error_text, sha256_file, sha256_json, write_json_atomic
-from .layers import default_aux_layer_ids
+from .formats.files import TARGET_CONFIG_FILE
+from .formats.layers import default_aux_layer_ids
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the embedded GGUF quantizes
@@ -57,7 +58,7 @@ def resolve_target(spec: str, trust_remote_code: bool = False) -> ResolvedTarget
             raise EagletError(f"target {spec}: GGUF file not found")
         return ResolvedTarget(spec, path.stem, convert_gguf(path))
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        if not (path / TARGET_CONFIG_FILE).is_file():
             raise EagletError(f"target {spec}: directory has no config.json (expected an HF model directory)")
         read_config(path)  # a broken config.json is named here, not blamed on the tokenizer later
         return ResolvedTarget(spec, path.name, path.resolve())
@@ -240,7 +241,7 @@ def read_config(path: Path) -> dict[str, Any]:
     JSON or not a decoder's config: otherwise the tokenizer or the model load fails on it, blamed on themselves."""
     import json
 
-    file = path / "config.json"
+    file = path / TARGET_CONFIG_FILE
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:

@@ -149,6 +149,24 @@ def ttt_forward(draft: Eagle3Draft, inputs: TTTInputs, steps: int, decay: float 
     return TTTOutput(total, step_losses, step_correct, step_counts)
 
 
+class TTTModule(torch.nn.Module):
+    """The draft plus its TTT loss as one forward, so DDP/FSDP see a single module call."""
+
+    def __init__(self, draft: Eagle3Draft, steps: int, decay: float, noise_std: float, attention_kernels: str):
+        super().__init__()
+        self.draft = draft
+        self.steps, self.decay, self.noise_std = steps, decay, noise_std
+        self.attention_kernels = attention_kernels
+
+    def attention(self, device: torch.device):
+        return attention_for(device, self.draft.config.head_dim, self.attention_kernels)
+
+    def forward(self, inputs: TTTInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = ttt_forward(self.draft, inputs, self.steps, self.decay, self.attention(inputs.input_ids.device),
+                          self.noise_std if self.training else 0.0)
+        return out.loss, torch.stack(out.step_losses), torch.stack(out.step_correct), torch.stack(out.step_counts)
+
+
 def simulated_acceptance(accuracies: list[float]) -> float:
     """Chain acceptance length Σ_k Π_{j<=k} acc_j (draft tokens accepted per target forward, bonus excluded)."""
     total, running = 0.0, 1.0

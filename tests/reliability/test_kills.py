@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from conftest import extract_args, store_bytes
-from eaglet.metrics import read_metrics
+from eaglet.train.metrics import read_metrics
 
 TRAIN = ["--token-budget", "128", "--max-steps", "24", "--save-every", "4", "--log-every", "1", "--eval-every", "8",
          "--lr", "3e-3", "--seed", "1"]

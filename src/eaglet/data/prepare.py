@@ -20,6 +20,7 @@ from rich.console import Console
 from .. import __version__
 from ..config import PrepareConfig
 from ..errors import EagletError
+from ..formats.files import MANIFEST_FILE, PREPARED_SCHEMA, SAMPLES_FILE, VOCAB_FILE
 from ..fsio import atomic_directory, sha256_file, sha256_json, write_json_atomic
 from ..progress import progress_bar
 from ..target import load_tokenizer, resolve_target, target_info
@@ -27,10 +28,6 @@ from .readers import BadRow, Conversation, fail_on_bad_rows, read_conversations
 from .render import ChatRenderer, Rendered
 from .vocab import build_draft_vocab, default_draft_vocab_size
 
-PREPARED_SCHEMA = "eaglet.prepared/1"
-SAMPLES_FILE = "samples.parquet"
-VOCAB_FILE = "vocab.safetensors"
-MANIFEST_FILE = "manifest.json"
 RENDER_BATCH = 512
 PARQUET_SCHEMA = pa.schema(
     [("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8()))]
@@ -92,13 +89,7 @@ def run_prepare(config: PrepareConfig, console: Console | None = None) -> Prepar
     target = resolve_target(config.target, config.trust_remote_code)
     tokenizer = load_tokenizer(target.path, config.trust_remote_code)
     info = target_info(target, tokenizer)
-    template = None
-    if config.chat_template:
-        template_path = Path(config.chat_template)
-        if not template_path.is_file():
-            raise EagletError(f"{template_path}: chat template file not found")
-        template = template_path.read_text(encoding="utf-8")
-    renderer = ChatRenderer(tokenizer, chat_template=template, max_len=config.max_len)
+    renderer = ChatRenderer(tokenizer, chat_template=_chat_template(config), max_len=config.max_len)
     vocab_size = max(info.vocab_size, len(tokenizer))
 
     conversations, bad = _collect(config)
@@ -107,44 +98,18 @@ def run_prepare(config: PrepareConfig, console: Console | None = None) -> Prepar
     if not conversations:
         raise EagletError(f"{', '.join(config.inputs)}: no usable conversations (all {len(bad)} rows were bad)")
 
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    lengths: list[int] = []
-    truncated = 0
-    dropped: list[BadRow] = []
-    assistant_tokens = 0
     with atomic_directory(out, overwrite=config.overwrite) as tmp:
-        writer = pq.ParquetWriter(tmp / SAMPLES_FILE, PARQUET_SCHEMA, compression="zstd")
-        with progress_bar("conv", console) as progress:
-            task = progress.add_task("prepare", total=len(conversations))
-            for begin in range(0, len(conversations), RENDER_BATCH):
-                batch = conversations[begin : begin + RENDER_BATCH]
-                rendered: list[Rendered] = []
-                for conversation, result in zip(batch, renderer.render_batch(batch)):
-                    if isinstance(result, str):
-                        dropped.append(BadRow(conversation.source, result))
-                        continue
-                    rendered.append(result)
-                    truncated += result.truncated
-                    lengths.append(len(result.input_ids))
-                    masked_ids = result.input_ids[result.loss_mask.astype(bool)]
-                    assistant_tokens += len(masked_ids)
-                    counts += np.bincount(masked_ids, minlength=vocab_size)
-                if rendered:
-                    writer.write_table(_to_table(rendered))
-                progress.advance(task, len(batch))
-        writer.close()
-        rejected = [row for row in dropped if "max-len" not in row.reason]
+        tally = _write_samples(conversations, renderer, vocab_size, tmp / SAMPLES_FILE, console)
+        rejected = [row for row in tally.dropped if "max-len" not in row.reason]
         if rejected and config.on_bad_row == "error":
             fail_on_bad_rows(rejected, console)
-        if not lengths:
-            raise EagletError(f"no usable samples: every conversation was dropped ({dropped[0]})")
-
+        if not tally.lengths:
+            raise EagletError(f"no usable samples: every conversation was dropped ({tally.dropped[0]})")
         draft_vocab_size = config.draft_vocab or default_draft_vocab_size(vocab_size)
         if draft_vocab_size > vocab_size:
             raise EagletError(f"--draft-vocab {draft_vocab_size} exceeds the target vocabulary ({vocab_size})")
-        vocab = build_draft_vocab(counts, draft_vocab_size)
+        vocab = build_draft_vocab(tally.counts, draft_vocab_size)
         vocab.save(tmp / VOCAB_FILE)
-        length_array = np.asarray(lengths)
         manifest = {
             "schema": PREPARED_SCHEMA,
             "eaglet_version": __version__,
@@ -161,22 +126,22 @@ def run_prepare(config: PrepareConfig, console: Console | None = None) -> Prepar
             "inputs": [{"path": str(p), "sha256": sha256_file(p)} for p in config.inputs],
             "counts": {
                 "rows_read": len(conversations) + len(bad),
-                "samples": len(lengths),
+                "samples": len(tally.lengths),
                 "bad_rows_skipped": len(bad) + len(rejected),
-                "dropped_no_assistant_tokens_within_max_len": len(dropped) - len(rejected),
-                "truncated_to_max_len": truncated,
+                "dropped_no_assistant_tokens_within_max_len": len(tally.dropped) - len(rejected),
+                "truncated_to_max_len": tally.truncated,
             },
             "tokens": {
-                "total": int(length_array.sum()),
-                "assistant": assistant_tokens,
-                "length": _length_stats(length_array),
+                "total": int(np.sum(tally.lengths)),
+                "assistant": tally.assistant_tokens,
+                "length": _length_stats(np.asarray(tally.lengths)),
             },
             "draft_vocab": {
                 "size": vocab.size,
                 "coverage": round(vocab.coverage, 6),
-                "distinct_assistant_tokens": int((counts > 0).sum()),
+                "distinct_assistant_tokens": int((tally.counts > 0).sum()),
             },
-            "skipped_rows": [{"source": r.source, "reason": r.reason} for r in bad + dropped],
+            "skipped_rows": [{"source": r.source, "reason": r.reason} for r in bad + tally.dropped],
             "files": {
                 SAMPLES_FILE: sha256_file(tmp / SAMPLES_FILE),
                 VOCAB_FILE: sha256_file(tmp / VOCAB_FILE),
@@ -184,4 +149,52 @@ def run_prepare(config: PrepareConfig, console: Console | None = None) -> Prepar
             "seconds": round(time.perf_counter() - started, 3),
         }
         write_json_atomic(tmp / MANIFEST_FILE, manifest)
-    return PrepareResult(out=out, manifest=manifest, bad_rows=bad + dropped)
+    return PrepareResult(out=out, manifest=manifest, bad_rows=bad + tally.dropped)
+
+
+def _chat_template(config: PrepareConfig) -> str | None:
+    """The --chat-template file's text (None: the tokenizer's own template)."""
+    if not config.chat_template:
+        return None
+    path = Path(config.chat_template)
+    if not path.is_file():
+        raise EagletError(f"{path}: chat template file not found")
+    return path.read_text(encoding="utf-8")
+
+
+@dataclass
+class _Tally:
+    """What rendering the conversations found, for the manifest and the draft vocabulary."""
+
+    counts: np.ndarray  # [vocab] how often each token is an assistant (loss) token
+    lengths: list[int] = field(default_factory=list)  # tokens per written sample
+    truncated: int = 0
+    assistant_tokens: int = 0
+    dropped: list[BadRow] = field(default_factory=list)  # conversations rendering refused
+
+
+def _write_samples(conversations: list[Conversation], renderer: ChatRenderer, vocab_size: int, path: Path,
+                   console: Console) -> _Tally:
+    """Render in batches and stream the samples to parquet, counting assistant tokens on the way."""
+    tally = _Tally(np.zeros(vocab_size, dtype=np.int64))
+    writer = pq.ParquetWriter(path, PARQUET_SCHEMA, compression="zstd")
+    with progress_bar("conv", console) as progress:
+        task = progress.add_task("prepare", total=len(conversations))
+        for begin in range(0, len(conversations), RENDER_BATCH):
+            batch = conversations[begin : begin + RENDER_BATCH]
+            rendered: list[Rendered] = []
+            for conversation, result in zip(batch, renderer.render_batch(batch)):
+                if isinstance(result, str):
+                    tally.dropped.append(BadRow(conversation.source, result))
+                    continue
+                rendered.append(result)
+                tally.truncated += result.truncated
+                tally.lengths.append(len(result.input_ids))
+                masked_ids = result.input_ids[result.loss_mask.astype(bool)]
+                tally.assistant_tokens += len(masked_ids)
+                tally.counts += np.bincount(masked_ids, minlength=vocab_size)
+            if rendered:
+                writer.write_table(_to_table(rendered))
+            progress.advance(task, len(batch))
+    writer.close()
+    return tally

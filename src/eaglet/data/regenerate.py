@@ -23,13 +23,13 @@ from rich.console import Console
 from .. import __version__
 from ..config import RegenerateConfig
 from ..errors import EagletError
+from ..formats.files import answers_manifest
 from ..fsio import append_lines_durable, sha256_file, write_bytes_atomic, write_json_atomic
 from ..progress import progress_bar
 from ..resources import resolve_input
 from ..target import decoding_attention
 from .readers import BadRow, fail_on_bad_rows, read_conversations
 
-MANIFEST_SUFFIX = ".manifest.json"
 CPU_BATCH = 8
 GPU_BATCH = 64
 
@@ -381,5 +381,5 @@ def run_regenerate(config: RegenerateConfig, console: Console | None = None) -> 
         "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 and new_tokens else None,
         "output_sha256": sha256_file(out),
     }
-    write_json_atomic(out.with_name(out.name + MANIFEST_SUFFIX), manifest)
+    write_json_atomic(answers_manifest(out), manifest)
     return RegenerateResult(out, len(todo), skipped, new_tokens, seconds, manifest)

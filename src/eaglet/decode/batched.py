@@ -6,7 +6,7 @@ Both keep every slot they ever computed and a per-row validity mask instead:
 - the target's KV cache has one slot per forward position for every row ([B, S]); a row's rejected
   draft tokens (and its prompt padding) stay in the cache as invalid slots that no query attends to;
   positions (RoPE) count only a row's valid tokens, so each row sees exactly what the batch-1 engine
-  (``engine.speculative_decode``) sees, and its greedy output is the target's own;
+  (``chain.speculative_decode``) sees, and its greedy output is the target's own;
 - the draft's cache is flat: every row's entries in one key set tagged with their row and position,
   and each query attends to its own row's entries only (a block-diagonal mask), so ``Eagle3Draft.step``
   runs all rows as one token list.
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..capture import FeatureCapture
 from ..draft import Eagle3Draft
-from .engine import DecodeResult, _finish, _sync, cache_kwarg, decode_step, draft_rope, draft_target_ids
+from .common import DecodeResult, cache_kwarg, decode_step, draft_rope, draft_target_ids, finish, sync
 
 
 class BatchTarget:
@@ -174,19 +174,19 @@ def _prefill(target: BatchTarget, prompts: list[list[int]]) -> tuple[torch.Tenso
 def batched_target_only_decode(target: BatchTarget, prompts: list[list[int]], max_new: int,
                                stop_ids: set[int]) -> list[DecodeResult]:
     """The baseline: the same batched engine, one target forward per token, no draft (greedy)."""
-    _sync(target.device)
+    sync(target.device)
     started = time.perf_counter()
     token, _, _ = _prefill(target, prompts)
     outputs = [[t] for t in token.tolist()]
     real = torch.ones(len(prompts), 1, dtype=torch.bool, device=target.device)
-    while not all(_finish(out, stop_ids, max_new)[1] for out in outputs):
+    while not all(finish(out, stop_ids, max_new)[1] for out in outputs):
         logits, _ = target.forward(token[:, None], real)
         token = logits[:, -1].argmax(-1)
         for out, value in zip(outputs, token.tolist()):
             out.append(value)
-    _sync(target.device)
+    sync(target.device)
     seconds = time.perf_counter() - started
-    return [DecodeResult(_finish(out, stop_ids, max_new)[0], seconds=seconds / len(prompts)) for out in outputs]
+    return [DecodeResult(finish(out, stop_ids, max_new)[0], seconds=seconds / len(prompts)) for out in outputs]
 
 
 def batched_speculative_decode(target: BatchTarget, draft: BatchDraft, prompts: list[list[int]], max_new: int,
@@ -195,7 +195,7 @@ def batched_speculative_decode(target: BatchTarget, draft: BatchDraft, prompts: 
     greedy decoding of that prompt (rows that finish keep running until all have, their extra tokens dropped)."""
     device = target.device
     rows = len(prompts)
-    _sync(device)
+    sync(device)
     started = time.perf_counter()
     last, aux, lengths = _prefill(target, prompts)
     draft.reset(rows)
@@ -233,8 +233,8 @@ def batched_speculative_decode(target: BatchTarget, draft: BatchDraft, prompts: 
                 continue
             outputs[row].extend(host_tokens[row][: host_accepted[row] + 1])
             accepted_counts[row].append(host_accepted[row])
-            done[row] = _finish(outputs[row], stop_ids, max_new)[1]
-    _sync(device)
+            done[row] = finish(outputs[row], stop_ids, max_new)[1]
+    sync(device)
     seconds = time.perf_counter() - started
-    return [DecodeResult(_finish(out, stop_ids, max_new)[0], counts, seconds / rows)
+    return [DecodeResult(finish(out, stop_ids, max_new)[0], counts, seconds / rows)
             for out, counts in zip(outputs, accepted_counts)]

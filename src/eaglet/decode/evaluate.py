@@ -1,5 +1,6 @@
-"""`eaglet eval`: what a draft is worth — acceptance length τ, speedup over the same engine without a
-draft (same process), and a lossless check of every greedy output against the target's own."""
+"""`eaglet eval`: what a draft is worth — acceptance length τ, speedup over the same engine without a draft
+(same process), and a lossless check of every greedy output against the target's own — written as report.json,
+report.md and PNG plots. The decoders themselves come from ``decoders.make_decoders``."""
 
 from __future__ import annotations
 
@@ -17,18 +18,13 @@ from ..config import EvalConfig
 from ..data.readers import BadRow, read_conversations
 from ..draft import load_draft
 from ..errors import EagletError
+from ..formats.files import REPORT_FILE, REPORT_MARKDOWN_FILE
 from ..fsio import write_json_atomic
 from ..progress import progress_bar
 from ..resources import resolve_input
 from ..target import load_head_weights, load_model, load_tokenizer, pick_device, resolve_target, target_info
-from .batched import BatchDraft, BatchTarget, batched_speculative_decode, batched_target_only_decode
-from .engine import DraftRunner, TargetRunner, speculative_decode, target_only_decode, tree_decode
-from .static import GRAPH_BUCKETS, StaticTarget, uses_static_cache
-from .rounds import (ChainRounds, GreedyTargetSteps, TreeRounds, static_chain_decode, static_target_decode,
-                     static_tree_decode)
-from .static_draft import StaticDraft, compiles_draft_round, draft_compile_problem
-from .static_tree import StaticTreeDraft
-from .sampling import Sampling
+from .decoders import check_settings, make_decoders
+from .runners import TargetRunner
 
 
 @dataclass
@@ -102,22 +98,9 @@ def _hf_generate_tokens_per_s(model: Any, prompts: list[list[int]], max_new: int
     return tokens / (time.perf_counter() - started)
 
 
-def _static_cache_length(config: EvalConfig, prompts: list[tuple[str, str, list[int]]]) -> int:
-    """Positions the static cache needs: the longest prompt, every new token, and the largest verification
-    (a tree's budget or a chain's depth, padded to a graph bucket) written past the end before acceptance."""
-    return max(len(p[2]) for p in prompts) + config.max_new_tokens + max(_verify_tokens(config), GRAPH_BUCKETS[-1] + 1)
-
-
-def _verify_tokens(config: EvalConfig) -> int:
-    """Tokens in one verification forward: the last accepted token + a chain's depth / a tree's budget."""
-    return (config.budget if config.mode == "tree" else config.depth) + 1
-
-
 def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, Any]:
     console = console or Console(stderr=True)
-    if config.batch_size > 1 and (config.mode != "chain" or config.temperature > 0):
-        raise EagletError(f"--batch-size {config.batch_size}: batched decoding drafts chains greedily; use --mode chain "
-                          "and temperature 0, or --batch-size 1 for trees and sampling")
+    check_settings(config)
     resolved = resolve_target(config.target, config.trust_remote_code)
     tokenizer = load_tokenizer(resolved.path, config.trust_remote_code)
     info = target_info(resolved, tokenizer)
@@ -132,120 +115,38 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     device = pick_device(config.device)
     model = load_model(resolved.path, device, config.dtype, config.trust_remote_code)
     draft = draft.to(device=device, dtype=next(model.parameters()).dtype).eval()
-    sampling = Sampling(config.temperature, config.top_p)
+    greedy = config.temperature <= 0
     stop = sorted({i for i in [tokenizer.eos_token_id, *(model.generation_config.eos_token_id
                    if isinstance(model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])] if i is not None})
     prompts = _prompts(config, tokenizer)
-    static = uses_static_cache(config.cuda_graphs, config.batch_size, device)
-    cache_length = _static_cache_length(config, prompts)
-    target_runner = TargetRunner(model, layer_ids)
-    if static:
-        try:
-            # greedy rounds verify inside their own graph; sampled ones verify through a bucket of this size
-            target_runner = StaticTarget(model, layer_ids, cache_length,
-                                         verify_tokens=1 if sampling.greedy else _verify_tokens(config))
-        except EagletError as error:
-            if config.cuda_graphs == "on":
-                raise
-            console.print(f"eaglet eval: dynamic cache, no CUDA graphs: {error}")
-            static = False
-    draft_runner = DraftRunner(draft)
-    # greedy chains and trees run the draft on a static cache too (one graph per round); sampling drafts eagerly
-    # and each greedy round (draft, verification, acceptance) is one graph, the baseline's step too
-    static_draft = rounds = steps = None
-    compiled = compiles_draft_round(config.compile_draft, static, sampling.greedy, device)
-    problem = draft_compile_problem(device) if compiled else None
-    if problem and config.compile_draft == "on":
-        raise EagletError(f"--compile-draft on: {problem}; pass --compile-draft off")
-    if problem:
-        console.print(f"eaglet eval: the draft's rounds run uncompiled: {problem}")
-        compiled = False
-    if static and sampling.greedy:
-        if config.mode == "chain":
-            static_draft = StaticDraft(draft, cache_length, config.depth, compiled=compiled)
-            rounds = ChainRounds(target_runner, static_draft)
-        else:
-            static_draft = StaticTreeDraft(draft, cache_length, config.depth, config.topk, config.budget,
-                                           compiled=compiled)
-            rounds = TreeRounds(target_runner, static_draft)
-        steps = GreedyTargetSteps(target_runner)
-
-    def speculate(ids: list[int], max_new: int, seed: int):
-        if isinstance(rounds, TreeRounds):
-            return static_tree_decode(target_runner, static_draft, ids, max_new, set(stop), rounds)
-        if isinstance(rounds, ChainRounds):
-            return static_chain_decode(target_runner, static_draft, ids, max_new, set(stop), rounds)
-        if config.mode == "tree":
-            return tree_decode(target_runner, draft_runner, ids, max_new, config.depth, config.topk, config.budget, set(stop),
-                               sampling, torch.Generator().manual_seed(seed))
-        return speculative_decode(target_runner, draft_runner, ids, max_new, config.depth, sampling, set(stop),
-                                  torch.Generator().manual_seed(seed))
-
-    def baseline(ids: list[int], max_new: int, seed: int):
-        if steps is not None:
-            return static_target_decode(target_runner, ids, max_new, set(stop), steps)
-        return target_only_decode(target_runner, ids, max_new, sampling, set(stop), torch.Generator().manual_seed(seed))
-
-    def one_at_a_time() -> list[PromptResult]:
-        # warm-up: kernels, caches, allocator, graph captures
-        if isinstance(target_runner, StaticTarget):
-            target_runner.capture_all()
-        baseline(prompts[0][2], 4, 0)
-        speculate(prompts[0][2], 4, 0)
-        results = []
-        with progress_bar("prompts", console) as progress:
-            task = progress.add_task("eval", total=len(prompts))
-            for index, (prompt_id, category, ids) in enumerate(prompts):
-                base = baseline(ids, config.max_new_tokens, config.seed + index)
-                spec = speculate(ids, config.max_new_tokens, config.seed + index)
-                lossless = (spec.tokens == base.tokens) if sampling.greedy else None
-                divergence = _divergence(model, layer_ids, ids, base.tokens, spec.tokens) if lossless is False else None
-                results.append(PromptResult(prompt_id, category, len(spec.tokens), spec.forwards, spec.accepted,
-                                            spec.seconds, base.seconds, lossless, divergence))
-                progress.advance(task)
-        return results
-
-    results = _batched_results(config, model, draft, layer_ids, prompts, set(stop), console) \
-        if config.batch_size > 1 else one_at_a_time()
+    decoders = make_decoders(config, model, draft, layer_ids, set(stop), max(len(p[2]) for p in prompts), device,
+                             console)
+    decoders.warm_up([row[2] for row in prompts[: decoders.group_size]])
+    results = []
+    with progress_bar("prompts", console) as progress:
+        task = progress.add_task("eval", total=len(prompts))
+        for start in range(0, len(prompts), decoders.group_size):
+            group = prompts[start : start + decoders.group_size]
+            ids = [row[2] for row in group]
+            base = decoders.baseline(ids, config.max_new_tokens, config.seed + start)
+            spec = decoders.speculative(ids, config.max_new_tokens, config.seed + start)
+            for (prompt_id, category, prompt), plain, drafted in zip(group, base, spec):
+                lossless = (drafted.tokens == plain.tokens) if greedy else None
+                divergence = _divergence(model, layer_ids, prompt, plain.tokens, drafted.tokens) if lossless is False else None
+                results.append(PromptResult(prompt_id, category, len(drafted.tokens), drafted.forwards, drafted.accepted,
+                                            drafted.seconds, plain.seconds, lossless, divergence))
+            progress.advance(task, len(group))
     report = _report(config, results, info.name, str(device))
-    report["settings"]["cuda_graphs"] = static and device.startswith("cuda")
-    report["settings"]["static_cache"] = static
-    report["settings"]["static_draft"] = static_draft is not None
-    report["settings"]["compiled_draft"] = compiled
+    report["settings"].update(decoders.settings)
     if config.hf_generate_baseline:
         report["hf_generate_tokens_per_s"] = round(
             _hf_generate_tokens_per_s(model, [p[2] for p in prompts], config.max_new_tokens, stop), 2)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / "report.json", report)
-    (out / "report.md").write_text(_markdown(report), encoding="utf-8")
+    write_json_atomic(out / REPORT_FILE, report)
+    (out / REPORT_MARKDOWN_FILE).write_text(_markdown(report), encoding="utf-8")
     _plots(report, out)
     return report
-
-
-def _batched_results(config: EvalConfig, model: Any, draft: Any, layer_ids: tuple[int, ...],
-                     prompts: list[tuple[str, str, list[int]]], stop: set[int], console: Console) -> list[PromptResult]:
-    """Prompts in groups of ``batch_size``, each group decoded without and with the draft by the batched
-    engine; a group's wall time is shared evenly by its rows (totals, hence tokens/s, are exact)."""
-    target, batch_draft = BatchTarget(model, layer_ids), BatchDraft(draft)
-    warm = [row[2] for row in prompts[: config.batch_size]]  # warm-up at the batch shape: kernels, allocator
-    batched_target_only_decode(target, warm, 4, stop)
-    batched_speculative_decode(target, batch_draft, warm, 4, config.depth, stop)
-    results = []
-    with progress_bar("prompts", console) as progress:
-        task = progress.add_task("eval", total=len(prompts))
-        for start in range(0, len(prompts), config.batch_size):
-            group = prompts[start : start + config.batch_size]
-            ids = [row[2] for row in group]
-            base = batched_target_only_decode(target, ids, config.max_new_tokens, stop)
-            spec = batched_speculative_decode(target, batch_draft, ids, config.max_new_tokens, config.depth, stop)
-            for (prompt_id, category, prompt), plain, drafted in zip(group, base, spec):
-                lossless = drafted.tokens == plain.tokens
-                divergence = None if lossless else _divergence(model, layer_ids, prompt, plain.tokens, drafted.tokens)
-                results.append(PromptResult(prompt_id, category, len(drafted.tokens), drafted.forwards, drafted.accepted,
-                                            drafted.seconds, plain.seconds, lossless, divergence))
-            progress.advance(task, len(group))
-    return results
 
 
 def _report(config: EvalConfig, results: list[PromptResult], target_name: str, device: str) -> dict[str, Any]:

@@ -99,10 +99,10 @@ def check_device(requested: str) -> Check:
 
 
 def check_layers(layers: list[int] | None, num_layers: int) -> Check:
-    from ..layers import default_aux_layer_ids, validate_aux_layer_ids
+    from ..formats.layers import resolve_aux_layer_ids
 
     try:
-        ids = validate_aux_layer_ids(layers, num_layers) if layers else default_aux_layer_ids(num_layers)
+        ids = resolve_aux_layer_ids(layers, num_layers)
     except EagletError as exc:
         return Check("aux layer ids", FAIL, exc.message, f"choose three increasing ids in 1..{num_layers - 1}")
     return Check("aux layer ids", PASS, f"{list(ids)} (input of decoder layer i) of {num_layers}")

@@ -7,6 +7,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import EagletError
+from ..formats.draft import read_draft_config
+from ..formats.files import MANIFEST_FILE, VOCAB_FILE
+from ..support import compiles_draft_round, draft_compile_problem, static_cache_problem, uses_static_cache
 from .checks import (
     FAIL,
     GIB,
@@ -103,8 +106,8 @@ def regenerate_checks(cfg: Any) -> list[Check]:
 
 
 def extract_checks(cfg: Any) -> list[Check]:
-    from ..data.prepared import load_prepared
-    from ..store import bytes_per_token
+    from ..formats.prepared import load_prepared
+    from ..formats.store import bytes_per_token
 
     checks = [Check("config", PASS, "valid"), check_device(cfg.device)]
     if checks[-1].status == FAIL:
@@ -126,8 +129,8 @@ def extract_checks(cfg: Any) -> list[Check]:
                         "" if same else "prepare again with this --target"))
     checks.append(check_layers(cfg.layers, info.num_layers))
     store = Path(cfg.out)
-    if (store / "manifest.json").is_file():
-        existing = json.loads((store / "manifest.json").read_text())
+    if (store / MANIFEST_FILE).is_file():
+        existing = json.loads((store / MANIFEST_FILE).read_text())
         mismatch = [k for k, v in (("aux_layer_ids", cfg.layers), ("storage_dtype", cfg.storage_dtype))
                     if v is not None and existing.get(k) != v]
         if not info.same_config(existing.get("target", {}).get("config_hash")):
@@ -148,8 +151,8 @@ def extract_checks(cfg: Any) -> list[Check]:
 
 
 def train_checks(cfg: Any) -> list[Check]:
-    from ..data.prepared import load_prepared
-    from ..store import prepared_path, read_manifest
+    from ..formats.prepared import load_prepared
+    from ..formats.store import prepared_path, read_manifest
 
     checks = [Check("config", PASS, "valid"), check_device(cfg.device)]
     if checks[-1].status == FAIL:
@@ -173,6 +176,9 @@ def train_checks(cfg: Any) -> list[Check]:
                             + ("" if manifest["complete"] else ", extraction incomplete"),
                             "" if same and manifest["complete"] else
                             ("extract with this --target" if not same else "rerun the same `eaglet extract` to finish it")))
+        if cfg.layers and list(cfg.layers) != list(manifest["aux_layer_ids"]):
+            checks.append(Check("aux layer ids", FAIL, f"--layers {cfg.layers}, the store holds {manifest['aux_layer_ids']}",
+                                "drop --layers (training uses the store's), or extract again with --layers"))
         prepared_dir = prepared_path(Path(cfg.store), manifest)
     else:
         try:
@@ -182,9 +188,10 @@ def train_checks(cfg: Any) -> list[Check]:
         same = prepared.manifest["target"]["tokenizer_hash"] == info.tokenizer_hash
         checks.append(Check("prepared set", PASS if same else FAIL, f"{len(prepared):,} samples",
                             "" if same else "prepare again with this --target"))
+        checks.append(check_layers(cfg.layers, info.num_layers))
         checks.append(check_library_api())  # online: the target is loaded and driven through transformers
         prepared_dir = Path(cfg.prepared)
-    vocab_file = Path(cfg.draft_vocab_file or prepared_dir / "vocab.safetensors")
+    vocab_file = Path(cfg.draft_vocab_file or prepared_dir / VOCAB_FILE)
     checks.append(Check("draft vocab", PASS, str(vocab_file)) if vocab_file.is_file() else Check(
         "draft vocab", FAIL, f"{vocab_file}: no draft vocabulary here",
         "prepare again (or pass --set draft_vocab_file=PATH when the prepared set moved)"))
@@ -209,29 +216,24 @@ def eval_checks(cfg: Any) -> list[Check]:
         return checks
     target_checks, found = check_target(cfg.target, need_template=True, trust_remote_code=cfg.trust_remote_code)
     checks += target_checks
-    draft_config = Path(cfg.draft) / "eaglet_draft.json"
-    if not draft_config.is_file():
-        draft_config = Path(cfg.draft) / "config.json"
-    if not draft_config.is_file():
-        checks.append(Check("draft", FAIL, f"{cfg.draft}: no config.json", "pass a directory written by `eaglet train` or `eaglet export`"))
-    elif found:
-        config = json.loads(draft_config.read_text())
-        target = config.get("target") or {}
-        same = target.get("config_hash") is None or found[1].same_config(target.get("config_hash"))
-        checks.append(Check("draft", PASS if same else FAIL, f"trained for {target.get('name', '?')}, layers "
-                            f"{config.get('eagle_aux_hidden_state_layer_ids')}", "" if same else "pass the draft's --target"))
+    try:
+        stored = read_draft_config(Path(cfg.draft))
+    except EagletError as exc:
+        checks.append(Check("draft", FAIL, exc.message))
+        stored = None
+    if stored is not None and found:
+        recorded = stored.config.target or {}
+        same = recorded.get("config_hash") is None or found[1].same_config(recorded.get("config_hash"))
+        checks.append(Check("draft", PASS if same else FAIL, f"trained for {recorded.get('name', '?')}, layers "
+                            f"{stored.config.eagle_aux_hidden_state_layer_ids}", "" if same else "pass the draft's --target"))
     checks.append(check_rows([resolve_input(p) for p in cfg.prompts], need_assistant=False))
     if found:
         checks.append(check_library_api())
         device, dtype_bytes = _device_bytes(cfg.device, cfg.dtype)
         checks.append(check_memory(device, weights_bytes(found[0].path, dtype_bytes), "target weights"))
-        from ..decode.static import uses_static_cache
-
         if uses_static_cache(cfg.cuda_graphs, cfg.batch_size, device):
             checks.append(check_static_cache(found[0].path, cfg.cuda_graphs, device.startswith("cuda"),
                                              cfg.trust_remote_code))
-            from ..decode.static_draft import compiles_draft_round
-
             if compiles_draft_round(cfg.compile_draft, True, cfg.temperature == 0, device):
                 checks.append(check_draft_compile(cfg.compile_draft, device))
     return checks
@@ -239,8 +241,6 @@ def eval_checks(cfg: Any) -> list[Check]:
 
 def check_draft_compile(mode: str, device: str) -> Check:
     """eval's compiled draft rounds can be built here."""
-    from ..decode.static_draft import draft_compile_problem
-
     problem = draft_compile_problem(device)
     if problem is None:
         return Check("draft compile", PASS, "the draft's rounds can go through torch.compile")
@@ -252,8 +252,6 @@ def check_draft_compile(mode: str, device: str) -> Check:
 def check_static_cache(target_path: Any, mode: str, graphs: bool, trust_remote_code: bool) -> Check:
     """eval's static-cache / CUDA-graph path suits the target (from its config alone, no weights)."""
     from transformers import AutoConfig
-
-    from ..decode.static import static_cache_problem
 
     problem = static_cache_problem(AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code), graphs)
     if problem is None:
@@ -273,7 +271,7 @@ def check_engine_coverage(fmt: str, declared: list[str]) -> list[Check]:
     import importlib.metadata
 
     from ..consumers.fixtures import covered_versions
-    from ..export import SPECULATORS_VERSION
+    from ..formats.draft import SPECULATORS_VERSION
 
     wanted: dict[str, set[str]] = {}
     for spec in declared:
@@ -304,17 +302,11 @@ def check_engine_coverage(fmt: str, declared: list[str]) -> list[Check]:
 
 
 def export_checks(cfg: Any) -> list[Check]:
-    from ..draft import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE
-
     checks = [Check("config", PASS, "valid")]
-    draft = Path(cfg.draft)
-    if not (draft / DRAFT_CONFIG_FILE).is_file() or not (draft / DRAFT_WEIGHTS_FILE).is_file():
-        return checks + [Check("draft", FAIL, f"{draft}: not a draft (needs {DRAFT_CONFIG_FILE} and {DRAFT_WEIGHTS_FILE})",
-                               "run `eaglet train`, or pass its --out")]
     try:
-        recorded = json.loads((draft / DRAFT_CONFIG_FILE).read_text(encoding="utf-8")).get("target", {})
-    except ValueError as exc:
-        return checks + [Check("draft", FAIL, f"{draft / DRAFT_CONFIG_FILE}: not valid JSON ({exc})", "train again")]
+        recorded = read_draft_config(Path(cfg.draft)).config.target or {}
+    except EagletError as exc:
+        return checks + [Check("draft", FAIL, exc.message)]
     checks.append(Check("draft", PASS, f"trained for {recorded.get('name', '?')}"))
     if cfg.format == "speculators":
         spec = cfg.target or recorded.get("spec")

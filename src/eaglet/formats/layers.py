@@ -7,7 +7,9 @@ embedding output). SGLang adds one to explicit ids, so its exporter writes ``i -
 
 from __future__ import annotations
 
-from .errors import EagletError
+from typing import Sequence
+
+from ..errors import EagletError
 
 AUX_CONVENTION = "input_of_layer"  # recorded in every manifest that stores layer ids
 NUM_AUX_LAYERS = 3
@@ -38,6 +40,11 @@ def validate_aux_layer_ids(ids: list[int] | tuple[int, ...], num_layers: int) ->
             f"(valid: 1..{num_layers - 1}, the input of a decoder layer)"
         )
     return ids
+
+
+def resolve_aux_layer_ids(explicit: Sequence[int] | None, num_layers: int) -> tuple[int, ...]:
+    """The ids a stage uses: ``explicit`` ones checked against the target, else the defaults."""
+    return validate_aux_layer_ids(explicit, num_layers) if explicit else default_aux_layer_ids(num_layers)
 
 
 def to_sglang_layer_ids(ids: tuple[int, ...]) -> tuple[int, ...]:

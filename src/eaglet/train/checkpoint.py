@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from .errors import EagletError
-from .fsio import atomic_directory, read_json, write_json_atomic
+from ..errors import EagletError
+from ..formats.files import (CHECKPOINT_WEIGHTS_FILE, CHECKPOINTS_DIR, OPTIMIZER_FILE, RNG_FILE, TRAINER_STATE_FILE,
+                            checkpoint_dir_name)
+from ..fsio import atomic_directory, read_json, write_json_atomic
 
-CHECKPOINTS_DIR = "checkpoints"
-STATE_FILE = "trainer.json"
 
 
 @dataclass
@@ -45,12 +45,12 @@ def save_checkpoint(run: Path, model_state: dict[str, torch.Tensor], optimizer_s
     """``model_state``/``optimizer_state``: full (unsharded) state dicts, see ``Parallel.full_state``."""
     from safetensors.torch import save_file
 
-    final = run / CHECKPOINTS_DIR / f"step-{state.step:06d}"
+    final = run / CHECKPOINTS_DIR / checkpoint_dir_name(state.step)
     with atomic_directory(final, overwrite=True) as tmp:
-        save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, str(tmp / "draft.safetensors"))
-        torch.save(optimizer_state, tmp / "optimizer.pt")
-        save_file(_rng_state(), str(tmp / "rng.safetensors"))
-        write_json_atomic(tmp / STATE_FILE, {"state": state.as_dict(), "scheduler": scheduler.state_dict(),
+        save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, str(tmp / CHECKPOINT_WEIGHTS_FILE))
+        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+        save_file(_rng_state(), str(tmp / RNG_FILE))
+        write_json_atomic(tmp / TRAINER_STATE_FILE, {"state": state.as_dict(), "scheduler": scheduler.state_dict(),
                                              "identity": identity})
     checkpoints = sorted((run / CHECKPOINTS_DIR).glob("step-*"))
     for old in checkpoints[:-keep_last]:
@@ -59,7 +59,7 @@ def save_checkpoint(run: Path, model_state: dict[str, torch.Tensor], optimizer_s
 
 
 def latest_checkpoint(run: Path) -> Path | None:
-    candidates = sorted(p for p in (run / CHECKPOINTS_DIR).glob("step-*") if (p / STATE_FILE).is_file())
+    candidates = sorted(p for p in (run / CHECKPOINTS_DIR).glob("step-*") if (p / TRAINER_STATE_FILE).is_file())
     return candidates[-1] if candidates else None
 
 
@@ -75,20 +75,20 @@ def load_checkpoint(path: Path, expected_keys: set[str], scheduler: Any, identit
     model and optimizer states for the caller to load (sharded or not)."""
     from safetensors.torch import load_file
 
-    saved = read_json(path / STATE_FILE)
+    saved = read_json(path / TRAINER_STATE_FILE)
     for key, value in identity.items():
         if saved["identity"].get(key) != value:
             raise EagletError(
                 f"{path}: checkpoint was trained with {key}={saved['identity'].get(key)!r}, this run has {value!r}; "
                 "use another --out or the same settings"
             )
-    model_state = load_file(str(path / "draft.safetensors"))
+    model_state = load_file(str(path / CHECKPOINT_WEIGHTS_FILE))
     if set(model_state) != expected_keys:
         raise EagletError(f"{path}: checkpoint weights do not match the draft "
                           f"(missing {sorted(expected_keys - set(model_state))}, unexpected {sorted(set(model_state) - expected_keys)})")
-    optimizer_state = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
+    optimizer_state = torch.load(path / OPTIMIZER_FILE, weights_only=True, map_location="cpu")
     scheduler.load_state_dict(saved["scheduler"])
-    rng = load_file(str(path / "rng.safetensors"))
+    rng = load_file(str(path / RNG_FILE))
     torch.set_rng_state(rng["cpu"])
     if torch.cuda.is_available():
         cuda_states = [rng[k] for k in sorted(rng) if k.startswith("cuda")]

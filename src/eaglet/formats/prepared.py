@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from ..errors import EagletError
 from ..fsio import json_error_text, sha256_file
-from .prepare import MANIFEST_FILE, PREPARED_SCHEMA, SAMPLES_FILE, VOCAB_FILE
+from .files import MANIFEST_FILE, PREPARED_SCHEMA, SAMPLES_FILE, VOCAB_FILE
 
 REQUIRED_COLUMNS = {"id": pa.string(), "input_ids": pa.list_(pa.int32()), "loss_mask": pa.list_(pa.uint8())}
 PREPARE_AGAIN = "run `eaglet prepare` again to rewrite it"

@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .draft import DraftConfig
-from .fsio import write_bytes_atomic
+from ..formats.draft import DraftConfig
+from ..formats.files import METRICS_FILE
+from ..fsio import write_bytes_atomic
 
 H200_BF16_DENSE_FLOPS = 989.4e12  # the MFU denominator used by every eaglet benchmark
 
@@ -31,7 +32,7 @@ class MetricsLog:
     run), it first drops the rows logged after that step: the resumed run logs those steps again."""
 
     def __init__(self, run: Path, enabled: bool, tensorboard: bool = True, resumed_step: int = 0):
-        self.path = run / "metrics.jsonl"
+        self.path = run / METRICS_FILE
         self.enabled = enabled
         self.writer = None
         if enabled and self.path.is_file():
@@ -73,7 +74,7 @@ def _step_of(line: str) -> float:
 
 
 def read_metrics(run: Path) -> list[dict[str, Any]]:
-    path = run / "metrics.jsonl"
+    path = run / METRICS_FILE
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,28 +1,32 @@
-"""Feature sources: what the trainer consumes, offline (a store) or online (the live target).
+"""What the trainer consumes: packed batches of features, offline (a store) or online (the live target).
 
-Both yield the same ``FeatureBatch``es for the same seed and epoch: samples are ordered by
-``epoch_order`` (shards shuffled, then samples within each shard) and packed greedily into a fixed
-token budget. So online and offline training share one code path and one data order.
+An epoch is planned once, from the sample lengths alone: samples ordered by ``epoch_order`` (shards shuffled, then
+samples within each shard), truncated to the token budget and packed greedily into micro-batches of at most that
+many tokens (``plan_epoch``). A source then fetches the features of each planned micro-batch — a store reads its
+shards (checked as they are read), the live target runs a forward — so online and offline training take the same
+batches in the same order, and counting an epoch's batches costs no features. ``pad_to_budget`` fills a batch to
+exactly the budget (one shape for compiled kernels).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Protocol
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
-from .capture import FeatureCapture
-from .data.prepared import PreparedSet
-from .errors import EagletError
-from .extract import batches_by_length
+from ..capture import FeatureCapture, batches_by_length
+from ..errors import EagletError
+from ..formats.prepared import PreparedSet
+from ..formats.store import ShardPlan, check_same_target, plan_shards, read_manifest
+from ..store import ShardError, check_layout, decode_features, read_header, read_shard, read_tensor
 from .prefetch import prefetched
-from .store import (ShardError, ShardPlan, check_layout, check_same_target, decode_features, plan_shards, read_header,
-                    read_manifest, read_shard, read_tensor)
 
-PREFETCH_SHARDS = 2
+PREFETCH_SHARDS = 2  # shards read (and checksummed) ahead of the batch being trained on
+
+SampleFilter = Callable[[int], bool]
 
 
 @dataclass
@@ -39,14 +43,9 @@ class FeatureBatch:
         return int(self.input_ids.numel())
 
 
-SampleFilter = Callable[[int], bool]
-
-
-class FeatureSource(Protocol):
-    hidden_size: int
-    layer_ids: tuple[int, ...]
-
-    def batches(self, epoch: int, select: SampleFilter | None = None) -> Iterator[FeatureBatch]: ...
+def kept_length(length: int, token_budget: int) -> int:
+    """Tokens of a sample that training sees: longer samples are cut to the budget."""
+    return min(int(length), token_budget)
 
 
 def epoch_order(plans: list[ShardPlan], seed: int, epoch: int, select: SampleFilter | None = None) -> list[int]:
@@ -65,24 +64,26 @@ def held_out(sample: int, seed: int, fraction: float) -> bool:
     return float(np.random.default_rng([seed, sample, 7]).random()) < fraction
 
 
-def pack_stream(items: Iterable[tuple[int, int]], token_budget: int) -> Iterator[list[int]]:
-    """Greedy packing of (sample, length) in order: a batch closes when the next sample would overflow."""
+def plan_epoch(order: list[int], lengths: np.ndarray, token_budget: int) -> list[list[int]]:
+    """Greedy packing of the samples in ``order``: a micro-batch closes when the next sample would overflow."""
+    groups: list[list[int]] = []
     current: list[int] = []
     used = 0
-    for index, length in items:
-        length = min(length, token_budget)  # longer samples are truncated to the budget
+    for sample in order:
+        length = kept_length(lengths[sample], token_budget)
         if current and used + length > token_budget:
-            yield current
+            groups.append(current)
             current, used = [], 0
-        current.append(index)
+        current.append(sample)
         used += length
     if current:
-        yield current
+        groups.append(current)
+    return groups
 
 
-def _assemble(pieces: list[tuple[int, dict[str, torch.Tensor]]], token_budget: int) -> FeatureBatch:
-    """pieces: (sample index, {input_ids, loss_mask, aux, last} for that sample)."""
-    cut = [{k: v[:token_budget] for k, v in piece.items()} for _, piece in pieces]
+def assemble(pieces: list[tuple[int, dict[str, torch.Tensor]]], token_budget: int) -> FeatureBatch:
+    """pieces: (sample index, {input_ids, loss_mask, aux, last} for that sample), each cut to the budget."""
+    cut = [{k: v[: kept_length(len(v), token_budget)] for k, v in piece.items()} for _, piece in pieces]
     lengths = torch.tensor([len(p["input_ids"]) for p in cut])
     return FeatureBatch(
         input_ids=torch.cat([p["input_ids"] for p in cut]).long(),
@@ -94,8 +95,52 @@ def _assemble(pieces: list[tuple[int, dict[str, torch.Tensor]]], token_budget: i
     )
 
 
-class StoreSource:
-    """Streams a store's shards (a prefetch thread reads ahead) in the epoch's order. The shard list, each shard's
+def pad_to_budget(batch: FeatureBatch, budget: int, pin: bool = False) -> FeatureBatch:
+    """Fill the packed batch up to exactly ``budget`` tokens with one padding document (loss-masked,
+    attending only to itself), so every step has the same shapes: compiled kernels and block masks
+    are built once instead of once per batch length. ``pin``: written straight into pinned memory (one
+    copy), ready for a non-blocking copy to the GPU."""
+    missing = budget - batch.tokens
+    if missing <= 0 and not pin:
+        return batch
+
+    def padded(tensor: torch.Tensor) -> torch.Tensor:  # [tokens, ...] -> [max(budget, tokens), ...], zeros after
+        out = torch.empty((max(budget, len(tensor)), *tensor.shape[1:]), dtype=tensor.dtype, pin_memory=pin)
+        out[: len(tensor)] = tensor
+        out[len(tensor):] = 0
+        return out
+
+    return FeatureBatch(
+        input_ids=padded(batch.input_ids), loss_mask=padded(batch.loss_mask), aux=padded(batch.aux),
+        last=padded(batch.last),
+        doc_offsets=torch.cat([batch.doc_offsets, torch.tensor([budget])]) if missing > 0 else batch.doc_offsets,
+        sample_index=batch.sample_index,
+    )
+
+
+class FeatureSource:
+    """A set of samples (``plans``: shards of sample indices, ``lengths`` per sample) whose epochs are planned once
+    and whose features a subclass fetches per planned micro-batch."""
+
+    plans: list[ShardPlan]
+    lengths: dict[int, int] | np.ndarray
+    token_budget: int
+    seed: int
+    hidden_size: int
+    layer_ids: tuple[int, ...]
+
+    def plan(self, epoch: int, select: SampleFilter | None = None) -> list[list[int]]:
+        return plan_epoch(epoch_order(self.plans, self.seed, epoch, select), self.lengths, self.token_budget)
+
+    def batches(self, epoch: int, select: SampleFilter | None = None) -> Iterator[FeatureBatch]:
+        return self.fetch(self.plan(epoch, select))
+
+    def fetch(self, groups: list[list[int]]) -> Iterator[FeatureBatch]:
+        raise NotImplementedError
+
+
+class StoreSource(FeatureSource):
+    """Streams a store's shards (a prefetch thread reads ahead) in the planned order. The shard list, each shard's
     size and tensor layout are checked against the manifest when the source opens (headers only: seconds), and each
     shard's sha256 as it is read, before anything of it is trained on."""
 
@@ -107,8 +152,8 @@ class StoreSource:
         if expect_target is not None:
             check_same_target(self.manifest, expect_target, f"store {store}")
         self.hidden_size = self.manifest["hidden_size"]
-        self.plans = [ShardPlan(entry["index"], self._sample_index(entry), entry["tokens"])
-                      for entry in self.manifest["shards"]]
+        self.lengths = {}
+        self.plans = [self._open(entry) for entry in self.manifest["shards"]]
         self.by_index = {s["index"]: s for s in self.manifest["shards"]}
         self.token_budget = token_budget
         self.seed = seed
@@ -118,18 +163,22 @@ class StoreSource:
         return EagletError(f"{self.store / entry['file']}: {reason}; run `eaglet store verify {self.store} --repair` "
                            "to re-extract the damaged shards")
 
-    def _sample_index(self, entry: dict) -> tuple[int, ...]:
-        """The shard's samples, read from its header and index tensor (its layout checked on the way)."""
+    def _open(self, entry: dict) -> ShardPlan:
+        """The shard's samples and their lengths, from its header, index and offsets (its layout checked on the way)."""
         path = self.store / entry["file"]
         try:
             if path.stat().st_size != entry["bytes"]:
                 raise ShardError(f"size {path.stat().st_size} bytes, the manifest says {entry['bytes']}")
             check_layout(read_header(path), entry, self.hidden_size)
-            return tuple(read_tensor(path, "sample_index").tolist())
+            samples = read_tensor(path, "sample_index").tolist()
+            offsets = read_tensor(path, "offsets").tolist()
         except FileNotFoundError:
             raise self._damaged(entry, "file missing") from None
         except ShardError as exc:
             raise self._damaged(entry, str(exc)) from None
+        for row, sample in enumerate(samples):
+            self.lengths[sample] = offsets[row + 1] - offsets[row]
+        return ShardPlan(entry["index"], tuple(samples), entry["tokens"])
 
     def _shard_samples(self, index: int) -> dict[int, dict[str, torch.Tensor]]:
         entry = self.by_index[index]
@@ -147,32 +196,25 @@ class StoreSource:
                                "aux": aux[begin:end], "last": last[begin:end]}
         return samples
 
-    def _prefetched(self, shards: list[int]) -> Iterator[tuple[int, dict[int, dict[str, torch.Tensor]]]]:
-        """Shards in the given order, read (and checked) ahead by a background thread; a damaged shard's error is
-        raised here, at that shard."""
-        return prefetched(iter(shards), lambda shard: (shard, self._shard_samples(shard)), PREFETCH_SHARDS)
-
-    def batches(self, epoch: int, select: SampleFilter | None = None) -> Iterator[FeatureBatch]:
-        order = epoch_order(self.plans, self.seed, epoch, select)
-        by_shard: dict[int, list[int]] = {plan.index: [] for plan in self.plans}
+    def fetch(self, groups: list[list[int]]) -> Iterator[FeatureBatch]:
+        """The planned micro-batches; shards read in order of first use, a damaged one's error raised at it."""
         shard_of = {s: p.index for p in self.plans for s in p.samples}
-        for sample in order:
-            by_shard[shard_of[sample]].append(sample)
-        shard_sequence = list(dict.fromkeys(shard_of[s] for s in order))
+        sequence = list(dict.fromkeys(shard_of[s] for group in groups for s in group))
+        loaded = prefetched(iter(sequence), lambda shard: (shard, self._shard_samples(shard)), PREFETCH_SHARDS)
         pieces: dict[int, dict[str, torch.Tensor]] = {}
+        try:
+            for group in groups:
+                for sample in group:
+                    while sample not in pieces:
+                        _, samples = next(loaded)
+                        pieces.update(samples)
+                yield assemble([(sample, pieces.pop(sample)) for sample in group], self.token_budget)
+        finally:
+            loaded.close()  # stops the reading thread when training stops early
 
-        def stream() -> Iterator[tuple[int, int]]:
-            for shard, samples in self._prefetched(shard_sequence):
-                for sample in by_shard[shard]:
-                    pieces[sample] = samples[sample]
-                    yield sample, len(samples[sample]["input_ids"])
 
-        for group in pack_stream(stream(), self.token_budget):
-            yield _assemble([(sample, pieces.pop(sample)) for sample in group], self.token_budget)
-
-
-class LiveSource:
-    """The target computes features on the fly for the same batches a store would give."""
+class LiveSource(FeatureSource):
+    """The target computes the features of each planned micro-batch, the same batches a store would give."""
 
     def __init__(self, prepared: PreparedSet, model: torch.nn.Module, layer_ids: tuple[int, ...], token_budget: int,
                  tokens_per_shard: int, seed: int = 0, forward_tokens: int = 4096):
@@ -180,20 +222,19 @@ class LiveSource:
         self.capture = FeatureCapture(model, layer_ids)
         self.device = next(model.parameters()).device
         self.plans = plan_shards(prepared.lengths, tokens_per_shard)
+        self.lengths = prepared.lengths
         self.token_budget = token_budget
         self.seed = seed
         self.forward_tokens = forward_tokens
         self.hidden_size = model.config.hidden_size
         self.layer_ids = tuple(layer_ids)
 
-    def batches(self, epoch: int, select: SampleFilter | None = None) -> Iterator[FeatureBatch]:
-        order = epoch_order(self.plans, self.seed, epoch, select)
-        lengths = self.prepared.lengths
-        for group in pack_stream(((s, int(lengths[s])) for s in order), self.token_budget):
-            yield _assemble(list(zip(group, self._features_many(group))), self.token_budget)
+    def fetch(self, groups: list[list[int]]) -> Iterator[FeatureBatch]:
+        for group in groups:
+            yield assemble(list(zip(group, self._features_many(group))), self.token_budget)
 
     def _features_many(self, samples: list[int]) -> list[dict[str, torch.Tensor]]:
-        lengths = np.array([min(len(self.prepared.sample(s)[0]), self.token_budget) for s in samples])
+        lengths = np.array([kept_length(self.lengths[s], self.token_budget) for s in samples])
         out: list[dict[str, torch.Tensor] | None] = [None] * len(samples)
         for batch in batches_by_length(lengths, self.forward_tokens):
             width = int(lengths[batch].max())

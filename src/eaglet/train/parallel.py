@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .distributed import Dist
+from ..distributed import Dist
 
 
 class Parallel:

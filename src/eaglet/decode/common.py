@@ -1,0 +1,68 @@
+"""What every decoder shares: the result of decoding one prompt, stopping, timing, and the draft's helpers."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+from ..draft import Eagle3Draft
+from ..target import decoding_attention
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]  # generated tokens (prompt excluded)
+    accepted: list[int] = field(default_factory=list)  # draft tokens accepted per verification forward
+    seconds: float = 0.0
+
+    @property
+    def forwards(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens per target forward: accepted draft tokens + the target's own token."""
+        return (sum(self.accepted) + len(self.accepted)) / max(1, len(self.accepted))
+
+
+def finish(tokens: list[int], stop_ids: set[int], max_new: int) -> tuple[list[int], bool]:
+    """(the output cut at its first stop token or at ``max_new``, whether decoding is done)."""
+    for index, token in enumerate(tokens[:max_new]):
+        if token in stop_ids:
+            return tokens[: index + 1], True
+    return tokens[:max_new], len(tokens) >= max_new
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device (timings start and end on an idle stream)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decode_step(method):
+    """Run a decoding method under inference mode with the decode attention backends."""
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        with torch.inference_mode(), decoding_attention():
+            return method(*args, **kwargs)
+    return run
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """transformers renamed `past_key_values` to `cache` (5.2x): the name this version's forward takes."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def draft_target_ids(draft: Eagle3Draft) -> torch.Tensor:
+    """[Vd]: the target token id of each draft-vocabulary index."""
+    return torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device) + draft.d2t
+
+
+def draft_rope(draft: Eagle3Draft, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, head_dim] for the draft at integer ``positions``, in the draft's dtype."""
+    cos, sin = draft.rope(positions)
+    dtype = draft.fc.weight.dtype
+    return cos.to(dtype), sin.to(dtype)

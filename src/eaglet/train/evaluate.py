@@ -1,0 +1,62 @@
+"""Held-out evaluation during training: per-TTT-step accuracy and loss, and the simulated acceptance length τ."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import TrainConfig
+from ..distributed import Dist, all_reduce_sum
+from ..ttt import FlexTTTAttention, simulated_acceptance
+from .data import FeatureBatch, held_out
+from .setup import Model, Setup
+from .step import device_inputs
+
+
+def evaluate(model: Model, setup: Setup, config: TrainConfig, device: torch.device, dist: Dist) -> dict[str, Any]:
+    """Accuracy, loss and τ over the held-out samples (a separate store when given, else the held-out fraction).
+
+    Under FSDP2 every rank runs as many forwards (``lockstep``): ranks short of a batch run a spare one that counts
+    nothing."""
+    compiled = issubclass(model.module.attention(device), FlexTTTAttention)
+    # with compiled FlexAttention, autograd stays on (nothing is kept: no backward) so evaluation reuses
+    # training's kernels instead of compiling no_grad ones (FlexTTTAttention's docstring says why)
+    with torch.enable_grad() if compiled else torch.no_grad():
+        model.module.eval()
+        try:
+            correct, counts, losses = _sums(model, setup, config, device, dist)
+        finally:
+            model.module.train()
+    if int(counts[0]) == 0:  # nothing held out (a tiny set): report that rather than a fake zero
+        return {"acc": [], "tau": None, "eval_loss": [], "eval_tokens": 0}
+    accuracy = (correct / counts.clamp_min(1)).tolist()
+    return {"acc": [round(a, 5) for a in accuracy], "tau": round(simulated_acceptance(accuracy), 4),
+            "eval_loss": [round(v, 5) for v in (losses / counts.clamp_min(1)).tolist()], "eval_tokens": int(counts[0])}
+
+
+def _sums(model: Model, setup: Setup, config: TrainConfig, device: torch.device,
+          dist: Dist) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    correct, counts, losses = (torch.zeros(config.ttt_steps, device=device) for _ in range(3))
+    if setup.eval_source is not None:
+        batches = setup.eval_source.batches(0)
+    else:
+        batches = setup.source.batches(0, lambda s: held_out(s, config.seed, config.eval_fraction))
+
+    def forward(batch: FeatureBatch):
+        with model.autocast():
+            return model.module(device_inputs(batch, model.teacher, device, torch.float32, config.token_budget))
+
+    total, spare = 0, None
+    for index, batch in enumerate(batches):
+        total, spare = index + 1, batch
+        if index % dist.world != dist.rank:
+            continue
+        _, step_losses, step_correct, step_counts = forward(batch)
+        correct += step_correct.float()
+        counts += step_counts.float()
+        losses += step_losses.detach().float() * step_counts.float()  # detached: no graph outlives its batch
+    if model.parallel.lockstep and spare is not None:
+        for _ in range(-(-total // dist.world) - len(range(dist.rank, total, dist.world))):
+            forward(spare)
+    return tuple(all_reduce_sum([correct, counts, losses], dist))  # type: ignore[return-value]

@@ -1,0 +1,189 @@
+"""`eaglet train`'s loop: epochs of planned micro-batches, one optimizer step per ``world x grad_accum`` of them.
+
+A step consumes its micro-batches in a fixed order, so one process with ``--grad-accum 2`` takes the same steps as
+two processes with ``--grad-accum 1``. A checkpoint records the step and the position in the epoch's plan; a
+resumed run fetches the rest of that plan, so nothing is skipped or taken twice.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from rich.console import Console
+
+from .. import __version__
+from ..config import TrainConfig
+from ..distributed import Dist, all_reduce_sum, any_rank, init_distributed
+from ..draft import FROZEN_PREFIX, save_draft
+from ..formats.files import TRAIN_CONFIG_FILE
+from ..fsio import write_json_atomic
+from ..progress import progress_bar
+from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from .data import FeatureBatch, kept_length, pad_to_budget
+from .evaluate import evaluate
+from .metrics import H200_BF16_DENSE_FLOPS, MetricsLog, draft_train_flops_per_token, plot_run
+from .prefetch import prefetched
+from .setup import Model, Setup, build_model, build_setup, lr_schedule, total_steps
+from .step import StepStats, train_step
+
+PREFETCH_STEPS = 2  # optimizer steps' worth of micro-batches prepared ahead (packed, padded, pinned)
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    steps: int
+    final_eval: dict[str, Any]
+    seconds: float
+    resumed_from: int
+
+
+class StopFlag:
+    """SIGTERM (a scheduler preempting the job) asks for a checkpoint at the next step boundary."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self.previous)
+
+
+def run_train(config: TrainConfig, console: Console | None = None) -> TrainResult:
+    console = console or Console(stderr=True)
+    dist = init_distributed()
+    device = torch.device(dist.device(config.device))
+    run = Path(config.out)
+    setup = build_setup(config, str(device))
+    model = build_model(config, setup, device, dist)
+    select = setup.train_select(config)
+    per_step = dist.world * config.grad_accum
+    steps = total_steps(config, per_step, setup.source.plan(0, select), setup.lengths)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(model.optimizer, lr_schedule(config, steps))
+    state = _resume(run, model, scheduler, setup, console)
+    resumed_from = state.step
+    run.mkdir(parents=True, exist_ok=True)
+    if dist.is_main:
+        write_json_atomic(run / TRAIN_CONFIG_FILE, {"config": config.model_dump(), "identity": setup.identity,
+                                                   "total_steps": steps, "eaglet_version": __version__})
+    metrics = MetricsLog(run, dist.is_main, resumed_step=state.step)
+    mean_context = float(np.mean([kept_length(n, config.token_budget) for n in setup.lengths])) / 2
+    flops_per_token = draft_train_flops_per_token(model.draft.config, config.ttt_steps, mean_context,
+                                                  head_trainable=not config.freeze_lm_head)
+    deadline = time.monotonic() + config.max_minutes * 60 if config.max_minutes else None
+    pin = device.type == "cuda"
+
+    def host_ready(group: list[FeatureBatch]) -> tuple[list[FeatureBatch], int, int]:
+        """(this rank's micro-batches padded and pinned, the group's size and tokens): run ahead by a thread."""
+        mine = [pad_to_budget(batch, config.token_budget, pin) for batch in group[dist.rank :: dist.world]]
+        return mine, len(group), sum(batch.tokens for batch in group)
+
+    stop = StopFlag()
+    started = time.perf_counter()
+    window_tokens, window_started = 0, time.perf_counter()
+    final_eval: dict[str, Any] = {}
+    model.module.train()
+    try:
+        with progress_bar("steps", console) as progress:
+            task = progress.add_task("train", total=steps, completed=state.step)
+            while state.step < steps and not stop.requested:
+                plan = setup.source.plan(state.epoch, select)
+                remaining = setup.source.fetch(plan[state.micro_in_epoch:])
+                groups = prefetched(_in_groups(remaining, per_step), host_ready, PREFETCH_STEPS)
+                for mine, group_size, group_tokens in groups:
+                    stats = train_step(model, mine, device, config.ttt_steps, config.clip)
+                    scheduler.step()
+                    state.step += 1
+                    state.micro_in_epoch += group_size
+                    state.tokens += group_tokens
+                    window_tokens += group_tokens
+                    progress.advance(task)
+                    if state.step % config.log_every == 0 or state.step == steps:
+                        elapsed = time.perf_counter() - window_started
+                        metrics.log(_train_record(state, scheduler, stats, dist, window_tokens / max(elapsed, 1e-9),
+                                                  flops_per_token if device.type == "cuda" else None))
+                        window_tokens, window_started = 0, time.perf_counter()
+                    out_of_time = deadline is not None and time.monotonic() > deadline
+                    if setup.evaluates(config) and (state.step % config.eval_every == 0 or state.step == steps
+                                                    or out_of_time):
+                        final_eval = evaluate(model, setup, config, device, dist)
+                        metrics.log({"kind": "eval", "step": state.step, "tokens": state.tokens, **final_eval})
+                    stop.requested = any_rank(stop.requested or out_of_time, dist, device)
+                    if state.step % config.save_every == 0 or state.step == steps or stop.requested:
+                        _save(run, model, scheduler, state, setup, config, dist)
+                    if state.step >= steps or stop.requested:
+                        groups.close()  # stops the prefetch thread
+                        break
+                else:
+                    state.epoch += 1
+                    state.micro_in_epoch = 0
+    finally:
+        stop.restore()
+        metrics.close()
+    if stop.requested and state.step < steps:
+        console.print(f"[yellow]stopped at step {state.step} (SIGTERM or --max-minutes); checkpoint saved, "
+                      "rerun the same command to resume[/]")
+    if dist.is_main:
+        plot_run(run)
+    return TrainResult(run, state.step, final_eval, time.perf_counter() - started, resumed_from)
+
+
+def _in_groups(batches: Iterator[FeatureBatch], size: int) -> Iterator[list[FeatureBatch]]:
+    """Consecutive micro-batches in groups of ``size`` (one optimizer step); a short last group is dropped."""
+    group: list[FeatureBatch] = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == size:
+            yield group
+            group = []
+
+
+def _train_record(state: TrainerState, scheduler, stats: StepStats, dist: Dist, tokens_per_s: float,
+                  flops_per_token: float | None) -> dict[str, Any]:
+    """The metrics.jsonl row of a logged step (sums all-reduced over the ranks); MFU on GPU only."""
+    loss, losses, correct, counts = all_reduce_sum(stats.tensors(), dist)
+    return {
+        "kind": "train", "step": state.step, "epoch": state.epoch, "tokens": state.tokens,
+        "lr": scheduler.get_last_lr()[0], "loss": round(float(loss) / dist.world, 6),
+        "loss_k": [round(v, 5) for v in (losses / counts.clamp_min(1)).tolist()],
+        "acc_k": [round(v, 5) for v in (correct / counts.clamp_min(1)).tolist()],
+        "tokens_per_s": round(tokens_per_s, 1),
+        "mfu": None if flops_per_token is None
+        else round(tokens_per_s * flops_per_token / (H200_BF16_DENSE_FLOPS * dist.world), 5),
+    }
+
+
+def _checkpoint_keys(model: Model) -> set[str]:
+    """What a checkpoint holds of the draft: everything but the frozen embedding (the target's)."""
+    return {k for k in model.draft.state_dict() if not k.startswith(FROZEN_PREFIX)}
+
+
+def _resume(run: Path, model: Model, scheduler, setup: Setup, console: Console) -> TrainerState:
+    """The run's latest checkpoint loaded into the model, optimizer and schedule; a fresh state when there is none."""
+    checkpoint = latest_checkpoint(run)
+    if checkpoint is None:
+        return TrainerState()
+    loaded = load_checkpoint(checkpoint, _checkpoint_keys(model), scheduler, setup.identity)
+    model.parallel.load_state(model.module, model.optimizer, model.draft, loaded.model_state, loaded.optimizer_state)
+    console.print(f"resuming from {checkpoint} (step {loaded.state.step})")
+    return loaded.state
+
+
+def _save(run: Path, model: Model, scheduler, state: TrainerState, setup: Setup, config: TrainConfig,
+          dist: Dist) -> None:
+    """A checkpoint and the draft directory (rank 0 writes; gathering the full state is collective)."""
+    full_model, full_optimizer = model.parallel.full_state(model.module, model.optimizer, model.draft)
+    if dist.is_main:
+        model_state = {k: v for k, v in full_model.items() if not k.startswith(FROZEN_PREFIX)}
+        save_checkpoint(run, model_state, full_optimizer, scheduler, state, setup.identity, config.keep_last)
+        save_draft(model.draft.config, model_state, run)
+    dist.barrier()

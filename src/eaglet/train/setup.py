@@ -1,0 +1,174 @@
+"""What a training run is built from: its data (a store, or a prepared set and the live target), the draft
+initialised from the target, the teacher head, the TTT module wrapped for DDP/FSDP2, the optimizer, and how many
+steps the run takes with which learning rate."""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..config import TrainConfig
+from ..data.vocab import DraftVocab
+from ..distributed import Dist
+from ..draft import Eagle3Draft
+from ..errors import EagletError
+from ..formats.draft import DraftConfig
+from ..formats.layers import resolve_aux_layer_ids
+from ..formats.prepared import load_prepared
+from ..formats.store import ShardPlan, check_same_target, check_store_counts, prepared_path, read_manifest
+from ..loss import TeacherHead
+from ..target import (load_head_weights, load_model, load_tokenizer, read_config, resolve_target, target_info,
+                      target_record)
+from ..ttt import TTTModule
+from .data import FeatureSource, LiveSource, StoreSource, held_out, kept_length
+from .parallel import Parallel
+
+
+@dataclass
+class Setup:
+    source: FeatureSource
+    plans: list[ShardPlan]
+    lengths: np.ndarray  # every prepared sample's length
+    vocab: DraftVocab
+    layer_ids: tuple[int, ...]
+    identity: dict[str, Any]  # what a checkpoint must match
+    target_record: dict[str, Any]  # the draft's record of its target: identity + how to find and name it
+    target_path: Path
+    target_config: dict[str, Any]
+    eval_source: FeatureSource | None = None  # a separate held-out store, when given
+
+    def train_select(self, config: TrainConfig) -> Callable[[int], bool] | None:
+        """The training samples: all but the held-out fraction (unless a separate held-out store is given)."""
+        if config.eval_fraction > 0 and self.eval_source is None:
+            return lambda sample: not held_out(sample, config.seed, config.eval_fraction)
+        return None
+
+    def evaluates(self, config: TrainConfig) -> bool:
+        return self.eval_source is not None or config.eval_fraction > 0
+
+
+def build_setup(config: TrainConfig, device: str) -> Setup:
+    if (config.store is None) == (config.prepared is None):
+        raise EagletError("train needs exactly one input: --store STORE (offline) or --prepared DIR (online)")
+    resolved = resolve_target(config.target, config.trust_remote_code)
+    info = target_info(resolved, load_tokenizer(resolved.path, config.trust_remote_code))
+    target_identity = {"name": info.name, "config_hash": info.config_hash, "tokenizer_hash": info.tokenizer_hash}
+    accepted_target = target_identity | {"legacy_config_hash": info.legacy_config_hash}
+    source: FeatureSource
+    if config.store is not None:
+        manifest = read_manifest(Path(config.store))
+        check_same_target(manifest, accepted_target, f"store {config.store}")
+        if not manifest["complete"]:
+            raise EagletError(f"{config.store}: extraction incomplete; run the same `eaglet extract` again to finish it")
+        prepared = load_prepared(prepared_path(Path(config.store), manifest))
+        if prepared.manifest_sha256 != manifest["prepared"]["manifest_sha256"]:
+            raise EagletError(f"{config.store}: its prepared set {prepared.path} changed since extraction; re-extract")
+        check_store_counts(Path(config.store), manifest, prepared)
+        vocab = DraftVocab.load(config.draft_vocab_file or prepared.vocab_path)
+        source = StoreSource(config.store, config.token_budget, config.seed)
+        layer_ids = tuple(manifest["aux_layer_ids"])
+        if config.layers and tuple(config.layers) != layer_ids:
+            raise EagletError(f"{config.store}: extracted with aux layers {list(layer_ids)}, --layers asks for "
+                              f"{config.layers}; drop --layers or extract again with --layers")
+    else:
+        prepared = load_prepared(config.prepared)
+        if prepared.manifest["target"]["tokenizer_hash"] != info.tokenizer_hash:
+            raise EagletError(
+                f"{config.prepared}: prepared with the tokenizer of {prepared.manifest['target']['name']}, not "
+                f"{info.name}'s; prepare again with --target {config.target}"
+            )
+        vocab = DraftVocab.load(config.draft_vocab_file or prepared.vocab_path)  # before the target loads
+        layer_ids = resolve_aux_layer_ids(config.layers, info.num_layers)
+        model = load_model(resolved.path, device, "auto", config.trust_remote_code)
+        source = LiveSource(prepared, model, layer_ids, config.token_budget, config.online_chunk_tokens, config.seed,
+                            config.online_forward_tokens)
+    eval_source = None
+    if config.eval_store is not None:
+        eval_manifest = read_manifest(Path(config.eval_store))
+        check_same_target(eval_manifest, accepted_target, f"eval store {config.eval_store}")
+        if tuple(eval_manifest["aux_layer_ids"]) != layer_ids:
+            raise EagletError(f"eval store {config.eval_store}: aux layers {eval_manifest['aux_layer_ids']}, training uses {list(layer_ids)}")
+        eval_source = StoreSource(config.eval_store, config.token_budget, config.seed)
+    identity = {"target": target_identity, "layer_ids": list(layer_ids), "draft_vocab_size": vocab.size,
+                "draft_layers": config.draft_layers,
+                "ttt_steps": config.ttt_steps, "token_budget": config.token_budget, "seed": config.seed,
+                "input": "store" if config.store else "online", "eval_fraction": config.eval_fraction}
+    return Setup(source, source.plans, prepared.lengths, vocab, layer_ids, identity, target_identity | target_record(resolved, info),
+                 resolved.path, read_config(resolved.path), eval_source)
+
+
+@dataclass
+class Model:
+    """The draft and everything that trains it."""
+
+    draft: Eagle3Draft
+    module: TTTModule  # the draft + its TTT loss
+    wrapped: torch.nn.Module  # ``module`` as DDP/FSDP2 runs it
+    parallel: Parallel
+    teacher: TeacherHead
+    parameters: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    autocast: Callable[[], Any]
+
+
+def build_model(config: TrainConfig, setup: Setup, device: torch.device, dist: Dist) -> Model:
+    """The draft initialised from the target (embedding, LM-head rows, final norm), wrapped and with its optimizer."""
+    use_bf16 = config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda")
+    head = load_head_weights(setup.target_path)
+    draft_config = DraftConfig.from_target(setup.target_config, setup.vocab.size, setup.layer_ids, setup.target_record,
+                                           num_layers=config.draft_layers)
+    torch.manual_seed(config.seed)
+    draft = Eagle3Draft(draft_config)
+    d2t, t2d = torch.from_numpy(setup.vocab.d2t), torch.from_numpy(setup.vocab.t2d)
+    draft.init_from_target(head.embed.float(), head.lm_head.float(), d2t, t2d,
+                           None if head.final_norm is None else head.final_norm.float())
+    draft.lm_head.weight.requires_grad_(not config.freeze_lm_head)
+    draft.to(device)
+    if config.compile_pointwise and device.type == "cuda":  # CPU: eager (compiling needs a C++ toolchain at run time)
+        draft.compile_pointwise()
+    teacher = TeacherHead(head.lm_head.to(device, torch.bfloat16 if use_bf16 else torch.float32), d2t.to(device),
+                          head.softcap)
+    module = TTTModule(draft, config.ttt_steps, config.loss_decay, config.feature_noise_std,
+                       config.attention_kernels).to(device)
+    parallel = Parallel(config.parallel, dist, device)
+    wrapped = parallel.wrap(module)
+    parameters = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
+    return Model(draft, module, wrapped, parallel, teacher, parameters, optimizer, autocast)
+
+
+def total_steps(config: TrainConfig, per_step: int, epoch_plan: list[list[int]], lengths: Any) -> int:
+    """Optimizer steps the run takes: --max-steps, else --tokens or --epochs worth of the planned epoch."""
+    steps_per_epoch = len(epoch_plan) // per_step
+    if steps_per_epoch == 0:
+        raise EagletError(
+            f"one optimizer step needs {per_step} micro-batches but an epoch has only {len(epoch_plan)}; "
+            "lower --grad-accum or --token-budget, or add data"
+        )
+    if config.max_steps:
+        return config.max_steps
+    if config.tokens:
+        tokens_per_epoch = sum(kept_length(lengths[s], config.token_budget) for group in epoch_plan for s in group)
+        return max(1, math.ceil(config.tokens / (tokens_per_epoch / steps_per_epoch)))
+    return max(1, math.floor((config.epochs or 1.0) * steps_per_epoch))
+
+
+def lr_schedule(config: TrainConfig, steps: int) -> Callable[[int], float]:
+    """The learning-rate factor per step: linear warm-up, then cosine, linear or constant to min_lr_ratio."""
+    def factor(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / (config.warmup_steps + 1)
+        if config.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - config.warmup_steps) / max(1, steps - config.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if config.schedule == "cosine" else 1 - progress
+        return config.min_lr_ratio + (1 - config.min_lr_ratio) * shape
+
+    return factor

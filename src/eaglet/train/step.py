@@ -1,0 +1,61 @@
+"""One optimizer step: the rank's micro-batches through the TTT module, gradients accumulated, clipped, applied."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..loss import TeacherHead
+from ..transfer import to_device
+from ..ttt import TTTInputs, documents
+from .data import FeatureBatch, pad_to_budget
+from .setup import Model
+
+
+def device_inputs(batch: FeatureBatch, teacher: TeacherHead, device: torch.device, dtype: torch.dtype,
+                  budget: int | None = None) -> TTTInputs:
+    """A packed batch on the device with its document layout and the teacher's logits (``budget``: padded first)."""
+    if budget is not None:
+        batch = pad_to_budget(batch, budget)
+    doc_ids, positions, doc_end = documents(batch.doc_offsets, device)
+    teacher_logits, in_vocab = teacher(to_device(batch.last, device))
+    return TTTInputs(
+        input_ids=to_device(batch.input_ids, device),
+        aux=to_device(batch.aux, device, dtype),
+        loss_mask=to_device(batch.loss_mask, device).bool(),
+        doc_ids=doc_ids, positions=positions, doc_end=doc_end,
+        teacher_logits=teacher_logits, teacher_in_vocab=in_vocab,
+    )
+
+
+@dataclass
+class StepStats:
+    """One step's sums on this rank; all-reduced and divided when logged."""
+
+    loss: torch.Tensor  # [] mean over the rank's micro-batches
+    losses: torch.Tensor  # [K] per TTT step, summed over supervised tokens
+    correct: torch.Tensor  # [K]
+    counts: torch.Tensor  # [K] supervised tokens per TTT step
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.loss, self.losses, self.correct, self.counts]
+
+
+def train_step(model: Model, batches: list[FeatureBatch], device: torch.device, ttt_steps: int,
+               clip: float) -> StepStats:
+    """Forward and backward each micro-batch (gradient sync only on the last), then clip and step."""
+    stats = StepStats(torch.zeros((), device=device), *(torch.zeros(ttt_steps, device=device) for _ in range(3)))
+    for index, batch in enumerate(batches):
+        inputs = device_inputs(batch, model.teacher, device, torch.float32)
+        with model.parallel.accumulating(model.wrapped, last=index == len(batches) - 1), model.autocast():
+            loss, losses_k, correct_k, counts_k = model.wrapped(inputs)
+            (loss / len(batches)).backward()
+        stats.loss += loss.detach() / len(batches)
+        stats.losses += losses_k.detach().float() * counts_k.float()
+        stats.correct += correct_k.float()
+        stats.counts += counts_k.float()
+    torch.nn.utils.clip_grad_norm_(model.parameters, clip)
+    model.optimizer.step()
+    model.optimizer.zero_grad(set_to_none=True)
+    return stats
