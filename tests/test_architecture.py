@@ -14,7 +14,7 @@ SOURCE = Path(__file__).resolve().parents[1] / "src"
 
 FOUNDATION = ("eaglet.errors", "eaglet.fsio", "eaglet.progress", "eaglet.resources", "eaglet.config")
 MODEL = ("eaglet.target", "eaglet.capture", "eaglet.draft", "eaglet.loss", "eaglet.ttt", "eaglet.transfer",
-         "eaglet.support", "eaglet.store", "eaglet.distributed")
+         "eaglet.support", "eaglet.store", "eaglet.distributed", "eaglet.placement", "eaglet.sizing")
 STAGES = ("eaglet.data", "eaglet.extract", "eaglet.store_check", "eaglet.train", "eaglet.export", "eaglet.consumers",
           "eaglet.decode", "eaglet.preflight", "eaglet.apicheck")
 HEAVY = ("torch", "transformers", "safetensors.torch", "accelerate")

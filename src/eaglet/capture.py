@@ -8,6 +8,7 @@ head nor ``output_hidden_states`` runs, so no other layer's activations stay ali
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -16,6 +17,9 @@ import torch
 from torch import nn
 
 from .errors import EagletError
+from .placement import full, input_device
+
+LAST = -1  # where the base model's output is kept among the captured tensors
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -45,15 +49,22 @@ def base_model_of(model: nn.Module) -> nn.Module:
 
 
 class FeatureCapture:
-    """Run the base model once and return ``aux`` [B, S, 3, H] and ``last`` [B, S, H]."""
+    """Run the model once and return ``aux`` [B, S, 3, H] and ``last`` [B, S, H].
+
+    The whole model is called (its own pre-forward hooks run: compressed-tensors decompresses a quantized checkpoint
+    on the first call), with the LM head on one position only where the architecture allows (``logits_to_keep``);
+    ``last`` is the base model's output, taken by a forward hook."""
 
     def __init__(self, model: nn.Module, layer_ids: tuple[int, ...]):
         self.model = model
         self.base = base_model_of(model)
         self.layers = decoder_layers(model)
+        self.input_device = input_device(model)  # where input ids go; the features come back on the last layer's
         self.layer_ids = tuple(layer_ids)
         if max(self.layer_ids) >= len(self.layers) or min(self.layer_ids) < 0:
             raise EagletError(f"aux layer ids {list(layer_ids)} out of range for {len(self.layers)} decoder layers")
+        takes = inspect.signature(model.forward).parameters
+        self.head_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in takes else {}
 
     @contextmanager
     def hooks(self, captured: dict[int, torch.Tensor]) -> Iterator[None]:
@@ -79,10 +90,21 @@ class FeatureCapture:
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         captured: dict[int, torch.Tensor] = {}
-        with self.hooks(captured):
-            output = self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        aux = torch.stack([captured[slot] for slot in range(len(self.layer_ids))], dim=2)  # [B, S, 3, H]
-        return aux, output.last_hidden_state  # [B, S, H]
+
+        def base_output(module: nn.Module, args: tuple, output: Any) -> None:
+            captured[LAST] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+        handle = self.base.register_forward_hook(base_output)
+        try:
+            with self.hooks(captured):
+                self.model(input_ids=input_ids.to(self.input_device), attention_mask=attention_mask, use_cache=False,
+                           **self.head_kwargs)
+        finally:
+            handle.remove()
+        last = full(captured[LAST])  # [B, S, H]
+        # a split target's aux layers sit on earlier devices: gathered where ``last`` is
+        aux = torch.stack([full(captured[slot]).to(last.device) for slot in range(len(self.layer_ids))], dim=2)
+        return aux, last  # [B, S, 3, H], [B, S, H]
 
 
 def teacher_logits(model: nn.Module, last: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,12 @@ CONFIG_HELP = "YAML config file (flat, or with a section named after the stage)"
 SKIP_HELP = "skip the preflight checks (problems then surface after the model load)"
 DISK_BOUND_SHARE = 0.2  # extract warns when more than this share of its time went to waiting on writes
 SET_HELP = "override a config key: --set key=value (repeatable)"
+# where the target's weights go (every stage that runs the target takes these four)
+PLACEMENT_HELP = ("one (default: one device), split (layers over devices by --max-memory, one process) or tp "
+                  "(tensor parallel over the torchrun world)")
+MAX_MEMORY_HELP = "split: memory per device, e.g. cuda:0=60GiB,cuda:1=60GiB,cpu=200GiB (default: all GPUs, then CPU)"
+OFFLOAD_HELP = "split: directory for the weights past --max-memory (memory-mapped from disk)"
+REPLICA_HELP = "tp: this torchrun job is replica r of R (data parallel over TP groups), e.g. 0/2"
 
 
 def _version(value: bool) -> None:
@@ -157,6 +163,10 @@ def regenerate(
     timeout_s: Optional[float] = typer.Option(None, help="openai: seconds per request (default: 120)"),
     max_retries: Optional[int] = typer.Option(None, help="openai: retries on timeouts/429/5xx (default: 5)"),
     on_bad_row: Optional[str] = typer.Option(None, help="error (default) or skip"),
+    placement: Optional[str] = typer.Option(None, help=PLACEMENT_HELP),
+    max_memory: Optional[str] = typer.Option(None, help=MAX_MEMORY_HELP),
+    offload_dir: Optional[str] = typer.Option(None, help=OFFLOAD_HELP),
+    replica: Optional[str] = typer.Option(None, help=REPLICA_HELP),
     skip_preflight: bool = typer.Option(False, "--skip-preflight", help=SKIP_HELP),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
     overrides: List[str] = typer.Option([], "--set", help=SET_HELP),
@@ -174,7 +184,7 @@ def regenerate(
              max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, n=n, seed=seed,
              batch_size=batch_size, max_prompts=max_prompts, split=split, device=device, base_url=base_url,
              model=model, concurrency=concurrency, timeout_s=timeout_s, max_retries=max_retries,
-             on_bad_row=on_bad_row),
+             on_bad_row=on_bad_row, **_placement(placement, max_memory, offload_dir, replica)),
         overrides,
     )
     _preflight(ctx, "regenerate", cfg, skip_preflight)
@@ -204,6 +214,10 @@ def extract(
     device: Optional[str] = typer.Option(None, help="auto (this rank's GPU, else cpu), cpu, cuda:1 ..."),
     dtype: Optional[str] = typer.Option(None, help="compute dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16"),
     reserve_gb: Optional[float] = typer.Option(None, help="free disk to keep beyond the store (default: 1)"),
+    placement: Optional[str] = typer.Option(None, help=PLACEMENT_HELP),
+    max_memory: Optional[str] = typer.Option(None, help=MAX_MEMORY_HELP),
+    offload_dir: Optional[str] = typer.Option(None, help=OFFLOAD_HELP),
+    replica: Optional[str] = typer.Option(None, help=REPLICA_HELP),
     skip_preflight: bool = typer.Option(False, "--skip-preflight", help=SKIP_HELP),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
     overrides: List[str] = typer.Option([], "--set", help=SET_HELP),
@@ -216,7 +230,7 @@ def extract(
         ExtractConfig, "extract", config,
         dict(prepared=prepared, out=out, target=target, layers=_layer_ids(layers), storage_dtype=storage_dtype,
              shard_mb=shard_mb, batch_tokens=batch_tokens, max_samples=max_samples, device=device, dtype=dtype,
-             reserve_gb=reserve_gb),
+             reserve_gb=reserve_gb, **_placement(placement, max_memory, offload_dir, replica)),
         overrides,
     )
     _preflight(ctx, "extract", cfg, skip_preflight)
@@ -276,6 +290,20 @@ def store_info(
     out_console.print(table)
 
 
+def _placement(placement: str | None, max_memory: str | None, offload_dir: str | None,
+               replica: str | None) -> dict:
+    """The placement options as config keys (``--max-memory cuda:0=60GiB,cpu=200GiB`` as a mapping)."""
+    memory = None
+    if max_memory is not None:
+        try:
+            memory = dict(item.split("=", 1) for item in max_memory.split(",") if item.strip())
+        except ValueError:
+            raise EagletError(f"--max-memory {max_memory!r}: expected DEVICE=SIZE pairs, e.g. "
+                              "cuda:0=60GiB,cpu=200GiB") from None
+        memory = {key.strip(): value.strip() for key, value in memory.items()}
+    return dict(placement=placement, max_memory=memory, offload_dir=offload_dir, replica=replica)
+
+
 def _layer_ids(text: str | None) -> list[int] | None:
     """--layers 2,15,27 as a list (None when not given)."""
     if text is None:
@@ -314,6 +342,10 @@ def train(
     log_every: Optional[int] = typer.Option(None, help="metrics every N steps (default: 10)"),
     save_every: Optional[int] = typer.Option(None, help="checkpoint every N steps (default: 200)"),
     device: Optional[str] = typer.Option(None, help="auto (this rank's GPU, else cpu), cpu, cuda:1 ..."),
+    placement: Optional[str] = typer.Option(None, help=PLACEMENT_HELP),
+    max_memory: Optional[str] = typer.Option(None, help=MAX_MEMORY_HELP),
+    offload_dir: Optional[str] = typer.Option(None, help=OFFLOAD_HELP),
+    replica: Optional[str] = typer.Option(None, help=REPLICA_HELP),
     skip_preflight: bool = typer.Option(False, "--skip-preflight", help=SKIP_HELP),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
     overrides: List[str] = typer.Option([], "--set", help=SET_HELP),
@@ -328,7 +360,8 @@ def train(
              layers=_layer_ids(layers), token_budget=token_budget,
              grad_accum=grad_accum, parallel=parallel, lr=lr, max_steps=max_steps, epochs=epochs, tokens=tokens, max_minutes=max_minutes,
              eval_store=eval_store, seed=seed,
-             eval_every=eval_every, log_every=log_every, save_every=save_every, device=device),
+             eval_every=eval_every, log_every=log_every, save_every=save_every, device=device,
+             **_placement(placement, max_memory, offload_dir, replica)),
         overrides,
     )
     _preflight(ctx, "train", cfg, skip_preflight)
@@ -437,6 +470,10 @@ def eval_cmd(
                                               "target and draft on static caches, their forwards replayed as CUDA graphs"),
     compile_draft: Optional[str] = typer.Option(None, "--compile-draft", help="auto (default: on GPU), on, off: the "
                                                 "draft's part of each greedy round through torch.compile"),
+    placement: Optional[str] = typer.Option(None, help=PLACEMENT_HELP),
+    max_memory: Optional[str] = typer.Option(None, help=MAX_MEMORY_HELP),
+    offload_dir: Optional[str] = typer.Option(None, help=OFFLOAD_HELP),
+    replica: Optional[str] = typer.Option(None, help=REPLICA_HELP),
     skip_preflight: bool = typer.Option(False, "--skip-preflight", help=SKIP_HELP),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
     overrides: List[str] = typer.Option([], "--set", help=SET_HELP),
@@ -451,7 +488,7 @@ def eval_cmd(
              depth=depth, topk=topk, budget=budget,
              temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, device=device,
              batch_size=batch_size, dtype=dtype, hf_generate_baseline=hf_generate_baseline, cuda_graphs=cuda_graphs,
-             compile_draft=compile_draft),
+             compile_draft=compile_draft, **_placement(placement, max_memory, offload_dir, replica)),
         overrides,
     )
     _preflight(ctx, "eval", cfg, skip_preflight)
@@ -620,12 +657,15 @@ def _plan_table(plans: list, out: Path) -> Table:
     if needed > free:
         caption = f"[bold red]{caption}: not enough disk[/]"
     table = Table(title="eaglet run --plan (nothing runs)", caption=caption)
-    for column in ("stage", "action", "why", "disk (est.)", "time (est.)"):
+    placed = any(plan.memory for plan in plans)  # GPU plans: where the target goes, per GPU
+    for column in ("stage", "action", "why", "disk (est.)", "time (est.)") + (
+            ("target per GPU: weights + activations",) if placed else ()):
         table.add_column(column)
     for plan in plans:
         disk = _human_bytes(plan.disk_bytes) if plan.action == "run" and plan.disk_bytes else "-"
         seconds = "-" if plan.action != "run" or plan.seconds != plan.seconds or not plan.seconds else f"{plan.seconds / 60:.1f} min"
-        table.add_row(plan.name, plan.action, plan.reason, disk, seconds)
+        memory = (f"[bold red]{escape(plan.memory)}: does not fit[/]" if plan.refusal else escape(plan.memory)) or "-"
+        table.add_row(plan.name, plan.action, plan.reason, disk, seconds, *((memory,) if placed else ()))
     return table
 
 
@@ -665,7 +705,11 @@ def run(
     cfg = load_run_config(config, {"out": out} if out else None)
     pipeline = Pipeline(cfg, config, err_console)
     if plan:
-        out_console.print(_plan_table(pipeline.plan(from_stage, only), pipeline.out))
+        plans = pipeline.plan(from_stage, only)
+        out_console.print(_plan_table(plans, pipeline.out))
+        refused = next((p.refusal for p in plans if p.action == "run" and p.refusal), None)
+        if refused:
+            raise EagletError(refused)
         return
     _run_summary(pipeline.run(from_stage, only))
 

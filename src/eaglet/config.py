@@ -15,12 +15,29 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .errors import EagletError
 
 DEFAULT_DRAFT_VOCAB_CAP = 32000
+GPU_BATCH_TOKENS, CPU_BATCH_TOKENS = 32768, 4096  # extract's tokens per forward when batch_tokens is 0
+GPU_GENERATE_BATCH, CPU_GENERATE_BATCH = 64, 8  # regenerate's prompts per batch when batch_size is 0
 
 
 class StrictModel(BaseModel):
     """Unknown keys are errors; assignments are validated."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class PlacementFields(StrictModel):
+    """Where the target's weights go, for every stage that runs it (see ``eaglet.placement``)."""
+
+    placement: Literal["one", "split", "tp"] = Field(
+        default="one", description="one device; split: layers spread over devices by --max-memory (one process); "
+        "tp: tensor parallel over the torchrun world (transformers' plan for the architecture)")
+    max_memory: dict[str, str] = Field(
+        default_factory=dict, description="split: memory each device may hold, e.g. {cuda:0: 60GiB, cuda:1: 60GiB, "
+        "cpu: 200GiB} (default: all GPUs, then CPU)")
+    offload_dir: str | None = Field(default=None, description="split: where weights past --max-memory are "
+                                    "memory-mapped from disk")
+    replica: str = Field(default="0/1", pattern=r"^\d+/\d+$", description="tp: this torchrun job is replica r of R "
+                         "(data parallel over tensor-parallel groups: one torchrun per group)")
 
 
 class PrepareConfig(StrictModel):
@@ -35,7 +52,7 @@ class PrepareConfig(StrictModel):
     trust_remote_code: bool = False
 
 
-class RegenerateConfig(StrictModel):
+class RegenerateConfig(PlacementFields):
     prompts: list[str] = Field(min_length=1, description="prompt or conversation files")
     out: str = Field(description="output .jsonl")
     target: str = "embedded"
@@ -146,10 +163,10 @@ def build_config(
         raise EagletError(describe_validation_error(exc, source)) from None
 
 
-class ExtractConfig(StrictModel):
+class ExtractConfig(PlacementFields):
     prepared: str = Field(description="a prepared set directory (`eaglet prepare`)")
     out: str = Field(description="store directory; an existing incomplete store with the same settings is resumed")
-    target: str = "embedded"
+    target: str | None = Field(default=None, description="default: the target its input records")
     layers: list[int] | None = Field(default=None, description="aux layer ids; default (2, N//2, N-3)")
     storage_dtype: Literal["bf16", "fp8"] = "bf16"
     shard_mb: float = Field(default=512.0, gt=0, description="approximate shard size on disk")
@@ -161,11 +178,11 @@ class ExtractConfig(StrictModel):
     trust_remote_code: bool = False
 
 
-class TrainConfig(StrictModel):
+class TrainConfig(PlacementFields):
     out: str = Field(description="run directory: the draft, metrics, plots and checkpoints")
     store: str | None = Field(default=None, description="offline: a store from `eaglet extract`")
     prepared: str | None = Field(default=None, description="online: a prepared set; the target computes features live")
-    target: str = "embedded"
+    target: str | None = Field(default=None, description="default: the target its input records")
     ttt_steps: int = Field(default=7, ge=1, le=32)
     attention_kernels: Literal["one", "per_step"] = Field(
         default="one", description="GPU FlexAttention: one kernel for all TTT steps (one compile; 99.5 ms/step at "
@@ -222,11 +239,11 @@ class ExportConfig(StrictModel):
                                "(ENGINE==VERSION): preflight warns when eaglet's readers do not cover one")
 
 
-class EvalConfig(StrictModel):
+class EvalConfig(PlacementFields):
     draft: str = Field(description="a draft directory (`eaglet train` output or an `eaglet export` directory)")
     out: str = Field(description="report directory")
     prompts: list[str] = Field(default_factory=lambda: ["demo"], description="prompt files; 'demo' = the shipped demo prompts")
-    target: str = "embedded"
+    target: str | None = Field(default=None, description="default: the target its input records")
     split: Literal["all", "train", "heldout"] = "heldout"
     max_prompts: int | None = Field(default=None, ge=1, description="only N prompts, taken round-robin over categories")
     mode: Literal["chain", "tree"] = "chain"

@@ -24,20 +24,20 @@ from rich.console import Console
 
 from . import __version__
 from .capture import FeatureCapture, batches_by_length
-from .config import ExtractConfig
+from .placement import describe, output_device, topology
+from .config import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, ExtractConfig
 from .formats.prepared import PreparedSet, load_prepared
 from .distributed import init_distributed
 from .errors import EagletError
 from .fsio import free_disk_bytes, write_json_atomic
-from .formats.layers import AUX_CONVENTION, default_aux_layer_ids, validate_aux_layer_ids
+from .formats.layers import AUX_CONVENTION, resolve_aux_layer_ids
 from .progress import progress_bar
 from .formats.files import MANIFEST_FILE, STORE_SCHEMA
+from .formats.target import stage_target, target_source
 from .formats.store import SORT_WINDOW_SHARDS, ShardPlan, bytes_per_token, plan_shards, read_manifest, read_record
 from .store import encode_features, write_shard
-from .target import load_model, load_tokenizer, pick_dtype, resolve_target, target_info
+from .target import hub_id_of, load_model, load_tokenizer, pick_dtype, resolve_target, target_info
 
-GPU_BATCH_TOKENS = 32768
-CPU_BATCH_TOKENS = 4096
 WRITE_QUEUE_DEPTH = 3  # finished shards waiting for a writer while the next one computes
 WRITER_THREADS = 4  # shards written (hashed, written, fsynced) in parallel: one stream does not fill the disk
 GIB = 1 << 30
@@ -79,7 +79,7 @@ class ShardExtractor:
     def __init__(self, model: torch.nn.Module, layer_ids: tuple[int, ...], storage_dtype: str, batch_tokens: int,
                  max_shard_tokens: int):
         self.capture = FeatureCapture(model, layer_ids)
-        self.device = next(model.parameters()).device
+        self.device = output_device(model)  # where the features come out, are encoded and copied from
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.storage_dtype = storage_dtype
@@ -100,9 +100,10 @@ class ShardExtractor:
         """The writer is done with a shard: its feature buffers can take the next one."""
         self.free_buffers.put(buffers)
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+    def _to_device(self, array: np.ndarray, device: torch.device | None = None) -> torch.Tensor:
+        device = device or self.device
         tensor = torch.from_numpy(array)
-        return tensor.pin_memory().to(self.device, non_blocking=True) if self.cuda else tensor
+        return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
 
     def __call__(self, prepared: PreparedSet, plan: ShardPlan) -> ExtractedShard:
         """Queue the shard's forward passes and copies; returns before the device is done.
@@ -122,7 +123,7 @@ class ShardExtractor:
             for row, local in enumerate(batch.tolist()):
                 padded[row, : lengths[local]] = prepared.sample(int(samples[local]))[0]
             keep = np.concatenate([row * width + np.arange(lengths[s]) for row, s in enumerate(batch.tolist())])
-            aux, last = self.capture(self._to_device(padded))  # [B,S,3,H], [B,S,H]
+            aux, last = self.capture(self._to_device(padded, self.capture.input_device))  # [B,S,3,H], [B,S,H]
             keep_index = self._to_device(keep)
             aux = aux.flatten(0, 1).index_select(0, keep_index)  # [sum L, 3, H]: samples back to back
             last = last.flatten(0, 1).index_select(0, keep_index)  # [sum L, H]
@@ -214,6 +215,22 @@ class ShardWriter:
         self.check()
 
 
+class ShardDiscarder:
+    """A tensor-parallel rank's writer: the shard's copies are waited for (its features checked) and dropped."""
+
+    stall_s = 0.0
+
+    def __init__(self, release: Any):
+        self.release = release
+
+    def submit(self, shard: ExtractedShard) -> None:
+        shard.wait()
+        self.release(shard.pooled)
+
+    def close(self) -> None:
+        pass
+
+
 # ---------------------------------------------------------------------------------------------
 # The stage
 
@@ -272,10 +289,12 @@ def _check_resume(store: Path, identity: dict[str, Any], legacy_config_hash: str
             )
 
 
-def _manifest(store: Path, identity: dict[str, Any], plans: list[ShardPlan], config: ExtractConfig) -> dict[str, Any]:
+def _manifest(store: Path, identity: dict[str, Any], plans: list[ShardPlan], config: ExtractConfig,
+              source: dict[str, Any]) -> dict[str, Any]:
     records = [read_record(store, plan.index) for plan in plans]
     done = [r for r in records if r is not None]
     return identity | {
+        "target_source": source,  # how to find the target again (outside the identity: a moved target resumes)
         "eaglet_version": __version__,
         "complete": len(done) == len(plans),
         "num_shards": len(plans),
@@ -294,35 +313,39 @@ def run_extract(config: ExtractConfig, console: Console | None = None, model: to
     dist = init_distributed()
     store = Path(config.out)
     prepared = load_prepared(config.prepared, config.max_samples)
-    resolved = resolve_target(config.target, config.trust_remote_code)
+    target = stage_target(config)
+    resolved = resolve_target(target, config.trust_remote_code)
     info = target_info(resolved, load_tokenizer(resolved.path, config.trust_remote_code))
     if prepared.manifest["target"]["tokenizer_hash"] != info.tokenizer_hash:
         raise EagletError(
             f"{config.prepared}: prepared with tokenizer of {prepared.manifest['target']['name']} "
-            f"({prepared.manifest['target']['tokenizer_hash'][:12]}), but --target {config.target} has "
+            f"({prepared.manifest['target']['tokenizer_hash'][:12]}), but --target {target} has "
             f"{info.tokenizer_hash[:12]}; prepare again with this target"
         )
-    layers = (validate_aux_layer_ids(config.layers, info.num_layers) if config.layers
-              else default_aux_layer_ids(info.num_layers))
+    layers = resolve_aux_layer_ids(config.layers, info.num_layers)
+    place = topology(config, dist.rank, dist.world)
     per_token = bytes_per_token(info.hidden_size, config.storage_dtype)
     tokens_per_shard = max(1, int(config.shard_mb * 1e6 / per_token))
     plans = plan_shards(prepared.lengths, tokens_per_shard)
     device = dist.device(config.device)
     model_dtype = str(pick_dtype(config.dtype, device)).replace("torch.", "")
     identity = store_identity(config, info, layers, prepared, tokens_per_shard, model_dtype)
+    source = target_source(resolved.spec, resolved.path, hub_id_of(resolved))
 
     if store.exists() and not store.is_dir():
         raise EagletError(f"--out {store}: a file, not a directory; give the store a directory path")
     if (store / MANIFEST_FILE).is_file():
         _check_resume(store, identity, info.legacy_config_hash)
     todo_all = [p for p in plans if read_record(store, p.index) is None and (only_shards is None or p.index in only_shards)]
-    mine = [p for p in todo_all if p.index % dist.world == dist.rank]
+    mine = [p for p in todo_all if p.index % place.replicas == place.replica]
     _check_disk(store, sum(p.tokens for p in todo_all) * per_token, config.reserve_gb)
     if mine and model is None:  # before the store is created: a target that cannot load leaves nothing behind
-        model = load_model(resolved.path, device, config.dtype, config.trust_remote_code)
+        model = load_model(resolved.path, device, config.dtype, config.trust_remote_code, config, dist.world)
+        if config.placement == "split" and dist.is_main:
+            console.print(f"target split: {describe(model)}")
     if dist.is_main:
         store.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(store / MANIFEST_FILE, _manifest(store, identity, plans, config))
+        write_json_atomic(store / MANIFEST_FILE, _manifest(store, identity, plans, config, source))
     dist.barrier()
 
     started = time.perf_counter()
@@ -331,11 +354,14 @@ def run_extract(config: ExtractConfig, console: Console | None = None, model: to
         batch_tokens = config.batch_tokens or (GPU_BATCH_TOKENS if device.startswith("cuda") else CPU_BATCH_TOKENS)
         max_shard_tokens = max(p.tokens for p in mine)
         extractor = ShardExtractor(model, layers, config.storage_dtype, batch_tokens, max_shard_tokens)
-        refresh = (lambda record: write_json_atomic(store / MANIFEST_FILE, _manifest(store, identity, plans, config))) \
-            if dist.is_main and dist.world == 1 else (lambda record: None)
-        writer = ShardWriter(store, refresh, extractor.release)
+        def refresh(record: dict[str, Any]) -> None:
+            if dist.is_main and place.replicas == 1:
+                write_json_atomic(store / MANIFEST_FILE, _manifest(store, identity, plans, config, source))
+
+        # a tensor-parallel group computes every shard on every rank; its rank 0 writes
+        writer = ShardWriter(store, refresh, extractor.release) if place.writes else ShardDiscarder(extractor.release)
         with progress_bar("tok", console) as progress:
-            task = progress.add_task(f"extract{'' if dist.world == 1 else f' rank {dist.rank}'}",
+            task = progress.add_task(f"extract{'' if place.replicas == 1 else f' replica {place.replica}'}",
                                      total=sum(p.tokens for p in mine))
             try:
                 for plan in mine:
@@ -346,7 +372,7 @@ def run_extract(config: ExtractConfig, console: Console | None = None, model: to
                 stall_s = writer.stall_s
     seconds = time.perf_counter() - started
     dist.barrier()
-    manifest = _manifest(store, identity, plans, config)
+    manifest = _manifest(store, identity, plans, config, source)
     if dist.is_main:
         write_json_atomic(store / MANIFEST_FILE, manifest)
     return ExtractResult(store, manifest, len(mine), sum(p.tokens for p in mine), seconds, stall_s)

@@ -26,8 +26,8 @@ from typing import Any, Callable, Literal
 from pydantic import Field, ValidationError
 from rich.console import Console
 
-from .config import (EvalConfig, ExtractConfig, PrepareConfig, RegenerateConfig, StrictModel, TrainConfig,
-                     describe_validation_error, read_yaml)
+from .config import (CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, GPU_GENERATE_BATCH, EvalConfig, ExtractConfig,
+                     PrepareConfig, RegenerateConfig, StrictModel, TrainConfig, describe_validation_error, read_yaml)
 from .errors import EagletError
 from .formats.files import (DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, EXPORTED_DRAFT_CONFIG_FILE, MANIFEST_FILE,
                             REPORT_FILE, RUN_FILE, RUN_SCHEMA, answers_manifest)
@@ -42,6 +42,12 @@ HELD_OUT_PROMPTS_GUESS = 128  # the demo prompts' held-out split
 DRAFT_LAYER_PARAMS_PER_H2 = 15  # fc (3H^2) + one decoder layer (~12H^2), as the train preflight estimates
 FP32_BYTES, BF16_BYTES = 4, 2
 TOKENS_PER_ANSWER_GUESS = 0.7  # answers stop before max_new_tokens on average
+INPUT_BYTES_PER_TOKEN = 4  # conversation JSON, before tokenizing
+TOKENS_PER_SAMPLE_GUESS = 1024  # per-sample store size, before the prepared set gives the real lengths
+PROMPT_TOKENS_GUESS = 512  # KV cache per prompt before prompts are rendered
+EVAL_FORWARD_TOKENS = 128  # eval's largest verification forward
+LOAD_SECONDS_CPU = 20  # loading and converting a CPU-sized target
+MEASURED_DECODE_LAYERS = 30  # RATES' decode rate was measured on the embedded target's 30 layers
 
 
 class ExportSection(StrictModel):
@@ -57,6 +63,17 @@ class HeldOutSection(StrictModel):
     max_prompts: int | None = Field(default=None, ge=1, description="only N held-out prompts")
 
 
+class MachineSection(StrictModel):
+    """The machine the run is planned for (`--plan` on a laptop for a GPU server); default: this one."""
+
+    gpus: int = Field(ge=0, description="GPUs the stages may use (torchrun's world for --placement tp)")
+    gpu_memory: str = Field(description="memory per GPU, e.g. 141GiB")
+    name: str = Field(default="GPU", description="e.g. H200: sets the peak FLOPs time estimates scale from")
+    extract_tokens_per_s: float | None = Field(default=None, gt=0, description="measured extraction rate (default: "
+                                               "estimated from the target's active parameters)")
+    generate_tokens_per_s: float | None = Field(default=None, gt=0, description="measured regeneration rate")
+
+
 class RunConfig(StrictModel):
     """One YAML, a section per stage. Paths between stages are set by the run, not by the sections."""
 
@@ -70,6 +87,7 @@ class RunConfig(StrictModel):
     export: ExportSection = Field(default_factory=ExportSection)
     heldout: HeldOutSection | None = Field(default=None, description="also regenerate, prepare and extract the held-out prompts; train evaluates on them")
     eval: dict[str, Any] | None = Field(default_factory=dict, description="EvalConfig keys; null = no evaluation")
+    machine: MachineSection | None = Field(default=None, description="plan for this machine instead of the one here")
 
 
 def load_run_config(path: Path, overrides: dict[str, Any] | None = None) -> RunConfig:
@@ -122,6 +140,8 @@ class StagePlan:
     reason: str
     disk_bytes: int = 0
     seconds: float = 0.0
+    memory: str = ""  # where the target goes and what it takes per GPU (stages that run it)
+    refusal: str = ""  # set when the stage's layout does not fit: what to change
 
 
 @dataclass
@@ -285,11 +305,22 @@ class Pipeline:
             plans.append(plan)
         return self._estimate(plans)
 
-    def _estimate(self, plans: list[StagePlan]) -> list[StagePlan]:
-        from .target import pick_device
+    def machine(self) -> Any:
+        """The machine planned for: the config's `machine` section, else this one."""
+        from .placement import parse_memory
+        from .sizing import Machine, this_machine
 
-        kind = "cuda" if pick_device("auto").startswith("cuda") else "cpu"
-        rates = RATES[kind]
+        section = self.config.machine
+        if section is None:
+            return this_machine()
+        return Machine(section.gpus, parse_memory(section.gpu_memory, "machine.gpu_memory"), section.name)
+
+    def _estimate(self, plans: list[StagePlan]) -> list[StagePlan]:
+        from .formats.store import bytes_per_token
+        from .target import read_config, resolve_target
+
+        machine = self.machine()
+        rates = RATES["cuda" if machine.gpus else "cpu"]
         by_name = {s.name: s for s in self.stages}
         answer_tokens = 0
         if "regenerate" in by_name:
@@ -298,38 +329,54 @@ class Pipeline:
                 if config is not None:
                     prompts = min(config.max_prompts or math.inf, _count_rows(config.prompts, config.split))
                     answer_tokens += int(prompts * config.n * config.max_new_tokens * TOKENS_PER_ANSWER_GUESS)
-        prepared_tokens = _prepared_tokens(self.out / "prepared") or answer_tokens * 2  # prompt + answer
-        from .target import read_config, resolve_target
-
+        prepared_tokens = (_prepared_tokens(self.out / "prepared") or answer_tokens * 2  # prompt + answer
+                           or _input_tokens(by_name["prepare"].config.inputs))
         target_config = read_config(resolve_target(self.config.target, self.config.trust_remote_code).path)
         hidden = int(target_config.get("hidden_size", 4096))
         draft_vocab = int(by_name["prepare"].config.draft_vocab or min(32000, target_config.get("vocab_size", 32000)))
         draft_params = DRAFT_LAYER_PARAMS_PER_H2 * hidden**2 + hidden * draft_vocab
+        sizing = _TargetSizing(target_config, machine)
         for plan in plans:
             if plan.action != "run":
                 continue
+            stage = by_name[plan.name]
             if plan.name == "regenerate":
                 plan.disk_bytes = answer_tokens * BYTES_PER_ANSWER_TOKEN
-                plan.seconds = answer_tokens / rates["generate_tok_s"]
+                rate = (self.config.machine and self.config.machine.generate_tokens_per_s) or rates["generate_tok_s"]
+                plan.seconds = answer_tokens / rate
+                if stage.config.backend == "hf":
+                    batch = stage.config.batch_size or GPU_GENERATE_BATCH
+                    sizing.place(plan, stage.config, batch, batch * (PROMPT_TOKENS_GUESS + stage.config.max_new_tokens))
             elif plan.name == "prepare":
                 plan.disk_bytes = prepared_tokens * 5
                 plan.seconds = 10 + prepared_tokens / 200_000
             elif plan.name == "extract":
-                from .formats.store import bytes_per_token
-
-                plan.disk_bytes = prepared_tokens * bytes_per_token(hidden, by_name["extract"].config.storage_dtype)
-                plan.seconds = 20 + prepared_tokens / rates["extract_tok_s"]
+                per_token = bytes_per_token(hidden, stage.config.storage_dtype)
+                plan.disk_bytes = prepared_tokens * per_token
+                batch_tokens = stage.config.batch_tokens or (GPU_BATCH_TOKENS if machine.gpus else CPU_BATCH_TOKENS)
+                gpus = sizing.place(plan, stage.config, batch_tokens)
+                stated = self.config.machine and self.config.machine.extract_tokens_per_s
+                rate = stated or (sizing.extract_rate(gpus, stage.config.placement, per_token) if machine.gpus
+                                  else rates["extract_tok_s"])
+                plan.seconds = sizing.load_seconds() + prepared_tokens / rate
+                if prepared_tokens:
+                    samples = _prepared_samples(self.out / "prepared") or _samples_guess(prepared_tokens)
+                    plan.memory += f"; store {per_token * prepared_tokens / samples / 1e6:,.2f} MB per sample"
             elif plan.name == "train":
-                train = by_name["train"].config
+                train = stage.config
                 plan.seconds = train.max_minutes * 60 if train.max_minutes else float("nan")
                 # fp32 weights + 2 AdamW moments per checkpoint kept, and the saved draft
                 plan.disk_bytes = draft_params * FP32_BYTES * (1 + 3 * (train.keep_last + 1))
+                if train.prepared is not None:  # online: the target runs in training
+                    sizing.place(plan, train, train.online_forward_tokens)
             elif plan.name == "export":
                 plan.disk_bytes = draft_params * BF16_BYTES * len(self.config.export.formats)
             elif plan.name == "eval":
-                evaluation = by_name["eval"].config
+                evaluation = stage.config
                 prompts = evaluation.max_prompts or HELD_OUT_PROMPTS_GUESS
-                plan.seconds = 2 * prompts * evaluation.max_new_tokens / rates["decode_tok_s"]  # baseline + speculative
+                gpus = sizing.place(plan, evaluation, EVAL_FORWARD_TOKENS, PROMPT_TOKENS_GUESS + evaluation.max_new_tokens)
+                step = sizing.decode_step(gpus, 1 / rates["decode_tok_s"]) if machine.gpus else 1 / rates["decode_tok_s"]
+                plan.seconds = sizing.load_seconds() + 2 * prompts * evaluation.max_new_tokens * step  # baseline + spec
         return plans
 
     # ------------------------------------------------------------------ running
@@ -338,6 +385,9 @@ class Pipeline:
         from .preflight.stages import FAIL, run_checks
 
         plans = {p.name: p for p in self.plan(from_stage, only)}
+        refused = next((p.refusal for p in plans.values() if p.action == "run" and p.refusal), None)
+        if refused:  # before any stage runs or any weight loads
+            raise EagletError(refused)
         state = self._state()
         result = RunResult(self.out)
         for stage in self.stages:
@@ -393,6 +443,63 @@ class Pipeline:
                 verifier, _ = verifier_reference(read_json(directory / EXPORTED_DRAFT_CONFIG_FILE))
                 commands[fmt] = serve_command(fmt, verifier, self.config.export.speculative_tokens, str(directory))
         return commands
+
+
+class _TargetSizing:
+    """Per-GPU memory of the target under each stage's placement, from config.json (weights counted once)."""
+
+    def __init__(self, target_config: dict[str, Any], machine: Any):
+        self.target_config = target_config
+        self.machine = machine
+        self._weights = None
+
+    def weights(self) -> Any:
+        from .sizing import weights_of
+
+        if self._weights is None:
+            self._weights = weights_of(self.target_config)
+        return self._weights
+
+    def place(self, plan: StagePlan, config: Any, forward_tokens: int, cached_tokens: int = 0) -> int:
+        """Fill ``plan.memory`` (and ``plan.refusal`` when it does not fit); returns the GPUs the target spans."""
+        from .placement import device_key
+        from .sizing import GIB, fit_advice, layout
+
+        if not self.machine.gpus:
+            return 0
+        gpus = {"one": 1, "tp": self.machine.gpus}.get(config.placement) or sum(
+            isinstance(device_key(name), int) for name in config.max_memory) or self.machine.gpus
+        weights = self.weights()
+        chosen = layout(self.target_config, weights, self.machine, config.placement, forward_tokens, gpus,
+                        cached_tokens)
+        plan.memory = (f"{config.placement} x{chosen.gpus}: {chosen.weights_per_gpu / GIB:,.1f} + "
+                       f"{chosen.activations_per_gpu / GIB:,.1f} GiB of {chosen.capacity_per_gpu / GIB:,.0f}")
+        if not chosen.fits:
+            plan.refusal = (f"{plan.name}: the target needs {chosen.needed_per_gpu / GIB:,.1f} GiB per GPU "
+                            f"(--placement {config.placement} over {chosen.gpus} x {self.machine.name}: "
+                            f"{chosen.weights_per_gpu / GIB:,.1f} GiB weights + {chosen.activations_per_gpu / GIB:,.1f}"
+                            f" GiB at {forward_tokens:,} tokens) of {chosen.capacity_per_gpu / GIB:,.1f} GiB usable; "
+                            "use " + fit_advice(self.target_config, weights, self.machine, chosen, forward_tokens,
+                                                cached_tokens))
+        return chosen.gpus
+
+    def load_seconds(self) -> float:
+        """Reading the weights (GPU plans; a CPU plan's targets load in seconds)."""
+        from .sizing import load_seconds
+
+        return load_seconds(self.weights()) if self.machine.gpus else LOAD_SECONDS_CPU
+
+    def decode_step(self, gpus: int, measured_step_s: float) -> float:
+        from .sizing import decode_seconds_per_token
+
+        return decode_seconds_per_token(self.weights(), self.machine, max(1, gpus), measured_step_s,
+                                        MEASURED_DECODE_LAYERS, int(self.target_config["num_hidden_layers"]))
+
+    def extract_rate(self, gpus: int, placement: str, store_bytes_per_token: int) -> float:
+        from .sizing import extract_tokens_per_s
+
+        computing = gpus if placement == "tp" else 1  # a split runs one GPU at a time
+        return extract_tokens_per_s(self.weights(), self.machine, computing, store_bytes_per_token)
 
 
 # ---------------------------------------------------------------------------------------------- the stages
@@ -575,6 +682,20 @@ def _count_rows(files: list[str], split: str = "all") -> int:
                 continue  # regenerate reports bad rows itself; an estimate skips them
             total += split == "all" or row_split == split
     return total
+
+
+def _input_tokens(inputs: list[str]) -> int:
+    """Tokens in conversation files not yet prepared, guessed from their size."""
+    return int(sum(Path(p).stat().st_size for p in inputs if Path(p).is_file()) / INPUT_BYTES_PER_TOKEN)
+
+
+def _samples_guess(tokens: int) -> int:
+    return max(1, tokens // TOKENS_PER_SAMPLE_GUESS)
+
+
+def _prepared_samples(prepared: Path) -> int:
+    manifest = prepared / MANIFEST_FILE
+    return int(read_json(manifest).get("counts", {}).get("samples", 0)) if manifest.is_file() else 0
 
 
 def _prepared_tokens(prepared: Path) -> int:

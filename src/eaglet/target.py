@@ -256,7 +256,9 @@ def read_config(path: Path) -> dict[str, Any]:
     if missing:
         raise EagletError(f"target {file}: no integer '{missing[0]}' (not a decoder-only model's config); pass an HF "
                           "causal LM directory")
-    return text | {"architectures": config.get("architectures", [])}
+    quantization = config.get("quantization_config") or text.get("quantization_config")
+    return text | {"architectures": config.get("architectures", [])} | (
+        {"quantization_config": quantization} if quantization else {})
 
 
 def count_parameters(path: Path) -> int:
@@ -376,20 +378,57 @@ def decoding_attention() -> Any:
     return sdpa_kernel([getattr(SDPBackend, name) for name in DECODE_SDPA_BACKENDS])
 
 
-def load_model(path: Path, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False) -> Any:
-    """The target's weights, in eval mode, on ``device``."""
+def check_quantization(config: dict[str, Any], name: str) -> str | None:
+    """A quantized target's format is one this transformers reads, with what it needs installed (its own checks, run
+    on config.json: no weight loads); returns the format's name (None: not quantized)."""
+    quantization = config.get("quantization_config")
+    if not quantization:
+        return None
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    method = str(quantization.get("quant_method", "?"))
+    try:
+        AutoHfQuantizer.from_config(quantization).validate_environment(device_map=None, dtype=None)
+    except (ImportError, ValueError, RuntimeError, KeyError) as exc:
+        raise EagletError(f"target {name}: quantization {method!r}: {str(exc).splitlines()[0]}") from None
+    return method
+
+
+def load_model(path: Path, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False,
+               placement: Any = None, world: int = 1) -> Any:
+    """The target's weights in eval mode: on ``device``, or placed as ``placement`` says (``eaglet.placement``).
+
+    A checkpoint that leaves any of the model's weights unread (a format transformers maps onto this architecture
+    only in part) is refused: features from randomly initialised layers would look fine and be worthless."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from .placement import check_tp_plan, load_kwargs
+
     hf_logging.disable_progress_bar()  # eaglet shows its own progress; a 1-second bar per load is noise
+    mode = getattr(placement, "placement", "one")
     device = pick_device(device)
+    config = read_config(path)
+    check_quantization(config, str(path))
+    if mode == "tp":
+        check_tp_plan(config, world)
+    kwargs = load_kwargs(placement, world) if placement is not None else {}
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report would print before eaglet's one line on missing weights
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=pick_dtype(dtype, device), trust_remote_code=trust_remote_code
-        )
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            path, dtype=pick_dtype(dtype, device), trust_remote_code=trust_remote_code, output_loading_info=True,
+            **kwargs)
     except Exception as exc:
         raise EagletError(f"target {path}: weights could not be loaded ({str(exc).splitlines()[0]})") from None
-    return model.to(device).eval()
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    missing = sorted(loading.get("missing_keys") or ())
+    if missing:
+        raise EagletError(f"target {path}: {len(missing)} of the model's weights are not in the checkpoint as "
+                          f"transformers reads it (first: {missing[0]}); this checkpoint's format is not one "
+                          f"transformers loads fully for {type(model).__name__}")
+    return (model.to(device) if mode == "one" else model).eval()
 
 
 # Where architectures keep the final norm (the one before the LM head), and the families whose RMSNorm

@@ -23,7 +23,8 @@ from ..errors import EagletError
 from ..formats.files import MANIFEST_FILE, PREPARED_SCHEMA, SAMPLES_FILE, VOCAB_FILE
 from ..fsio import atomic_directory, sha256_file, sha256_json, write_json_atomic
 from ..progress import progress_bar
-from ..target import load_tokenizer, resolve_target, target_info
+from ..formats.target import target_source
+from ..target import hub_id_of, load_tokenizer, resolve_target, target_info
 from .readers import BadRow, Conversation, fail_on_bad_rows, read_conversations
 from .render import ChatRenderer, Rendered
 from .vocab import build_draft_vocab, default_draft_vocab_size
@@ -122,6 +123,7 @@ def run_prepare(config: PrepareConfig, console: Console | None = None) -> Prepar
                 "num_layers": info.num_layers,
                 "hidden_size": info.hidden_size,
             },
+            "target_source": target_source(target.spec, target.path, hub_id_of(target)),
             "config": config.model_dump(),
             "inputs": [{"path": str(p), "sha256": sha256_file(p)} for p in config.inputs],
             "counts": {

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable
 from rich.console import Console
 
 from .. import __version__
-from ..config import RegenerateConfig
+from ..config import CPU_GENERATE_BATCH, GPU_GENERATE_BATCH, RegenerateConfig
 from ..errors import EagletError
 from ..formats.files import answers_manifest
 from ..fsio import append_lines_durable, sha256_file, write_bytes_atomic, write_json_atomic
@@ -30,8 +30,6 @@ from ..resources import resolve_input
 from ..target import decoding_attention
 from .readers import BadRow, fail_on_bad_rows, read_conversations
 
-CPU_BATCH = 8
-GPU_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -166,22 +164,27 @@ class HFBackend:
     def __init__(self, config: RegenerateConfig):
         import torch
 
-        from ..target import load_model, load_tokenizer, pick_device, resolve_target
+        from ..distributed import init_distributed
+        from ..placement import input_device
+        from ..target import load_model, load_tokenizer, resolve_target
 
         self.config = config
         resolved = resolve_target(config.target, config.trust_remote_code)
         self.tokenizer = load_tokenizer(resolved.path, config.trust_remote_code)
         if not isinstance(self.tokenizer.chat_template, str):
             raise EagletError(f"target {config.target}: no chat template, so prompts cannot be rendered")
-        self.device = pick_device(config.device)
-        self.model = load_model(resolved.path, self.device, config.dtype, config.trust_remote_code)
-        self.batch_size = config.batch_size or (GPU_BATCH if self.device.startswith("cuda") else CPU_BATCH)
+        dist = init_distributed()  # --placement tp: every rank generates the same batches; rank 0 writes
+        device = dist.device(config.device)
+        self.model = load_model(resolved.path, device, config.dtype, config.trust_remote_code, config, dist.world)
+        self.device = input_device(self.model)
+        self.batch_size = config.batch_size or (GPU_GENERATE_BATCH if device.startswith("cuda") else CPU_GENERATE_BATCH)
         stop = self.model.generation_config.eos_token_id
         stop_ids = set(stop if isinstance(stop, list) else [stop] if stop is not None else [])
         if self.tokenizer.eos_token_id is not None:
             stop_ids.add(self.tokenizer.eos_token_id)
         self.stop_ids = sorted(stop_ids)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self.writes = dist.is_main
         self.torch = torch
 
     def encode(self, request: Request) -> list[int]:
@@ -304,6 +307,7 @@ def _run_batches(
     out: Path,
     done: dict[tuple[str, int], str],
     advance: Callable[[int], None],
+    writes: bool = True,
 ) -> int:
     new_tokens = 0
     for index, batch in batches:
@@ -316,7 +320,8 @@ def _run_batches(
             done[request.key] = line
             lines.append(line)
             new_tokens += answer.new_tokens
-        append_lines_durable(out, lines)
+        if writes:
+            append_lines_durable(out, lines)
         advance(len(batch))
     return new_tokens
 
@@ -347,7 +352,7 @@ def run_regenerate(config: RegenerateConfig, console: Console | None = None) -> 
                 new_tokens = _run_batches(
                     pending,
                     lambda i, b: backend.generate(b, encoded, config.seed * 1_000_003 + i),
-                    settings, out, done, advance,
+                    settings, out, done, advance, backend.writes,
                 )
             else:
                 client = OpenAIBackend(config)
@@ -368,6 +373,8 @@ def run_regenerate(config: RegenerateConfig, console: Console | None = None) -> 
                         pool.shutdown(wait=False, cancel_futures=True)
                         raise
     seconds = time.perf_counter() - started
+    if backend is not None and not backend.writes:
+        return RegenerateResult(out, len(todo), skipped, new_tokens, seconds, {})
     finalize(out, requests, done)
     manifest = {
         "schema": "eaglet.regenerated/1",

@@ -56,6 +56,10 @@ def check_settings(config: EvalConfig) -> None:
     if config.batch_size > 1 and (config.mode != "chain" or config.temperature > 0):
         raise EagletError(f"--batch-size {config.batch_size}: batched decoding drafts chains greedily; use --mode chain "
                           "and temperature 0, or --batch-size 1 for trees and sampling")
+    if config.placement != "one" and (config.batch_size > 1 or config.cuda_graphs == "on"):
+        raise EagletError(f"--placement {config.placement}: the target runs on dynamic caches, one prompt at a time; "
+                          "drop --batch-size and --cuda-graphs on (static caches and graphs need the whole target on "
+                          "one GPU)")
 
 
 def make_decoders(config: EvalConfig, model: torch.nn.Module, draft: Eagle3Draft, layer_ids: tuple[int, ...],
@@ -64,7 +68,7 @@ def make_decoders(config: EvalConfig, model: torch.nn.Module, draft: Eagle3Draft
     if config.batch_size > 1:
         return _batched(config, model, draft, layer_ids, stop)
     sampling = Sampling(config.temperature, config.top_p)
-    static = uses_static_cache(config.cuda_graphs, config.batch_size, device)
+    static = config.placement == "one" and uses_static_cache(config.cuda_graphs, config.batch_size, device)
     cache_length = static_cache_length(config, longest_prompt)
     target: TargetRunner | StaticTarget = TargetRunner(model, layer_ids)
     if static:

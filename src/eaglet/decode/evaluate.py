@@ -19,10 +19,13 @@ from ..data.readers import BadRow, read_conversations
 from ..draft import load_draft
 from ..errors import EagletError
 from ..formats.files import REPORT_FILE, REPORT_MARKDOWN_FILE
+from ..formats.target import stage_target
 from ..fsio import write_json_atomic
 from ..progress import progress_bar
 from ..resources import resolve_input
-from ..target import load_head_weights, load_model, load_tokenizer, pick_device, resolve_target, target_info
+from ..distributed import init_distributed
+from ..placement import input_device, output_device
+from ..target import load_head_weights, load_model, load_tokenizer, resolve_target, target_info
 from .decoders import check_settings, make_decoders
 from .runners import TargetRunner
 
@@ -88,7 +91,7 @@ def _spread(rows: list[tuple[str, str, list[int]]], count: int) -> list[tuple[st
 
 
 def _hf_generate_tokens_per_s(model: Any, prompts: list[list[int]], max_new: int, stop: list[int]) -> float:
-    device = next(model.parameters()).device
+    device = input_device(model)
     tokens, started = 0, time.perf_counter()
     for ids in prompts:
         with torch.inference_mode():
@@ -101,7 +104,7 @@ def _hf_generate_tokens_per_s(model: Any, prompts: list[list[int]], max_new: int
 def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, Any]:
     console = console or Console(stderr=True)
     check_settings(config)
-    resolved = resolve_target(config.target, config.trust_remote_code)
+    resolved = resolve_target(stage_target(config), config.trust_remote_code)
     tokenizer = load_tokenizer(resolved.path, config.trust_remote_code)
     info = target_info(resolved, tokenizer)
     draft = load_draft(config.draft, embed=load_head_weights(resolved.path).embed.float())
@@ -112,8 +115,10 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
             f"not {info.name} ({info.config_hash[:12]}); pass the matching --target"
         )
     layer_ids = tuple(draft.config.eagle_aux_hidden_state_layer_ids)
-    device = pick_device(config.device)
-    model = load_model(resolved.path, device, config.dtype, config.trust_remote_code)
+    dist = init_distributed()  # --placement tp: every rank runs the same decoding; rank 0 reports
+    device = dist.device(config.device)
+    model = load_model(resolved.path, device, config.dtype, config.trust_remote_code, config, dist.world)
+    device = str(output_device(model))  # the draft runs where the target's logits and features come out
     draft = draft.to(device=device, dtype=next(model.parameters()).dtype).eval()
     greedy = config.temperature <= 0
     stop = sorted({i for i in [tokenizer.eos_token_id, *(model.generation_config.eos_token_id
@@ -141,11 +146,12 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     if config.hf_generate_baseline:
         report["hf_generate_tokens_per_s"] = round(
             _hf_generate_tokens_per_s(model, [p[2] for p in prompts], config.max_new_tokens, stop), 2)
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / REPORT_FILE, report)
-    (out / REPORT_MARKDOWN_FILE).write_text(_markdown(report), encoding="utf-8")
-    _plots(report, out)
+    if dist.is_main:
+        out = Path(config.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out / REPORT_FILE, report)
+        (out / REPORT_MARKDOWN_FILE).write_text(_markdown(report), encoding="utf-8")
+        _plots(report, out)
     return report
 
 

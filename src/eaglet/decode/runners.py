@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..capture import FeatureCapture
+from ..placement import full
 from ..draft import Eagle3Draft
 from ..errors import EagletError
 from .common import cache_kwarg, decode_step, draft_rope, draft_target_ids
@@ -30,7 +31,7 @@ class TargetRunner:
     def __init__(self, model: torch.nn.Module, layer_ids: tuple[int, ...]):
         self.model = model
         self.capture = FeatureCapture(model, layer_ids)
-        self.device = next(model.parameters()).device
+        self.device = self.capture.input_device  # a split target's logits and features come out elsewhere
         self.cache = None
         self.cache_kwarg = cache_kwarg(model)
 
@@ -49,7 +50,7 @@ class TargetRunner:
         logits [n, V] (float32) and aux features [n, 3, H]. With ``tree``, the tokens are a tree (root
         first) and each one attends only to the cache and its ancestors."""
         start = self.length
-        ids = tokens[None] if isinstance(tokens, torch.Tensor) else torch.tensor([tokens], device=self.device)
+        ids = tokens[None].to(self.device) if isinstance(tokens, torch.Tensor) else torch.tensor([tokens], device=self.device)
         extra: dict = {}
         if tree is None:
             positions = torch.arange(start, start + len(tokens), device=self.device)[None]
@@ -62,8 +63,10 @@ class TargetRunner:
         with self.capture.hooks(captured):
             out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **{self.cache_kwarg: self.cache},
                              **extra)
-        aux = torch.stack([captured[slot] for slot in range(len(self.capture.layer_ids))], dim=2)[0]
-        return out.logits[0].float(), aux
+        logits = full(out.logits[0]).float()  # [n, V]
+        aux = torch.stack([full(captured[slot]).to(logits.device) for slot in range(len(self.capture.layer_ids))],
+                          dim=2)[0]  # [n, 3, H]
+        return logits, aux
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` positions (a negative crop: the form every transformers version accepts)."""

@@ -88,6 +88,65 @@ def check_target(spec: str, need_template: bool, trust_remote_code: bool = False
     return checks, (resolved, info)
 
 
+def check_stage_target(cfg: Any, need_template: bool) -> tuple[list[Check], Any]:
+    """check_target for the stage's --target, or the target its input records when none is given."""
+    from ..formats.target import stage_target
+
+    try:
+        spec = stage_target(cfg)
+    except EagletError as exc:
+        return [Check("target", FAIL, exc.message)], None
+    checks, found = check_target(spec, need_template, cfg.trust_remote_code)
+    if not cfg.target and found:
+        checks[0] = Check("target", checks[0].status, f"{checks[0].detail} (recorded by the input: {spec})")
+    return checks, found
+
+
+def check_fit(target_path: Path, cfg: Any, device: str, dtype_bytes: int, forward_tokens: int,
+              cached_tokens: int = 0) -> list[Check]:
+    """From config.json, before any weight loads: the quantization format is one this transformers reads here, the
+    architecture has a tensor-parallel plan when asked for one, and the placement fits the GPUs (weights per GPU +
+    activations at ``forward_tokens`` + KV cache of ``cached_tokens``); a failure names what to change."""
+    import os
+
+    from ..placement import check_tp_plan, device_key
+    from ..sizing import GIB as SIZE_GIB
+    from ..sizing import describe_weights, fit_advice, layout, this_machine, weights_of
+    from ..target import check_quantization, read_config
+
+    config = read_config(target_path)
+    checks = []
+    try:
+        method = check_quantization(config, str(target_path))
+    except EagletError as exc:
+        return [Check("quantization", FAIL, exc.message)]
+    if method:
+        checks.append(Check("quantization", PASS, f"{method}: this transformers reads it here"))
+    placement = getattr(cfg, "placement", "one")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if placement == "tp":
+        try:
+            if world < 2:
+                raise EagletError("--placement tp runs under torchrun with 2 or more processes "
+                                  "(torchrun --nproc-per-node N -m eaglet.cli ...)")
+            check_tp_plan(config, world)
+        except EagletError as exc:
+            return checks + [Check("tensor parallel", FAIL, exc.message)]
+    machine = this_machine()
+    if machine.gpus == 0 or (not device.startswith("cuda") and placement == "one"):
+        return checks  # the CPU's memory: check_memory covers it
+    gpus = {"tp": world, "one": 1}.get(placement) or sum(
+        isinstance(device_key(name), int) for name in (getattr(cfg, "max_memory", None) or {})) or machine.gpus
+    weights = weights_of(config, dtype_bytes)
+    plan = layout(config, weights, machine, placement, forward_tokens, gpus, cached_tokens)
+    detail = (f"{placement} over {plan.gpus} x {machine.name}: {plan.weights_per_gpu / SIZE_GIB:.1f} GiB weights + "
+              f"{plan.activations_per_gpu / SIZE_GIB:.1f} GiB activations per GPU of "
+              f"{plan.capacity_per_gpu / SIZE_GIB:.1f} GiB usable; {describe_weights(weights)}")
+    checks.append(Check("layout", PASS if plan.fits else FAIL, detail, "" if plan.fits else
+                        "use " + fit_advice(config, weights, machine, plan, forward_tokens, cached_tokens)))
+    return checks
+
+
 def check_device(requested: str) -> Check:
     """The device exists for this torch (a CPU build has no cuda; tpu is not one eaglet runs on)."""
     from ..target import pick_device

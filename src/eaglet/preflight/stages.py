@@ -20,17 +20,21 @@ from .checks import (
     Check,
     check_device,
     check_disk,
+    check_fit,
     check_library_api,
     check_layers,
     check_memory,
     check_output_dir,
     check_rows,
+    check_stage_target,
     check_target,
     guarded,
     weights_bytes,
 )
 
 BYTES_PER_GENERATED_TOKEN = 8  # JSON text of an answer, generously
+PROMPT_TOKENS_GUESS = 512  # a prompt's tokens, for KV cache estimates before prompts are rendered
+EVAL_FORWARD_TOKENS = 128  # the largest verification forward eval runs (a tree's budget + 1, padded)
 PREPARED_BYTES_PER_INPUT_BYTE = 1.0  # parquet (zstd) of ids + masks is smaller than the JSON it came from
 
 
@@ -79,6 +83,7 @@ def prepare_checks(cfg: Any) -> list[Check]:
 
 
 def regenerate_checks(cfg: Any) -> list[Check]:
+    from ..config import CPU_GENERATE_BATCH, GPU_GENERATE_BATCH
     from ..resources import resolve_input
 
     checks = [Check("config", PASS, "valid")]
@@ -93,12 +98,16 @@ def regenerate_checks(cfg: Any) -> list[Check]:
         checks.append(check_device(cfg.device))
         if checks[-1].status == FAIL:
             return checks
-        target_checks, found = check_target(cfg.target, need_template=True, trust_remote_code=cfg.trust_remote_code)
+        target_checks, found = check_stage_target(cfg, need_template=True)
         checks += target_checks
         if found:
             checks.append(check_library_api())
             device, dtype_bytes = _device_bytes(cfg.device, cfg.dtype)
-            checks.append(check_memory(device, weights_bytes(found[0].path, dtype_bytes), "target weights"))
+            batch = cfg.batch_size or (GPU_GENERATE_BATCH if device.startswith("cuda") else CPU_GENERATE_BATCH)
+            checks += check_fit(found[0].path, cfg, device, dtype_bytes, batch,
+                                batch * (PROMPT_TOKENS_GUESS + cfg.max_new_tokens))
+            if not device.startswith("cuda"):
+                checks.append(check_memory(device, weights_bytes(found[0].path, dtype_bytes), "target weights"))
     rows = cfg.max_prompts or 1000
     checks.append(check_disk(out.parent if out.parent.exists() else Path("."), rows * cfg.n * cfg.max_new_tokens *
                              BYTES_PER_GENERATED_TOKEN, "answers"))
@@ -106,6 +115,7 @@ def regenerate_checks(cfg: Any) -> list[Check]:
 
 
 def extract_checks(cfg: Any) -> list[Check]:
+    from ..config import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS
     from ..formats.prepared import load_prepared
     from ..formats.store import bytes_per_token
 
@@ -117,7 +127,7 @@ def extract_checks(cfg: Any) -> list[Check]:
     except EagletError as exc:
         return checks + [Check("prepared set", FAIL, exc.message)]
     checks.append(Check("prepared set", PASS, f"{len(prepared):,} samples, {int(prepared.lengths.sum()):,} tokens"))
-    target_checks, found = check_target(cfg.target, need_template=False, trust_remote_code=cfg.trust_remote_code)
+    target_checks, found = check_stage_target(cfg, need_template=False)
     checks += target_checks
     if not found:
         return checks
@@ -143,10 +153,12 @@ def extract_checks(cfg: Any) -> list[Check]:
     needed = int(prepared.lengths.sum()) * bytes_per_token(info.hidden_size, cfg.storage_dtype)
     checks.append(check_disk(store, int(needed + cfg.reserve_gb * GIB), f"store ({cfg.storage_dtype}) + reserve"))
     device, dtype_bytes = _device_bytes(cfg.device, cfg.dtype)
-    batch_tokens = cfg.batch_tokens or (32768 if device.startswith("cuda") else 4096)
-    activations = batch_tokens * info.hidden_size * ACTIVATION_FACTOR * 4  # + the three captured inputs
-    checks.append(check_memory(device, weights_bytes(resolved.path, dtype_bytes) + activations,
-                               f"target weights + a {batch_tokens:,}-token batch"))
+    batch_tokens = cfg.batch_tokens or (GPU_BATCH_TOKENS if device.startswith("cuda") else CPU_BATCH_TOKENS)
+    checks += check_fit(resolved.path, cfg, device, dtype_bytes, batch_tokens)
+    if not device.startswith("cuda"):
+        activations = batch_tokens * info.hidden_size * ACTIVATION_FACTOR * 4  # + the three captured inputs
+        checks.append(check_memory(device, weights_bytes(resolved.path, dtype_bytes) + activations,
+                                   f"target weights + a {batch_tokens:,}-token batch"))
     return checks
 
 
@@ -159,7 +171,7 @@ def train_checks(cfg: Any) -> list[Check]:
         return checks
     if (cfg.store is None) == (cfg.prepared is None):
         return checks + [Check("input", FAIL, "needs exactly one of --store and --prepared", "offline: --store; online: --prepared")]
-    target_checks, found = check_target(cfg.target, need_template=False, trust_remote_code=cfg.trust_remote_code)
+    target_checks, found = check_stage_target(cfg, need_template=False)
     checks += target_checks
     if not found:
         return checks
@@ -190,6 +202,13 @@ def train_checks(cfg: Any) -> list[Check]:
                             "" if same else "prepare again with this --target"))
         checks.append(check_layers(cfg.layers, info.num_layers))
         checks.append(check_library_api())  # online: the target is loaded and driven through transformers
+        if cfg.placement == "tp":
+            checks.append(Check("placement", FAIL, "online training cannot run a tensor-parallel target",
+                                "extract a store under torchrun with --placement tp and train on it, or use "
+                                "--placement split"))
+        else:
+            online_device, online_bytes = _device_bytes(cfg.device)
+            checks += check_fit(resolved.path, cfg, online_device, online_bytes, cfg.online_forward_tokens)
         prepared_dir = Path(cfg.prepared)
     vocab_file = Path(cfg.draft_vocab_file or prepared_dir / VOCAB_FILE)
     checks.append(Check("draft vocab", PASS, str(vocab_file)) if vocab_file.is_file() else Check(
@@ -214,7 +233,7 @@ def eval_checks(cfg: Any) -> list[Check]:
     checks = [Check("config", PASS, "valid"), check_device(cfg.device)]
     if checks[-1].status == FAIL:
         return checks
-    target_checks, found = check_target(cfg.target, need_template=True, trust_remote_code=cfg.trust_remote_code)
+    target_checks, found = check_stage_target(cfg, need_template=True)
     checks += target_checks
     try:
         stored = read_draft_config(Path(cfg.draft))
@@ -230,8 +249,11 @@ def eval_checks(cfg: Any) -> list[Check]:
     if found:
         checks.append(check_library_api())
         device, dtype_bytes = _device_bytes(cfg.device, cfg.dtype)
-        checks.append(check_memory(device, weights_bytes(found[0].path, dtype_bytes), "target weights"))
-        if uses_static_cache(cfg.cuda_graphs, cfg.batch_size, device):
+        checks += check_fit(found[0].path, cfg, device, dtype_bytes, EVAL_FORWARD_TOKENS,
+                            PROMPT_TOKENS_GUESS + cfg.max_new_tokens)
+        if not device.startswith("cuda"):
+            checks.append(check_memory(device, weights_bytes(found[0].path, dtype_bytes), "target weights"))
+        if cfg.placement == "one" and uses_static_cache(cfg.cuda_graphs, cfg.batch_size, device):
             checks.append(check_static_cache(found[0].path, cfg.cuda_graphs, device.startswith("cuda"),
                                              cfg.trust_remote_code))
             if compiles_draft_round(cfg.compile_draft, True, cfg.temperature == 0, device):

@@ -220,7 +220,6 @@ class LiveSource(FeatureSource):
                  tokens_per_shard: int, seed: int = 0, forward_tokens: int = 4096):
         self.prepared = prepared
         self.capture = FeatureCapture(model, layer_ids)
-        self.device = next(model.parameters()).device
         self.plans = plan_shards(prepared.lengths, tokens_per_shard)
         self.lengths = prepared.lengths
         self.token_budget = token_budget
@@ -242,7 +241,7 @@ class LiveSource(FeatureSource):
             for row, position in enumerate(batch.tolist()):
                 ids, _ = self.prepared.sample(samples[position])
                 padded[row, : lengths[position]] = torch.from_numpy(ids[: lengths[position]].astype(np.int64))
-            aux, last = self.capture(padded.to(self.device))
+            aux, last = self.capture(padded)
             for row, position in enumerate(batch.tolist()):
                 length = int(lengths[position])
                 ids, mask = self.prepared.sample(samples[position])

@@ -21,6 +21,7 @@ from ..errors import EagletError
 from ..formats.draft import DraftConfig
 from ..formats.layers import resolve_aux_layer_ids
 from ..formats.prepared import load_prepared
+from ..formats.target import stage_target
 from ..formats.store import ShardPlan, check_same_target, check_store_counts, prepared_path, read_manifest
 from ..loss import TeacherHead
 from ..target import (load_head_weights, load_model, load_tokenizer, read_config, resolve_target, target_info,
@@ -56,7 +57,8 @@ class Setup:
 def build_setup(config: TrainConfig, device: str) -> Setup:
     if (config.store is None) == (config.prepared is None):
         raise EagletError("train needs exactly one input: --store STORE (offline) or --prepared DIR (online)")
-    resolved = resolve_target(config.target, config.trust_remote_code)
+    target = stage_target(config)
+    resolved = resolve_target(target, config.trust_remote_code)
     info = target_info(resolved, load_tokenizer(resolved.path, config.trust_remote_code))
     target_identity = {"name": info.name, "config_hash": info.config_hash, "tokenizer_hash": info.tokenizer_hash}
     accepted_target = target_identity | {"legacy_config_hash": info.legacy_config_hash}
@@ -81,11 +83,15 @@ def build_setup(config: TrainConfig, device: str) -> Setup:
         if prepared.manifest["target"]["tokenizer_hash"] != info.tokenizer_hash:
             raise EagletError(
                 f"{config.prepared}: prepared with the tokenizer of {prepared.manifest['target']['name']}, not "
-                f"{info.name}'s; prepare again with --target {config.target}"
+                f"{info.name}'s; prepare again with --target {target}"
             )
         vocab = DraftVocab.load(config.draft_vocab_file or prepared.vocab_path)  # before the target loads
         layer_ids = resolve_aux_layer_ids(config.layers, info.num_layers)
-        model = load_model(resolved.path, device, "auto", config.trust_remote_code)
+        if config.placement == "tp":
+            raise EagletError("online training runs the target in the training processes, which cannot also be its "
+                              "tensor-parallel group; extract a store with `torchrun ... eaglet extract --placement tp`"
+                              " and train on it, or use --placement split")
+        model = load_model(resolved.path, device, "auto", config.trust_remote_code, config)
         source = LiveSource(prepared, model, layer_ids, config.token_budget, config.online_chunk_tokens, config.seed,
                             config.online_forward_tokens)
     eval_source = None

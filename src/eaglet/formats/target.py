@@ -1,0 +1,71 @@
+"""Which target a prepared set, store or draft was made with, so a stage reading one needs no --target.
+
+Each records how to find its target again (``target_source``: the --target given, the local directory it resolved
+to, the hub id when known). A stage given no --target takes that: the spec when it still resolves here
+('embedded', an existing path, a hub id), else the recorded directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..errors import EagletError
+from .draft import read_draft_config
+from .prepared import read_prepared_manifest
+from .store import prepared_path, read_manifest
+
+EMBEDDED_SPEC = "embedded"
+SOURCE_KEYS = ("spec", "path", "hub_id")  # what a record keeps to find its target
+
+
+def target_source(spec: str, path: Path | str, hub_id: str | None) -> dict[str, Any]:
+    """The record written into a prepared set's, store's or draft's metadata."""
+    return {"spec": spec, "path": str(path), "hub_id": hub_id}
+
+
+def recorded_target(record: dict[str, Any] | None, where: str) -> str:
+    """The --target to use for an artifact whose target record is ``record``."""
+    record = record or {}
+    spec, path, hub_id = (record.get(key) for key in SOURCE_KEYS)
+    if spec == EMBEDDED_SPEC:
+        return EMBEDDED_SPEC
+    for candidate in (spec, path):
+        if candidate and Path(candidate).expanduser().exists():
+            return str(candidate)
+    if hub_id:
+        return str(hub_id)
+    if not (spec or path):
+        raise EagletError(f"{where}: records no target (made before eaglet recorded it); pass --target")
+    raise EagletError(f"{where}: made with target {spec or path}, which is not on this machine; pass --target")
+
+
+def target_of_prepared(prepared: str | Path) -> str:
+    manifest = read_prepared_manifest(Path(prepared))
+    return recorded_target(manifest.get("target_source"), f"prepared set {prepared}")
+
+
+def target_of_store(store: str | Path) -> str:
+    """The store's own record, else (stores made before it) its prepared set's."""
+    manifest = read_manifest(Path(store), check_shards=False)
+    if manifest.get("target_source"):
+        return recorded_target(manifest["target_source"], f"store {store}")
+    return target_of_prepared(prepared_path(Path(store), manifest))
+
+
+def target_of_draft(draft: str | Path) -> str:
+    return recorded_target(read_draft_config(draft).config.target, f"draft {draft}")
+
+
+def stage_target(config: Any) -> str:
+    """A stage's --target: the one given, else the one its input records — a store's (offline training), a draft's
+    (eval), a prepared set's (extract, online training) — else the embedded model."""
+    if config.target:
+        return str(config.target)
+    if getattr(config, "store", None):
+        return target_of_store(config.store)
+    if getattr(config, "draft", None):
+        return target_of_draft(config.draft)
+    if getattr(config, "prepared", None):
+        return target_of_prepared(config.prepared)
+    return EMBEDDED_SPEC

@@ -1,0 +1,377 @@
+"""Targets bigger than one device: MoE and MLA architectures, quantized checkpoints, targets placed over several
+devices (a pipeline split in one process, tensor parallel under torchrun), the plan from config.json alone, and
+stages that take the target their input records."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import extract_args, run_cli, small_conversations, write_jsonl
+from targets import quantized_target, tiny_target
+
+FIXTURES = Path(__file__).parent / "fixtures" / "targets"
+GIB = 1 << 30
+TRAIN = ["--token-budget", "128", "--log-every", "1", "--eval-every", "10", "--max-steps", "2"]
+EVAL = ["--max-prompts", "2", "--max-new-tokens", "8", "--depth", "2"]
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("conversations") / "c.jsonl", small_conversations(40))
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    """Built once per architecture (and per quantized form) for the module."""
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            root = tmp_path_factory.mktemp(name)
+            base, _, quantized = name.partition("-")
+            if quantized:
+                built[name] = quantized_target(get(base), root / "target", quantized)
+            else:
+                built[name] = tiny_target(root / "target", base)
+        return built[name]
+
+    return get
+
+
+def store_tensors(store: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    manifest = json.loads((store / "manifest.json").read_text())
+    return {f"{shard['file']}:{key}": value for shard in manifest["shards"]
+            for key, value in load_file(str(store / shard["file"])).items()}
+
+
+def manifest_without_settings(store: Path) -> dict:
+    manifest = json.loads((store / "manifest.json").read_text())
+    return {key: value for key, value in manifest.items() if key not in ("config", "prepared_relative")}
+
+
+# ------------------------------------------------------------------------------------------ MoE, MLA, quantized
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3-fp8", "llama-int4"])
+def test_moe_and_quantized_targets_run_prepare_extract_online_train_and_eval(tmp_path, capsys, targets, conversations,
+                                                                              name):
+    """Each stage after `prepare` is given no --target: it takes the one its input records."""
+    target = targets(name)
+    prepared, store = tmp_path / "prepared", tmp_path / "store"
+    assert run_cli(["prepare", conversations, "--out", prepared, "--target", target], capsys)[0] == 0
+    code, _, err = run_cli(["extract", "--prepared", prepared, "--out", store, "--shard-mb", "0.05",
+                            "--batch-tokens", "256", "--reserve-gb", "0"], capsys)
+    assert code == 0, err
+    features = store_tensors(store)
+    aux = [v for k, v in features.items() if k.endswith(":aux")]
+    assert aux and all(a.dtype == torch.bfloat16 and torch.isfinite(a.float()).all() for a in aux)
+    code, _, err = run_cli(["train", "--prepared", prepared, "--out", tmp_path / "draft", *TRAIN], capsys)
+    assert code == 0, err
+    code, out, err = run_cli(["eval", "--draft", tmp_path / "draft", "--out", tmp_path / "eval", *EVAL], capsys)
+    assert code == 0, err
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert report["lossless"] is True and report["prompts"] == 2
+
+
+def test_moe_features_are_the_hidden_states_transformers_computes(tmp_path, capsys, targets, conversations):
+    """MLA + routed experts (Kimi's architecture): aux = hidden_states[i] at the aux layer ids, last = the final-normed
+    output, for a stored sample, against transformers' own output_hidden_states."""
+    from transformers import AutoModelForCausalLM
+
+    from eaglet.formats.prepared import load_prepared
+
+    target = targets("deepseek_v3")
+    prepared, store = tmp_path / "prepared", tmp_path / "store"
+    assert run_cli(["prepare", conversations, "--out", prepared, "--target", target], capsys)[0] == 0
+    assert run_cli(extract_args(prepared, store, target, "--dtype", "float32"), capsys)[0] == 0
+    manifest = json.loads((store / "manifest.json").read_text())
+    shard = manifest["shards"][0]
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(store / shard["file"]))
+    sample, length = int(tensors["sample_index"][0]), int(tensors["offsets"][1])
+    ids, _ = load_prepared(prepared).sample(sample)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    with torch.no_grad():
+        hidden = model(torch.tensor(ids[None].astype("int64")), output_hidden_states=True).hidden_states
+    expected = torch.stack([hidden[i][0] for i in manifest["aux_layer_ids"]], dim=1)  # [T, 3, H]
+    torch.testing.assert_close(tensors["aux"][:length].float(), expected.to(torch.bfloat16).float(), rtol=0, atol=0)
+    torch.testing.assert_close(tensors["last"][:length].float(), hidden[-1][0].to(torch.bfloat16).float(),
+                               rtol=0, atol=0)
+
+
+def test_a_checkpoint_transformers_reads_only_in_part_is_refused_before_anything_is_written(tmp_path, capsys, targets,
+                                                                                          conversations):
+    """An INT4 MoE saved with its experts per linear layer loads with the fused experts left random in this
+    transformers: refused, naming the first missing weight, the store never created."""
+    target = targets("deepseek_v3-int4")
+    prepared, store = tmp_path / "prepared", tmp_path / "store"
+    assert run_cli(["prepare", conversations, "--out", prepared, "--target", target], capsys)[0] == 0
+    code, _, err = run_cli(["extract", "--prepared", prepared, "--out", store, "--reserve-gb", "0"], capsys)
+    assert code == 2 and "not in the checkpoint" in err and "experts" in err and "Traceback" not in err, err
+    # compressed-tensors' own progress bars precede it; the error is one line
+    assert [line for line in err.splitlines() if "error" in line.lower()] == [err.strip().splitlines()[-1]]
+    assert not store.exists()
+
+
+def test_a_quantization_format_without_its_package_is_refused_before_the_load(tmp_path, capsys, targets,
+                                                                             conversations):
+    target = tmp_path / "bnb"
+    shutil.copytree(targets("llama"), target)
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (target / "config.json").write_text(json.dumps(config))
+    prepared, store = tmp_path / "prepared", tmp_path / "store"
+    assert run_cli(["prepare", conversations, "--out", prepared, "--target", targets("llama")], capsys)[0] == 0
+    code, _, err = run_cli(["extract", "--prepared", prepared, "--out", store, "--target", target, "--reserve-gb", "0"],
+                           capsys)
+    assert code == 2 and "quantization 'bitsandbytes'" in err and "pip install" in err, err
+    assert len(err.strip().splitlines()) == 1 and not store.exists()
+
+
+# ------------------------------------------------------------------------------------------ placements
+
+
+def test_a_target_split_over_devices_writes_the_same_store(tmp_path, capsys, targets, conversations):
+    """The first layers in memory, the rest memory-mapped from disk (accelerate's offload): the hidden states hop
+    device to device, the store is the one-device store byte for byte."""
+    target = targets("llama")
+    prepared = tmp_path / "prepared"
+    assert run_cli(["prepare", conversations, "--out", prepared, "--target", target], capsys)[0] == 0
+    one, split = tmp_path / "one", tmp_path / "split"
+    assert run_cli(extract_args(prepared, one, target), capsys)[0] == 0
+    code, _, err = run_cli(extract_args(prepared, split, target, "--placement", "split", "--max-memory", "cpu=450KB",
+                                        "--offload-dir", tmp_path / "offload"), capsys)
+    assert code == 0, err
+    assert "target split: cpu: model.embed_tokens" in err and "disk: model.layers" in err, err
+    assert manifest_without_settings(split) == manifest_without_settings(one)
+    assert all(p.read_bytes() == (one / p.name).read_bytes() for p in split.glob("shard-*.safetensors"))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_extraction_under_torchrun_writes_the_one_device_store(tmp_path, capsys, targets,
+                                                                              conversations):
+    """Two gloo processes split every layer (transformers' plan); rank 0 writes. Same shards, same manifest, features
+    equal to bf16 rounding (the all-reduce sums partial products in another order)."""
+    target = targets("llama")
+    prepared = tmp_path / "prepared"
+    assert run_cli(["prepare", conversations, "--out", prepared, "--target", target], capsys)[0] == 0
+    one, tp = tmp_path / "one", tmp_path / "tp"
+    assert run_cli(extract_args(prepared, one, target), capsys)[0] == 0
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29541",
+               "-m", "eaglet.cli", *map(str, extract_args(prepared, tp, target, "--placement", "tp"))]
+    done = subprocess.run(command, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"},
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert manifest_without_settings(tp) | {"shards": None} == manifest_without_settings(one) | {"shards": None}
+    reference, sharded = store_tensors(one), store_tensors(tp)
+    assert reference.keys() == sharded.keys()
+    for key, value in reference.items():
+        if key.endswith((":aux", ":last")):
+            torch.testing.assert_close(sharded[key].float(), value.float(), rtol=2e-2, atol=2e-2)
+        else:
+            assert torch.equal(sharded[key], value), key
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, targets, conversations):
+    """A draft for the tiny Llama: prepared, extracted and trained a few steps."""
+    from rich.console import Console
+
+    from eaglet.config import ExtractConfig, PrepareConfig, TrainConfig
+    from eaglet.data.prepare import run_prepare
+    from eaglet.extract import run_extract
+    from eaglet.train import run_train
+
+    root, target, quiet = tmp_path_factory.mktemp("trained"), str(targets("llama")), Console(quiet=True)
+    run_prepare(PrepareConfig(inputs=[str(conversations)], out=str(root / "prepared"), target=target), quiet)
+    run_extract(ExtractConfig(prepared=str(root / "prepared"), out=str(root / "store"), reserve_gb=0), quiet)
+    run_train(TrainConfig(store=str(root / "store"), out=str(root / "draft"), token_budget=128, max_steps=2), quiet)
+    return root / "draft"
+
+
+def test_a_split_target_decodes_and_regenerates_the_same_tokens(tmp_path, capsys, trained):
+    split = ["--placement", "split", "--max-memory", "cpu=450KB", "--offload-dir", str(tmp_path / "offload")]
+    reports = []
+    for name, extra in (("one", []), ("split", split)):
+        code, _, err = run_cli(["eval", "--draft", trained, "--out", tmp_path / name, *EVAL, *extra], capsys)
+        assert code == 0, err
+        reports.append(json.loads((tmp_path / name / "report.json").read_text()))
+        code, _, err = run_cli(["regenerate", "demo", "--out", tmp_path / f"{name}.jsonl", "--max-prompts", "4",
+                                "--max-new-tokens", "8", "--target", json.loads(
+                                    (trained / "config.json").read_text())["target"]["path"], *extra], capsys)
+        assert code == 0, err
+    assert reports[1]["lossless"] is True
+    assert [reports[1][k] for k in ("generated_tokens", "target_forwards")] == \
+        [reports[0][k] for k in ("generated_tokens", "target_forwards")]
+    answers = [[json.loads(line)["messages"][-1] for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+               for name in ("one", "split")]
+    assert answers[0] == answers[1]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_eval_under_torchrun_decodes_the_same_tokens(tmp_path, capsys, trained):
+    """Every rank runs the same decoding on its shard of each layer; rank 0 writes the report."""
+    assert run_cli(["eval", "--draft", trained, "--out", tmp_path / "one", *EVAL], capsys)[0] == 0
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29542",
+               "-m", "eaglet.cli", "eval", "--draft", str(trained), "--out", str(tmp_path / "tp"), *EVAL,
+               "--placement", "tp"]
+    done = subprocess.run(command, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"},
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, tp = (json.loads((tmp_path / name / "report.json").read_text()) for name in ("one", "tp"))
+    assert tp["lossless"] is True and tp["generated_tokens"] == one["generated_tokens"]
+    assert tp["target_forwards"] == one["target_forwards"]
+
+
+def test_tensor_parallel_for_an_architecture_without_a_plan_is_refused_before_the_load(tmp_path, capsys, targets,
+                                                                                      conversations, monkeypatch):
+    target = targets("gpt_oss")
+    prepared, store = tmp_path / "prepared", tmp_path / "store"
+    assert run_cli(["prepare", conversations, "--out", prepared, "--target", target], capsys)[0] == 0
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it; preflight refuses before joining any group
+    code, _, err = run_cli(["extract", "--prepared", prepared, "--out", store, "--placement", "tp",
+                            "--reserve-gb", "0"], capsys)
+    assert code == 2 and "'gpt_oss' has no tensor-parallel plan" in err and "--placement split" in err, err
+    assert not store.exists()
+
+
+def test_tensor_parallel_over_a_count_that_does_not_divide_the_heads_names_counts_that_do(tmp_path, capsys, targets,
+                                                                                         conversations, monkeypatch):
+    target = targets("llama")
+    prepared = tmp_path / "prepared"
+    assert run_cli(["prepare", conversations, "--out", prepared, "--target", target], capsys)[0] == 0
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    code, _, err = run_cli(["extract", "--prepared", prepared, "--out", tmp_path / "store", "--placement", "tp",
+                            "--reserve-gb", "0"], capsys)
+    assert code == 2 and "num_attention_heads (4) does not divide by 3" in err, err
+    assert "run torchrun with 2 processes" in err  # 2 key-value heads: 4 would not divide them
+
+
+def test_tensor_parallel_without_torchrun_is_refused(tmp_path, capsys, targets, conversations):
+    target = targets("llama")
+    prepared = tmp_path / "prepared"
+    assert run_cli(["prepare", conversations, "--out", prepared, "--target", target], capsys)[0] == 0
+    code, _, err = run_cli(["extract", "--prepared", prepared, "--out", tmp_path / "store", "--placement", "tp",
+                            "--reserve-gb", "0"], capsys)
+    assert code == 2 and "torchrun" in err and not (tmp_path / "store").exists(), err
+
+
+@pytest.mark.parametrize("bad, expected", [
+    ("cuda0", "expected DEVICE=SIZE pairs"),
+    ("cpu=lots", "not a memory size"),
+    ("tpu=1GiB", "unknown device 'tpu'"),
+])
+def test_bad_max_memory_is_a_one_line_error(tmp_path, capsys, targets, conversations, bad, expected):
+    target = targets("llama")
+    prepared = tmp_path / "prepared"
+    assert run_cli(["prepare", conversations, "--out", prepared, "--target", target], capsys)[0] == 0
+    code, _, err = run_cli(["extract", "--prepared", prepared, "--out", tmp_path / "store", "--placement", "split",
+                            "--max-memory", bad, "--skip-preflight"], capsys)
+    assert code == 2 and expected in err and len(err.strip().splitlines()) <= 2, err
+    assert not (tmp_path / "store").exists()
+
+
+# ------------------------------------------------------------------------------------------ the plan
+
+
+def test_kimi_k25_weights_from_its_config_alone():
+    """1.03 T parameters (32.9 B active), the routed experts in INT4 groups of 32, the rest bf16: 553 GiB, the size of
+    the published checkpoint (~595 GB)."""
+    from eaglet.sizing import weights_of
+
+    weights = weights_of(json.loads((FIXTURES / "kimi-k2.5" / "config.json").read_text()))
+    assert 1.02e12 < weights.parameters < 1.04e12 and 32e9 < weights.active_parameters < 34e9
+    assert set(weights.bytes_by_format) == {"int4 group 32", "bf16"}
+    assert 585e9 < weights.bytes < 600e9
+
+
+def test_llama_70b_weights_from_its_config_alone():
+    from eaglet.sizing import weights_of
+
+    weights = weights_of(json.loads((FIXTURES / "llama-3.1-70b" / "config.json").read_text()))
+    assert weights.parameters == weights.active_parameters and 70.5e9 < weights.parameters < 70.6e9
+    assert weights.bytes == 2 * weights.parameters
+
+
+@pytest.mark.parametrize("fixture, gpus, memory, placement, fits", [
+    ("kimi-k2.5", 8, 141, "tp", True),     # 69 GiB of weights per H200
+    ("kimi-k2.5", 4, 141, "tp", False),    # 138 GiB per GPU + activations
+    ("kimi-k2.5", 8, 80, "split", False),  # weights fit, a 32k-token forward on one GPU does not
+    ("llama-3.1-70b", 1, 141, "one", False),
+    ("llama-3.1-70b", 2, 141, "split", True),
+])
+def test_layouts_fit_or_not(fixture, gpus, memory, placement, fits):
+    from eaglet.sizing import Machine, layout, weights_of
+
+    config = json.loads((FIXTURES / fixture / "config.json").read_text())
+    chosen = layout(config, weights_of(config), Machine(gpus, memory * GIB, "H200"), placement, 32768)
+    assert chosen.fits is fits
+
+
+def write_plan_config(path: Path, out: Path, target: Path, conversations: Path, gpus: int, memory: str) -> Path:
+    path.write_text(json.dumps({
+        "out": str(out), "target": str(target), "machine": {"gpus": gpus, "gpu_memory": memory, "name": "H200"},
+        "prepare": {"inputs": [str(conversations)]}, "extract": {"placement": "tp"}, "train": {"max_minutes": 30},
+        "eval": {"placement": "tp", "max_prompts": 16}}))
+    return path
+
+
+def test_run_plan_for_kimi_on_eight_h200_shows_the_layout_per_gpu(tmp_path, capsys, conversations):
+    config = write_plan_config(tmp_path / "run.yaml", tmp_path / "run", FIXTURES / "kimi-k2.5", conversations, 8,
+                               "141GiB")
+    code, out, err = run_cli(["run", config, "--plan"], capsys)
+    assert code == 0 and "does not fit" not in out and not (tmp_path / "run").exists(), err
+    from rich.console import Console
+
+    from eaglet.pipeline import Pipeline, load_run_config
+
+    plans = {p.name: p for p in Pipeline(load_run_config(config), config, Console(quiet=True)).plan()}
+    assert plans["extract"].memory.startswith("tp x8: 69.2 + ") and "MB per sample" in plans["extract"].memory
+    assert plans["extract"].seconds > 553 * GIB / 2.0e9  # at least the weights' load at 2 GB/s
+    assert plans["eval"].memory.startswith("tp x8: 69.2 + ") and not plans["eval"].refusal
+
+
+def test_run_plan_refuses_kimi_on_four_h200_naming_what_to_change(tmp_path, capsys, conversations):
+    config = write_plan_config(tmp_path / "run.yaml", tmp_path / "run", FIXTURES / "kimi-k2.5", conversations, 4,
+                               "141GiB")
+    code, out, err = run_cli(["run", config, "--plan"], capsys)
+    assert code == 2 and "does not fit" in out and not (tmp_path / "run").exists()
+    assert "extract: the target needs" in err and "8 GPUs of 141 GiB (torchrun --nproc-per-node 8" in err, err
+    code, _, err = run_cli(["run", config], capsys)  # the run itself refuses before any stage
+    assert code == 2 and "8 GPUs of 141 GiB" in err and not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------------------ defaults follow the data
+
+
+def test_a_moved_target_is_named_when_the_input_records_it(tmp_path, capsys, targets, conversations):
+    target = tmp_path / "target"
+    shutil.copytree(targets("llama"), target)
+    prepared = tmp_path / "prepared"
+    assert run_cli(["prepare", conversations, "--out", prepared, "--target", target], capsys)[0] == 0
+    shutil.rmtree(target)
+    code, _, err = run_cli(["extract", "--prepared", prepared, "--out", tmp_path / "store"], capsys)
+    assert code == 2 and f"made with target {target}, which is not on this machine; pass --target" in err, err
+
+
+def test_offline_training_takes_the_stores_target(tmp_path, capsys, targets, conversations):
+    target = targets("llama")
+    prepared, store = tmp_path / "prepared", tmp_path / "store"
+    assert run_cli(["prepare", conversations, "--out", prepared, "--target", target], capsys)[0] == 0
+    assert run_cli(extract_args(prepared, store, target), capsys)[0] == 0
+    code, _, err = run_cli(["train", "--store", store, "--out", tmp_path / "draft", *TRAIN], capsys)
+    assert code == 0, err
+    recorded = json.loads((tmp_path / "draft" / "config.json").read_text())["target"]
+    assert recorded["path"] == str(target.resolve())
