@@ -53,7 +53,8 @@ def main() -> None:
 
     from eaglet.draft import Eagle3Draft
     from eaglet.formats.draft import DraftConfig
-    from eaglet.train.metrics import H200_BF16_DENSE_FLOPS, draft_train_flops_per_token
+    from eaglet.sizing import draft_train_flops_per_token
+    from eaglet.train.metrics import H200_BF16_DENSE_FLOPS
     from eaglet.ttt import ReferenceAttention, TTTInputs, attention_for, documents, ttt_forward
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

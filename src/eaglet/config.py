@@ -220,6 +220,8 @@ class TrainConfig(PlacementFields):
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     online_chunk_tokens: int = Field(default=262144, ge=1, description="online: samples shuffled in chunks of this many tokens")
     online_forward_tokens: int = Field(default=8192, ge=1, description="online: tokens per target forward")
+    online_cache_gb: float = Field(default=8.0, ge=0, description="online: host memory for features kept across "
+                                   "epochs (computed once per sample while they fit; 0: every epoch recomputes)")
     draft_vocab_file: str | None = Field(default=None, description="vocab.safetensors (default: the prepared set's)")
     trust_remote_code: bool = False
 

@@ -317,3 +317,47 @@ def decode_seconds_per_token(weights: Weights, machine: Machine, gpus: int, meas
                      DEFAULT_HBM_BYTES_PER_S)
     active_bytes = weights.bytes * weights.active_parameters / max(1, weights.parameters)
     return measured_step_s * layers / measured_layers + active_bytes / (gpus * bandwidth * DECODE_HBM_SHARE)
+
+
+def draft_train_flops_per_token(config: Any, steps: int, mean_context: float, head_trainable: bool = True) -> float:
+    """Forward + backward (3x forward) FLOPs per token for a TTT unroll of ``steps``; a frozen head
+    skips its weight gradient (one forward's worth)."""
+    hidden, heads, kv_heads, head_dim = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    projections = 2 * hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+    mlp = 3 * hidden * config.intermediate_size
+    head = hidden * config.draft_vocab_size
+    attention = 2 * heads * head_dim * mean_context  # QK^T and AV over the causal context
+    per_step = 2 * (projections + mlp + head) + 2 * attention
+    fuse = 2 * 3 * config.target_hidden_size * hidden
+    skipped = 0 if head_trainable else steps * 2 * head
+    return 3 * (fuse + steps * per_step) - skipped
+
+
+def train_step_bytes(config: Any, tokens: int, steps: int, dense_attention: bool) -> int:
+    """Peak memory of one TTT step of ``tokens`` tokens (config: the draft's): the fused loss keeps each step's
+    logit gradient [T, Vd] (float32), the teacher's logits and probabilities, the draft's activations, and on the
+    dense path (CPU) one step's [heads, T, T] attention weights while they are computed."""
+    float_bytes = 4
+    loss = steps * tokens * config.draft_vocab_size * float_bytes
+    teacher = 2 * tokens * config.draft_vocab_size * float_bytes
+    activations = steps * tokens * (16 * config.hidden_size + 3 * config.intermediate_size) * float_bytes
+    attention = 3 * config.num_attention_heads * tokens * tokens * float_bytes if dense_attention else 0
+    return loss + teacher + activations + attention
+
+
+PROBE_SIZE = 1024  # the matrix multiply that measures this CPU's float32 rate
+PROBE_REPEATS = 3
+
+
+def measured_cpu_flops() -> float:
+    """This CPU's float32 matrix-multiply rate (FLOP/s), from a few 1024^3 products (~0.1 s)."""
+    import time
+
+    import torch
+
+    a = torch.randn(PROBE_SIZE, PROBE_SIZE)
+    a @ a  # warm-up
+    started = time.perf_counter()
+    for _ in range(PROBE_REPEATS):
+        a @ a
+    return PROBE_REPEATS * 2 * PROBE_SIZE**3 / (time.perf_counter() - started)

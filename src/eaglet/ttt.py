@@ -17,6 +17,7 @@ from typing import Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .draft import Eagle3Draft
 from .loss import soft_cross_entropy
@@ -83,14 +84,22 @@ class TTTAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.keys.append(k)
         self.values.append(v)
-        groups = q.shape[0] // k.shape[0]
+        if torch.is_grad_enabled() and q.requires_grad:
+            # the [Hq, T, T] weights are recomputed in the backward instead of kept: K steps of them were most of a
+            # CPU step's memory (12 GB at 4,096 tokens for the embedded target's draft)
+            return checkpoint(self._attend, q, *self.keys, *self.values, use_reentrant=False)
+        return self._attend(q, *self.keys, *self.values)
+
+    def _attend(self, q: torch.Tensor, *keys_then_values: torch.Tensor) -> torch.Tensor:
+        keys, values = keys_then_values[: len(keys_then_values) // 2], keys_then_values[len(keys_then_values) // 2 :]
+        groups = q.shape[0] // keys[0].shape[0]
         scale = q.shape[-1] ** -0.5
         acc = torch.promote_types(q.dtype, torch.float32)  # softmax in at least fp32
-        k0, v0 = _expand_kv(self.keys[0], groups), _expand_kv(self.values[0], groups)
+        k0, v0 = _expand_kv(keys[0], groups), _expand_kv(values[0], groups)
         scores = (q @ k0.transpose(-1, -2)).to(acc) * scale  # [Hq, T, T]
         scores = scores.masked_fill(~self.causal, float("-inf"))
-        extra_k = [_expand_kv(key, groups) for key in self.keys[1:]]
-        extra_v = [_expand_kv(value, groups) for value in self.values[1:]]
+        extra_k = [_expand_kv(key, groups) for key in keys[1:]]
+        extra_v = [_expand_kv(value, groups) for value in values[1:]]
         if extra_k:
             diagonal = torch.stack([(q * key).sum(-1) for key in extra_k], dim=-1).to(acc) * scale  # [Hq, T, k]
             weights = torch.softmax(torch.cat([scores, diagonal], dim=-1), dim=-1)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Callable
 
+from ..config import DEFAULT_DRAFT_VOCAB_CAP
 from ..errors import EagletError
-from ..formats.draft import read_draft_config
+from ..formats.draft import DraftConfig, read_draft_config
 from ..formats.files import MANIFEST_FILE, VOCAB_FILE
+from ..formats.layers import default_aux_layer_ids
+from ..sizing import train_step_bytes
 from ..support import compiles_draft_round, draft_compile_problem, static_cache_problem, uses_static_cache
 from .checks import (
     FAIL,
@@ -35,6 +39,12 @@ from .checks import (
 BYTES_PER_GENERATED_TOKEN = 8  # JSON text of an answer, generously
 PROMPT_TOKENS_GUESS = 512  # a prompt's tokens, for KV cache estimates before prompts are rendered
 EVAL_FORWARD_TOKENS = 128  # the largest verification forward eval runs (a tree's budget + 1, padded)
+DRAFT_LAYER_PARAMS_PER_H2 = 15  # fc (3H^2) + one decoder layer (~12H^2), besides the head (H x Vd)
+# share of the measured matrix-multiply rate a CPU training step reaches: 85.8 s for a 4,096-token step of the
+# embedded target's draft (benchmarks/results/online_cpu.json) where 1024^3 products ran at 187 GFLOP/s
+CPU_TRAIN_EFFICIENCY = 0.28
+CPU_STEP_WARN_S = 10.0  # a CPU training step slower than this gets a warning with what makes it faster
+CPU_TOKEN_BUDGET, CPU_DRAFT_VOCAB = 1024, 4096  # the CPU demo's settings (resources/demo_cpu.yaml)
 PREPARED_BYTES_PER_INPUT_BYTE = 1.0  # parquet (zstd) of ids + masks is smaller than the JSON it came from
 
 
@@ -163,6 +173,7 @@ def extract_checks(cfg: Any) -> list[Check]:
 
 
 def train_checks(cfg: Any) -> list[Check]:
+    from ..target import read_config
     from ..formats.prepared import load_prepared
     from ..formats.store import prepared_path, read_manifest
 
@@ -215,16 +226,53 @@ def train_checks(cfg: Any) -> list[Check]:
         "draft vocab", FAIL, f"{vocab_file}: no draft vocabulary here",
         "prepare again (or pass --set draft_vocab_file=PATH when the prepared set moved)"))
     checks.append(check_output_dir(Path(cfg.out), overwrite=False, resumable=True))
-    # draft parameters ~ fc (3H^2) + one decoder layer (~12H^2) + lm_head (H x Vd)
-    draft_params = 15 * info.hidden_size**2 + info.hidden_size * min(32000, info.vocab_size)
+    draft = DraftConfig.from_target(read_config(resolved.path), _draft_vocab_size(vocab_file, info.vocab_size),
+                                    default_aux_layer_ids(info.num_layers), num_layers=cfg.draft_layers)
+    draft_params = DRAFT_LAYER_PARAMS_PER_H2 * info.hidden_size**2 + info.hidden_size * draft.draft_vocab_size
     checks.append(check_disk(Path(cfg.out), draft_params * 4 * (1 + 3 * (cfg.keep_last + 1)), "draft + checkpoints"))
     device, dtype_bytes = _device_bytes(cfg.device)
     teacher = info.vocab_size * info.hidden_size * dtype_bytes
-    activations = cfg.token_budget * cfg.ttt_steps * info.hidden_size * ACTIVATION_FACTOR * 4
+    step = train_step_bytes(draft, cfg.token_budget, cfg.ttt_steps, dense_attention=not device.startswith("cuda"))
     online = weights_bytes(resolved.path, dtype_bytes) if cfg.prepared else 0
-    checks.append(check_memory(device, draft_params * 4 * OPTIMIZER_COPIES + teacher + activations + online,
-                               "draft + optimizer + teacher head + activations" + (" + target" if online else "")))
+    checks.append(check_memory(device, draft_params * 4 * OPTIMIZER_COPIES + teacher + step + online,
+                               f"draft + optimizer + teacher head + a {cfg.token_budget:,}-token step"
+                               + (" + target" if online else "")))
+    if not device.startswith("cuda"):
+        checks.append(_cpu_step_time(cfg, draft, info))
     return checks
+
+
+def _draft_vocab_size(vocab_file: Path, target_vocab: int) -> int:
+    """The prepared draft vocabulary's size (its d2t's length), read from the file's header."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(vocab_file), framework="numpy") as handle:
+            return int(handle.get_slice("d2t").get_shape()[0])
+    except Exception:  # noqa: BLE001 - the draft vocab check above reports the file itself
+        return min(DEFAULT_DRAFT_VOCAB_CAP, target_vocab)
+
+
+def _cpu_step_time(cfg: Any, draft: Any, info: Any) -> Check:
+    """On a CPU a step's FLOPs decide everything: the estimate from this CPU's measured rate, and what cuts it."""
+    from ..sizing import draft_train_flops_per_token, measured_cpu_flops
+
+    def seconds(tokens: int, vocab: int) -> float:
+        config = dataclasses.replace(draft, draft_vocab_size=vocab)
+        flops = tokens * (draft_train_flops_per_token(config, cfg.ttt_steps, tokens / 2)
+                          + 2 * info.hidden_size * info.vocab_size)  # + the teacher head
+        return flops / (rate * CPU_TRAIN_EFFICIENCY)
+
+    rate = measured_cpu_flops()
+    step = seconds(cfg.token_budget, draft.draft_vocab_size)
+    detail = f"~{step:,.0f} s per step on this CPU ({rate / 1e9:,.0f} GFLOP/s measured)"
+    if cfg.max_steps:
+        detail += f", ~{step * cfg.max_steps / 60:,.0f} min for {cfg.max_steps} steps"
+    if step <= CPU_STEP_WARN_S:
+        return Check("step time", PASS, detail)
+    small = seconds(min(cfg.token_budget, CPU_TOKEN_BUDGET), min(draft.draft_vocab_size, CPU_DRAFT_VOCAB))
+    return Check("step time", WARN, detail, f"--token-budget {CPU_TOKEN_BUDGET} and `eaglet prepare --draft-vocab "
+                 f"{CPU_DRAFT_VOCAB}` (the CPU demo's): ~{small:,.1f} s per step; or a GPU")
 
 
 def eval_checks(cfg: Any) -> list[Check]:

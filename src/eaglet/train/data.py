@@ -25,6 +25,7 @@ from ..store import ShardError, check_layout, decode_features, read_header, read
 from .prefetch import prefetched
 
 PREFETCH_SHARDS = 2  # shards read (and checksummed) ahead of the batch being trained on
+LIVE_FEATURE_DTYPE = torch.bfloat16  # live features are rounded as a bf16 store rounds them
 
 SampleFilter = Callable[[int], bool]
 
@@ -213,11 +214,32 @@ class StoreSource(FeatureSource):
             loaded.close()  # stops the reading thread when training stops early
 
 
+class FeatureCache:
+    """Live features kept in host memory for later epochs, up to ``budget_bytes``: after the first epoch an online
+    step costs what an offline one does. Features are rounded as a store rounds them (bf16), computed or cached
+    alike."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.used_bytes = 0
+        self.samples: dict[int, dict[str, torch.Tensor]] = {}
+
+    def get(self, sample: int) -> dict[str, torch.Tensor] | None:
+        return self.samples.get(sample)
+
+    def put(self, sample: int, features: dict[str, torch.Tensor]) -> None:
+        size = sum(tensor.numel() * tensor.element_size() for tensor in features.values())
+        if self.used_bytes + size <= self.budget_bytes:
+            self.samples[sample] = features
+            self.used_bytes += size
+
+
 class LiveSource(FeatureSource):
-    """The target computes the features of each planned micro-batch, the same batches a store would give."""
+    """The target computes the features of each planned micro-batch, the same batches a store would give; each
+    sample's features are computed once and kept (``FeatureCache``) while they fit."""
 
     def __init__(self, prepared: PreparedSet, model: torch.nn.Module, layer_ids: tuple[int, ...], token_budget: int,
-                 tokens_per_shard: int, seed: int = 0, forward_tokens: int = 4096):
+                 tokens_per_shard: int, seed: int = 0, forward_tokens: int = 4096, cache_bytes: int = 0):
         self.prepared = prepared
         self.capture = FeatureCapture(model, layer_ids)
         self.plans = plan_shards(prepared.lengths, tokens_per_shard)
@@ -227,12 +249,21 @@ class LiveSource(FeatureSource):
         self.forward_tokens = forward_tokens
         self.hidden_size = model.config.hidden_size
         self.layer_ids = tuple(layer_ids)
+        self.cache = FeatureCache(cache_bytes)
+        self.computed = 0  # samples whose features the target computed: what the cache saves
 
     def fetch(self, groups: list[list[int]]) -> Iterator[FeatureBatch]:
         for group in groups:
-            yield assemble(list(zip(group, self._features_many(group))), self.token_budget)
+            missing = [sample for sample in group if self.cache.get(sample) is None]
+            computed = dict(zip(missing, self._features_many(missing))) if missing else {}
+            self.computed += len(computed)
+            for sample, features in computed.items():
+                self.cache.put(sample, features)
+            yield assemble([(sample, computed.get(sample) or self.cache.get(sample)) for sample in group],
+                           self.token_budget)
 
     def _features_many(self, samples: list[int]) -> list[dict[str, torch.Tensor]]:
+        """The samples' features on the host in the store's dtype, from length-bucketed target forwards."""
         lengths = np.array([kept_length(self.lengths[s], self.token_budget) for s in samples])
         out: list[dict[str, torch.Tensor] | None] = [None] * len(samples)
         for batch in batches_by_length(lengths, self.forward_tokens):
@@ -241,11 +272,11 @@ class LiveSource(FeatureSource):
             for row, position in enumerate(batch.tolist()):
                 ids, _ = self.prepared.sample(samples[position])
                 padded[row, : lengths[position]] = torch.from_numpy(ids[: lengths[position]].astype(np.int64))
-            aux, last = self.capture(padded)
+            aux, last = (tensor.to(LIVE_FEATURE_DTYPE).cpu() for tensor in self.capture(padded))
             for row, position in enumerate(batch.tolist()):
                 length = int(lengths[position])
                 ids, mask = self.prepared.sample(samples[position])
                 out[position] = {"input_ids": torch.from_numpy(ids[:length].astype(np.int64)),
                                  "loss_mask": torch.from_numpy(mask[:length].astype(np.uint8)),
-                                 "aux": aux[row, :length], "last": last[row, :length]}
+                                 "aux": aux[row, :length].clone(), "last": last[row, :length].clone()}
         return out  # type: ignore[return-value]

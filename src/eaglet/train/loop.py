@@ -27,7 +27,8 @@ from ..progress import progress_bar
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import FeatureBatch, kept_length, pad_to_budget
 from .evaluate import evaluate
-from .metrics import H200_BF16_DENSE_FLOPS, MetricsLog, draft_train_flops_per_token, plot_run
+from ..sizing import draft_train_flops_per_token
+from .metrics import H200_BF16_DENSE_FLOPS, MetricsLog, plot_run
 from .prefetch import prefetched
 from .setup import Model, Setup, build_model, build_setup, lr_schedule, total_steps
 from .step import StepStats, train_step

@@ -6,25 +6,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..formats.draft import DraftConfig
 from ..formats.files import METRICS_FILE
 from ..fsio import write_bytes_atomic
 
 H200_BF16_DENSE_FLOPS = 989.4e12  # the MFU denominator used by every eaglet benchmark
-
-
-def draft_train_flops_per_token(config: DraftConfig, steps: int, mean_context: float, head_trainable: bool = True) -> float:
-    """Forward + backward (3x forward) FLOPs per token for a TTT unroll of ``steps``; a frozen head
-    skips its weight gradient (one forward's worth)."""
-    hidden, heads, kv_heads, head_dim = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    projections = 2 * hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
-    mlp = 3 * hidden * config.intermediate_size
-    head = hidden * config.draft_vocab_size
-    attention = 2 * heads * head_dim * mean_context  # QK^T and AV over the causal context
-    per_step = 2 * (projections + mlp + head) + 2 * attention
-    fuse = 2 * 3 * config.target_hidden_size * hidden
-    skipped = 0 if head_trainable else steps * 2 * head
-    return 3 * (fuse + steps * per_step) - skipped
 
 
 class MetricsLog:

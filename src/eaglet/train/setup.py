@@ -31,6 +31,9 @@ from .data import FeatureSource, LiveSource, StoreSource, held_out, kept_length
 from .parallel import Parallel
 
 
+GIB = 1 << 30
+
+
 @dataclass
 class Setup:
     source: FeatureSource
@@ -93,7 +96,7 @@ def build_setup(config: TrainConfig, device: str) -> Setup:
                               " and train on it, or use --placement split")
         model = load_model(resolved.path, device, "auto", config.trust_remote_code, config)
         source = LiveSource(prepared, model, layer_ids, config.token_budget, config.online_chunk_tokens, config.seed,
-                            config.online_forward_tokens)
+                            config.online_forward_tokens, int(config.online_cache_gb * GIB))
     eval_source = None
     if config.eval_store is not None:
         eval_manifest = read_manifest(Path(config.eval_store))
