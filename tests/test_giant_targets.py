@@ -375,3 +375,22 @@ def test_offline_training_takes_the_stores_target(tmp_path, capsys, targets, con
     assert code == 0, err
     recorded = json.loads((tmp_path / "draft" / "config.json").read_text())["target"]
     assert recorded["path"] == str(target.resolve())
+
+
+def test_the_readme_kimi_example_plans_tp_over_eight_gpus(tmp_path, capsys):
+    """examples/kimi_8xh200.yaml, the README's giant-target plan, stays valid and fits 8 x H200."""
+    example = Path(__file__).parent.parent / "examples" / "kimi_8xh200.yaml"
+    config = tmp_path / "kimi.yaml"
+    config.write_text(example.read_text().replace("target: tests/fixtures/", f"target: {FIXTURES.parent.parent}/fixtures/"))
+    code, out, err = run_cli(["run", config, "--plan", "--out", str(tmp_path / "run")], capsys)
+    assert code == 0 and "does not fit" not in out, err
+    from rich.console import Console
+
+    from eaglet.pipeline import Pipeline, load_run_config
+
+    plans = {p.name: p for p in Pipeline(load_run_config(config), config, Console(quiet=True)).plan()}
+    assert plans["extract"].memory.startswith("tp x8: 69.2 + 6.9 GiB of 139")
+    four = tmp_path / "kimi4.yaml"
+    four.write_text(config.read_text().replace("gpus: 8", "gpus: 4"))
+    code, out, err = run_cli(["run", four, "--plan", "--out", str(tmp_path / "run4")], capsys)
+    assert code == 2 and "in the KV cache) of 139.0 GiB usable; use 8 GPUs of 141 GiB" in err, err

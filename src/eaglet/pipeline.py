@@ -475,10 +475,12 @@ class _TargetSizing:
         plan.memory = (f"{config.placement} x{chosen.gpus}: {chosen.weights_per_gpu / GIB:,.1f} + "
                        f"{chosen.activations_per_gpu / GIB:,.1f} GiB of {chosen.capacity_per_gpu / GIB:,.0f}")
         if not chosen.fits:
+            cached = f", {cached_tokens:,} in the KV cache" if cached_tokens else ""
             plan.refusal = (f"{plan.name}: the target needs {chosen.needed_per_gpu / GIB:,.1f} GiB per GPU "
                             f"(--placement {config.placement} over {chosen.gpus} x {self.machine.name}: "
                             f"{chosen.weights_per_gpu / GIB:,.1f} GiB weights + {chosen.activations_per_gpu / GIB:,.1f}"
-                            f" GiB at {forward_tokens:,} tokens) of {chosen.capacity_per_gpu / GIB:,.1f} GiB usable; "
+                            f" GiB at {forward_tokens:,} tokens a forward{cached}) of {chosen.capacity_per_gpu / GIB:,.1f}"
+                            " GiB usable; "
                             "use " + fit_advice(self.target_config, weights, self.machine, chosen, forward_tokens,
                                                 cached_tokens))
         return chosen.gpus
