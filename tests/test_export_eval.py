@@ -311,3 +311,52 @@ def test_a_lossless_failure_is_located_and_sized():
     assert _divergence(target, layers, prompt, expected, expected[:7]) == {"position": 7}  # stopped early: no token
     report = {"lossless_failures": ["a", "b"], "divergences": {"a": record, "b": {"position": 7}}}
     assert f"by at most {record['logit_gap']:.4g} logits" in _divergence_lines(report)[0]
+
+
+def test_eval_tune_times_each_tree_and_evaluates_with_the_fastest(tmp_path, capsys, tiny_draft, tiny_target):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [
+        {"id": "t1", "prompt": "a red fox jumped", "category": "animals", "split": "train"},
+        {"id": "t2", "prompt": "the sun rose slowly", "category": "sky", "split": "train"},
+        {"id": "h1", "prompt": "the cat sat", "category": "animals", "split": "heldout"},
+        {"id": "h2", "prompt": "one bird sang", "category": "birds", "split": "heldout"},
+    ])
+    out = tmp_path / "eval"
+    code, stdout, err = run_cli(["eval", "--draft", tiny_draft, "--target", tiny_target, "--prompts", prompts,
+                                 "--out", out, "--max-new-tokens", "12", "--mode", "tree", "--tune", "--device", "cpu",
+                                 "--set", "tune_trees=[[2, 2, 4], [3, 3, 9]]", "--set", "tune_prompts=2"], capsys)
+    assert code == 0, err
+    report = json.loads((out / "report.json").read_text())
+    tuning = report["tuning"]
+    assert tuning["prompts"] == 2 and tuning["prompts_from"] == "train split"  # not the held-out prompts judged
+    assert [t["tree"] for t in tuning["trees"]] == [[2, 2, 4], [3, 3, 9]]
+    fastest = max(tuning["trees"], key=lambda t: t["tokens_per_s"])
+    assert tuning["chosen"] == fastest["tree"] and all(t["acceptance_length"] >= 1 for t in tuning["trees"])
+    settings = report["settings"]
+    assert [settings["depth"], settings["topk"], settings["budget"]] == fastest["tree"]
+    assert len(report["acceptance_by_position"]) == fastest["tree"][0] and report["prompts"] == 2
+    assert report["lossless"] is True
+    assert f"{'/'.join(map(str, fastest['tree']))} (chosen)" in (out / "report.md").read_text()
+
+
+def test_eval_tune_without_a_train_split_times_the_first_evaluated_prompts(tmp_path, capsys, tiny_draft, tiny_target):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "the cat sat"}, {"id": "b", "prompt": "one bird"}])
+    out = tmp_path / "eval"
+    code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", tiny_target, "--prompts", prompts, "--out", out,
+                            "--max-new-tokens", "8", "--mode", "tree", "--tune", "--device", "cpu",
+                            "--set", "tune_trees=[[2, 2, 4]]", "--set", "tune_prompts=1"], capsys)
+    assert code == 0, err
+    tuning = json.loads((out / "report.json").read_text())["tuning"]
+    assert tuning["prompts_from"] == "evaluated prompts" and tuning["prompts"] == 1 and tuning["chosen"] == [2, 2, 4]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tune"], "--tune times tree shapes; add --mode tree"),
+    (["--tune", "--mode", "tree", "--set", "tune_trees=[[0, 2, 4]]"], "tune_trees [0, 2, 4]: depth 0 is outside 1..16"),
+    (["--tune", "--mode", "tree", "--set", "tune_trees=[[2, 2]]"], "tune_trees"),
+])
+def test_eval_tune_bad_settings_refused_before_loading(tmp_path, capsys, tiny_draft, tiny_target, args, message):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "the cat sat"}])
+    code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", tiny_target, "--prompts", prompts, "--out",
+                            tmp_path / "x", "--device", "cpu", *args], capsys)
+    assert code == 2 and message in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "x").exists()

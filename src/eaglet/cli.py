@@ -458,6 +458,8 @@ def eval_cmd(
     depth: Optional[int] = typer.Option(None, help="draft steps per verification (default: 4)"),
     topk: Optional[int] = typer.Option(None, help="tree: children per node and nodes expanded per level (default: 8)"),
     budget: Optional[int] = typer.Option(None, help="tree: draft tokens per verification (default: 48)"),
+    tune: Optional[bool] = typer.Option(None, "--tune", help="tree: time a few tree shapes (tune_trees) on a few "
+                                        "prompts first, evaluate with the fastest"),
     temperature: Optional[float] = typer.Option(None, help="0 = greedy, checked lossless (default: 0)"),
     top_p: Optional[float] = typer.Option(None, help="(default: 1.0)"),
     max_new_tokens: Optional[int] = typer.Option(None, help="(default: 128)"),
@@ -485,7 +487,7 @@ def eval_cmd(
     cfg = build_config(
         EvalConfig, "eval", config,
         dict(draft=draft, out=out, prompts=prompts, target=target, split=split, max_prompts=max_prompts, mode=mode,
-             depth=depth, topk=topk, budget=budget,
+             depth=depth, topk=topk, budget=budget, tune=tune,
              temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, device=device,
              batch_size=batch_size, dtype=dtype, hf_generate_baseline=hf_generate_baseline, cuda_graphs=cuda_graphs,
              compile_draft=compile_draft, **_placement(placement, max_memory, offload_dir, replica)),

@@ -241,6 +241,11 @@ class ExportConfig(StrictModel):
                                "(ENGINE==VERSION): preflight warns when eaglet's readers do not cover one")
 
 
+# The tree shapes `eval --tune` times by default: depth, top-k, budget. The fastest three measured for the embedded
+# target's best draft on the H200 (benchmarks/RESULTS.md, "A round's kernels cut"): 7/8/56, 8/8/64, 10/10/96.
+TUNE_TREES = ((7, 8, 56), (8, 8, 64), (10, 10, 96))
+
+
 class EvalConfig(PlacementFields):
     draft: str = Field(description="a draft directory (`eaglet train` output or an `eaglet export` directory)")
     out: str = Field(description="report directory")
@@ -252,6 +257,12 @@ class EvalConfig(PlacementFields):
     depth: int = Field(default=4, ge=1, le=16, description="draft steps per verification (chain length / tree depth)")
     topk: int = Field(default=8, ge=1, le=64, description="tree: children per expanded node and nodes expanded per level")
     budget: int = Field(default=48, ge=1, le=512, description="tree: draft tokens verified per target forward")
+    tune: bool = Field(default=False, description="tree: first time each of tune_trees on tune_prompts prompts (the "
+                       "train split's when the held-out ones are evaluated) and evaluate with the fastest")
+    tune_trees: list[tuple[int, int, int]] = Field(
+        default_factory=lambda: list(TUNE_TREES), min_length=1,
+        description="tree shapes --tune times: [depth, top-k, budget] each")
+    tune_prompts: int = Field(default=4, ge=1, description="prompts each tree shape is timed on")
     temperature: float = Field(default=0.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     max_new_tokens: int = Field(default=128, ge=1)

@@ -361,7 +361,8 @@ class Pipeline:
                 plan.seconds = sizing.load_seconds() + prepared_tokens / rate
                 if prepared_tokens:
                     samples = _prepared_samples(self.out / "prepared") or _samples_guess(prepared_tokens)
-                    plan.memory += f"; store {per_token * prepared_tokens / samples / 1e6:,.2f} MB per sample"
+                    store_line = f"store {per_token * prepared_tokens / samples / 1e6:,.2f} MB per sample"
+                    plan.memory = f"{plan.memory}; {store_line}" if plan.memory else store_line
             elif plan.name == "train":
                 train = stage.config
                 plan.seconds = train.max_minutes * 60 if train.max_minutes else float("nan")

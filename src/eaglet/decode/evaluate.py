@@ -27,6 +27,7 @@ from ..distributed import init_distributed
 from ..placement import input_device, output_device
 from ..target import load_head_weights, load_model, load_tokenizer, resolve_target, target_info
 from .decoders import check_settings, make_decoders
+from .tune import check_tune, tune_tree
 from .runners import TargetRunner
 
 
@@ -79,6 +80,19 @@ def _prompts(config: EvalConfig, tokenizer: Any) -> list[tuple[str, str, list[in
     return _spread(rows, config.max_prompts) if config.max_prompts else rows
 
 
+def _tuning_prompts(config: EvalConfig, tokenizer: Any,
+                    evaluated: list[tuple[str, str, list[int]]]) -> tuple[list[tuple[str, str, list[int]]], str]:
+    """Prompts to time tree shapes on: the train split's when held-out prompts are evaluated (the shape is not
+    chosen on the prompts it is judged on), else the first evaluated ones."""
+    if config.split == "heldout":
+        try:
+            rows = _prompts(config.model_copy(update={"split": "train", "max_prompts": config.tune_prompts}), tokenizer)
+            return rows, "train split"
+        except EagletError:  # the prompt files have no train split
+            pass
+    return evaluated[: config.tune_prompts], "evaluated prompts"
+
+
 def _spread(rows: list[tuple[str, str, list[int]]], count: int) -> list[tuple[str, str, list[int]]]:
     """The first ``count`` prompts taken round-robin over categories, so a subset still covers them all."""
     by_category: dict[str, list] = {}
@@ -104,6 +118,7 @@ def _hf_generate_tokens_per_s(model: Any, prompts: list[list[int]], max_new: int
 def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, Any]:
     console = console or Console(stderr=True)
     check_settings(config)
+    check_tune(config)
     resolved = resolve_target(stage_target(config), config.trust_remote_code)
     tokenizer = load_tokenizer(resolved.path, config.trust_remote_code)
     info = target_info(resolved, tokenizer)
@@ -124,6 +139,16 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     stop = sorted({i for i in [tokenizer.eos_token_id, *(model.generation_config.eos_token_id
                    if isinstance(model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])] if i is not None})
     prompts = _prompts(config, tokenizer)
+    tuning = None
+    if config.tune:
+        tune_rows, tuned_on = _tuning_prompts(config, tokenizer, prompts)
+        longest = max(len(row[2]) for row in prompts + tune_rows)
+        config, trees = tune_tree(config, lambda shaped: make_decoders(shaped, model, draft, layer_ids, set(stop), longest,
+                                                                       device, console), [row[2] for row in tune_rows])
+        tuning = {"prompts": len(tune_rows), "prompts_from": tuned_on, "trees": trees,
+                  "chosen": [config.depth, config.topk, config.budget]}
+        console.print(f"eaglet eval --tune: tree {config.depth}/{config.topk}/{config.budget} (" + ", ".join(
+            f"{'/'.join(map(str, t['tree']))}: {t['tokens_per_s']:.1f} tok/s" for t in trees) + ")")
     decoders = make_decoders(config, model, draft, layer_ids, set(stop), max(len(p[2]) for p in prompts), device,
                              console)
     decoders.warm_up([row[2] for row in prompts[: decoders.group_size]])
@@ -143,6 +168,8 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
             progress.advance(task, len(group))
     report = _report(config, results, info.name, str(device))
     report["settings"].update(decoders.settings)
+    if tuning is not None:
+        report["tuning"] = tuning
     if config.hf_generate_baseline:
         report["hf_generate_tokens_per_s"] = round(
             _hf_generate_tokens_per_s(model, [p[2] for p in prompts], config.max_new_tokens, stop), 2)
@@ -233,8 +260,20 @@ def _markdown(report: dict[str, Any]) -> str:
         "",
         "Acceptance by draft position: " + ", ".join(f"{p:.2f}" for p in report["acceptance_by_position"]),
         "",
+        *_tuning_lines(report.get("tuning")),
+        "![acceptance by position](acceptance_by_position.png) ![τ by category](tau_by_category.png)",
+        "",
     ]
     return "\n".join(lines)
+
+
+def _tuning_lines(tuning: dict[str, Any] | None) -> list[str]:
+    if not tuning:
+        return []
+    return [f"Tree shape chosen by timing ({tuning['prompts']} prompts, {tuning['prompts_from']}):", "",
+            "| depth/top-k/budget | tok/s | τ |", "|---|---|---|",
+            *[f"| {'/'.join(map(str, t['tree']))}{' (chosen)' if t['tree'] == tuning['chosen'] else ''} | "
+              f"{t['tokens_per_s']:.1f} | {t['acceptance_length']:.2f} |" for t in tuning["trees"]], ""]
 
 
 def _plots(report: dict[str, Any], out: Path) -> None:

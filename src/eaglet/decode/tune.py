@@ -1,0 +1,55 @@
+"""`eaglet eval --tune`: the tree shape that decodes fastest for this target and draft on this machine, by timing.
+
+Acceptance grows with a tree's size and a verification's cost grows with it too; where they cross depends on the
+target, the draft and the GPU, so each candidate is timed on a few prompts instead of guessed."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any, Callable
+
+import torch
+
+from ..config import EvalConfig
+from ..errors import EagletError
+from .decoders import Decoders
+
+TREE_LIMITS = {"depth": (1, 16), "topk": (1, 64), "budget": (1, 512)}  # EvalConfig's own bounds
+
+
+def check_tune(config: EvalConfig) -> None:
+    """Refuse a tuning no tree decoder runs, before any model loads."""
+    if not config.tune:
+        return
+    if config.mode != "tree":
+        raise EagletError("--tune times tree shapes; add --mode tree (a chain has only --depth to choose)")
+    for shape in config.tune_trees:
+        for (name, (low, high)), value in zip(TREE_LIMITS.items(), shape):
+            if not low <= value <= high:
+                raise EagletError(f"tune_trees {list(shape)}: {name} {value} is outside {low}..{high}; give each shape "
+                                  "as [depth, top-k, budget]")
+
+
+def tune_tree(config: EvalConfig, build: Callable[[EvalConfig], Decoders],
+              prompts: list[list[int]]) -> tuple[EvalConfig, list[dict[str, Any]]]:
+    """Time each of ``config.tune_trees`` decoding ``prompts`` (after a warm-up: compiles and graph captures are not
+    counted) -> (the config with the fastest shape, each shape's tokens/s and τ)."""
+    timings = []
+    for depth, topk, budget in config.tune_trees:
+        shaped = config.model_copy(update={"depth": depth, "topk": topk, "budget": budget})
+        decoders = build(shaped)
+        decoders.warm_up(prompts[: decoders.group_size])
+        results = [result for ids in prompts for result in decoders.speculative([ids], config.max_new_tokens, config.seed)]
+        seconds = sum(result.seconds for result in results)
+        rounds = sum(result.forwards for result in results)
+        timings.append({"tree": [depth, topk, budget],
+                        "tokens_per_s": round(sum(len(result.tokens) for result in results) / max(seconds, 1e-9), 2),
+                        "acceptance_length": round((sum(sum(result.accepted) for result in results) + rounds)
+                                                   / max(1, rounds), 4)})
+        del decoders, results  # a shape's static caches and graphs go before the next one's are made
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    best = max(timings, key=lambda timing: timing["tokens_per_s"])
+    depth, topk, budget = best["tree"]
+    return config.model_copy(update={"depth": depth, "topk": topk, "budget": budget}), timings
