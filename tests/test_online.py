@@ -64,3 +64,10 @@ def test_preflight_names_a_cpu_step_that_will_take_long_and_what_cuts_it(tmp_pat
     code, out, err = run_cli(["preflight", "train", "--prepared", tmp_path / "prepared", "--out", tmp_path / "run",
                               "--token-budget", "64", "--json", "--device", "cpu"], capsys)
     assert {check["name"]: check for check in json.loads(out)["checks"]}["step time"]["status"] == "pass"
+
+
+def test_a_negative_online_cache_is_refused_in_one_line(tmp_path, capsys, tiny_prepared, tiny_target):
+    code, _, err = run_cli(["train", "--prepared", tiny_prepared, "--target", tiny_target, "--out", tmp_path / "run",
+                            "--device", "cpu", "--set", "online_cache_gb=-1"], capsys)
+    assert code == 2 and "online_cache_gb" in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
