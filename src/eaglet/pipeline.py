@@ -26,8 +26,8 @@ from typing import Any, Callable, Literal
 from pydantic import Field, ValidationError
 from rich.console import Console
 
-from .config import (CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, GPU_GENERATE_BATCH, EvalConfig, ExtractConfig,
-                     PrepareConfig, RegenerateConfig, StrictModel, TrainConfig, describe_validation_error, read_yaml)
+from .config import (CPU_BATCH_TOKENS, DEFAULT_DRAFT_VOCAB_CAP, GPU_BATCH_TOKENS, GPU_GENERATE_BATCH, EvalConfig,
+                     ExtractConfig, PrepareConfig, RegenerateConfig, StrictModel, TrainConfig, describe_validation_error, read_yaml)
 from .errors import EagletError
 from .formats.files import (DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, EXPORTED_DRAFT_CONFIG_FILE, MANIFEST_FILE,
                             REPORT_FILE, RUN_FILE, RUN_SCHEMA, answers_manifest)
@@ -39,7 +39,6 @@ RATES = {"cpu": {"generate_tok_s": 66, "extract_tok_s": 600, "decode_tok_s": 15}
          "cuda": {"generate_tok_s": 2750, "extract_tok_s": 245_000, "decode_tok_s": 230}}  # decode: the H200 demo eval
 # (static caches + CUDA graphs, float32: 32 prompts x 128 tokens, baseline and speculative, 30.6 s with load + capture)
 HELD_OUT_PROMPTS_GUESS = 128  # the demo prompts' held-out split
-DRAFT_LAYER_PARAMS_PER_H2 = 15  # fc (3H^2) + one decoder layer (~12H^2), as the train preflight estimates
 FP32_BYTES, BF16_BYTES = 4, 2
 TOKENS_PER_ANSWER_GUESS = 0.7  # answers stop before max_new_tokens on average
 INPUT_BYTES_PER_TOKEN = 4  # conversation JSON, before tokenizing
@@ -317,6 +316,7 @@ class Pipeline:
 
     def _estimate(self, plans: list[StagePlan]) -> list[StagePlan]:
         from .formats.store import bytes_per_token
+        from .sizing import draft_parameters
         from .target import read_config, resolve_target
 
         machine = self.machine()
@@ -333,8 +333,9 @@ class Pipeline:
                            or _input_tokens(by_name["prepare"].config.inputs))
         target_config = read_config(resolve_target(self.config.target, self.config.trust_remote_code).path)
         hidden = int(target_config.get("hidden_size", 4096))
-        draft_vocab = int(by_name["prepare"].config.draft_vocab or min(32000, target_config.get("vocab_size", 32000)))
-        draft_params = DRAFT_LAYER_PARAMS_PER_H2 * hidden**2 + hidden * draft_vocab
+        draft_vocab = int(by_name["prepare"].config.draft_vocab
+                          or min(DEFAULT_DRAFT_VOCAB_CAP, target_config.get("vocab_size", DEFAULT_DRAFT_VOCAB_CAP)))
+        draft_params = draft_parameters(hidden, draft_vocab)
         sizing = _TargetSizing(target_config, machine)
         for plan in plans:
             if plan.action != "run":

@@ -319,6 +319,14 @@ def decode_seconds_per_token(weights: Weights, machine: Machine, gpus: int, meas
     return measured_step_s * layers / measured_layers + active_bytes / (gpus * bandwidth * DECODE_HBM_SHARE)
 
 
+DRAFT_LAYER_PARAMS_PER_H2 = 15  # fc (3H^2) + one decoder layer (~12H^2), besides the head (H x Vd)
+
+
+def draft_parameters(hidden: int, draft_vocab: int) -> int:
+    """A one-layer EAGLE-3 draft's trainable parameters, from the target's hidden size and the draft vocabulary."""
+    return DRAFT_LAYER_PARAMS_PER_H2 * hidden**2 + hidden * draft_vocab
+
+
 def draft_train_flops_per_token(config: Any, steps: int, mean_context: float, head_trainable: bool = True) -> float:
     """Forward + backward (3x forward) FLOPs per token for a TTT unroll of ``steps``; a frozen head
     skips its weight gradient (one forward's worth)."""

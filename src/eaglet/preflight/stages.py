@@ -12,7 +12,7 @@ from ..errors import EagletError
 from ..formats.draft import DraftConfig, read_draft_config
 from ..formats.files import MANIFEST_FILE, VOCAB_FILE
 from ..formats.layers import default_aux_layer_ids
-from ..sizing import train_step_bytes
+from ..sizing import draft_parameters, train_step_bytes
 from ..support import compiles_draft_round, draft_compile_problem, static_cache_problem, uses_static_cache
 from .checks import (
     FAIL,
@@ -39,7 +39,6 @@ from .checks import (
 BYTES_PER_GENERATED_TOKEN = 8  # JSON text of an answer, generously
 PROMPT_TOKENS_GUESS = 512  # a prompt's tokens, for KV cache estimates before prompts are rendered
 EVAL_FORWARD_TOKENS = 128  # the largest verification forward eval runs (a tree's budget + 1, padded)
-DRAFT_LAYER_PARAMS_PER_H2 = 15  # fc (3H^2) + one decoder layer (~12H^2), besides the head (H x Vd)
 # share of the measured matrix-multiply rate a CPU training step reaches: 85.8 s for a 4,096-token step of the
 # embedded target's draft (benchmarks/results/online_cpu.json) where 1024^3 products ran at 187 GFLOP/s
 CPU_TRAIN_EFFICIENCY = 0.28
@@ -228,7 +227,7 @@ def train_checks(cfg: Any) -> list[Check]:
     checks.append(check_output_dir(Path(cfg.out), overwrite=False, resumable=True))
     draft = DraftConfig.from_target(read_config(resolved.path), _draft_vocab_size(vocab_file, info.vocab_size),
                                     default_aux_layer_ids(info.num_layers), num_layers=cfg.draft_layers)
-    draft_params = DRAFT_LAYER_PARAMS_PER_H2 * info.hidden_size**2 + info.hidden_size * draft.draft_vocab_size
+    draft_params = draft_parameters(info.hidden_size, draft.draft_vocab_size)
     checks.append(check_disk(Path(cfg.out), draft_params * 4 * (1 + 3 * (cfg.keep_last + 1)), "draft + checkpoints"))
     device, dtype_bytes = _device_bytes(cfg.device)
     teacher = info.vocab_size * info.hidden_size * dtype_bytes
