@@ -353,6 +353,28 @@ def test_run_plan_refuses_kimi_on_four_h200_naming_what_to_change(tmp_path, caps
     assert code == 2 and "8 GPUs of 141 GiB" in err and not (tmp_path / "run").exists()
 
 
+def test_the_advice_names_each_stages_own_forward_option(tmp_path, conversations):
+    """A smaller forward is advised with the option the stage has: extract's --batch-tokens, online training's
+    online_forward_tokens, regenerate's --batch-size; eval has none."""
+    from rich.console import Console
+
+    from eaglet.pipeline import Pipeline, load_run_config
+
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({
+        "out": str(tmp_path / "run"), "target": str(FIXTURES / "llama-3.1-70b"),
+        "machine": {"gpus": 1, "gpu_memory": "160GiB", "name": "H200"},
+        "regenerate": {"prompts": [str(conversations)], "batch_size": 4096, "max_new_tokens": 2048},
+        "prepare": {}, "extract": {"batch_tokens": 1048576}, "train": {"online_forward_tokens": 1048576},
+        "eval": {"max_prompts": 4}}))
+    plans = {p.name: p for p in Pipeline(load_run_config(config), config, Console(quiet=True)).plan()}
+    assert "--batch-size " in plans["regenerate"].refusal and "--batch-tokens" not in plans["regenerate"].refusal
+    assert "--batch-tokens " in plans["extract"].refusal
+    config.write_text(config.read_text().replace('"extract": {"batch_tokens": 1048576}', '"extract": null'))
+    plans = {p.name: p for p in Pipeline(load_run_config(config), config, Console(quiet=True)).plan()}
+    assert "--set online_forward_tokens=" in plans["train"].refusal, plans["train"].refusal
+
+
 # ------------------------------------------------------------------------------------------ defaults follow the data
 
 

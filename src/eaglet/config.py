@@ -7,7 +7,7 @@ given on the command line < ``--set key=value``. Unknown keys anywhere are error
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -39,6 +39,10 @@ class PlacementFields(StrictModel):
     replica: str = Field(default="0/1", pattern=r"^\d+/\d+$", description="tp: this torchrun job is replica r of R "
                          "(data parallel over tensor-parallel groups: one torchrun per group)")
 
+    # the option that sets how much one target forward holds ({} the value, multiples of the step), named when a
+    # layout does not fit; None where the stage has no such option
+    FORWARD_OPTION: ClassVar[tuple[str, int] | None] = None
+
 
 class PrepareConfig(StrictModel):
     inputs: list[str] = Field(min_length=1, description="conversation files (.jsonl, .json, .parquet)")
@@ -53,6 +57,8 @@ class PrepareConfig(StrictModel):
 
 
 class RegenerateConfig(PlacementFields):
+    FORWARD_OPTION: ClassVar[tuple[str, int] | None] = ("--batch-size {}", 1)
+
     prompts: list[str] = Field(min_length=1, description="prompt or conversation files")
     out: str = Field(description="output .jsonl")
     target: str = "embedded"
@@ -164,6 +170,8 @@ def build_config(
 
 
 class ExtractConfig(PlacementFields):
+    FORWARD_OPTION: ClassVar[tuple[str, int] | None] = ("--batch-tokens {}", 256)
+
     prepared: str = Field(description="a prepared set directory (`eaglet prepare`)")
     out: str = Field(description="store directory; an existing incomplete store with the same settings is resumed")
     target: str | None = Field(default=None, description="default: the target its input records")
@@ -179,6 +187,8 @@ class ExtractConfig(PlacementFields):
 
 
 class TrainConfig(PlacementFields):
+    FORWARD_OPTION: ClassVar[tuple[str, int] | None] = ("--set online_forward_tokens={}", 256)
+
     out: str = Field(description="run directory: the draft, metrics, plots and checkpoints")
     store: str | None = Field(default=None, description="offline: a store from `eaglet extract`")
     prepared: str | None = Field(default=None, description="online: a prepared set; the target computes features live")

@@ -484,7 +484,7 @@ class _TargetSizing:
                             f" GiB at {forward_tokens:,} tokens a forward{cached}) of {chosen.capacity_per_gpu / GIB:,.1f}"
                             " GiB usable; "
                             "use " + fit_advice(self.target_config, weights, self.machine, chosen, forward_tokens,
-                                                cached_tokens))
+                                                cached_tokens, type(config).FORWARD_OPTION))
         return chosen.gpus
 
     def load_seconds(self) -> float:

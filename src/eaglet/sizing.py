@@ -243,8 +243,9 @@ def tp_divides(config: dict[str, Any], tp_size: int) -> str | None:
 
 
 def fit_advice(config: dict[str, Any], weights: Weights, machine: Machine, chosen: Layout, batch_tokens: int,
-               cached_tokens: int = 0) -> str:
-    """What to change when ``chosen`` does not fit: the fewest GPUs that hold it, a budget that fits, or both."""
+               cached_tokens: int = 0, forward_option: tuple[str, int] | None = ("--batch-tokens {}", 256)) -> str:
+    """What to change when ``chosen`` does not fit: the fewest GPUs that hold it, a smaller forward that fits
+    (``forward_option``: the stage's option, as a format and the step its value is rounded down to), or both."""
     capacity = max(1, chosen.capacity_per_gpu)
     advice = []
     placement = chosen.placement if chosen.placement != "one" else "split"
@@ -255,11 +256,12 @@ def fit_advice(config: dict[str, Any], weights: Weights, machine: Machine, chose
             flag = "torchrun --nproc-per-node" if placement == "tp" else "--max-memory over"
             advice.append(f"{gpus} GPUs of {machine.gpu_memory / GIB:.0f} GiB ({flag} {gpus}, --placement {placement})")
             break
-    if chosen.weights_per_gpu < capacity:
-        per_token = chosen.activations_per_gpu / max(1, batch_tokens)
+    if forward_option is not None and chosen.weights_per_gpu < capacity:
+        option, step = forward_option
+        per_token = chosen.activations_per_gpu / max(1, batch_tokens)  # per row where the forward counts rows
         tokens = int((capacity - chosen.weights_per_gpu) / max(per_token, 1))
-        if tokens >= 256:
-            advice.append(f"--batch-tokens {tokens // 256 * 256} (of {batch_tokens})")
+        if tokens >= step:
+            advice.append(f"{option.format(tokens // step * step)} (of {batch_tokens})")
     return " or ".join(advice) if advice else "a machine with more GPU memory"
 
 

@@ -143,7 +143,8 @@ def check_fit(target_path: Path, cfg: Any, device: str, dtype_bytes: int, forwar
               f"{plan.activations_per_gpu / SIZE_GIB:.1f} GiB activations per GPU of "
               f"{plan.capacity_per_gpu / SIZE_GIB:.1f} GiB usable; {describe_weights(weights)}")
     checks.append(Check("layout", PASS if plan.fits else FAIL, detail, "" if plan.fits else
-                        "use " + fit_advice(config, weights, machine, plan, forward_tokens, cached_tokens)))
+                        "use " + fit_advice(config, weights, machine, plan, forward_tokens, cached_tokens,
+                                            type(cfg).FORWARD_OPTION)))
     return checks
 
 
