@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 from rich.console import Console
 
@@ -212,3 +213,18 @@ def test_plan_counts_the_prompts_each_split_would_regenerate(tmp_path):
     rows = [{"prompt": "a", "split": "train"}] * 3 + [{"prompt": "b", "split": "heldout"}] * 2 + [{"prompt": "c"}]
     path = write_jsonl(tmp_path / "p.jsonl", rows + ["{not json"])
     assert (_count_rows([str(path)], "train"), _count_rows([str(path)], "heldout"), _count_rows([str(path)])) == (4, 2, 6)
+
+
+@pytest.mark.parametrize("evaluation, message", [
+    ({"batch_size": 2, "mode": "tree"}, "eval: --batch-size 2: batched decoding drafts chains greedily"),
+    ({"tune": True}, "eval: --tune times tree shapes; add --mode tree"),
+])
+def test_eval_settings_no_decoder_runs_are_refused_before_the_first_stage(tmp_path, capsys, tiny_target, evaluation,
+                                                                           message):
+    config = run_config(tmp_path, tiny_target)
+    data = yaml.safe_load(config.read_text())
+    data["eval"] = (data.get("eval") or {}) | evaluation
+    config.write_text(yaml.safe_dump(data))
+    code, _, err = run_cli(["run", config], capsys)
+    assert code == 2 and message in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()  # refused before prepare, not after training

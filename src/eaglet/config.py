@@ -254,6 +254,7 @@ class ExportConfig(StrictModel):
 # The tree shapes `eval --tune` times by default: depth, top-k, budget. The fastest three measured for the embedded
 # target's best draft on the H200 (benchmarks/RESULTS.md, "A round's kernels cut"): 7/8/56, 8/8/64, 10/10/96.
 TUNE_TREES = ((7, 8, 56), (8, 8, 64), (10, 10, 96))
+TREE_LIMITS = {"depth": (1, 16), "topk": (1, 64), "budget": (1, 512)}  # the bounds of a tree's (and chain's) shape
 
 
 class EvalConfig(PlacementFields):
@@ -264,9 +265,12 @@ class EvalConfig(PlacementFields):
     split: Literal["all", "train", "heldout"] = "heldout"
     max_prompts: int | None = Field(default=None, ge=1, description="only N prompts, taken round-robin over categories")
     mode: Literal["chain", "tree"] = "chain"
-    depth: int = Field(default=4, ge=1, le=16, description="draft steps per verification (chain length / tree depth)")
-    topk: int = Field(default=8, ge=1, le=64, description="tree: children per expanded node and nodes expanded per level")
-    budget: int = Field(default=48, ge=1, le=512, description="tree: draft tokens verified per target forward")
+    depth: int = Field(default=4, ge=TREE_LIMITS["depth"][0], le=TREE_LIMITS["depth"][1],
+                       description="draft steps per verification (chain length / tree depth)")
+    topk: int = Field(default=8, ge=TREE_LIMITS["topk"][0], le=TREE_LIMITS["topk"][1],
+                      description="tree: children per expanded node and nodes expanded per level")
+    budget: int = Field(default=48, ge=TREE_LIMITS["budget"][0], le=TREE_LIMITS["budget"][1],
+                        description="tree: draft tokens verified per target forward")
     tune: bool = Field(default=False, description="tree: first time each of tune_trees on tune_prompts prompts (the "
                        "train split's when the held-out ones are evaluated) and evaluate with the fastest")
     tune_trees: list[tuple[int, int, int]] = Field(
@@ -290,3 +294,20 @@ class EvalConfig(PlacementFields):
         default="auto", description="greedy rounds on static caches: the draft's part of each round through "
         "torch.compile (fused kernels inside the round's CUDA graph; auto: on GPU)")
     trust_remote_code: bool = False
+
+    def decoding_problem(self) -> str | None:
+        """Settings no decoder runs, found from the settings alone (before any stage of a run, any model load)."""
+        if self.batch_size > 1 and (self.mode != "chain" or self.temperature > 0):
+            return (f"--batch-size {self.batch_size}: batched decoding drafts chains greedily; use --mode chain and "
+                    "temperature 0, or --batch-size 1 for trees and sampling")
+        if self.placement != "one" and (self.batch_size > 1 or self.cuda_graphs == "on"):
+            return (f"--placement {self.placement}: the target runs on dynamic caches, one prompt at a time; drop "
+                    "--batch-size and --cuda-graphs on (static caches and graphs need the whole target on one GPU)")
+        if self.tune and self.mode != "tree":
+            return "--tune times tree shapes; add --mode tree (a chain has only --depth to choose)"
+        for shape in self.tune_trees if self.tune else ():
+            for (name, (low, high)), value in zip(TREE_LIMITS.items(), shape):
+                if not low <= value <= high:
+                    return (f"tune_trees {list(shape)}: {name} {value} is outside {low}..{high}; give each shape as "
+                            "[depth, top-k, budget]")
+        return None

@@ -379,6 +379,9 @@ class Pipeline:
                 gpus = sizing.place(plan, evaluation, EVAL_FORWARD_TOKENS, PROMPT_TOKENS_GUESS + evaluation.max_new_tokens)
                 step = sizing.decode_step(gpus, 1 / rates["decode_tok_s"]) if machine.gpus else 1 / rates["decode_tok_s"]
                 plan.seconds = sizing.load_seconds() + 2 * prompts * evaluation.max_new_tokens * step  # baseline + spec
+                problem = evaluation.decoding_problem()
+                if problem:  # known from the settings: refused before training, not after
+                    plan.refusal = plan.refusal or f"eval: {problem}"
         return plans
 
     # ------------------------------------------------------------------ running

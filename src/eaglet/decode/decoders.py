@@ -53,13 +53,9 @@ def static_cache_length(config: EvalConfig, longest_prompt: int) -> int:
 
 def check_settings(config: EvalConfig) -> None:
     """Refuse settings no engine decodes, before any model loads."""
-    if config.batch_size > 1 and (config.mode != "chain" or config.temperature > 0):
-        raise EagletError(f"--batch-size {config.batch_size}: batched decoding drafts chains greedily; use --mode chain "
-                          "and temperature 0, or --batch-size 1 for trees and sampling")
-    if config.placement != "one" and (config.batch_size > 1 or config.cuda_graphs == "on"):
-        raise EagletError(f"--placement {config.placement}: the target runs on dynamic caches, one prompt at a time; "
-                          "drop --batch-size and --cuda-graphs on (static caches and graphs need the whole target on "
-                          "one GPU)")
+    problem = config.decoding_problem()
+    if problem:
+        raise EagletError(problem)
 
 
 def make_decoders(config: EvalConfig, model: torch.nn.Module, draft: Eagle3Draft, layer_ids: tuple[int, ...],

@@ -27,7 +27,7 @@ from ..distributed import init_distributed
 from ..placement import input_device, output_device
 from ..target import load_head_weights, load_model, load_tokenizer, resolve_target, target_info
 from .decoders import check_settings, make_decoders
-from .tune import check_tune, tune_tree
+from .tune import tune_tree
 from .runners import TargetRunner
 
 
@@ -118,7 +118,6 @@ def _hf_generate_tokens_per_s(model: Any, prompts: list[list[int]], max_new: int
 def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, Any]:
     console = console or Console(stderr=True)
     check_settings(config)
-    check_tune(config)
     resolved = resolve_target(stage_target(config), config.trust_remote_code)
     tokenizer = load_tokenizer(resolved.path, config.trust_remote_code)
     info = target_info(resolved, tokenizer)

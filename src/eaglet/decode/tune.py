@@ -11,23 +11,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import EvalConfig
-from ..errors import EagletError
 from .decoders import Decoders
-
-TREE_LIMITS = {"depth": (1, 16), "topk": (1, 64), "budget": (1, 512)}  # EvalConfig's own bounds
-
-
-def check_tune(config: EvalConfig) -> None:
-    """Refuse a tuning no tree decoder runs, before any model loads."""
-    if not config.tune:
-        return
-    if config.mode != "tree":
-        raise EagletError("--tune times tree shapes; add --mode tree (a chain has only --depth to choose)")
-    for shape in config.tune_trees:
-        for (name, (low, high)), value in zip(TREE_LIMITS.items(), shape):
-            if not low <= value <= high:
-                raise EagletError(f"tune_trees {list(shape)}: {name} {value} is outside {low}..{high}; give each shape "
-                                  "as [depth, top-k, budget]")
 
 
 def tune_tree(config: EvalConfig, build: Callable[[EvalConfig], Decoders],

@@ -277,7 +277,8 @@ def _cpu_step_time(cfg: Any, draft: Any, info: Any) -> Check:
 def eval_checks(cfg: Any) -> list[Check]:
     from ..resources import resolve_input
 
-    checks = [Check("config", PASS, "valid"), check_device(cfg.device)]
+    problem = cfg.decoding_problem()
+    checks = [Check("config", FAIL, problem) if problem else Check("config", PASS, "valid"), check_device(cfg.device)]
     if checks[-1].status == FAIL:
         return checks
     target_checks, found = check_stage_target(cfg, need_template=True)
