@@ -235,6 +235,21 @@ def test_tensor_parallel_eval_under_torchrun_decodes_the_same_tokens(tmp_path, c
     assert tp["target_forwards"] == one["target_forwards"]
 
 
+@pytest.mark.slow
+def test_tensor_parallel_eval_tunes_one_tree_shape_for_every_rank(tmp_path, trained):
+    """Ranks time the shapes apart; rank 0's choice is the one every rank decodes with (else they would hang)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29543",
+               "-m", "eaglet.cli", "eval", "--draft", str(trained), "--out", str(tmp_path / "tp"), *EVAL,
+               "--placement", "tp", "--mode", "tree", "--tune", "--split", "all",
+               "--set", "tune_trees=[[2, 2, 4], [2, 3, 6]]", "--set", "tune_prompts=1"]
+    done = subprocess.run(command, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"},
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "tp" / "report.json").read_text())
+    chosen = report["tuning"]["chosen"]
+    assert [report["settings"][key] for key in ("depth", "topk", "budget")] == chosen and report["lossless"] is True
+
+
 def test_tensor_parallel_for_an_architecture_without_a_plan_is_refused_before_the_load(tmp_path, capsys, targets,
                                                                                       conversations, monkeypatch):
     target = targets("gpt_oss")

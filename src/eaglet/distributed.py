@@ -51,6 +51,15 @@ def any_rank(flag: bool, group: Dist, device: torch.device) -> bool:
     return bool(value.item())
 
 
+def from_main(values: list[int], group: Dist, device: torch.device | str) -> list[int]:
+    """Rank 0's integers on every rank: a choice made by timing, which ranks would otherwise make apart."""
+    if group.world == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.long, device=device)
+    dist.broadcast(tensor, src=0)
+    return tensor.tolist()
+
+
 def init_distributed() -> Dist:
     """Join the process group torchrun describes in the environment; a plain run is rank 0 of 1."""
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -23,7 +23,7 @@ from ..formats.target import stage_target
 from ..fsio import write_json_atomic
 from ..progress import progress_bar
 from ..resources import resolve_input
-from ..distributed import init_distributed
+from ..distributed import from_main, init_distributed
 from ..placement import input_device, output_device
 from ..target import load_head_weights, load_model, load_tokenizer, resolve_target, target_info
 from .decoders import check_settings, make_decoders
@@ -144,6 +144,8 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
         longest = max(len(row[2]) for row in prompts + tune_rows)
         config, trees = tune_tree(config, lambda shaped: make_decoders(shaped, model, draft, layer_ids, set(stop), longest,
                                                                        device, console), [row[2] for row in tune_rows])
+        depth, topk, budget = from_main([config.depth, config.topk, config.budget], dist, device)  # one shape for all ranks
+        config = config.model_copy(update={"depth": depth, "topk": topk, "budget": budget})
         tuning = {"prompts": len(tune_rows), "prompts_from": tuned_on, "trees": trees,
                   "chosen": [config.depth, config.topk, config.budget]}
         console.print(f"eaglet eval --tune: tree {config.depth}/{config.topk}/{config.budget} (" + ", ".join(
