@@ -93,6 +93,16 @@ def _tuning_prompts(config: EvalConfig, tokenizer: Any,
     return evaluated[: config.tune_prompts], "evaluated prompts"
 
 
+def _tuned(config: EvalConfig, build: Any, prompts: list[list[int]], tuned_on: str, dist: Any,
+           device: str) -> tuple[EvalConfig, dict[str, Any]]:
+    """The config with the tree shape ``tune_tree`` found fastest (rank 0's under torchrun: ranks time apart but
+    must decode alike), and the report's record of the tuning."""
+    tuned, trees = tune_tree(config, build, prompts)
+    chosen = from_main([tuned.depth, tuned.topk, tuned.budget], dist, device)
+    tuned = config.model_copy(update=dict(zip(("depth", "topk", "budget"), chosen)))
+    return tuned, {"prompts": len(prompts), "prompts_from": tuned_on, "trees": trees, "chosen": chosen}
+
+
 def _spread(rows: list[tuple[str, str, list[int]]], count: int) -> list[tuple[str, str, list[int]]]:
     """The first ``count`` prompts taken round-robin over categories, so a subset still covers them all."""
     by_category: dict[str, list] = {}
@@ -142,14 +152,11 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     if config.tune:
         tune_rows, tuned_on = _tuning_prompts(config, tokenizer, prompts)
         longest = max(len(row[2]) for row in prompts + tune_rows)
-        config, trees = tune_tree(config, lambda shaped: make_decoders(shaped, model, draft, layer_ids, set(stop), longest,
-                                                                       device, console), [row[2] for row in tune_rows])
-        depth, topk, budget = from_main([config.depth, config.topk, config.budget], dist, device)  # one shape for all ranks
-        config = config.model_copy(update={"depth": depth, "topk": topk, "budget": budget})
-        tuning = {"prompts": len(tune_rows), "prompts_from": tuned_on, "trees": trees,
-                  "chosen": [config.depth, config.topk, config.budget]}
-        console.print(f"eaglet eval --tune: tree {config.depth}/{config.topk}/{config.budget} (" + ", ".join(
-            f"{'/'.join(map(str, t['tree']))}: {t['tokens_per_s']:.1f} tok/s" for t in trees) + ")")
+        config, tuning = _tuned(config, lambda shaped: make_decoders(shaped, model, draft, layer_ids, set(stop), longest,
+                                                                     device, console),
+                                [row[2] for row in tune_rows], tuned_on, dist, device)
+        console.print(f"eaglet eval --tune: tree {'/'.join(map(str, tuning['chosen']))} (" + ", ".join(
+            f"{'/'.join(map(str, t['tree']))}: {t['tokens_per_s']:.1f} tok/s" for t in tuning["trees"]) + ")")
     decoders = make_decoders(config, model, draft, layer_ids, set(stop), max(len(p[2]) for p in prompts), device,
                              console)
     decoders.warm_up([row[2] for row in prompts[: decoders.group_size]])
