@@ -376,3 +376,19 @@ def test_compiled_pointwise_with_flex_attention_on_gpu():
     eager, eager_grads = loss_and_grads(draft, moved, FlexTTTAttention, autocast)
     draft.compile_pointwise()
     assert_close_to_bf16(*loss_and_grads(draft, moved, FlexTTTAttention, autocast), eager, eager_grads)
+
+
+def test_attention_recomputed_in_the_backward_gives_the_kept_gradients(monkeypatch):
+    """Above ATTENTION_KEEP_BYTES the dense path recomputes its weights in the backward (memory); the loss and every
+    gradient are the ones of keeping them."""
+    import contextlib
+
+    import eaglet.ttt as ttt
+
+    draft, inputs = tiny_setup()
+    kept_out, kept = loss_and_grads(draft, inputs, TTTAttention, contextlib.nullcontext)
+    monkeypatch.setattr(ttt, "ATTENTION_KEEP_BYTES", 0)  # every step recomputed
+    again_out, again = loss_and_grads(draft, inputs, TTTAttention, contextlib.nullcontext)
+    assert torch.equal(again_out.loss, kept_out.loss) and set(again) == set(kept)
+    for name in kept:
+        torch.testing.assert_close(again[name], kept[name], rtol=0, atol=0)

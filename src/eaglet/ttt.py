@@ -62,6 +62,12 @@ def shift(x: torch.Tensor, k: int, fill: float | int | bool = 0) -> torch.Tensor
     return torch.cat([x[k:], pad])
 
 
+ATTENTION_WEIGHT_BYTES = 4  # the dense path's softmax runs in float32
+# the K steps' attention weights kept for the backward up to this size; above it they are recomputed (CPU steps at
+# 1,024 tokens keep them: 15-20% faster; at 4,096 tokens recomputing saved 5 GB of 14.5)
+ATTENTION_KEEP_BYTES = 1 << 30
+
+
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=0)
 
@@ -75,6 +81,7 @@ class TTTAttention:
 
     def __init__(self, doc_ids: torch.Tensor, steps: int = 1):
         self.doc_ids = doc_ids
+        self.steps = steps
         tokens = len(doc_ids)
         index = torch.arange(tokens, device=doc_ids.device)
         self.causal = (index[None, :] <= index[:, None]) & (doc_ids[None, :] == doc_ids[:, None])  # [T, T]
@@ -84,9 +91,10 @@ class TTTAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.keys.append(k)
         self.values.append(v)
-        if torch.is_grad_enabled() and q.requires_grad:
-            # the [Hq, T, T] weights are recomputed in the backward instead of kept: K steps of them were most of a
-            # CPU step's memory (12 GB at 4,096 tokens for the embedded target's draft)
+        kept_bytes = self.steps * q.shape[0] * self.causal.numel() * ATTENTION_WEIGHT_BYTES  # K steps' [Hq, T, T]
+        if torch.is_grad_enabled() and q.requires_grad and kept_bytes > ATTENTION_KEEP_BYTES:
+            # recomputed in the backward instead of kept: at 4,096 tokens the K steps' weights were most of a CPU
+            # step's memory (12 GB for the embedded target's draft); below the bound keeping them is faster
             return checkpoint(self._attend, q, *self.keys, *self.values, use_reentrant=False)
         return self._attend(q, *self.keys, *self.values)
 
