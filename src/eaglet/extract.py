@@ -29,6 +29,7 @@ from .config import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, ExtractConfig
 from .formats.prepared import PreparedSet, load_prepared
 from .distributed import init_distributed
 from .errors import EagletError
+from .sizing import GIB
 from .fsio import free_disk_bytes, write_json_atomic
 from .formats.layers import AUX_CONVENTION, resolve_aux_layer_ids
 from .progress import progress_bar
@@ -40,7 +41,6 @@ from .target import hub_id_of, load_model, load_tokenizer, pick_dtype, resolve_t
 
 WRITE_QUEUE_DEPTH = 3  # finished shards waiting for a writer while the next one computes
 WRITER_THREADS = 4  # shards written (hashed, written, fsynced) in parallel: one stream does not fill the disk
-GIB = 1 << 30
 
 
 @dataclass

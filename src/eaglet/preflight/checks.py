@@ -14,9 +14,9 @@ from typing import Any, Callable, Iterable
 
 from ..errors import EagletError
 from ..fsio import free_disk_bytes
+from ..sizing import GIB
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
-GIB = 1 << 30
 DATA_ROWS_CHECKED = 100
 ACTIVATION_FACTOR = 12  # bytes of live activations per (token x hidden) in a bf16 forward, rough upper bound
 OPTIMIZER_COPIES = 4  # fp32 weights + grads + two AdamW moments
@@ -110,7 +110,6 @@ def check_fit(target_path: Path, cfg: Any, device: str, dtype_bytes: int, forwar
     import os
 
     from ..placement import check_tp_plan, device_key
-    from ..sizing import GIB as SIZE_GIB
     from ..sizing import describe_weights, fit_advice, layout, this_machine, weights_of
     from ..target import check_quantization, read_config
 
@@ -139,9 +138,9 @@ def check_fit(target_path: Path, cfg: Any, device: str, dtype_bytes: int, forwar
         isinstance(device_key(name), int) for name in (getattr(cfg, "max_memory", None) or {})) or machine.gpus
     weights = weights_of(config, dtype_bytes)
     plan = layout(config, weights, machine, placement, forward_tokens, gpus, cached_tokens)
-    detail = (f"{placement} over {plan.gpus} x {machine.name}: {plan.weights_per_gpu / SIZE_GIB:.1f} GiB weights + "
-              f"{plan.activations_per_gpu / SIZE_GIB:.1f} GiB activations per GPU of "
-              f"{plan.capacity_per_gpu / SIZE_GIB:.1f} GiB usable; {describe_weights(weights)}")
+    detail = (f"{placement} over {plan.gpus} x {machine.name}: {plan.weights_per_gpu / GIB:.1f} GiB weights + "
+              f"{plan.activations_per_gpu / GIB:.1f} GiB activations per GPU of "
+              f"{plan.capacity_per_gpu / GIB:.1f} GiB usable; {describe_weights(weights)}")
     checks.append(Check("layout", PASS if plan.fits else FAIL, detail, "" if plan.fits else
                         "use " + fit_advice(config, weights, machine, plan, forward_tokens, cached_tokens,
                                             type(cfg).FORWARD_OPTION)))

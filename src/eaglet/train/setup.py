@@ -18,6 +18,7 @@ from ..data.vocab import DraftVocab
 from ..distributed import Dist
 from ..draft import Eagle3Draft
 from ..errors import EagletError
+from ..sizing import GIB
 from ..formats.draft import DraftConfig
 from ..formats.layers import resolve_aux_layer_ids
 from ..formats.prepared import load_prepared
@@ -30,8 +31,6 @@ from ..ttt import TTTModule
 from .data import FeatureSource, LiveSource, StoreSource, held_out, kept_length
 from .parallel import Parallel
 
-
-GIB = 1 << 30
 
 
 @dataclass
