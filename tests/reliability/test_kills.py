@@ -78,3 +78,16 @@ def test_train_killed_at_random_moments_ends_byte_identical(tmp_path, tiny_store
     ours = [(r["step"], r["loss"]) for r in read_metrics(out) if r["kind"] == "train"]
     theirs = [(r["step"], r["loss"]) for r in read_metrics(reference) if r["kind"] == "train"]
     assert ours == theirs
+
+
+def test_metrics_row_cut_by_a_kill_is_left_out_and_dropped_on_resume(tmp_path):
+    """A kill mid-append leaves a row without its newline: readers (plots, reports, this test's own polling) see the
+    complete rows only, and the resumed run drops it with the rows after its checkpoint."""
+    from eaglet.train.metrics import MetricsLog
+
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"kind": "train", "step": 1, "loss": 2.0}\n{"kind": "train", "step": 2, "loss": 1.5}\n'
+                   '{"kind": "train", "step": 3, "l', encoding="utf-8")
+    assert _steps(tmp_path) == [1, 2]
+    MetricsLog(tmp_path, enabled=True, tensorboard=False, resumed_step=1).log({"kind": "train", "step": 2, "loss": 1.4})
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 2.0), (2, 1.4)]

@@ -59,10 +59,13 @@ def _step_of(line: str) -> float:
 
 
 def read_metrics(run: Path) -> list[dict[str, Any]]:
+    """The complete rows of ``metrics.jsonl``. A row counts once its newline is written: the text after the last
+    newline is a row being appended now, or one a kill cut short, and is left out."""
     path = run / METRICS_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    complete = path.read_text(encoding="utf-8").split("\n")[:-1]
+    return [json.loads(line) for line in complete if line.strip()]
 
 
 def _line_plot(path: Path, series: dict[str, tuple[list, list]], xlabel: str, ylabel: str, title: str) -> Path:
