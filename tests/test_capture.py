@@ -75,3 +75,34 @@ def test_right_padding_does_not_change_real_tokens():
     aux_s, last_s = capture(short)
     torch.testing.assert_close(aux_b[0, :7], aux_s[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(last_b[0, :7], last_s[0], rtol=1e-5, atol=1e-5)
+
+
+def test_concurrent_captures_get_their_own_features():
+    """Online training computes features in its prefetch thread while the held-out evaluation computes others on the
+    main thread, through one FeatureCapture: each call returns its own input's features, never the other's."""
+    import threading
+
+    torch.manual_seed(0)
+    model = tiny("llama").eval()
+    capture = FeatureCapture(model, (2, 4, 5))
+    inputs = [torch.randint(0, 128, (1, length)) for length in (9, 12)]
+    expected = [capture(ids) for ids in inputs]
+    wrong: list[str] = []
+
+    def run(which: int) -> None:
+        for _ in range(200):
+            try:
+                aux, last = capture(inputs[which])
+            except RuntimeError as exc:  # another call's tensor of another length in this call's slots
+                wrong.append(f"input {which}: {exc}")
+                return
+            if not (torch.equal(aux, expected[which][0]) and torch.equal(last, expected[which][1])):
+                wrong.append(f"input {which}: another input's features")
+                return
+
+    threads = [threading.Thread(target=run, args=(which,)) for which in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not wrong

@@ -9,6 +9,7 @@ head nor ``output_hidden_states`` runs, so no other layer's activations stay ali
 from __future__ import annotations
 
 import inspect
+import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -53,7 +54,10 @@ class FeatureCapture:
 
     The whole model is called (its own pre-forward hooks run: compressed-tensors decompresses a quantized checkpoint
     on the first call), with the LM head on one position only where the architecture allows (``logits_to_keep``);
-    ``last`` is the base model's output, taken by a forward hook."""
+    ``last`` is the base model's output, taken by a forward hook.
+
+    Calls are serialised: the hooks sit on the shared model, so two concurrent forwards (online training's prefetch
+    thread and the held-out evaluation) would each capture the other's tensors."""
 
     def __init__(self, model: nn.Module, layer_ids: tuple[int, ...]):
         self.model = model
@@ -65,25 +69,28 @@ class FeatureCapture:
             raise EagletError(f"aux layer ids {list(layer_ids)} out of range for {len(self.layers)} decoder layers")
         takes = inspect.signature(model.forward).parameters
         self.head_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in takes else {}
+        self.forward_lock = threading.Lock()
 
     @contextmanager
     def hooks(self, captured: dict[int, torch.Tensor]) -> Iterator[None]:
-        """While active, every forward of the model leaves the aux layers' inputs in ``captured[slot]``."""
+        """While active, every forward of the model leaves the aux layers' inputs in ``captured[slot]``; holds the
+        capture's lock, so one forward at a time fills one dict."""
         def grab(slot: int):
             def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
                 captured[slot] = args[0] if args else kwargs["hidden_states"]
 
             return hook
 
-        handles = [
-            self.layers[layer].register_forward_pre_hook(grab(slot), with_kwargs=True)
-            for slot, layer in enumerate(self.layer_ids)
-        ]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
+        with self.forward_lock:
+            handles = [
+                self.layers[layer].register_forward_pre_hook(grab(slot), with_kwargs=True)
+                for slot, layer in enumerate(self.layer_ids)
+            ]
+            try:
+                yield
+            finally:
+                for handle in handles:
+                    handle.remove()
 
     @torch.inference_mode()
     def __call__(
@@ -94,13 +101,13 @@ class FeatureCapture:
         def base_output(module: nn.Module, args: tuple, output: Any) -> None:
             captured[LAST] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
 
-        handle = self.base.register_forward_hook(base_output)
-        try:
-            with self.hooks(captured):
+        with self.hooks(captured):
+            handle = self.base.register_forward_hook(base_output)
+            try:
                 self.model(input_ids=input_ids.to(self.input_device), attention_mask=attention_mask, use_cache=False,
                            **self.head_kwargs)
-        finally:
-            handle.remove()
+            finally:
+                handle.remove()
         last = full(captured[LAST])  # [B, S, H]
         # a split target's aux layers sit on earlier devices: gathered where ``last`` is
         aux = torch.stack([full(captured[slot]).to(last.device) for slot in range(len(self.layer_ids))], dim=2)
