@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--answer-words", type=int, nargs=2, default=[300, 1500])
     parser.add_argument("--batch-tokens", type=int, default=32768)
     parser.add_argument("--skip-naive", action="store_true")
-    parser.add_argument("--storage-dtype", choices=["bf16", "fp8"], default="bf16")
+    parser.add_argument("--storage-dtype", choices=["bf16", "fp8", "fp8-aux"], default="bf16")
     parser.add_argument("--store-dir", type=Path, default=None, help="where the store goes (default: inside --workdir)")
     parser.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run)")
     parser.add_argument("--workdir", type=Path, default=None)

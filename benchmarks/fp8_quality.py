@@ -1,7 +1,7 @@
 """What fp8 storage does to the features and to the teacher: cosine similarity and top-1 agreement.
 
-Extracts the same prepared set three ways — float32 reference (captured directly), bf16 store, fp8
-store — and compares per token: cosine of every aux feature and of `last`, and whether the teacher's
+Extracts the same prepared set once per storage format (bf16, fp8, fp8-aux) beside a float32 reference
+captured directly, and compares per token: cosine of every aux feature and of `last`, and whether the teacher's
 argmax (lm_head(last)) is unchanged. Usage:
   python benchmarks/fp8_quality.py --prepared DIR [--target embedded] [--max-samples 64] [--out FILE.json]
 """
@@ -31,7 +31,7 @@ def main() -> None:
     from eaglet.formats.prepared import load_prepared
     from eaglet.extract import run_extract
     from eaglet.formats.layers import default_aux_layer_ids
-    from eaglet.formats.store import read_manifest
+    from eaglet.formats.store import STORAGE_FORMATS, read_manifest
     from eaglet.store import decode_features, read_shard
     from eaglet.target import load_model, resolve_target
 
@@ -43,7 +43,7 @@ def main() -> None:
     stats = {}
     with tempfile.TemporaryDirectory() as tmp:
         features = {}
-        for dtype in ("bf16", "fp8"):
+        for dtype in STORAGE_FORMATS:
             store = Path(tmp) / dtype
             run_extract(ExtractConfig(prepared=args.prepared, out=str(store), target=args.target, storage_dtype=dtype,
                                       max_samples=args.max_samples, reserve_gb=0, dtype="float32"), quiet)
@@ -65,7 +65,7 @@ def main() -> None:
     ref_last = torch.cat([reference[s][1] for s in order])
     with torch.inference_mode():
         ref_top1 = teacher_logits(model, ref_last).argmax(-1)
-        for dtype in ("bf16", "fp8"):
+        for dtype in STORAGE_FORMATS:
             aux = torch.cat([features[dtype][s][0] for s in order])
             last = torch.cat([features[dtype][s][1] for s in order])
             cos_aux = torch.nn.functional.cosine_similarity(aux, ref_aux, dim=-1)  # [T, 3]

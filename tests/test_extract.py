@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -114,6 +115,9 @@ def test_resume_with_other_settings_refused(tmp_path, capsys, tiny_store, tiny_p
     assert code == 2 and "preflight failed for extract: output:" in err and "different aux_layer_ids" in err
     code, _, err = run_cli(extract_args(tiny_prepared, store, tiny_target, "--layers", "1,3,6", "--skip-preflight"), capsys)
     assert code == 2 and "different 'aux_layer_ids'" in err
+    code, _, err = run_cli(extract_args(tiny_prepared, store, tiny_target, "--storage-dtype", "fp8-aux"), capsys)
+    assert code == 2 and "different storage_dtype" in err
+    assert store_bytes(store) == store_bytes(tiny_store)  # nothing of the bf16 store touched
 
 
 def test_store_from_other_target_refused_by_source(tiny_store):
@@ -148,23 +152,40 @@ def test_non_finite_features_name_the_sample(tmp_path, tiny_prepared, tiny_targe
         run_extract(config, model=model)
 
 
-def test_fp8_storage_quality(tmp_path, tiny_prepared, tiny_target):
-    from eaglet.config import ExtractConfig
+def test_fp8_storage_quality_size_and_training(tmp_path, tiny_prepared, tiny_target):
+    """fp8 and fp8-aux stores: features close to bf16's (fp8-aux: the teacher's `last` bit-equal), the sizes the
+    disk check predicts, and a draft trains on each."""
+    from eaglet.config import ExtractConfig, TrainConfig
     from eaglet.extract import run_extract
+    from eaglet.formats.store import STORAGE_FORMATS, bytes_per_token
+    from eaglet.train import run_train
+    from eaglet.train.metrics import read_metrics
+    from rich.console import Console
 
-    outs = {}
-    for dtype in ("bf16", "fp8"):
+    outs, sizes = {}, {}
+    for dtype in STORAGE_FORMATS:
         run_extract(ExtractConfig(prepared=str(tiny_prepared), out=str(tmp_path / dtype), target=str(tiny_target),
                                   storage_dtype=dtype, reserve_gb=0, max_samples=20))
         outs[dtype] = decode_features(load_file(next((tmp_path / dtype).glob("*.safetensors"))))
-    (aux16, last16), (aux8, last8) = outs["bf16"], outs["fp8"]
-    cosine = torch.nn.functional.cosine_similarity(aux16.flatten(0, 1), aux8.flatten(0, 1), dim=-1)
-    assert cosine.min() > 0.99
+        totals = read_manifest(tmp_path / dtype)["totals"]
+        sizes[dtype] = totals["bytes"]
+        assert 0 <= totals["bytes"] - totals["tokens"] * bytes_per_token(64, dtype) < 4096  # + headers and offsets
+    aux16, last16 = outs["bf16"]
     model = load_model(resolve_target(str(tiny_target)).path, device="cpu")
-    with torch.inference_mode():
-        agree = (teacher_logits(model, last16).argmax(-1) == teacher_logits(model, last8).argmax(-1)).float().mean()
-    assert agree > 0.95
-    assert read_manifest(tmp_path / "fp8")["totals"]["bytes"] < 0.6 * read_manifest(tmp_path / "bf16")["totals"]["bytes"]
+    for dtype in ("fp8", "fp8-aux"):
+        aux, last = outs[dtype]
+        assert torch.nn.functional.cosine_similarity(aux16.flatten(0, 1), aux.flatten(0, 1), dim=-1).min() > 0.99
+        with torch.inference_mode():
+            agree = (teacher_logits(model, last16).argmax(-1) == teacher_logits(model, last).argmax(-1)).float().mean()
+        assert agree > 0.95
+    assert torch.equal(outs["fp8-aux"][1], last16) and torch.equal(outs["fp8-aux"][0], outs["fp8"][0])
+    assert sizes["fp8"] < 0.6 * sizes["bf16"] and sizes["fp8"] < sizes["fp8-aux"] < 0.7 * sizes["bf16"]
+    for dtype in ("fp8", "fp8-aux"):
+        draft = tmp_path / f"draft-{dtype}"
+        run_train(TrainConfig(out=str(draft), store=str(tmp_path / dtype), target=str(tiny_target), max_steps=3,
+                              token_budget=128, log_every=1, seed=1), Console(quiet=True))
+        losses = [r["loss"] for r in read_metrics(draft) if r["kind"] == "train"]
+        assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
 
 
 def test_store_and_live_sources_give_the_same_batches(tiny_store, tiny_prepared, tiny_target):

@@ -176,7 +176,7 @@ class ExtractConfig(PlacementFields):
     out: str = Field(description="store directory; an existing incomplete store with the same settings is resumed")
     target: str | None = Field(default=None, description="default: the target its input records")
     layers: list[int] | None = Field(default=None, description="aux layer ids; default (2, N//2, N-3)")
-    storage_dtype: Literal["bf16", "fp8"] = "bf16"
+    storage_dtype: Literal["bf16", "fp8", "fp8-aux"] = "bf16"
     shard_mb: float = Field(default=512.0, gt=0, description="approximate shard size on disk")
     batch_tokens: int = Field(default=0, ge=0, description="tokens per forward pass (0 = 32768 on GPU, 4096 on CPU)")
     max_samples: int | None = Field(default=None, ge=1)

@@ -384,5 +384,5 @@ def _check_disk(store: Path, needed_bytes: int, reserve_gb: float) -> None:
     if needed_bytes + reserve_gb * GIB > free:
         raise EagletError(
             f"{store}: needs {needed_bytes / GIB:.2f} GiB (+ {reserve_gb:g} GiB reserve) but {free / GIB:.2f} GiB are free; "
-            "free space, choose another --out, use --storage-dtype fp8 (half the size) or --max-samples"
+            "free space, choose another --out, use --storage-dtype fp8-aux (0.63x the size) or fp8 (0.5x), or --max-samples"
         )

@@ -15,7 +15,7 @@ import torch
 from .errors import EagletError
 from .fsio import atomic_file, write_json_atomic
 from .formats.files import record_name, shard_name
-from .formats.store import ShardPlan
+from .formats.store import STORAGE_FORMATS, ShardPlan
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_MIN_SCALE = 1e-12
@@ -32,22 +32,27 @@ def _fp8_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def encode_features(aux: torch.Tensor, last: torch.Tensor, storage_dtype: str) -> dict[str, torch.Tensor]:
-    """aux [T,3,H], last [T,H] -> the tensors stored for them."""
-    if storage_dtype == "bf16":
-        return {"aux": aux.to(torch.bfloat16), "last": last.to(torch.bfloat16)}
-    if storage_dtype == "fp8":
-        aux_q, aux_scale = _fp8_encode(aux)
-        last_q, last_scale = _fp8_encode(last)
-        return {"aux": aux_q, "aux_scale": aux_scale, "last": last_q, "last_scale": last_scale}
-    raise EagletError(f"unknown storage dtype {storage_dtype!r} (use bf16 or fp8)")
+    """aux [T,3,H], last [T,H] -> the tensors stored for them (an fp8 feature adds its ``<name>_scale``)."""
+    if storage_dtype not in STORAGE_FORMATS:
+        raise EagletError(f"unknown storage dtype {storage_dtype!r} (use one of {', '.join(STORAGE_FORMATS)})")
+    stored: dict[str, torch.Tensor] = {}
+    for name, feature in (("aux", aux), ("last", last)):
+        if STORAGE_FORMATS[storage_dtype][name] == "fp8":
+            stored[name], stored[f"{name}_scale"] = _fp8_encode(feature)
+        else:
+            stored[name] = feature.to(torch.bfloat16)
+    return stored
+
+
+def _decode(tensors: dict[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
+    scale = tensors.get(f"{name}_scale")
+    stored = tensors[name]
+    return (stored.float() * scale.unsqueeze(-1) if scale is not None else stored).to(dtype)
 
 
 def decode_features(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    aux, last = tensors["aux"], tensors["last"]
-    if "aux_scale" in tensors:
-        aux = aux.float() * tensors["aux_scale"].unsqueeze(-1)
-        last = last.float() * tensors["last_scale"].unsqueeze(-1)
-    return aux.to(dtype), last.to(dtype)
+    """The stored tensors of a shard -> aux [T,3,H], last [T,H] in ``dtype``."""
+    return _decode(tensors, "aux", dtype), _decode(tensors, "last", dtype)
 
 
 # ---------------------------------------------------------------------------------------------

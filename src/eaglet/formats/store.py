@@ -7,7 +7,8 @@ Layout::
     STORE/shard-00000.safetensors     input_ids [T] int32, loss_mask [T] uint8, offsets [N+1] int64,
                                       sample_index [N] int64 (the shard's samples, longest first: the
                                       order they were computed in), aux [T,3,H], last [T,H] (bf16, or fp8 e4m3
-                                      with aux_scale [T,3] / last_scale [T] float32 per-token scales)
+                                      with aux_scale [T,3] / last_scale [T] float32 per-token scales;
+                                      STORAGE_FORMATS says which)
     STORE/shard-00000.json            the shard's record (sha256, bytes, samples, tokens), written after it
 
 Shards are planned from the sample lengths alone, so the plan (and every shard's bytes) is the same
@@ -29,6 +30,14 @@ from ..errors import EagletError
 from ..fsio import read_json
 from .files import MANIFEST_FILE, STORE_SCHEMA, record_name, shard_name
 
+# Storage formats: the dtype each feature is stored in. fp8 (e4m3) carries a float32 scale per vector.
+# "fp8-aux" keeps the teacher's input (`last`) in bf16: fp8 there flips 3% of teacher argmaxes, fp8 on the
+# draft's inputs (aux) moves them by a cosine of 2e-4 (benchmarks/fp8_quality.py).
+STORAGE_FORMATS: dict[str, dict[str, str]] = {
+    "bf16": {"aux": "bf16", "last": "bf16"},
+    "fp8": {"aux": "fp8", "last": "fp8"},
+    "fp8-aux": {"aux": "fp8", "last": "bf16"},
+}
 BYTES_PER_DTYPE = {"bf16": 2, "fp8": 1}
 SCALE_BYTES = 4
 SORT_WINDOW_SHARDS = 64  # shards per length-sorted window: more = less padding, less mixing of neighbours
@@ -48,10 +57,12 @@ class ShardPlan:
 
 
 def bytes_per_token(hidden_size: int, storage_dtype: str) -> int:
-    """Disk bytes per token: 4 feature vectors (3 aux + last), scales for fp8, ids and mask."""
-    features = 4 * hidden_size * BYTES_PER_DTYPE[storage_dtype]
-    scales = 4 * SCALE_BYTES if storage_dtype == "fp8" else 0
-    return features + scales + 4 + 1
+    """Disk bytes per token: 4 feature vectors (3 aux + last), a scale per fp8 vector, ids and mask."""
+    vectors = {"aux": 3, "last": 1}
+    total = 4 + 1  # input id (int32) + loss mask (uint8)
+    for feature, dtype in STORAGE_FORMATS[storage_dtype].items():
+        total += vectors[feature] * (hidden_size * BYTES_PER_DTYPE[dtype] + (SCALE_BYTES if dtype == "fp8" else 0))
+    return total
 
 
 def _cut(samples: list[int], lengths: np.ndarray, tokens: int) -> list[list[int]]:
