@@ -10,6 +10,7 @@ exactly the budget (one shape for compiled kernels).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -251,14 +252,17 @@ class LiveSource(FeatureSource):
         self.layer_ids = tuple(layer_ids)
         self.cache = FeatureCache(cache_bytes)
         self.computed = 0  # samples whose features the target computed: what the cache saves
+        # training's prefetch thread and the held-out evaluation fetch at once: the cache's books are kept under it
+        self.bookkeeping = threading.Lock()
 
     def fetch(self, groups: list[list[int]]) -> Iterator[FeatureBatch]:
         for group in groups:
             missing = [sample for sample in group if self.cache.get(sample) is None]
             computed = dict(zip(missing, self._features_many(missing))) if missing else {}
-            self.computed += len(computed)
-            for sample, features in computed.items():
-                self.cache.put(sample, features)
+            with self.bookkeeping:
+                self.computed += len(computed)
+                for sample, features in computed.items():
+                    self.cache.put(sample, features)
             yield assemble([(sample, computed.get(sample) or self.cache.get(sample)) for sample in group],
                            self.token_budget)
 
