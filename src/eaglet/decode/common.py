@@ -5,11 +5,25 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass, field
+from typing import Iterable, Protocol
 
 import torch
 
 from ..draft import Eagle3Draft
 from ..target import decoding_attention
+
+
+class Verified(Protocol):
+    accepted: list[int]  # draft tokens accepted per verification forward
+
+
+def acceptance_length(results: Iterable[Verified]) -> float:
+    """τ over one or more decodings: tokens per target forward (accepted draft tokens + the target's own token)."""
+    accepted, forwards = 0, 0
+    for result in results:
+        accepted += sum(result.accepted)
+        forwards += len(result.accepted)
+    return (accepted + forwards) / max(1, forwards)
 
 
 @dataclass
@@ -24,8 +38,7 @@ class DecodeResult:
 
     @property
     def acceptance_length(self) -> float:
-        """Tokens per target forward: accepted draft tokens + the target's own token."""
-        return (sum(self.accepted) + len(self.accepted)) / max(1, len(self.accepted))
+        return acceptance_length([self])
 
 
 def finish(tokens: list[int], stop_ids: set[int], max_new: int) -> tuple[list[int], bool]:

@@ -26,6 +26,7 @@ from ..resources import resolve_input
 from ..distributed import from_main, init_distributed
 from ..placement import input_device, output_device
 from ..target import load_head_weights, load_model, load_tokenizer, resolve_target, target_info
+from .common import acceptance_length
 from .decoders import check_settings, make_decoders
 from .tune import tune_tree
 from .runners import TargetRunner
@@ -97,8 +98,8 @@ def _tuned(config: EvalConfig, build: Any, prompts: list[list[int]], tuned_on: s
            device: str) -> tuple[EvalConfig, dict[str, Any]]:
     """The config with the tree shape ``tune_tree`` found fastest (rank 0's under torchrun: ranks time apart but
     must decode alike), and the report's record of the tuning."""
-    tuned, trees = tune_tree(config, build, prompts)
-    chosen = from_main([tuned.depth, tuned.topk, tuned.budget], dist, device)
+    fastest, trees = tune_tree(config, build, prompts)
+    chosen = from_main(fastest, dist, device)
     tuned = config.model_copy(update=dict(zip(("depth", "topk", "budget"), chosen)))
     return tuned, {"prompts": len(prompts), "prompts_from": tuned_on, "trees": trees, "chosen": chosen}
 
@@ -200,9 +201,7 @@ def _report(config: EvalConfig, results: list[PromptResult], target_name: str, d
         by_category.setdefault(result.category, []).append(result)
 
     def tau(items: list[PromptResult]) -> float:
-        accepted = sum(sum(r.accepted) for r in items)
-        rounds_ = sum(len(r.accepted) for r in items)
-        return round((accepted + rounds_) / max(1, rounds_), 4)
+        return round(acceptance_length(items), 4)
 
     lossless = [r.lossless for r in results if r.lossless is not None]
     return {
