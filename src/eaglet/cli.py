@@ -255,15 +255,20 @@ def store_verify(
     store: Path = typer.Argument(..., help="store directory"),
     repair: bool = typer.Option(False, "--repair", help="re-extract only the bad shards"),
     no_prepared: bool = typer.Option(False, "--no-prepared", help="skip the token check against the prepared set"),
+    target: Optional[str] = typer.Option(None, "--target", "-t", help="--repair: the target to re-extract with "
+                                         "(default: the one the store records; it must be the one extracted from)"),
+    trust_remote_code: bool = typer.Option(False, help="--repair: allow the target's own Python code (never taken "
+                                           "from the store)"),
 ) -> None:
     """Check checksums, shapes, dtypes, finite values and token ids of every shard; name each bad one."""
     from .store_check import repair_store, verify_store
 
     problems = verify_store(store, check_prepared=not no_prepared, console=err_console)
     for problem in problems:
-        err_console.print(f"[red]bad shard[/] {store / problem.file}: {problem.reason}", highlight=False)
+        err_console.print(f"[red]bad shard[/] {escape(str(store / problem.file))}: {escape(problem.reason)}",
+                          highlight=False)
     if problems and repair:
-        repair_store(store, problems, err_console)
+        repair_store(store, problems, err_console, target, trust_remote_code)
         problems = verify_store(store, check_prepared=not no_prepared, console=err_console)
         if not problems:
             out_console.print(f"store {store}: repaired; all shards verify")
@@ -741,13 +746,22 @@ def demo(
     _run_summary(pipeline.run())
 
 
+def _print_error(message: str) -> None:
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
 def main() -> None:
     """Console entry point: user errors become one line and a non-zero exit code, never a traceback."""
     try:
         app()
     except EagletError as exc:
-        err_console.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
+        _print_error(exc.message)
         sys.exit(exc.exit_code)
+    except OSError as exc:  # the system refused a write or read (disk full, read-only, file-size limit...)
+        from .fsio import os_error_line
+
+        _print_error(os_error_line(exc))
+        sys.exit(EagletError.exit_code)
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted[/]")
         sys.exit(130)

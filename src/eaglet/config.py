@@ -7,22 +7,35 @@ given on the command line < ``--set key=value``. Unknown keys anywhere are error
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import EagletError
+from .errors import EagletError, shown
 
 DEFAULT_DRAFT_VOCAB_CAP = 32000
 GPU_BATCH_TOKENS, CPU_BATCH_TOKENS = 32768, 4096  # extract's tokens per forward when batch_tokens is 0
 GPU_GENERATE_BATCH, CPU_GENERATE_BATCH = 64, 8  # regenerate's prompts per batch when batch_size is 0
 
+# Upper bounds of float settings: past them a value is a typo (or an attack), never a setting that trains.
+MAX_LR = 1.0
+MAX_WEIGHT_DECAY = 10.0
+MAX_CLIP = 1e6
+MAX_EPOCHS = 1e6
+MAX_MINUTES = 1e7
+MAX_FEATURE_NOISE = 100.0  # in feature units (the target's hidden states)
+MAX_TEMPERATURE = 100.0
+MAX_SHARD_MB = 1e6  # a terabyte
+MAX_GB = 1e6
+SECONDS_PER_DAY = 86400.0
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]  # an Adam moment's decay
+
 
 class StrictModel(BaseModel):
-    """Unknown keys are errors; assignments are validated."""
+    """Unknown keys are errors; assignments are validated; every float is finite (inf and nan are refused)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class PlacementFields(StrictModel):
@@ -64,7 +77,7 @@ class RegenerateConfig(PlacementFields):
     target: str = "embedded"
     backend: Literal["hf", "openai"] = "hf"
     max_new_tokens: int = Field(default=256, ge=1)
-    temperature: float = Field(default=0.0, ge=0.0, description="0 means greedy")
+    temperature: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 means greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, description="answers per prompt")
     seed: int = 0
@@ -78,7 +91,7 @@ class RegenerateConfig(PlacementFields):
     model: str | None = Field(default=None, description="openai: model name sent to the server")
     api_key_env: str = "OPENAI_API_KEY"
     concurrency: int = Field(default=16, ge=1)
-    timeout_s: float = Field(default=120.0, gt=0)
+    timeout_s: float = Field(default=120.0, gt=0, le=SECONDS_PER_DAY)
     max_retries: int = Field(default=5, ge=0)
     on_bad_row: Literal["error", "skip"] = "error"
     trust_remote_code: bool = False
@@ -98,16 +111,62 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+# Bounds on what a config may hold: a real one has tens of keys. Aliases are shared references in the loaded
+# value, so a 1 KB file of nested aliases expands to billions of nodes for whatever walks it (validation, an
+# error message): the expanded size is counted on the composed node graph before anything is constructed.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_YAML_NODES = 100_000  # scalars, lists and mappings once aliases are expanded
+MAX_YAML_DEPTH = 32
+
+
+class _YamlTooLarge(Exception):
+    pass
+
+
+def _expanded_size(node: yaml.Node, depth: int, sizes: dict[int, int]) -> int:
+    """Nodes under ``node`` with every alias expanded, memoised per distinct node (linear in the file)."""
+    if depth > MAX_YAML_DEPTH:
+        raise _YamlTooLarge(f"nested deeper than {MAX_YAML_DEPTH} levels")
+    if id(node) in sizes:
+        return sizes[id(node)]
+    children: list[yaml.Node] = []
+    if isinstance(node, yaml.SequenceNode):
+        children = list(node.value)
+    elif isinstance(node, yaml.MappingNode):
+        children = [part for pair in node.value for part in pair]
+    size = 1
+    for child in children:
+        size += _expanded_size(child, depth + 1, sizes)
+        if size > MAX_YAML_NODES:
+            raise _YamlTooLarge(f"more than {MAX_YAML_NODES:,} values once its aliases are expanded")
+    sizes[id(node)] = size
+    return size
+
+
+def load_yaml_text(text: str) -> Any:
+    """``yaml.safe_load`` of a bounded document: ``_YamlTooLarge`` when nested or expanded past the bounds."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except RecursionError:
+        raise _YamlTooLarge(f"nested deeper than {MAX_YAML_DEPTH} levels") from None
+    if node is None:
+        return None
+    _expanded_size(node, 0, {})
+    return yaml.safe_load(text)
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """``a.b=3`` -> ("a.b", 3); values are parsed as YAML scalars/lists."""
     if "=" not in text:
-        raise EagletError(f"--set {text!r}: expected KEY=VALUE, e.g. --set max_len=4096")
+        raise EagletError(f"--set {shown(text)}: expected KEY=VALUE, e.g. --set max_len=4096")
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key:
-        raise EagletError(f"--set {text!r}: empty key")
+        raise EagletError(f"--set {shown(text)}: empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml_text(raw) if raw.strip() else ""
+    except _YamlTooLarge as exc:
+        raise EagletError(f"--set {key}: the value is {exc}; give a plain value") from None
     except yaml.YAMLError:
         value = raw
     return key, value
@@ -115,9 +174,16 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 def read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise EagletError(f"config {path}: file not found")
+        raise EagletError(f"config {path}: {'not a file' if path.exists() else 'file not found'}")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise EagletError(f"config {path}: {path.stat().st_size:,} bytes, more than a config holds "
+                          f"({MAX_CONFIG_BYTES:,}); pass the config file, not a data file")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_yaml_text(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise EagletError(f"config {path}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    except _YamlTooLarge as exc:
+        raise EagletError(f"config {path}: {exc}; a config is a flat or sectioned mapping of plain values") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
@@ -136,7 +202,7 @@ def describe_validation_error(error: ValidationError, source: str) -> str:
         return f"{source}: unknown key '{loc}' (check the spelling; `eaglet <stage> --help` lists the options)"
     if first["type"] == "missing":
         return f"{source}: required key '{loc}' is missing"
-    return f"{source}: '{loc}': {first['msg']} (got {first.get('input')!r})"
+    return f"{source}: '{loc}': {first['msg']} (got {shown(first.get('input'))})"
 
 
 def build_config(
@@ -177,12 +243,12 @@ class ExtractConfig(PlacementFields):
     target: str | None = Field(default=None, description="default: the target its input records")
     layers: list[int] | None = Field(default=None, description="aux layer ids; default (2, N//2, N-3)")
     storage_dtype: Literal["bf16", "fp8", "fp8-aux"] = "bf16"
-    shard_mb: float = Field(default=512.0, gt=0, description="approximate shard size on disk")
+    shard_mb: float = Field(default=512.0, gt=0, le=MAX_SHARD_MB, description="approximate shard size on disk")
     batch_tokens: int = Field(default=0, ge=0, description="tokens per forward pass (0 = 32768 on GPU, 4096 on CPU)")
     max_samples: int | None = Field(default=None, ge=1)
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    reserve_gb: float = Field(default=1.0, ge=0, description="free disk to keep beyond the store's estimated size")
+    reserve_gb: float = Field(default=1.0, ge=0, le=MAX_GB, description="free disk to keep beyond the store's estimated size")
     trust_remote_code: bool = False
 
 
@@ -206,19 +272,19 @@ class TrainConfig(PlacementFields):
     token_budget: int = Field(default=4096, ge=16, description="tokens per packed micro-batch")
     grad_accum: int = Field(default=1, ge=1)
     parallel: Literal["ddp", "fsdp2"] = Field(default="ddp", description="under torchrun: replicate (ddp) or shard (fsdp2) the draft and optimizer")
-    lr: float = Field(default=3e-4, gt=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = Field(default=0.0, ge=0)
+    lr: float = Field(default=3e-4, gt=0, le=MAX_LR)
+    betas: tuple[Beta, Beta] = (0.9, 0.95)
+    weight_decay: float = Field(default=0.0, ge=0, le=MAX_WEIGHT_DECAY)
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = Field(default=20, ge=0)
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
-    clip: float = Field(default=0.5, gt=0)
+    clip: float = Field(default=0.5, gt=0, le=MAX_CLIP)
     max_steps: int | None = Field(default=None, ge=1)
-    epochs: float | None = Field(default=None, gt=0)
+    epochs: float | None = Field(default=None, gt=0, le=MAX_EPOCHS)
     tokens: int | None = Field(default=None, ge=1, description="stop after this many training tokens")
-    max_minutes: float | None = Field(default=None, gt=0, description="stop (with a checkpoint) after this long")
+    max_minutes: float | None = Field(default=None, gt=0, le=MAX_MINUTES, description="stop (with a checkpoint) after this long")
     eval_store: str | None = Field(default=None, description="evaluate on this store (e.g. held-out prompts) instead of a held-out fraction")
-    feature_noise_std: float = Field(default=0.0, ge=0)
+    feature_noise_std: float = Field(default=0.0, ge=0, le=MAX_FEATURE_NOISE)
     freeze_lm_head: bool = Field(default=False, description="keep the head the target's rows (less to fit on little data)")
     eval_fraction: float = Field(default=0.05, ge=0, lt=1, description="samples held out for the simulated acceptance")
     eval_every: int = Field(default=100, ge=1)
@@ -230,7 +296,7 @@ class TrainConfig(PlacementFields):
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     online_chunk_tokens: int = Field(default=262144, ge=1, description="online: samples shuffled in chunks of this many tokens")
     online_forward_tokens: int = Field(default=8192, ge=1, description="online: tokens per target forward")
-    online_cache_gb: float = Field(default=8.0, ge=0, description="online: host memory for features kept across "
+    online_cache_gb: float = Field(default=8.0, ge=0, le=MAX_GB, description="online: host memory for features kept across "
                                    "epochs (computed once per sample while they fit; 0: every epoch recomputes)")
     draft_vocab_file: str | None = Field(default=None, description="vocab.safetensors (default: the prepared set's)")
     trust_remote_code: bool = False
@@ -277,7 +343,7 @@ class EvalConfig(PlacementFields):
         default_factory=lambda: list(TUNE_TREES), min_length=1,
         description="tree shapes --tune times: [depth, top-k, budget] each")
     tune_prompts: int = Field(default=4, ge=1, description="prompts each tree shape is timed on")
-    temperature: float = Field(default=0.0, ge=0)
+    temperature: float = Field(default=0.0, ge=0, le=MAX_TEMPERATURE)
     top_p: float = Field(default=1.0, gt=0, le=1)
     max_new_tokens: int = Field(default=128, ge=1)
     batch_size: int = Field(default=1, ge=1, le=1024, description="prompts decoded together (greedy chain only when > 1)")

@@ -15,3 +15,12 @@ class EagletError(Exception):
 
     def __str__(self) -> str:  # pragma: no cover - trivial
         return self.message
+
+
+MAX_SHOWN = 80  # characters of a refused value that an error line repeats
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` cut to ``MAX_SHOWN`` characters: an error line repeats what was given, not all of it."""
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN else text[: MAX_SHOWN - 3] + "..."

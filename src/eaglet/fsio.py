@@ -7,13 +7,19 @@ fsync, then rename. A killed process leaves either the old file or the new one, 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import shutil
+import socket
+import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
+
+from .errors import EagletError
 
 HASH_CHUNK_BYTES = 1 << 20
 
@@ -93,6 +99,132 @@ def json_error_text(error: json.JSONDecodeError) -> str:
 def read_json(path: str | Path) -> Any:
     with open(path, encoding="utf-8") as handle:
         return json.load(handle)
+
+
+MAX_JSON_BYTES = 256 << 20  # a store manifest of ~1M shard entries; anything larger is not eaglet's
+
+
+def load_json_file(path: str | Path, fix: str, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """A JSON file eaglet wrote (a manifest, a record, a config), refused in one line naming the file and ``fix``
+    when it is missing, not a file, too large, not UTF-8, not JSON or nested past Python's recursion limit."""
+    path = Path(path)
+    if not path.is_file():
+        raise EagletError(f"{path}: {'not a file' if path.exists() else 'missing'}; {fix}")
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise EagletError(f"{path}: {size:,} bytes, more than any eaglet metadata file ({max_bytes:,}); {fix}")
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise EagletError(f"{path}: not UTF-8 text (byte {exc.start}); {fix}") from None
+    except json.JSONDecodeError as exc:
+        raise EagletError(f"{path}:{exc.lineno}: not valid JSON ({json_error_text(exc)}); {fix}") from None
+    except RecursionError:
+        raise EagletError(f"{path}: JSON nested too deeply to be eaglet's; {fix}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs: never over an input, never a file where a directory goes, one writer at a time
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    return path == directory or directory in path.parents
+
+
+def check_output_apart(out: str | Path, inputs: Sequence[str | Path | None], flag: str = "--out") -> None:
+    """Refuse an output that is, contains or lies inside one of the stage's inputs, whatever --overwrite says:
+    writing it would replace (or delete, on overwrite) what the stage reads."""
+    target = Path(out).expanduser().resolve()
+    for raw in inputs:
+        if raw is None or str(raw) in ("", "embedded", "demo"):
+            continue
+        source = Path(raw).expanduser()
+        if not source.exists():
+            continue
+        source = source.resolve()
+        if _inside(source, target) or (source.is_dir() and _inside(target, source)):
+            relation = ("is" if source == target else "contains" if _inside(source, target) else "lies inside")
+            raise EagletError(f"{flag} {out}: {relation} the input {raw}; writing it would destroy what this stage "
+                              f"reads: choose an {flag} outside the inputs")
+
+
+def check_output_dir(out: str | Path, flag: str = "--out") -> Path:
+    """An output directory's path, refused when something other than a directory is already there."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise EagletError(f"{flag} {out}: a file, not a directory; give {flag} a directory path (new or existing)")
+    for parent in path.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise EagletError(f"{flag} {out}: {parent} is a file, not a directory; choose another {flag}")
+            break
+    return path
+
+
+def lock_path(output: str | Path, tag: str = "") -> Path:
+    """Where the lock of an output (a directory or a file) lives: beside it, so taking it creates nothing inside."""
+    output = Path(output)
+    return output.parent / f".{output.name}{tag}.lock"
+
+
+@contextlib.contextmanager
+def output_lock(output: str | Path, tag: str = "") -> Iterator[Path]:
+    """Hold an exclusive lock on an output (fcntl on ``lock_path(output, tag)``) for the block. A second writer is
+    refused at once with who holds it (host, pid, command, since when) instead of computing everything twice. The
+    kernel drops the lock when its holder dies, so a killed run never leaves a stale one; ``tag`` tells apart
+    writers meant to share the output (the replicas of an extraction)."""
+    import fcntl
+
+    path = lock_path(output, tag)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "a+", encoding="utf-8")
+    try:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise EagletError(f"{output}: in use by {holder}; wait for it to finish, or choose another output "
+                              f"(lock: {path})") from None
+        handle.seek(0)
+        handle.truncate()
+        command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:MAX_COMMAND_SHOWN] if sys.argv else ""
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+                     f" ({command})\n")
+        handle.flush()
+        yield path
+    finally:
+        handle.close()
+
+
+MAX_COMMAND_SHOWN = 300  # characters of the lock holder's command line
+
+
+# ---------------------------------------------------------------------------------------------
+# The operating system's refusals, as one line
+
+
+OS_ERROR_FIXES = {
+    errno.ENOSPC: "the disk is full: free space or choose another output; the same command resumes",
+    errno.EDQUOT: "the disk quota is used up: free space or choose another output; the same command resumes",
+    errno.EFBIG: "a file passed the file-size limit (`ulimit -f`): raise it, or write smaller files "
+                 "(extract --shard-mb)",
+    errno.EROFS: "the filesystem is read-only: choose a writable output",
+    errno.EACCES: "permission denied: fix the permissions or choose another path",
+    errno.EPERM: "operation not permitted: fix the permissions or choose another path",
+    errno.EIO: "the device reported an I/O error: check the disk",
+    errno.EISDIR: "a directory where a file was expected: move it away or choose another path",
+    errno.ENOTDIR: "a file where a directory was expected: move it away or choose another path",
+    errno.ENOENT: "no such file or directory: check the path",
+}
+
+
+def os_error_line(error: OSError) -> str:
+    """``PATH: what the system said; the fix`` for an OSError that reached the top of a command."""
+    where = error.filename or "eaglet"
+    said = error.strerror or str(error)
+    fix = OS_ERROR_FIXES.get(error.errno or -1, "check the path and the disk")
+    return f"{where}: {said} ({errno.errorcode.get(error.errno or -1, 'OSError')}); {fix}"
 
 
 @contextlib.contextmanager
