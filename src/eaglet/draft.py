@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import EagletError
-from .formats.draft import FIRST_LAYER_PREFIX, SPECULATORS_FIRST_LAYER_PREFIX, DraftConfig, read_draft_config
+from .formats.draft import (FIRST_LAYER_PREFIX, SPECULATORS_FIRST_LAYER_PREFIX, DraftConfig, StoredDraft,
+                            read_draft_config, weight_problems)
 from .formats.files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -295,14 +296,13 @@ class Eagle3Draft(nn.Module):
 def save_draft(config: DraftConfig, weights: dict[str, torch.Tensor], directory: str | Path) -> None:
     """The draft as serving engines and ``load_draft`` read it: ``weights`` is ``serving_state_dict()``
     (or the same gathered from sharded training)."""
-    from safetensors.torch import save_file
-
     from .fsio import atomic_file, write_json_atomic
+    from .store import write_safetensors
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     with atomic_file(directory / DRAFT_WEIGHTS_FILE) as tmp:
-        save_file({k: v.detach().contiguous() for k, v in weights.items()}, str(tmp))
+        write_safetensors(tmp, weights)
     write_json_atomic(directory / DRAFT_CONFIG_FILE, config.to_dict())
 
 
@@ -314,22 +314,44 @@ def _eaglet_names(state: dict[str, torch.Tensor], export_format: str | None) -> 
             else k: v for k, v in state.items()}
 
 
+def read_draft_weights(directory: str | Path, stored: StoredDraft | None = None) -> dict[str, torch.Tensor]:
+    """A draft directory's tensors under eaglet's names, refused in one line unless they are exactly the tensors
+    and shapes its config needs (an export may add the target's embedding; one with the full vocabulary may carry
+    or leave out ``d2t``/``t2d``)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    stored = stored or read_draft_config(directory)
+    weights_file = directory / DRAFT_WEIGHTS_FILE
+    try:
+        raw = load_file(str(weights_file))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise EagletError(f"{weights_file}: unreadable safetensors ({str(exc).splitlines()[0]}); train (or export) "
+                          "again") from None
+    state = _eaglet_names(raw, stored.export_format)
+    problems = weight_problems(stored.config, {name: tuple(tensor.shape) for name, tensor in state.items()})
+    if not problems and "d2t" in state and len(state["d2t"]):  # of the config's shape: its values next
+        used = torch.arange(len(state["d2t"])) + state["d2t"].long()  # the target id of each draft id
+        if int(used.min()) < 0 or int(used.max()) >= stored.config.vocab_size or state["d2t"].is_floating_point():
+            problems.append("d2t: maps draft ids outside the target's vocabulary (or is not integer)")
+    if problems:
+        raise EagletError(f"{weights_file}: does not hold the draft {stored.config_file.name} describes "
+                          f"({problems[0]}{f'; {len(problems) - 1} more' if len(problems) > 1 else ''}); train "
+                          "(or export) again")
+    return state
+
+
 def load_draft(directory: str | Path, embed: torch.Tensor | None = None) -> Eagle3Draft:
     """A draft from `eaglet train`'s output or from any `eaglet export` directory (weights in float32). An
     export without ``d2t``/``t2d`` has the target's whole vocabulary (the identity mapping)."""
-    from safetensors.torch import load_file
-
     directory = Path(directory)
     stored = read_draft_config(directory)
     config = stored.config
     model = Eagle3Draft(config)
-    raw = load_file(str(directory / DRAFT_WEIGHTS_FILE))
-    state = {k: (v.float() if v.is_floating_point() else v) for k, v in _eaglet_names(raw, stored.export_format).items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    full_vocab = config.draft_vocab_size == config.vocab_size
-    optional = (FROZEN_PREFIX,) + (("d2t", "t2d") if full_vocab else ())
-    if unexpected or [m for m in missing if not m.startswith(optional)]:
-        raise EagletError(f"{directory}: weights do not match the config (missing {missing}, unexpected {unexpected})")
+    state = {k: (v.float() if v.is_floating_point() else v) for k, v in read_draft_weights(directory, stored).items()}
+    missing, _ = model.load_state_dict(state, strict=False)  # read_draft_weights checked names and shapes
+    full_vocab = not config.uses_vocab_mapping
     with torch.no_grad():
         if full_vocab and "t2d" in missing:
             model.t2d.fill_(True)  # d2t stays zeros: draft id i is target id i

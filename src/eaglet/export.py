@@ -25,9 +25,10 @@ import torch
 
 from .formats.draft import (EXPORT_FORMATS, FIRST_LAYER_PREFIX, SPECULATORS_FIRST_LAYER_PREFIX, SPECULATORS_VERSION,
                             read_draft_config)
+from .draft import read_draft_weights
 from .formats.files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, EXPORTED_DRAFT_CONFIG_FILE, MODEL_CARD_FILE
 from .errors import EagletError
-from .fsio import atomic_directory, read_json, write_json_atomic
+from .fsio import atomic_directory, check_output_apart, check_output_dir, load_json_file, write_json_atomic
 from .formats.layers import to_sglang_layer_ids
 
 SERVING_DTYPE = torch.bfloat16
@@ -56,11 +57,6 @@ def _llama_fields(config: dict[str, Any]) -> dict[str, Any]:
         "mlp_bias": False,
         "torch_dtype": "bfloat16",
     }
-
-
-def uses_vocab_mapping(config: dict[str, Any]) -> bool:
-    """Whether the draft vocabulary is a subset of the target's (then ``d2t``/``t2d`` travel with it)."""
-    return int(config["draft_vocab_size"]) != int(config["vocab_size"])
 
 
 def serving_config(config: dict[str, Any], fmt: str, verifier: str, speculative_tokens: int) -> dict[str, Any]:
@@ -98,7 +94,7 @@ def serving_config(config: dict[str, Any], fmt: str, verifier: str, speculative_
 def serving_weights(weights: dict[str, torch.Tensor], config: dict[str, Any], fmt: str,
                     embedding: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The draft's tensors under the names ``fmt``'s consumer loads, floating point in bf16."""
-    mapped = uses_vocab_mapping(config)
+    mapped = int(config["draft_vocab_size"]) != int(config["vocab_size"])  # DraftConfig.uses_vocab_mapping
     out: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
         if name in VOCAB_MAPPINGS and not mapped:
@@ -192,23 +188,26 @@ def _target_embedding(config: dict[str, Any], target: str | None) -> torch.Tenso
 def export_draft(draft_dir: str | Path, fmt: str, out: str | Path, verifier: str | None = None,
                  speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS, report_path: str | Path | None = None,
                  overwrite: bool = False, target: str | None = None) -> Path:
-    from safetensors.torch import load_file, save_file
+    from .store import write_safetensors
 
     draft_dir, out = Path(draft_dir), Path(out)
     if fmt not in EXPORT_FORMATS:
         raise EagletError(f"unknown export format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
-    config = read_draft_config(draft_dir).config.to_dict()
+    check_output_apart(out, [draft_dir, report_path, target])
+    check_output_dir(out)
+    stored = read_draft_config(draft_dir)
+    config = stored.config.to_dict()
     if out.exists() and not overwrite:
         raise EagletError(f"{out}: already exists; pass --overwrite or choose another --out")
     if fmt == "sglang" and config.get("num_hidden_layers", 1) > 1:
         raise EagletError(f"{draft_dir}: a {config['num_hidden_layers']}-layer draft; SGLang's llama_eagle3 loads one "
                           "decoder layer (midlayer) only: export --format vllm or speculators, or train with --draft-layers 1")
     reference = verifier_reference(config, verifier)
-    report = read_json(report_path) if report_path and Path(report_path).is_file() else None
+    report = load_json_file(report_path, "pass an `eaglet eval` report.json") if report_path else None
     embedding = _target_embedding(config, target) if fmt == "speculators" else None
-    weights = serving_weights(load_file(str(draft_dir / DRAFT_WEIGHTS_FILE)), config, fmt, embedding)
+    weights = serving_weights(read_draft_weights(draft_dir, stored), config, fmt, embedding)
     with atomic_directory(out, overwrite=overwrite) as tmp:
-        save_file(weights, str(tmp / DRAFT_WEIGHTS_FILE), metadata={"format": "pt"})
+        write_safetensors(tmp / DRAFT_WEIGHTS_FILE, weights, metadata={"format": "pt"})
         write_json_atomic(tmp / DRAFT_CONFIG_FILE, serving_config(config, fmt, reference[0], speculative_tokens))
         (tmp / MODEL_CARD_FILE).write_text(model_card(fmt, config, reference, speculative_tokens, report), encoding="utf-8")
         write_json_atomic(tmp / EXPORTED_DRAFT_CONFIG_FILE, config | {"export_format": fmt})  # for round trips

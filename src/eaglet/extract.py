@@ -9,6 +9,7 @@ Killed at any moment and restarted with the same command, only the missing shard
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import queue
@@ -30,7 +31,7 @@ from .formats.prepared import PreparedSet, load_prepared
 from .distributed import init_distributed
 from .errors import EagletError
 from .sizing import GIB
-from .fsio import free_disk_bytes, write_json_atomic
+from .fsio import check_output_apart, check_output_dir, free_disk_bytes, output_lock, write_json_atomic
 from .formats.layers import AUX_CONVENTION, resolve_aux_layer_ids
 from .progress import progress_bar
 from .formats.files import MANIFEST_FILE, STORE_SCHEMA
@@ -309,8 +310,18 @@ def _manifest(store: Path, identity: dict[str, Any], plans: list[ShardPlan], con
 
 def run_extract(config: ExtractConfig, console: Console | None = None, model: torch.nn.Module | None = None,
                 only_shards: set[int] | None = None) -> ExtractResult:
-    console = console or Console(stderr=True)
+    """The store ``config.out``: its missing shards computed (``only_shards``: those alone), one writer a replica."""
     dist = init_distributed()
+    check_output_dir(config.out)
+    check_output_apart(config.out, [config.prepared, config.target])
+    replica, replicas = (int(part) for part in config.replica.split("/"))
+    tag = "" if replicas == 1 else f"-replica-{replica}-of-{replicas}"  # replicas share a store by design
+    with output_lock(config.out, tag) if dist.is_main else contextlib.nullcontext():
+        return _extract(config, console or Console(stderr=True), model, only_shards, dist)
+
+
+def _extract(config: ExtractConfig, console: Console, model: torch.nn.Module | None, only_shards: set[int] | None,
+             dist: Any) -> ExtractResult:
     store = Path(config.out)
     prepared = load_prepared(config.prepared, config.max_samples)
     target = stage_target(config)
@@ -332,8 +343,6 @@ def run_extract(config: ExtractConfig, console: Console | None = None, model: to
     identity = store_identity(config, info, layers, prepared, tokens_per_shard, model_dtype)
     source = target_source(resolved.spec, resolved.path, hub_id_of(resolved))
 
-    if store.exists() and not store.is_dir():
-        raise EagletError(f"--out {store}: a file, not a directory; give the store a directory path")
     if (store / MANIFEST_FILE).is_file():
         _check_resume(store, identity, info.legacy_config_hash)
     todo_all = [p for p in plans if read_record(store, p.index) is None and (only_shards is None or p.index in only_shards)]

@@ -31,7 +31,8 @@ from .config import (CPU_BATCH_TOKENS, DEFAULT_DRAFT_VOCAB_CAP, GPU_BATCH_TOKENS
 from .errors import EagletError
 from .formats.files import (DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, EXPORTED_DRAFT_CONFIG_FILE, MANIFEST_FILE,
                             REPORT_FILE, RUN_FILE, RUN_SCHEMA, answers_manifest)
-from .fsio import read_json, sha256_file, write_json_atomic
+from .formats.records import RunRecord, parse_record
+from .fsio import check_output_dir, load_json_file, output_lock, read_json, sha256_file, write_json_atomic
 
 BYTES_PER_ANSWER_TOKEN = 8  # JSON text
 # Rough rates for --plan's time column (measured: benchmarks/RESULTS.md; CPU = this project's 2-core machine)
@@ -218,7 +219,10 @@ class Pipeline:
 
     def _state(self) -> dict[str, Any]:
         path = self.out / RUN_FILE
-        return read_json(path)["stages"] if path.is_file() else {}
+        if not path.is_file():
+            return {}
+        fix = f"delete {path} to run every stage again"
+        return parse_record(RunRecord, load_json_file(path, fix), path, fix).stages
 
     def _save_state(self, stages: dict[str, Any]) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -387,6 +391,12 @@ class Pipeline:
     # ------------------------------------------------------------------ running
 
     def run(self, from_stage: str | None = None, only: str | None = None) -> RunResult:
+        """The stages in order (each skipped when done from the same settings and inputs); one run at a time."""
+        check_output_dir(self.out)
+        with output_lock(self.out):
+            return self._run(from_stage, only)
+
+    def _run(self, from_stage: str | None, only: str | None) -> RunResult:
         from .preflight.stages import FAIL, run_checks
 
         plans = {p.name: p for p in self.plan(from_stage, only)}

@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import EagletError
+from .errors import EagletError, shown
 from .fsio import atomic_file, write_json_atomic
 from .formats.files import record_name, shard_name
-from .formats.store import STORAGE_FORMATS, ShardPlan
+from .formats.store import STORAGE_FORMATS, ShardPlan, plan_shards
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_MIN_SCALE = 1e-12
@@ -60,15 +60,18 @@ def decode_features(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch
 
 
 SAFETENSORS_DTYPES = {
-    torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.int64: "I64", torch.int32: "I32",
-    torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3",
+    torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.float64: "F64", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
 SAFETENSORS_HEADER_ALIGN = 8
 WRITE_CHUNK_BYTES = 64 << 20
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, str]:
-    """Write a safetensors file straight from the tensors' memory, hashing as it goes.
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
+                      ) -> tuple[int, str]:
+    """Write a safetensors file straight from the tensors' memory, hashing as it goes: every safetensors file eaglet
+    writes (shards, drafts, checkpoints, exports), so a full disk or a file-size limit is the OSError it is.
 
     ``safetensors.torch.save_file`` first copies every tensor to bytes (0.8 GB/s measured on the
     H200 host, below the disk's 1.4 GB/s); this writes the same format (header: JSON, space-padded
@@ -79,9 +82,10 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int
     import json as _json
 
     names = sorted(tensors)
-    views, header, offset = [], {}, 0
+    views, offset = [], 0
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     for name in names:
-        tensor = tensors[name].contiguous()
+        tensor = tensors[name].detach().cpu().contiguous()
         data = tensor.view(torch.uint8).reshape(-1).numpy() if tensor.numel() else np.empty(0, np.uint8)
         header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
                         "data_offsets": [offset, offset + data.nbytes]}
@@ -123,7 +127,7 @@ class ShardError(Exception):
     """What is wrong with one shard (the caller names the store and the fix)."""
 
 
-SAFETENSORS_TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()} | {"BOOL": torch.bool}
+SAFETENSORS_TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 HEADER_LENGTH_BYTES = 8
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
 
@@ -148,10 +152,13 @@ def _parse_header(head: bytes, size: int) -> tuple[dict[str, Any], int]:
     for name, info in header.items():
         try:
             begin, end = info["data_offsets"]
-            count = int(np.prod(info["shape"], dtype=np.int64))
+            shape = info["shape"]
+            if not all(type(v) is int and v >= 0 for v in (begin, end, *shape)):
+                raise ValueError(name)
+            count = int(np.prod(shape, dtype=np.int64))
             width = torch.empty((), dtype=SAFETENSORS_TORCH_DTYPES[info["dtype"]]).element_size()
         except (KeyError, TypeError, ValueError):
-            raise ShardError(f"corrupt safetensors header (tensor {name!r})") from None
+            raise ShardError(f"corrupt safetensors header (tensor {shown(name)})") from None
         if not 0 <= begin <= end <= size - data_start or end - begin != count * width:
             raise ShardError(f"corrupt safetensors header (tensor {name!r} lies outside the file)")
     return header, data_start
@@ -166,6 +173,8 @@ def _read_header(handle: Any, size: int) -> tuple[dict[str, Any], int]:
 
 def read_header(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """A shard's tensor names, dtypes and shapes, from its header alone (no tensor data read)."""
+    if path.is_dir():
+        raise ShardError("a directory, not a file")
     try:
         with open(path, "rb") as handle:
             header, _ = _read_header(handle, path.stat().st_size)
@@ -194,6 +203,8 @@ def read_shard(store: Path, entry: dict[str, Any]) -> dict[str, torch.Tensor]:
     """A shard's tensors, its sha256 computed over the bytes as they are read (one pass, no second read) and
     checked against the manifest before any tensor is returned. Tensors are views of the one read buffer."""
     path = store / entry["file"]
+    if path.is_dir():
+        raise ShardError("a directory, not a file")
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -231,50 +242,125 @@ def read_shard(store: Path, entry: dict[str, Any]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def expected_tensors(entry: dict[str, Any], hidden_size: int) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
-    """What a shard holding ``entry``'s tokens and samples must contain (None: either storage dtype)."""
+def expected_tensors(entry: dict[str, Any], hidden_size: int, storage_dtype: str,
+                     ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """What a shard holding ``entry``'s tokens and samples in ``storage_dtype`` contains: every tensor's shape
+    and dtype (an fp8 feature adds its float32 ``<name>_scale``, one per vector)."""
     tokens, samples = entry["tokens"], entry["num_samples"]
-    return {
+    expected = {
         "input_ids": ((tokens,), torch.int32),
         "loss_mask": ((tokens,), torch.uint8),
         "offsets": ((samples + 1,), torch.int64),
         "sample_index": ((samples,), torch.int64),
-        "aux": ((tokens, 3, hidden_size), None),
-        "last": ((tokens, hidden_size), None),
     }
+    for name, shape in (("aux", (tokens, 3, hidden_size)), ("last", (tokens, hidden_size))):
+        if STORAGE_FORMATS[storage_dtype][name] == "fp8":
+            expected[name] = (shape, torch.float8_e4m3fn)
+            expected[f"{name}_scale"] = (shape[:-1], torch.float32)
+        else:
+            expected[name] = (shape, torch.bfloat16)
+    return expected
 
 
-def check_layout(found: dict[str, tuple[torch.dtype, tuple[int, ...]]], entry: dict[str, Any], hidden_size: int) -> None:
-    """The shard holds the tensors its manifest entry says, in the right shapes and dtypes."""
-    for key, (shape, dtype) in expected_tensors(entry, hidden_size).items():
+def check_layout(found: dict[str, tuple[torch.dtype, tuple[int, ...]]], entry: dict[str, Any], hidden_size: int,
+                 storage_dtype: str) -> None:
+    """The shard holds exactly the tensors its manifest entry and storage format say, in their shapes and dtypes."""
+    expected = expected_tensors(entry, hidden_size, storage_dtype)
+    for key, (shape, dtype) in expected.items():
         if key not in found:
             raise ShardError(f"tensor '{key}' missing")
         if tuple(found[key][1]) != shape:
             raise ShardError(f"tensor '{key}' has shape {tuple(found[key][1])}, the manifest's counts need {shape}")
-        if dtype is not None and found[key][0] != dtype:
-            raise ShardError(f"tensor '{key}' has dtype {found[key][0]}, expected {dtype}")
+        if found[key][0] != dtype:
+            raise ShardError(f"tensor '{key}' has dtype {found[key][0]}, a {storage_dtype} store holds {dtype}")
+    unexpected = sorted(set(found) - set(expected))
+    if unexpected:
+        raise ShardError(f"tensor '{unexpected[0]}' is not part of a {storage_dtype} store")
 
 
-def verify_shard(store: Path, entry: dict[str, Any], hidden_size: int, prepared: Any | None,
-                 plan: ShardPlan | None = None) -> str | None:
-    """None if the shard is sound, else what is wrong with it (``plan``: the samples it must hold)."""
-    try:
-        tensors = read_shard(store, entry)
-        check_layout({k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}, entry, hidden_size)
-    except ShardError as exc:
-        return str(exc)
-    offsets = tensors["offsets"]
-    if offsets[0] != 0 or offsets[-1] != entry["tokens"] or bool((offsets[1:] < offsets[:-1]).any()):
-        return "offsets are not a valid packing of the tokens"
-    if plan is not None and tensors["sample_index"].tolist() != list(plan.samples):
-        return "sample_index does not match the shard's planned samples"
-    aux, last = decode_features(tensors)
-    if not (torch.isfinite(aux).all() and torch.isfinite(last).all()):
-        return "non-finite feature values"
-    if prepared is not None:
-        order = tensors["sample_index"].tolist()
-        ids = np.concatenate([prepared.sample(i)[0] for i in order])
-        mask = np.concatenate([prepared.sample(i)[1] for i in order])
-        if not np.array_equal(ids, tensors["input_ids"].numpy()) or not np.array_equal(mask, tensors["loss_mask"].numpy()):
-            return "token ids or loss mask differ from the prepared set"
-    return None
+class StoreReader:
+    """Every read of a store's shards goes through here, for training and `store verify` alike: a shard is
+    returned only once its bytes match the manifest's sha256 and its content what the manifest and the prepared
+    set say it holds — tensors and dtypes of the storage format, offsets that pack its tokens, its planned samples
+    (each once, inside the prepared set), token ids inside the vocabulary, 0/1 loss masks and, where the prepared
+    set is at hand, ids and masks equal to its rows. All but the checksum cost a few passes over the small
+    tensors; finite feature values are checked by `verify` (training checks its loss and gradients instead)."""
+
+    def __init__(self, store: Path, manifest: dict[str, Any], prepared: Any | None = None):
+        self.store = Path(store)
+        self.manifest = manifest
+        self.prepared = prepared  # a PreparedSet, or None (verify --no-prepared)
+        self.hidden_size = manifest["hidden_size"]
+        self.storage_dtype = manifest["storage_dtype"]
+        self.vocab_size = manifest["target"]["vocab_size"]
+        self.num_samples = manifest["prepared"]["samples"]
+        self.plans: dict[int, ShardPlan] | None = None
+        if prepared is not None:  # the samples each shard must hold, planned again from the lengths
+            lengths = prepared.lengths[: self.num_samples]
+            self.plans = {plan.index: plan for plan in plan_shards(lengths, manifest["tokens_per_shard"],
+                                                                   manifest["sort_window_shards"])}
+            if len(self.plans) != manifest["num_shards"]:
+                raise EagletError(f"{self.store}: plans {manifest['num_shards']} shards, its prepared set "
+                                  f"{prepared.path} makes {len(self.plans)}; the store does not match its prepared "
+                                  "set: extract it again")
+
+    def open(self, entry: dict[str, Any]) -> tuple[list[int], list[int]]:
+        """A shard's (samples, offsets) from its header and two small tensors, checked (size, layout, samples):
+        what planning an epoch needs, in seconds for a whole store."""
+        path = self.store / entry["file"]
+        if not path.is_file():
+            raise ShardError("not a file" if path.exists() else "file missing")
+        if path.stat().st_size != entry["bytes"]:
+            raise ShardError(f"size {path.stat().st_size} bytes, the manifest says {entry['bytes']}")
+        check_layout(read_header(path), entry, self.hidden_size, self.storage_dtype)
+        offsets, samples = read_tensor(path, "offsets"), read_tensor(path, "sample_index")
+        self._check_packing(entry, offsets, samples)
+        return samples.tolist(), offsets.tolist()
+
+    def read(self, entry: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """A shard's tensors, checksummed as they are read and their content checked."""
+        tensors = read_shard(self.store, entry)
+        check_layout({k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}, entry, self.hidden_size,
+                     self.storage_dtype)
+        self._check_packing(entry, tensors["offsets"], tensors["sample_index"])
+        self._check_tokens(tensors)
+        return tensors
+
+    def verify(self, entry: dict[str, Any]) -> str | None:
+        """None if the shard is sound, else what is wrong with it (its features are decoded and must be finite)."""
+        try:
+            tensors = self.read(entry)
+        except ShardError as exc:
+            return str(exc)
+        aux, last = decode_features(tensors)
+        if not (torch.isfinite(aux).all() and torch.isfinite(last).all()):
+            return "non-finite feature values"
+        return None
+
+    def _check_packing(self, entry: dict[str, Any], offsets: torch.Tensor, samples: torch.Tensor) -> None:
+        if int(offsets[0]) != 0 or int(offsets[-1]) != entry["tokens"] or bool((offsets[1:] <= offsets[:-1]).any()):
+            raise ShardError("offsets are not a valid packing of the tokens (from 0, increasing, to the token count)")
+        if len(samples) and (int(samples.min()) < 0 or int(samples.max()) >= self.num_samples):
+            raise ShardError(f"sample_index names samples outside the prepared set's 0..{self.num_samples - 1}")
+        if len(torch.unique(samples)) != len(samples):
+            raise ShardError("sample_index names a sample twice")
+        if self.plans is not None:
+            plan = self.plans.get(entry["index"])
+            if plan is None or samples.tolist() != list(plan.samples):
+                raise ShardError("sample_index does not match the shard's planned samples")
+            lengths = self.prepared.lengths[list(plan.samples)]
+            if not np.array_equal(np.diff(offsets.numpy()), lengths):
+                raise ShardError("offsets do not give the prepared samples' lengths")
+
+    def _check_tokens(self, tensors: dict[str, torch.Tensor]) -> None:
+        ids, mask = tensors["input_ids"], tensors["loss_mask"]
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            raise ShardError(f"token ids outside the target's vocabulary (0..{self.vocab_size - 1})")
+        if len(mask) and int(mask.max()) > 1:
+            raise ShardError("loss mask values other than 0 and 1")
+        if self.prepared is not None:
+            order = tensors["sample_index"].tolist()
+            expected_ids = np.concatenate([self.prepared.sample(i)[0] for i in order])
+            expected_mask = np.concatenate([self.prepared.sample(i)[1] for i in order])
+            if not np.array_equal(expected_ids, ids.numpy()) or not np.array_equal(expected_mask, mask.numpy()):
+                raise ShardError("token ids or loss mask differ from the prepared set")

@@ -8,13 +8,15 @@ from typing import Any
 
 from rich.console import Console
 
-from .config import ExtractConfig
+from pydantic import ValidationError
+
+from .config import ExtractConfig, describe_validation_error
 from .errors import EagletError
-from .formats.files import MANIFEST_FILE, record_name
+from .formats.files import MANIFEST_FILE, record_name, shard_name
 from .formats.prepared import load_prepared
-from .formats.store import plan_shards, prepared_path, read_manifest
+from .formats.store import prepared_path, read_manifest
 from .progress import progress_bar
-from .store import verify_shard
+from .store import StoreReader
 
 
 @dataclass
@@ -25,8 +27,9 @@ class ShardProblem:
 
 
 def verify_store(store: Path, check_prepared: bool = True, console: Console | None = None) -> list[ShardProblem]:
-    """Every listed shard: size, sha256, tensor names/shapes/dtypes, offsets, finite values, and the
-    token ids against the prepared set (when it is still where the manifest says)."""
+    """Every listed shard read as training reads it (``StoreReader``: size, sha256, tensors of the storage format,
+    offsets, planned samples, token ids — against the prepared set when it is still where the manifest says), and
+    its features decoded and checked to be finite."""
     console = console or Console(stderr=True)
     manifest = read_manifest(store)
     prepared = None
@@ -41,34 +44,46 @@ def verify_store(store: Path, check_prepared: bool = True, console: Console | No
                 )
         else:
             console.print(f"[yellow]prepared set {prepared_dir} not found: token ids are not checked[/]")
-    plans = None
-    if prepared is not None:  # the samples each shard must hold, planned again from the lengths
-        plans = {p.index: p for p in plan_shards(prepared.lengths, manifest["tokens_per_shard"],
-                                                  manifest["sort_window_shards"])}
+    reader = StoreReader(store, manifest, prepared)
     problems = []
     listed = {entry["index"] for entry in manifest["shards"]}
     for index in range(manifest["num_shards"]):
         if index not in listed:
-            problems.append(ShardProblem(f"shard-{index:05d}.safetensors", index, "missing (extraction incomplete)"))
+            problems.append(ShardProblem(shard_name(index), index, "missing (extraction incomplete)"))
     with progress_bar("shards", console) as progress:
         task = progress.add_task("verify", total=len(manifest["shards"]))
         for entry in manifest["shards"]:
-            reason = verify_shard(store, entry, manifest["hidden_size"], prepared,
-                                  None if plans is None else plans.get(entry["index"]))
+            reason = reader.verify(entry)
             if reason:
                 problems.append(ShardProblem(entry["file"], entry["index"], reason))
             progress.advance(task)
     return sorted(problems, key=lambda p: p.index)
 
 
-def repair_store(store: Path, problems: list[ShardProblem], console: Console | None = None) -> Any:
-    """Re-extract only the bad shards, with the settings recorded in the manifest."""
+# What a repair never takes from the store's manifest: whether remote code runs, and where weights are placed or
+# offloaded to. Those come from the user's flags (a store is data; data never turns on remote code).
+REPAIR_SETTINGS_FROM_FLAGS = ("trust_remote_code", "placement", "max_memory", "offload_dir", "replica")
+
+
+def repair_store(store: Path, problems: list[ShardProblem], console: Console | None = None,
+                 target: str | None = None, trust_remote_code: bool = False) -> Any:
+    """Re-extract only the bad shards with the settings the manifest records, the target given here (default: the
+    one recorded), loaded without remote code unless ``trust_remote_code``; the loaded target must be the one the
+    store was extracted from (extraction's own resume check)."""
     from .extract import run_extract
 
     manifest = read_manifest(store)
+    settings = {key: value for key, value in manifest["config"].items() if key not in REPAIR_SETTINGS_FROM_FLAGS}
+    settings |= {"out": str(store), "prepared": str(prepared_path(store, manifest)),
+                 "trust_remote_code": trust_remote_code}
+    if target is not None:
+        settings["target"] = target
+    try:
+        config = ExtractConfig.model_validate(settings)
+    except ValidationError as exc:
+        raise EagletError(describe_validation_error(exc, f"{store / MANIFEST_FILE} 'config'")) from None
     for problem in problems:
         (store / record_name(problem.index)).unlink(missing_ok=True)
-    config = ExtractConfig.model_validate(manifest["config"] | {"out": str(store), "prepared": str(prepared_path(store, manifest))})
     return run_extract(config, console, only_shards={p.index for p in problems})
 
 

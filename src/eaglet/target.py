@@ -7,6 +7,7 @@ file, an HF model directory, or a hub id. GGUF files are converted once into a c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -15,10 +16,10 @@ import tempfile
 import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .errors import EagletError
-from .fsio import atomic_directory, json_error_text, sha256_file, sha256_json, write_json_atomic
+from .fsio import atomic_directory, json_error_text, load_json_file, sha256_file, sha256_json, write_json_atomic
 from .formats.files import TARGET_CONFIG_FILE
 from .formats.layers import default_aux_layer_ids
 
@@ -261,14 +262,28 @@ def read_config(path: Path) -> dict[str, Any]:
         {"quantization_config": quantization} if quantization else {})
 
 
-def count_parameters(path: Path) -> int:
-    """Sum tensor sizes from safetensors headers (no tensor data is read)."""
+@contextlib.contextmanager
+def open_weights(file: Path, target: Path) -> Iterator[Any]:
+    """A target's safetensors file opened lazily (headers only until a tensor is asked for); a missing, cut,
+    foreign or unreadable one refused in one line naming it."""
     from safetensors import safe_open
 
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except Exception as exc:  # SafetensorError, OSError (a directory, no permission, an I/O error)
+        said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise EagletError(f"target {target}: {file.name} is unreadable ({said}); its weights are damaged or "
+                          "incomplete: download or convert the target again") from None
+    with handle:
+        yield handle
+
+
+def count_parameters(path: Path) -> int:
+    """Sum tensor sizes from safetensors headers (no tensor data is read)."""
     files = sorted(path.glob("*.safetensors"))
     total = 0
     for file in files:
-        with safe_open(file, framework="pt") as handle:
+        with open_weights(file, path) as handle:
             for key in handle.keys():
                 numel = 1
                 for dim in handle.get_slice(key).get_shape():
@@ -452,21 +467,22 @@ class HeadWeights:
 def load_head_weights(path: Path) -> HeadWeights:
     """The target's embedding, LM head and final norm, read from its safetensors without loading the
     rest of the model. Tied heads return the embedding twice."""
-    import json
-
-    from safetensors import safe_open
-
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise EagletError(f"target {path}: no .safetensors weights (eaglet reads the embedding and LM head from them)")
     index_file = path / "model.safetensors.index.json"
     locations: dict[str, Path] = {}
     if index_file.is_file():
-        for key, file in json.loads(index_file.read_text())["weight_map"].items():
+        weight_map = load_json_file(index_file, "download or convert the target again")
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and "/" not in f for f in weight_map.values()):
+            raise EagletError(f"{index_file}: no 'weight_map' of tensor names to file names; download or convert the "
+                              "target again")
+        for key, file in weight_map.items():
             locations[key] = path / file
     else:
         for file in files:
-            with safe_open(file, framework="pt") as handle:
+            with open_weights(file, path) as handle:
                 for key in handle.keys():
                     locations[key] = file
 
@@ -474,8 +490,12 @@ def load_head_weights(path: Path) -> HeadWeights:
         matches = sorted(k for k in locations if k.endswith(suffix))
         if not matches:
             return None
-        with safe_open(locations[matches[0]], framework="pt") as handle:
-            return handle.get_tensor(matches[0])
+        with open_weights(locations[matches[0]], path) as handle:
+            try:
+                return handle.get_tensor(matches[0])
+            except Exception as exc:  # the data past the header is cut or unreadable
+                raise EagletError(f"target {path}: {locations[matches[0]].name} is unreadable at {matches[0]} "
+                                  f"({str(exc).splitlines()[0]}); download or convert the target again") from None
 
     embed = read("embed_tokens.weight")
     if embed is None:

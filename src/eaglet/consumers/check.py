@@ -9,18 +9,25 @@ something eaglet's reader does not follow, or the consumer is not installed), wi
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from ..errors import EagletError
+from ..formats.draft import (FIRST_LAYER_PREFIX, SPECULATORS_FIRST_LAYER_PREFIX, DraftConfig, read_draft_config,
+                             weight_problems)
+from ..formats.files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, EXPORTED_DRAFT_CONFIG_FILE
+from ..formats.records import validation_line
+from ..fsio import load_json_file
 from .fixtures import VerifierFacts, fixtures
 from .pysubset import EngineRaises, NotCovered
 from .sglang import SglangReader
 from .vllm import VllmReader
 
 PASS, FAIL, UNVERIFIED = "pass", "fail", "unverified"
+LAYOUT = "layout"  # the directory checked against itself and the target, before any engine's loader
 READERS = {"vllm": VllmReader, "sglang": SglangReader}
 CONFORMANCE_TOLERANCE = 1e-3  # float32 logits of the same bf16 weights through two implementations
 
@@ -50,29 +57,101 @@ class ExportFacts:
         return "speculators_config" in self.config
 
 
+EXPORT_AGAIN = "export the draft again with `eaglet export`"
+
+
 def read_export(directory: Path) -> ExportFacts:
     from safetensors import safe_open
 
-    config_file, weights_file = directory / "config.json", directory / "model.safetensors"
+    config_file, weights_file = directory / DRAFT_CONFIG_FILE, directory / DRAFT_WEIGHTS_FILE
     for needed in (config_file, weights_file):
         if not needed.is_file():
             raise EagletError(f"{directory}: not an export directory (no {needed.name}); pass a directory `eaglet export` wrote")
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise EagletError(f"{config_file}: not valid JSON ({exc})") from None
+    config = load_json_file(config_file, EXPORT_AGAIN)
+    if not isinstance(config, dict):
+        raise EagletError(f"{config_file}: not a config (a JSON object); {EXPORT_AGAIN}")
     try:
         with safe_open(str(weights_file), framework="pt") as handle:
             tensors = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
     except Exception as exc:  # a truncated or foreign file
         raise EagletError(f"{weights_file}: unreadable safetensors ({str(exc).splitlines()[0]})") from None
-    eaglet_file = directory / "eaglet_draft.json"
-    meant = json.loads(eaglet_file.read_text(encoding="utf-8")) if eaglet_file.is_file() else {}
+    meant: dict[str, Any] = {}
+    if (directory / EXPORTED_DRAFT_CONFIG_FILE).is_file():
+        meant = read_draft_config(directory).config.to_dict()  # validated: sizes, ids inside the target
     target = meant.get("target", {})
     layer_config = config.get("transformer_layer_config", config)
-    verifier = VerifierFacts(target.get("vocab_size") or layer_config.get("vocab_size"), target.get("num_layers"))
+    if not isinstance(layer_config, dict):
+        raise EagletError(f"{config_file}: 'transformer_layer_config' is not an object; {EXPORT_AGAIN}")
+    verifier = VerifierFacts(target.get("vocab_size") or _int_or_none(layer_config.get("vocab_size")),
+                             target.get("num_layers"))
     ids = meant.get("eagle_aux_hidden_state_layer_ids")
     return ExportFacts(config, tensors, tuple(ids) if ids else None, meant.get("norm_before_residual"), verifier)
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if type(value) is int else None
+
+
+# What every engine reads of a draft's sizes (vLLM's and SGLang's LlamaForCausalLMEagle3, speculators' Eagle3 model
+# all build their layers from these), and the defaults they fall back to for the rest.
+REQUIRED_SIZES = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size", "num_hidden_layers")
+
+
+def _serving_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The draft's sizes as a serving config.json states them, with the engines' defaults where a field is absent."""
+    layer = config.get("transformer_layer_config", config)
+    if not isinstance(layer, dict):
+        raise ValueError("'transformer_layer_config' is not an object")
+    missing = [key for key in REQUIRED_SIZES if key not in layer]
+    if missing:
+        raise ValueError(f"no '{missing[0]}' (every engine builds the draft's layers from it)")
+    heads = layer["num_attention_heads"]
+    hidden = layer["hidden_size"]
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        nested = config.get("eagle_config")
+        ids = nested.get("eagle_aux_hidden_state_layer_ids") if isinstance(nested, dict) else None
+        ids = [i + 1 for i in ids] if isinstance(ids, list) and all(type(i) is int for i in ids) else ids
+    fields = {key: layer[key] for key in REQUIRED_SIZES}
+    fields |= {
+        "num_key_value_heads": layer.get("num_key_value_heads", heads),
+        "head_dim": layer["head_dim"] if "head_dim" in layer else (
+            hidden // heads if type(hidden) is int and type(heads) is int and heads > 0 else None),
+        "max_position_embeddings": layer.get("max_position_embeddings", 4096),
+        "rms_norm_eps": layer.get("rms_norm_eps", 1e-6),
+        "draft_vocab_size": config.get("draft_vocab_size", layer["vocab_size"]),
+        "target_hidden_size": config.get("target_hidden_size", hidden),
+        "eagle_aux_hidden_state_layer_ids": ids,
+    }
+    return fields
+
+
+def _layout_check(facts: ExportFacts) -> ConsumerResult:
+    """The directory's config against its own tensors and against the target, as an engine's load would find them:
+    every size present and an integer, every tensor the config implies present in its shape, aux layer ids inside
+    the target."""
+    try:
+        fields = _serving_fields(facts.config)
+        target = {"num_layers": facts.verifier.num_layers} if facts.verifier.num_layers else {}
+        config = DraftConfig(**fields, target=target)
+    except ValidationError as exc:
+        return ConsumerResult(LAYOUT, FAIL, [f"{DRAFT_CONFIG_FILE}: {validation_line(exc)}"])
+    except (ValueError, TypeError) as exc:
+        return ConsumerResult(LAYOUT, FAIL, [f"{DRAFT_CONFIG_FILE}: {exc}"])
+    names = {_eaglet_name(name, facts.speculators_format): shape for name, shape in facts.tensors.items()}
+    findings = weight_problems(config, names)
+    if facts.verifier.vocab_size is not None and config.vocab_size != facts.verifier.vocab_size:
+        findings.append(f"vocab_size {config.vocab_size}, the target's is {facts.verifier.vocab_size}")
+    if findings:
+        return ConsumerResult(LAYOUT, FAIL, findings)
+    return ConsumerResult(LAYOUT, PASS, [f"{len(facts.tensors)} tensors in the shapes config.json implies; aux layers "
+                                         f"{config.eagle_aux_hidden_state_layer_ids} inside the target"])
+
+
+def _eaglet_name(name: str, speculators_format: bool) -> str:
+    if speculators_format and name.startswith(SPECULATORS_FIRST_LAYER_PREFIX):
+        return FIRST_LAYER_PREFIX + name[len(SPECULATORS_FIRST_LAYER_PREFIX):]
+    return name
 
 
 def _engine_check(reader: Any, facts: ExportFacts) -> ConsumerResult:
@@ -102,6 +181,9 @@ def _engine_check(reader: Any, facts: ExportFacts) -> ConsumerResult:
         return ConsumerResult(label, UNVERIFIED, [f"eaglet's reader does not follow this release's code: {exc}"])
     except EngineRaises as exc:
         return ConsumerResult(label, FAIL, [f"the engine raises ({exc})"])
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as exc:
+        # the engine's own code, run on this config, fails the way Python would fail it in the engine
+        return ConsumerResult(label, FAIL, [f"the engine's loader fails on this config ({type(exc).__name__}: {exc})"])
     if not findings:
         findings = [f"{len(load.loaded)} tensors load into {len(set(load.loaded.values()))} parameters"
                     + (f", {', '.join(f'{k} -> {v}' for k, v in load.consumed.items())}" if load.consumed else "")
@@ -142,8 +224,11 @@ def check_export(directory: str | Path) -> list[ConsumerResult]:
     """Every consumer of this directory's format, each shipped release of each engine."""
     directory = Path(directory)
     facts = read_export(directory)
+    layout = _layout_check(facts)
+    if layout.status == FAIL:  # the engines' loaders would stop at it: their readers are not run on it
+        return [layout]
     engines = ("vllm",) if facts.speculators_format else ("vllm", "sglang")
-    results = [_speculators_check(directory, facts)] if facts.speculators_format else []
+    results = [layout] + ([_speculators_check(directory, facts)] if facts.speculators_format else [])
     for engine in engines:
         for fixture in fixtures(engine):
             results.append(_engine_check(READERS[engine](fixture), facts))

@@ -21,7 +21,8 @@ from .. import __version__
 from ..config import PrepareConfig
 from ..errors import EagletError
 from ..formats.files import MANIFEST_FILE, PREPARED_SCHEMA, SAMPLES_FILE, VOCAB_FILE
-from ..fsio import atomic_directory, sha256_file, sha256_json, write_json_atomic
+from ..fsio import (atomic_directory, check_output_apart, check_output_dir, sha256_file, sha256_json,
+                    write_json_atomic)
 from ..progress import progress_bar
 from ..formats.target import target_source
 from ..target import hub_id_of, load_tokenizer, resolve_target, target_info
@@ -83,7 +84,8 @@ def _length_stats(lengths: np.ndarray) -> dict[str, float]:
 
 def run_prepare(config: PrepareConfig, console: Console | None = None) -> PrepareResult:
     console = console or Console(stderr=True)
-    out = Path(config.out)
+    out = check_output_dir(config.out)
+    check_output_apart(out, [*config.inputs, config.chat_template, config.target])
     if out.exists() and not config.overwrite:
         raise EagletError(f"{out}: already exists; pass --overwrite to replace it, or choose another --out")
     started = time.perf_counter()
@@ -98,6 +100,9 @@ def run_prepare(config: PrepareConfig, console: Console | None = None) -> Prepar
         fail_on_bad_rows(bad, console)
     if not conversations:
         raise EagletError(f"{', '.join(config.inputs)}: no usable conversations (all {len(bad)} rows were bad)")
+    if not any(m["role"] == "assistant" and m["content"].strip() for c in conversations for m in c.messages):
+        raise EagletError(f"{', '.join(config.inputs)}: no assistant answer to train on; run `eaglet regenerate` "
+                          "to have the target write them")
 
     with atomic_directory(out, overwrite=config.overwrite) as tmp:
         tally = _write_samples(conversations, renderer, vocab_size, tmp / SAMPLES_FILE, console)
@@ -106,6 +111,9 @@ def run_prepare(config: PrepareConfig, console: Console | None = None) -> Prepar
             fail_on_bad_rows(rejected, console)
         if not tally.lengths:
             raise EagletError(f"no usable samples: every conversation was dropped ({tally.dropped[0]})")
+        if tally.assistant_tokens == 0:
+            raise EagletError(f"{', '.join(config.inputs)}: no trainable token (no assistant token within --max-len "
+                              f"{config.max_len}); raise --max-len or add answers")
         draft_vocab_size = config.draft_vocab or default_draft_vocab_size(vocab_size)
         if draft_vocab_size > vocab_size:
             raise EagletError(f"--draft-vocab {draft_vocab_size} exceeds the target vocabulary ({vocab_size})")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import EagletError
+from ..errors import EagletError, shown
 from ..fsio import json_error_text
 
 ROLE_ALIASES = {
@@ -30,6 +30,7 @@ ROLE_ALIASES = {
 }
 CONVERSATION_KEYS = ("conversations", "messages", "prompt")
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
+TOO_DEEP = "JSON nested too deeply for a conversation (thousands of levels); fix the row"
 
 
 @dataclass
@@ -89,6 +90,17 @@ def _text_of(content: Any, where: str) -> str:
         raise RowError(f"{where}: content must be a string, got {type(content).__name__}")
     if not text.strip():
         raise RowError(f"{where}: empty content")
+    return _encodable(text, where)
+
+
+def _encodable(text: str, where: str) -> str:
+    """``text`` if it is valid Unicode: JSON's ``\\ud800``-style escapes can decode to lone surrogates, which no
+    tokenizer or UTF-8 file can hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RowError(f"{where}: a lone surrogate ({text[exc.start]!a}) at character {exc.start}, not valid "
+                       "Unicode; fix the escape in the file") from None
     return text
 
 
@@ -107,7 +119,7 @@ def _parse_turn(turn: Any, index: int) -> dict[str, str]:
     raw_role = turn[role_key]
     if not isinstance(raw_role, str) or raw_role.strip().lower() not in ROLE_ALIASES:
         known = ", ".join(sorted(ROLE_ALIASES))
-        raise RowError(f"{where}: unknown role {raw_role!r} (known: {known})")
+        raise RowError(f"{where}: unknown role {shown(raw_role)} (known: {known})")
     return {"role": ROLE_ALIASES[raw_role.strip().lower()], "content": _text_of(turn[content_key], where)}
 
 
@@ -154,8 +166,10 @@ def parse_row(row: Any, source: str, default_id: str) -> Conversation:
     _check_order(messages)
     raw_id = row.get("id", default_id)
     if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)) or (isinstance(raw_id, str) and not raw_id):
-        raise RowError(f"'id' must be a non-empty string or an integer, got {raw_id!r}")
-    meta: dict[str, Any] = {k: row[k] for k in ("category", "split") if isinstance(row.get(k), str)}
+        raise RowError(f"'id' must be a non-empty string or an integer, got {shown(raw_id)}")
+    if isinstance(raw_id, str):
+        _encodable(raw_id, "'id'")
+    meta: dict[str, Any] = {k: _encodable(row[k], f"'{k}'") for k in ("category", "split") if isinstance(row.get(k), str)}
     provenance = row.get("provenance")
     if isinstance(provenance, dict) and provenance.get("finish_reason") == "length":
         meta["last_answer_truncated"] = True  # written by `eaglet regenerate` and cut at max_new_tokens
@@ -196,6 +210,8 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any | BadRow]]:
                 yield where, json.loads(text)
             except json.JSONDecodeError as exc:
                 yield where, BadRow(where, f"invalid JSON ({json_error_text(exc)})")
+            except RecursionError:
+                yield where, BadRow(where, TOO_DEEP)
 
 
 def _json_rows(path: Path) -> Iterator[tuple[str, Any | BadRow]]:
@@ -207,6 +223,8 @@ def _json_rows(path: Path) -> Iterator[tuple[str, Any | BadRow]]:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise EagletError(f"{path}:{exc.lineno}: invalid JSON ({json_error_text(exc)})") from None
+    except RecursionError:
+        raise EagletError(f"{path}: {TOO_DEEP}") from None
     if isinstance(data, dict) and isinstance(data.get("data"), list):
         data = data["data"]
     if not isinstance(data, list):

@@ -24,7 +24,8 @@ from .. import __version__
 from ..config import CPU_GENERATE_BATCH, GPU_GENERATE_BATCH, RegenerateConfig
 from ..errors import EagletError
 from ..formats.files import answers_manifest
-from ..fsio import append_lines_durable, sha256_file, write_bytes_atomic, write_json_atomic
+from ..fsio import (append_lines_durable, check_output_apart, check_output_dir, output_lock, sha256_file,
+                    write_bytes_atomic, write_json_atomic)
 from ..progress import progress_bar
 from ..resources import resolve_input
 from ..target import decoding_attention
@@ -122,12 +123,19 @@ def load_done(out: Path, settings: dict[str, Any]) -> dict[tuple[str, int], str]
             os.fsync(handle.fileno())
         data = data[:cut]
     done: dict[tuple[str, int], str] = {}
-    for number, line in enumerate(data.decode("utf-8").splitlines(), start=1):
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise EagletError(f"{out}: not UTF-8 text (byte {exc.start}): not written by `eaglet regenerate`; use another "
+                          "--out or delete the file") from None
+    for number, line in enumerate(text.splitlines(), start=1):
         try:
             row = json.loads(line)
             provenance = row["provenance"]
-            key = (provenance["prompt_id"], int(provenance["sample_index"]))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            if not isinstance(provenance, dict):
+                raise TypeError(provenance)
+            key = (str(provenance["prompt_id"]), int(provenance["sample_index"]))
+        except (KeyError, TypeError, ValueError, RecursionError):  # ValueError: JSONDecodeError too
             raise EagletError(
                 f"{out}:{number}: not a row written by `eaglet regenerate`; use another --out or delete the file"
             ) from None
@@ -327,13 +335,23 @@ def _run_batches(
 
 
 def run_regenerate(config: RegenerateConfig, console: Console | None = None) -> RegenerateResult:
-    from concurrent.futures import ThreadPoolExecutor, as_completed
-
+    """The answers of every selected prompt in ``config.out`` (resumed where a killed run stopped), one writer at a
+    time."""
     console = console or Console(stderr=True)
     out = Path(config.out)
     if out.suffix != ".jsonl":
         raise EagletError(f"{out}: --out must be a .jsonl file")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():
+        raise EagletError(f"--out {out}: a directory; give a .jsonl file path")
+    check_output_apart(out, [*config.prompts, config.target])
+    check_output_dir(out.parent, "--out's directory")
+    with output_lock(out):
+        return _regenerate(config, out, console)
+
+
+def _regenerate(config: RegenerateConfig, out: Path, console: Console) -> RegenerateResult:
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
     settings = settings_of(config)
     requests = plan_requests(config, console)
     done = load_done(out, settings)

@@ -28,16 +28,10 @@ class DraftVocab:
         return len(self.d2t)
 
     def save(self, path: str | Path) -> None:
-        from safetensors.torch import save_file
+        from ..store import write_safetensors
 
-        save_file(
-            {
-                "d2t": torch.from_numpy(self.d2t),
-                "t2d": torch.from_numpy(self.t2d),
-                "counts": torch.from_numpy(self.counts),
-            },
-            str(path),
-        )
+        write_safetensors(Path(path), {"d2t": torch.from_numpy(self.d2t), "t2d": torch.from_numpy(self.t2d),
+                                       "counts": torch.from_numpy(self.counts)})
 
     @classmethod
     def load(cls, path: str | Path) -> "DraftVocab":

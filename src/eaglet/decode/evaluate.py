@@ -20,7 +20,7 @@ from ..draft import load_draft
 from ..errors import EagletError
 from ..formats.files import REPORT_FILE, REPORT_MARKDOWN_FILE
 from ..formats.target import stage_target
-from ..fsio import write_json_atomic
+from ..fsio import check_output_apart, check_output_dir, write_json_atomic
 from ..progress import progress_bar
 from ..resources import resolve_input
 from ..distributed import from_main, init_distributed
@@ -129,6 +129,8 @@ def _hf_generate_tokens_per_s(model: Any, prompts: list[list[int]], max_new: int
 def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, Any]:
     console = console or Console(stderr=True)
     check_settings(config)
+    check_output_dir(config.out)  # before the decode, not after it
+    check_output_apart(config.out, [config.draft, *config.prompts, config.target])
     resolved = resolve_target(stage_target(config), config.trust_remote_code)
     tokenizer = load_tokenizer(resolved.path, config.trust_remote_code)
     info = target_info(resolved, tokenizer)

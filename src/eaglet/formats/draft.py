@@ -3,14 +3,18 @@ as eaglet_draft.json inside every export) and the one reader of it, for loading,
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import ValidationError
+from pydantic.dataclasses import dataclass as record_dataclass
 
 from ..errors import EagletError
+from ..fsio import load_json_file
 from .files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, EXPORTED_DRAFT_CONFIG_FILE
-from .layers import AUX_CONVENTION
+from .layers import AUX_CONVENTION, validate_aux_layer_ids
+from .records import RECORD_CONFIG, Positive, validation_line
 
 DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 FIRST_LAYER_PREFIX = "midlayer."  # the EAGLE-3 layer's serving name (vLLM's and SGLang's checkpoints)
@@ -20,31 +24,53 @@ EXPORT_FORMATS = ("vllm", "sglang", "speculators")
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config format the speculators export writes
 
 
-@dataclass
+@record_dataclass(config=RECORD_CONFIG | {"extra": "forbid"})
 class DraftConfig:
-    """Written as an HF-style config.json; rope settings are inherited from the target."""
+    """Written as an HF-style config.json; rope settings are inherited from the target. Validated whenever one is
+    made or read (strict JSON types, finite, sizes that fit together, aux layer ids inside the recorded target)."""
 
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int  # the target's
-    draft_vocab_size: int
-    target_hidden_size: int
+    hidden_size: Positive
+    num_attention_heads: Positive
+    num_key_value_heads: Positive
+    head_dim: Positive
+    intermediate_size: Positive
+    vocab_size: Positive  # the target's
+    draft_vocab_size: Positive
+    target_hidden_size: Positive
     eagle_aux_hidden_state_layer_ids: list[int]
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int = 4096
-    num_hidden_layers: int = 1
-    hidden_act: str = "silu"
+    max_position_embeddings: Positive = 4096
+    num_hidden_layers: Positive = 1
+    hidden_act: Literal["silu"] = "silu"
     norm_before_residual: bool = False
     tie_word_embeddings: bool = False
     architectures: list[str] = field(default_factory=lambda: [DRAFT_ARCHITECTURE])
-    model_type: str = "llama"
-    aux_layer_convention: str = AUX_CONVENTION
-    target: dict[str, Any] = field(default_factory=dict)  # name, config_hash, tokenizer_hash
+    model_type: Literal["llama"] = "llama"
+    aux_layer_convention: Literal[AUX_CONVENTION] = AUX_CONVENTION
+    target: dict[str, Any] = field(default_factory=dict)  # name, config_hash, tokenizer_hash, num_layers, ...
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} exceeds vocab_size {self.vocab_size}")
+        if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
+            raise ValueError("rms_norm_eps and rope_theta must be positive")
+        target_layers = self.target.get("num_layers")
+        try:
+            validate_aux_layer_ids(self.eagle_aux_hidden_state_layer_ids,
+                                   target_layers if isinstance(target_layers, int) and target_layers > 0
+                                   else max(self.eagle_aux_hidden_state_layer_ids + [0]) + 1)
+        except EagletError as exc:
+            raise ValueError(f"eagle_aux_hidden_state_layer_ids: {exc}") from None
+
+    @property
+    def uses_vocab_mapping(self) -> bool:
+        """Whether the draft vocabulary is a subset of the target's (then ``d2t``/``t2d`` travel with it)."""
+        return self.draft_vocab_size != self.vocab_size
 
     @classmethod
     def from_target(cls, target_config: dict[str, Any], draft_vocab_size: int, layer_ids: tuple[int, ...],
@@ -76,6 +102,47 @@ class DraftConfig:
         return asdict(self)
 
 
+EMBEDDING_TENSOR = "embed_tokens.weight"  # the target's; only the speculators export carries it
+VOCAB_MAPPING_TENSORS = ("d2t", "t2d")
+
+
+def draft_weight_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a draft directory may hold under eaglet's names, with its shape."""
+    hidden, heads, kv, head_dim = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    inner = config.intermediate_size
+
+    def layer(prefix: str, attention_input: int, hidden_norm: bool) -> dict[str, tuple[int, ...]]:
+        shapes = {f"{prefix}input_layernorm.weight": (hidden,), f"{prefix}post_attention_layernorm.weight": (hidden,),
+                  f"{prefix}self_attn.q_proj.weight": (heads * head_dim, attention_input),
+                  f"{prefix}self_attn.k_proj.weight": (kv * head_dim, attention_input),
+                  f"{prefix}self_attn.v_proj.weight": (kv * head_dim, attention_input),
+                  f"{prefix}self_attn.o_proj.weight": (hidden, heads * head_dim),
+                  f"{prefix}mlp.gate_proj.weight": (inner, hidden), f"{prefix}mlp.up_proj.weight": (inner, hidden),
+                  f"{prefix}mlp.down_proj.weight": (hidden, inner)}
+        if hidden_norm:
+            shapes[f"{prefix}hidden_norm.weight"] = (hidden,)
+        return shapes
+
+    shapes = {"fc.weight": (hidden, 3 * config.target_hidden_size), **layer(FIRST_LAYER_PREFIX, 2 * hidden, True)}
+    for index in range(1, config.num_hidden_layers):
+        shapes |= layer(f"layers.{index}.", hidden, False)
+    return shapes | {"norm.weight": (hidden,), "lm_head.weight": (config.draft_vocab_size, hidden),
+                     "d2t": (config.draft_vocab_size,), "t2d": (config.vocab_size,),
+                     EMBEDDING_TENSOR: (config.vocab_size, hidden)}
+
+
+def weight_problems(config: DraftConfig, found: dict[str, tuple[int, ...]]) -> list[str]:
+    """How tensors ``found`` (eaglet's names -> shapes) differ from the draft ``config`` describes. The embedding
+    may be absent (only the speculators export carries it), and so may ``d2t``/``t2d`` when the draft vocabulary is
+    the target's whole one."""
+    expected = draft_weight_shapes(config)
+    may_lack = {EMBEDDING_TENSOR, *(() if config.uses_vocab_mapping else VOCAB_MAPPING_TENSORS)}
+    problems = [f"{name}: missing" for name in expected if name not in found and name not in may_lack]
+    problems += [f"{name}: shape {list(found[name])}, the config needs {list(shape)}"
+                 for name, shape in expected.items() if name in found and tuple(found[name]) != shape]
+    problems += [f"{name}: not a tensor of this draft" for name in found if name not in expected]
+    return problems
+
 
 @dataclass(frozen=True)
 class StoredDraft:
@@ -94,14 +161,17 @@ def read_draft_config(directory: str | Path) -> StoredDraft:
     if not config_file.is_file() or not (directory / DRAFT_WEIGHTS_FILE).is_file():
         raise EagletError(f"{directory}: not a draft (needs {DRAFT_CONFIG_FILE} and {DRAFT_WEIGHTS_FILE}); run "
                           "`eaglet train`, or pass its --out")
-    try:
-        fields = json.loads(config_file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise EagletError(f"{config_file}: not valid JSON ({exc}); train again") from None
+    fields = load_json_file(config_file, "train (or export) again")
     if not isinstance(fields, dict):
         raise EagletError(f"{config_file}: not an eaglet draft config; train again")
+    export_format = fields.get("export_format")
+    if export_format is not None and export_format not in EXPORT_FORMATS:
+        raise EagletError(f"{config_file}: export_format {export_format!r} is none of {', '.join(EXPORT_FORMATS)}; "
+                          "export again")
     try:
         config = DraftConfig(**{k: v for k, v in fields.items() if k not in EXPORT_ONLY_KEYS})
+    except ValidationError as exc:
+        raise EagletError(f"{config_file}: not a valid eaglet draft config ({validation_line(exc)}); train again") from None
     except TypeError as exc:
-        raise EagletError(f"{config_file}: not an eaglet draft config ({exc})") from None
-    return StoredDraft(config, fields.get("export_format"), config_file)
+        raise EagletError(f"{config_file}: not an eaglet draft config ({exc}); train again") from None
+    return StoredDraft(config, export_format, config_file)

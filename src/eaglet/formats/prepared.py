@@ -9,15 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..errors import EagletError
-from ..fsio import json_error_text, sha256_file
+from pydantic import Field
+
+from ..errors import EagletError, shown
+from ..fsio import load_json_file, sha256_file
 from .files import MANIFEST_FILE, PREPARED_SCHEMA, SAMPLES_FILE, VOCAB_FILE
+from .records import Positive, Record, Sha256, parse_record
 
 REQUIRED_COLUMNS = {"id": pa.string(), "input_ids": pa.list_(pa.int32()), "loss_mask": pa.list_(pa.uint8())}
 PREPARE_AGAIN = "run `eaglet prepare` again to rewrite it"
@@ -54,25 +57,45 @@ class PreparedSet:
         return self.path / VOCAB_FILE
 
 
-def read_prepared_manifest(path: Path) -> dict[str, Any]:
-    """The prepared set's manifest, refused in one line when it is missing, not JSON or not eaglet's."""
-    import json
+class PreparedTarget(Record):
+    name: str
+    config_hash: str
+    tokenizer_hash: str
+    vocab_size: Positive
+    num_layers: Positive
+    hidden_size: Positive
 
+
+class PreparedCounts(Record):
+    samples: Positive
+
+
+class PreparedTokens(Record):
+    total: Positive
+    assistant: Positive  # a set without a trainable token is never written (`eaglet prepare` refuses it)
+
+
+class PreparedManifest(Record):
+    """PREPARED/manifest.json: the target it was tokenized for, the counts, the hashes of its files."""
+
+    schema_: Literal[PREPARED_SCHEMA] = Field(alias="schema")
+    target: PreparedTarget
+    counts: PreparedCounts
+    tokens: PreparedTokens
+    files: dict[str, Sha256]
+    target_source: dict[str, Any] | None = None
+
+
+def read_prepared_manifest(path: Path) -> dict[str, Any]:
+    """The prepared set's manifest, refused in one line when it is missing, not JSON, not eaglet's or not whole."""
     manifest_path = path / MANIFEST_FILE
     if not path.is_dir() or not manifest_path.is_file():
         raise EagletError(f"{path}: not a prepared set (no {MANIFEST_FILE}); run `eaglet prepare` to make one")
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise EagletError(f"{manifest_path}:{exc.lineno}: not valid JSON ({json_error_text(exc)}); {PREPARE_AGAIN}") from None
-    except UnicodeDecodeError:
-        raise EagletError(f"{manifest_path}: not UTF-8 text; {PREPARE_AGAIN}") from None
+    manifest = load_json_file(manifest_path, PREPARE_AGAIN)
     if not isinstance(manifest, dict) or manifest.get("schema") != PREPARED_SCHEMA:
         found = manifest.get("schema") if isinstance(manifest, dict) else type(manifest).__name__
-        raise EagletError(f"{manifest_path}: schema {found!r}, expected {PREPARED_SCHEMA!r}; {PREPARE_AGAIN}")
-    for key in ("target", "files"):
-        if not isinstance(manifest.get(key), dict):
-            raise EagletError(f"{manifest_path}: no '{key}' section; {PREPARE_AGAIN}")
+        raise EagletError(f"{manifest_path}: schema {shown(found)}, expected {PREPARED_SCHEMA!r}; {PREPARE_AGAIN}")
+    parse_record(PreparedManifest, manifest, manifest_path, PREPARE_AGAIN)
     return manifest
 
 
@@ -108,6 +131,9 @@ def _check_rows(samples: Path, table: pa.Table, vocab_size: int) -> tuple[np.nda
         raise EagletError(f"{samples}: row {row}: loss mask values other than 0 and 1; {PREPARE_AGAIN}")
     if len(offsets) < 2:
         raise EagletError(f"{samples}: no samples; {PREPARE_AGAIN}")
+    if not mask.any():
+        raise EagletError(f"{samples}: no trainable token (every loss mask is 0: no assistant tokens); "
+                          f"{PREPARE_AGAIN} from conversations with assistant answers")
     return tokens, mask, offsets
 
 
@@ -118,19 +144,21 @@ def load_prepared(path: str | Path, max_samples: int | None = None) -> PreparedS
     if not samples.is_file():
         raise EagletError(f"{path}: no {SAMPLES_FILE}; {PREPARE_AGAIN}")
     recorded = manifest["files"].get(SAMPLES_FILE)
-    if recorded is not None and sha256_file(samples) != recorded:
+    if recorded is None:
+        raise EagletError(f"{path / MANIFEST_FILE}: records no sha256 of {SAMPLES_FILE}; {PREPARE_AGAIN}")
+    if sha256_file(samples) != recorded:
         raise EagletError(f"{samples}: changed since `eaglet prepare` wrote it (sha256 differs from the manifest's); "
                           f"{PREPARE_AGAIN}")
     try:
         table = pq.read_table(samples)
     except Exception as exc:  # pyarrow's errors for a damaged file
         raise EagletError(f"{samples}: unreadable ({str(exc).splitlines()[0]}); {PREPARE_AGAIN}") from None
+    if table.num_rows != manifest["counts"]["samples"]:
+        raise EagletError(f"{samples}: {table.num_rows:,} rows, its manifest counts {manifest['counts']['samples']:,}; "
+                          f"{PREPARE_AGAIN}")
     if max_samples is not None:
         table = table.slice(0, max_samples)
-    vocab_size = manifest["target"].get("vocab_size")
-    if not isinstance(vocab_size, int) or vocab_size < 1:
-        raise EagletError(f"{path / MANIFEST_FILE}: no target vocab_size; {PREPARE_AGAIN}")
-    tokens, mask, offsets = _check_rows(samples, table, vocab_size)
+    tokens, mask, offsets = _check_rows(samples, table, manifest["target"]["vocab_size"])
     return PreparedSet(
         path=path,
         manifest=manifest,

@@ -22,13 +22,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
+from pydantic import Field, model_validator
 
-from ..errors import EagletError
-from ..fsio import read_json
+from ..errors import EagletError, shown
+from ..fsio import load_json_file, read_json
 from .files import MANIFEST_FILE, STORE_SCHEMA, record_name, shard_name
+from .layers import AUX_CONVENTION, validate_aux_layer_ids
+from .records import Count, Positive, Record, Sha256, parse_record
 
 # Storage formats: the dtype each feature is stored in. fp8 (e4m3) carries a float32 scale per vector.
 # "fp8-aux" keeps the teacher's input (`last`) in bf16: fp8 there flips 3% of teacher argmaxes, fp8 on the
@@ -44,8 +47,6 @@ SORT_WINDOW_SHARDS = 64  # shards per length-sorted window: more = less padding,
 
 
 @dataclass(frozen=True)
-
-
 class ShardPlan:
     index: int
     samples: tuple[int, ...]  # rows of the prepared set, in stored order (longest first)
@@ -89,19 +90,102 @@ def plan_shards(lengths: np.ndarray, tokens_per_shard: int, window_shards: int =
     return plans
 
 
-def check_entry(entry: Any, where: str) -> None:
-    """A shard entry (manifest or record) names its own shard by plain file name: nothing outside the store."""
-    if not isinstance(entry, dict) or not isinstance(entry.get("index"), int) or entry["index"] < 0:
-        raise EagletError(f"{where}: a shard entry without a valid index ({str(entry)[:80]}); re-run the same "
-                          "`eaglet extract` command to rebuild the manifest from the shard records")
-    if entry.get("file") != shard_name(entry["index"]):
-        raise EagletError(f"{where}: shard {entry['index']} is listed as {entry.get('file')!r}, not "
-                          f"{shard_name(entry['index'])!r} (shards are plain file names inside the store); re-run "
-                          "the same `eaglet extract` command to rebuild the manifest from the shard records")
-    for key in ("tokens", "num_samples", "bytes"):
-        if not isinstance(entry.get(key), int) or entry[key] < 0:
-            raise EagletError(f"{where}: shard {entry['index']} has no valid '{key}'; re-run the same `eaglet extract` "
-                              "command to rebuild the manifest from the shard records")
+REBUILD = "re-run the same `eaglet extract` command to rebuild the manifest from the shard records"
+
+
+class ShardEntry(Record):
+    """A shard's entry in the manifest, and its record beside it (``shard-00000.json``). It names its own shard
+    by plain file name: nothing outside the store is ever read."""
+
+    file: str
+    index: Count
+    num_samples: Positive
+    tokens: Positive
+    bytes: Positive
+    sha256: Sha256
+
+    @model_validator(mode="after")
+    def _own_file(self) -> "ShardEntry":
+        if self.file != shard_name(self.index):
+            raise ValueError(f"shard {self.index} is listed as {shown(self.file)}, not {shard_name(self.index)!r} "
+                             "(shards are plain file names inside the store)")
+        if self.tokens < self.num_samples:
+            raise ValueError(f"shard {self.index} holds {self.tokens} tokens for {self.num_samples} samples")
+        return self
+
+
+class StoreTarget(Record):
+    name: str
+    config_hash: str
+    tokenizer_hash: str
+    compute_dtype: str
+    num_layers: Positive
+    hidden_size: Positive
+    vocab_size: Positive
+
+
+class StorePrepared(Record):
+    path: str
+    manifest_sha256: Sha256
+    tokenizer_hash: str
+    samples: Positive
+
+
+class StoreTotals(Record):
+    samples: Count
+    tokens: Count
+    bytes: Count
+
+
+class StoreManifest(Record):
+    """STORE/manifest.json: what was extracted from what, how it is stored, and the shards written so far."""
+
+    schema_: Literal[STORE_SCHEMA] = Field(alias="schema")
+    target: StoreTarget
+    aux_layer_ids: list[int]
+    aux_convention: Literal[AUX_CONVENTION]
+    prepared: StorePrepared
+    storage_dtype: str
+    hidden_size: Positive
+    tokens_per_shard: Positive
+    sort_window_shards: Positive
+    complete: bool
+    num_shards: Positive
+    totals: StoreTotals
+    shards: list[ShardEntry]
+    config: dict[str, Any]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "StoreManifest":
+        if self.storage_dtype not in STORAGE_FORMATS:
+            raise ValueError(f"storage_dtype {shown(self.storage_dtype)} is none of {', '.join(STORAGE_FORMATS)}")
+        if self.hidden_size != self.target.hidden_size:
+            raise ValueError(f"hidden_size {self.hidden_size} is not its target's ({self.target.hidden_size})")
+        try:
+            validate_aux_layer_ids(self.aux_layer_ids, self.target.num_layers)
+        except EagletError as exc:
+            raise ValueError(f"aux_layer_ids: {exc}") from None
+        if self.num_shards > self.prepared.samples:
+            raise ValueError(f"num_shards {self.num_shards:,} for {self.prepared.samples:,} samples (a shard holds "
+                             "at least one)")
+        seen: set[int] = set()
+        for entry in self.shards:
+            if entry.index in seen or entry.index >= self.num_shards:
+                raise ValueError(f"shard {entry.index} listed twice or beyond the {self.num_shards} planned")
+            seen.add(entry.index)
+        for key, field in (("samples", "num_samples"), ("tokens", "tokens"), ("bytes", "bytes")):
+            listed = sum(getattr(entry, field) for entry in self.shards)
+            if getattr(self.totals, key) != listed:
+                raise ValueError(f"totals say {getattr(self.totals, key)} {key}, its shard list holds {listed}")
+        if self.complete and len(seen) != self.num_shards:
+            raise ValueError(f"marked complete but lists {len(seen)} of {self.num_shards} shards")
+        return self
+
+
+def check_entry(entry: Any, where: str) -> dict[str, Any]:
+    """A shard entry (manifest or record) checked as a ``ShardEntry``."""
+    parse_record(ShardEntry, entry, where, REBUILD)
+    return entry
 
 
 def read_record(store: Path, index: int) -> dict[str, Any] | None:
@@ -111,9 +195,11 @@ def read_record(store: Path, index: int) -> dict[str, Any] | None:
         return None
     try:
         record = read_json(path)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None  # a record cut short: the shard is computed again
     check_entry(record, str(path))
+    if record["index"] != index:
+        raise EagletError(f"{path}: the record of shard {record['index']}, not {index}; {REBUILD}")
     shard = store / record["file"]
     if not shard.is_file() or shard.stat().st_size != record["bytes"]:
         return None
@@ -121,46 +207,19 @@ def read_record(store: Path, index: int) -> dict[str, Any] | None:
 
 
 def read_manifest(store: Path, check_shards: bool = True) -> dict[str, Any]:
-    """The store's manifest; with ``check_shards`` its shard list is checked too (names, indices, counts)."""
+    """The store's manifest, checked as a ``StoreManifest`` (every field, the shard list, the totals); without
+    ``check_shards`` only the schema is (a resumed extraction rebuilds the rest from the shard records)."""
     store = Path(store)
     path = store / MANIFEST_FILE
     if not path.is_file():
         raise EagletError(f"{store}: not a store (no {MANIFEST_FILE}); run `eaglet extract` to make one")
-    try:
-        manifest = read_json(path)
-    except ValueError as exc:
-        raise EagletError(f"{path}: unreadable manifest ({exc}); re-run the same `eaglet extract` command to "
-                          "rewrite it") from None
+    manifest = load_json_file(path, "re-run the same `eaglet extract` command to rewrite it")
     if not isinstance(manifest, dict) or manifest.get("schema") != STORE_SCHEMA:
         found = manifest.get("schema") if isinstance(manifest, dict) else type(manifest).__name__
-        raise EagletError(f"{path}: schema {found!r}, this eaglet reads {STORE_SCHEMA!r}; extract the store again")
+        raise EagletError(f"{path}: schema {shown(found)}, this eaglet reads {STORE_SCHEMA!r}; extract the store again")
     if check_shards:
-        check_shard_list(path, manifest)
+        parse_record(StoreManifest, manifest, path, REBUILD)
     return manifest
-
-
-def check_shard_list(path: Path, manifest: dict[str, Any]) -> None:
-    """Entries name their own shards, each once, inside the plan; totals and completeness agree with them."""
-    shards = manifest.get("shards")
-    planned = manifest.get("num_shards")
-    if not isinstance(shards, list) or not isinstance(planned, int):
-        raise EagletError(f"{path}: no shard list; re-run the same `eaglet extract` command to rebuild it")
-    seen: set[int] = set()
-    for entry in shards:
-        check_entry(entry, str(path))
-        if entry["index"] in seen or entry["index"] >= planned:
-            raise EagletError(f"{path}: shard {entry['index']} listed twice or beyond the {planned} planned; re-run the "
-                              "same `eaglet extract` command to rebuild the manifest from the shard records")
-        seen.add(entry["index"])
-    totals = manifest.get("totals", {})
-    for key, field in (("samples", "num_samples"), ("tokens", "tokens"), ("bytes", "bytes")):
-        listed = sum(entry[field] for entry in shards)
-        if totals.get(key) != listed:
-            raise EagletError(f"{path}: totals say {totals.get(key)} {key}, its shard list holds {listed}; re-run the "
-                              "same `eaglet extract` command to rebuild the manifest from the shard records")
-    if manifest.get("complete") and len(seen) != planned:
-        raise EagletError(f"{path}: marked complete but lists {len(seen)} of {planned} shards; re-run the same "
-                          "`eaglet extract` command to finish the store and rebuild its manifest")
 
 
 def check_store_counts(store: Path, manifest: dict[str, Any], prepared: Any) -> None:

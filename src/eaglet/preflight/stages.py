@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -12,6 +11,7 @@ from ..errors import EagletError
 from ..formats.draft import DraftConfig, read_draft_config
 from ..formats.files import MANIFEST_FILE, VOCAB_FILE
 from ..formats.layers import default_aux_layer_ids
+from ..formats.store import prepared_path, read_manifest
 from ..sizing import draft_parameters, train_step_bytes
 from ..support import compiles_draft_round, draft_compile_problem, static_cache_problem, uses_static_cache
 from .checks import (
@@ -149,7 +149,7 @@ def extract_checks(cfg: Any) -> list[Check]:
     checks.append(check_layers(cfg.layers, info.num_layers))
     store = Path(cfg.out)
     if (store / MANIFEST_FILE).is_file():
-        existing = json.loads((store / MANIFEST_FILE).read_text())
+        existing = read_manifest(store, check_shards=False)
         mismatch = [k for k, v in (("aux_layer_ids", cfg.layers), ("storage_dtype", cfg.storage_dtype))
                     if v is not None and existing.get(k) != v]
         if not info.same_config(existing.get("target", {}).get("config_hash")):
@@ -174,7 +174,6 @@ def extract_checks(cfg: Any) -> list[Check]:
 def train_checks(cfg: Any) -> list[Check]:
     from ..target import read_config
     from ..formats.prepared import load_prepared
-    from ..formats.store import prepared_path, read_manifest
 
     checks = [Check("config", PASS, "valid"), check_device(cfg.device)]
     if checks[-1].status == FAIL:
@@ -225,7 +224,9 @@ def train_checks(cfg: Any) -> list[Check]:
         "draft vocab", FAIL, f"{vocab_file}: no draft vocabulary here",
         "prepare again (or pass --set draft_vocab_file=PATH when the prepared set moved)"))
     checks.append(check_output_dir(Path(cfg.out), overwrite=False, resumable=True))
-    draft = DraftConfig.from_target(read_config(resolved.path), _draft_vocab_size(vocab_file, info.vocab_size),
+    # sized for this target (a vocabulary of another target's is refused above; it must not break the sizing)
+    draft = DraftConfig.from_target(read_config(resolved.path), min(_draft_vocab_size(vocab_file, info.vocab_size),
+                                                                    info.vocab_size),
                                     default_aux_layer_ids(info.num_layers), num_layers=cfg.draft_layers)
     draft_params = draft_parameters(info.hidden_size, draft.draft_vocab_size)
     checks.append(check_disk(Path(cfg.out), draft_params * 4 * (1 + 3 * (cfg.keep_last + 1)), "draft + checkpoints"))

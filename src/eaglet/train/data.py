@@ -22,7 +22,7 @@ from ..capture import FeatureCapture, batches_by_length
 from ..errors import EagletError
 from ..formats.prepared import PreparedSet
 from ..formats.store import ShardPlan, check_same_target, plan_shards, read_manifest
-from ..store import ShardError, check_layout, decode_features, read_header, read_shard, read_tensor
+from ..store import ShardError, StoreReader, decode_features
 from .prefetch import prefetched
 
 PREFETCH_SHARDS = 2  # shards read (and checksummed) ahead of the batch being trained on
@@ -97,6 +97,14 @@ def assemble(pieces: list[tuple[int, dict[str, torch.Tensor]]], token_budget: in
     )
 
 
+def non_finite_samples(batch: FeatureBatch) -> list[int]:
+    """The batch's samples (prepared-set rows) with a non-finite feature value."""
+    bad_token = ~(torch.isfinite(batch.aux).flatten(1).all(1) & torch.isfinite(batch.last).all(1))  # [T]
+    documents = torch.bucketize(torch.arange(batch.tokens), batch.doc_offsets[1:], right=True)  # [T] doc of each token
+    rows = torch.unique(documents[bad_token[: batch.tokens]]).tolist()
+    return [int(batch.sample_index[row]) for row in rows if row < len(batch.sample_index)]
+
+
 def pad_to_budget(batch: FeatureBatch, budget: int, pin: bool = False) -> FeatureBatch:
     """Fill the packed batch up to exactly ``budget`` tokens with one padding document (loss-masked,
     attending only to itself), so every step has the same shapes: compiled kernels and block masks
@@ -140,53 +148,67 @@ class FeatureSource:
     def fetch(self, groups: list[list[int]]) -> Iterator[FeatureBatch]:
         raise NotImplementedError
 
+    def origin(self, sample: int) -> str:
+        """Where a sample's features come from, for an error line."""
+        raise NotImplementedError
+
+    def repair_hint(self) -> str:
+        """What to do about damaged features from this source."""
+        raise NotImplementedError
+
 
 class StoreSource(FeatureSource):
-    """Streams a store's shards (a prefetch thread reads ahead) in the planned order. The shard list, each shard's
-    size and tensor layout are checked against the manifest when the source opens (headers only: seconds), and each
-    shard's sha256 as it is read, before anything of it is trained on."""
+    """Streams a store's shards (a prefetch thread reads ahead) in the planned order, every read through
+    ``StoreReader``: the shard list, each shard's size, layout and samples are checked when the source opens
+    (headers and two small tensors: seconds), each shard's sha256 and content as it is read, before anything of it
+    is trained on. With its ``prepared`` set, shards must hold exactly their planned samples, ids and masks."""
 
-    def __init__(self, store: str | Path, token_budget: int, seed: int = 0, expect_target: dict | None = None):
+    def __init__(self, store: str | Path, token_budget: int, seed: int = 0, expect_target: dict | None = None,
+                 prepared: PreparedSet | None = None):
         self.store = Path(store)
         self.manifest = read_manifest(self.store)
         if not self.manifest["complete"]:
             raise EagletError(f"{store}: extraction incomplete; run the same `eaglet extract` command again to finish it")
         if expect_target is not None:
             check_same_target(self.manifest, expect_target, f"store {store}")
+        self.prepared = prepared
+        self.reader = StoreReader(self.store, self.manifest, prepared)
         self.hidden_size = self.manifest["hidden_size"]
         self.lengths = {}
         self.plans = [self._open(entry) for entry in self.manifest["shards"]]
         self.by_index = {s["index"]: s for s in self.manifest["shards"]}
+        self.shard_of = {sample: plan.index for plan in self.plans for sample in plan.samples}
         self.token_budget = token_budget
         self.seed = seed
         self.layer_ids = tuple(self.manifest["aux_layer_ids"])
 
     def _damaged(self, entry: dict, reason: str) -> EagletError:
-        return EagletError(f"{self.store / entry['file']}: {reason}; run `eaglet store verify {self.store} --repair` "
-                           "to re-extract the damaged shards")
+        return EagletError(f"{self.store / entry['file']}: {reason}; {self.repair_hint()}")
+
+    def repair_hint(self) -> str:
+        return f"run `eaglet store verify {self.store} --repair` to re-extract the damaged shards"
+
+    def origin(self, sample: int) -> str:
+        shard = self.by_index[self.shard_of[sample]]["file"] if sample in self.shard_of else "no shard"
+        name = f" ({self.prepared.ids[sample]!r})" if self.prepared is not None else ""
+        return f"{self.store / shard} sample {sample}{name}"
 
     def _open(self, entry: dict) -> ShardPlan:
-        """The shard's samples and their lengths, from its header, index and offsets (its layout checked on the way)."""
-        path = self.store / entry["file"]
+        """The shard's samples and their lengths, from its header, index and offsets (checked on the way)."""
         try:
-            if path.stat().st_size != entry["bytes"]:
-                raise ShardError(f"size {path.stat().st_size} bytes, the manifest says {entry['bytes']}")
-            check_layout(read_header(path), entry, self.hidden_size)
-            samples = read_tensor(path, "sample_index").tolist()
-            offsets = read_tensor(path, "offsets").tolist()
-        except FileNotFoundError:
-            raise self._damaged(entry, "file missing") from None
+            samples, offsets = self.reader.open(entry)
         except ShardError as exc:
             raise self._damaged(entry, str(exc)) from None
         for row, sample in enumerate(samples):
+            if sample in self.lengths:
+                raise self._damaged(entry, f"sample {sample} is also in another shard")
             self.lengths[sample] = offsets[row + 1] - offsets[row]
         return ShardPlan(entry["index"], tuple(samples), entry["tokens"])
 
     def _shard_samples(self, index: int) -> dict[int, dict[str, torch.Tensor]]:
         entry = self.by_index[index]
         try:
-            tensors = read_shard(self.store, entry)
-            check_layout({k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}, entry, self.hidden_size)
+            tensors = self.reader.read(entry)
         except ShardError as exc:
             raise self._damaged(entry, str(exc)) from None
         aux, last = decode_features(tensors, torch.bfloat16 if tensors["aux"].dtype == torch.bfloat16 else torch.float32)
@@ -200,8 +222,7 @@ class StoreSource(FeatureSource):
 
     def fetch(self, groups: list[list[int]]) -> Iterator[FeatureBatch]:
         """The planned micro-batches; shards read in order of first use, a damaged one's error raised at it."""
-        shard_of = {s: p.index for p in self.plans for s in p.samples}
-        sequence = list(dict.fromkeys(shard_of[s] for group in groups for s in group))
+        sequence = list(dict.fromkeys(self.shard_of[s] for group in groups for s in group))
         loaded = prefetched(iter(sequence), lambda shard: (shard, self._shard_samples(shard)), PREFETCH_SHARDS)
         pieces: dict[int, dict[str, torch.Tensor]] = {}
         try:
@@ -254,6 +275,12 @@ class LiveSource(FeatureSource):
         self.computed = 0  # samples whose features the target computed: what the cache saves
         # training's prefetch thread and the held-out evaluation fetch at once: the cache's books are kept under it
         self.bookkeeping = threading.Lock()
+
+    def origin(self, sample: int) -> str:
+        return f"{self.prepared.path} sample {sample} ({self.prepared.ids[sample]!r})"
+
+    def repair_hint(self) -> str:
+        return "the target computed them: check its dtype (--set precision=fp32) and weights"
 
     def fetch(self, groups: list[list[int]]) -> Iterator[FeatureBatch]:
         for group in groups:

@@ -21,7 +21,7 @@ from ..errors import EagletError
 from ..sizing import GIB
 from ..formats.draft import DraftConfig
 from ..formats.layers import resolve_aux_layer_ids
-from ..formats.prepared import load_prepared
+from ..formats.prepared import PreparedSet, load_prepared
 from ..formats.target import stage_target
 from ..formats.store import ShardPlan, check_same_target, check_store_counts, prepared_path, read_manifest
 from ..loss import TeacherHead
@@ -47,10 +47,7 @@ class Setup:
     eval_source: FeatureSource | None = None  # a separate held-out store, when given
 
     def train_select(self, config: TrainConfig) -> Callable[[int], bool] | None:
-        """The training samples: all but the held-out fraction (unless a separate held-out store is given)."""
-        if config.eval_fraction > 0 and self.eval_source is None:
-            return lambda sample: not held_out(sample, config.seed, config.eval_fraction)
-        return None
+        return training_samples(config)
 
     def evaluates(self, config: TrainConfig) -> bool:
         return self.eval_source is not None or config.eval_fraction > 0
@@ -66,17 +63,9 @@ def build_setup(config: TrainConfig, device: str) -> Setup:
     accepted_target = target_identity | {"legacy_config_hash": info.legacy_config_hash}
     source: FeatureSource
     if config.store is not None:
-        manifest = read_manifest(Path(config.store))
-        check_same_target(manifest, accepted_target, f"store {config.store}")
-        if not manifest["complete"]:
-            raise EagletError(f"{config.store}: extraction incomplete; run the same `eaglet extract` again to finish it")
-        prepared = load_prepared(prepared_path(Path(config.store), manifest))
-        if prepared.manifest_sha256 != manifest["prepared"]["manifest_sha256"]:
-            raise EagletError(f"{config.store}: its prepared set {prepared.path} changed since extraction; re-extract")
-        check_store_counts(Path(config.store), manifest, prepared)
+        source, prepared = open_store(Path(config.store), accepted_target, config, "store")
         vocab = DraftVocab.load(config.draft_vocab_file or prepared.vocab_path)
-        source = StoreSource(config.store, config.token_budget, config.seed)
-        layer_ids = tuple(manifest["aux_layer_ids"])
+        layer_ids = source.layer_ids
         if config.layers and tuple(config.layers) != layer_ids:
             raise EagletError(f"{config.store}: extracted with aux layers {list(layer_ids)}, --layers asks for "
                               f"{config.layers}; drop --layers or extract again with --layers")
@@ -93,22 +82,58 @@ def build_setup(config: TrainConfig, device: str) -> Setup:
             raise EagletError("online training runs the target in the training processes, which cannot also be its "
                               "tensor-parallel group; extract a store with `torchrun ... eaglet extract --placement tp`"
                               " and train on it, or use --placement split")
+        check_trainable(prepared, config)
         model = load_model(resolved.path, device, "auto", config.trust_remote_code, config)
         source = LiveSource(prepared, model, layer_ids, config.token_budget, config.online_chunk_tokens, config.seed,
                             config.online_forward_tokens, int(config.online_cache_gb * GIB))
     eval_source = None
     if config.eval_store is not None:
-        eval_manifest = read_manifest(Path(config.eval_store))
-        check_same_target(eval_manifest, accepted_target, f"eval store {config.eval_store}")
-        if tuple(eval_manifest["aux_layer_ids"]) != layer_ids:
-            raise EagletError(f"eval store {config.eval_store}: aux layers {eval_manifest['aux_layer_ids']}, training uses {list(layer_ids)}")
-        eval_source = StoreSource(config.eval_store, config.token_budget, config.seed)
+        eval_source, _ = open_store(Path(config.eval_store), accepted_target, config, "eval store")
+        if eval_source.layer_ids != layer_ids:
+            raise EagletError(f"eval store {config.eval_store}: aux layers {list(eval_source.layer_ids)}, training "
+                              f"uses {list(layer_ids)}")
     identity = {"target": target_identity, "layer_ids": list(layer_ids), "draft_vocab_size": vocab.size,
                 "draft_layers": config.draft_layers,
                 "ttt_steps": config.ttt_steps, "token_budget": config.token_budget, "seed": config.seed,
                 "input": "store" if config.store else "online", "eval_fraction": config.eval_fraction}
     return Setup(source, source.plans, prepared.lengths, vocab, layer_ids, identity, target_identity | target_record(resolved, info),
                  resolved.path, read_config(resolved.path), eval_source)
+
+
+def open_store(store: Path, accepted_target: dict[str, Any], config: TrainConfig,
+               what: str) -> tuple[StoreSource, PreparedSet]:
+    """A complete store of this target with its prepared set (unchanged since extraction, the same samples), as a
+    source whose every shard read is checked against that set."""
+    manifest = read_manifest(store)
+    check_same_target(manifest, accepted_target, f"{what} {store}")
+    if not manifest["complete"]:
+        raise EagletError(f"{store}: extraction incomplete; run the same `eaglet extract` again to finish it")
+    prepared = load_prepared(prepared_path(store, manifest))
+    if prepared.manifest_sha256 != manifest["prepared"]["manifest_sha256"]:
+        raise EagletError(f"{store}: its prepared set {prepared.path} changed since extraction; re-extract")
+    check_store_counts(store, manifest, prepared)
+    if what == "store":
+        check_trainable(prepared, config, manifest["prepared"]["samples"])
+    return StoreSource(store, config.token_budget, config.seed, prepared=prepared), prepared
+
+
+def training_samples(config: TrainConfig) -> Callable[[int], bool] | None:
+    """The training samples: all but the held-out fraction (unless a separate held-out store is given)."""
+    if config.eval_fraction > 0 and config.eval_store is None:
+        return lambda sample: not held_out(sample, config.seed, config.eval_fraction)
+    return None
+
+
+def check_trainable(prepared: PreparedSet, config: TrainConfig, samples: int | None = None) -> None:
+    """Refuse a set whose training samples hold no loss-masked token: it would train at loss 0 and ship an untrained
+    draft."""
+    count = len(prepared) if samples is None else samples
+    select = training_samples(config)
+    for sample in range(count):
+        if (select is None or select(sample)) and prepared.sample(sample)[1].any():
+            return
+    raise EagletError(f"{prepared.path}: none of its {count:,} training samples has a trainable token (every loss "
+                      "mask is 0); prepare conversations with assistant answers")
 
 
 @dataclass
