@@ -17,7 +17,9 @@ import torch
 from ..errors import EagletError
 from ..formats.files import (CHECKPOINT_WEIGHTS_FILE, CHECKPOINTS_DIR, OPTIMIZER_FILE, RNG_FILE, TRAINER_STATE_FILE,
                             checkpoint_dir_name)
-from ..fsio import atomic_directory, read_json, write_json_atomic
+from ..formats.records import Count, Record, parse_record
+from ..store import write_safetensors
+from ..fsio import atomic_directory, load_json_file, write_json_atomic
 
 
 
@@ -40,16 +42,45 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
+class _WriteRecorder:
+    """A file torch.save writes through, keeping the OSError of a failed write: torch reports it as a RuntimeError
+    without the errno (a full disk would read as an internal error)."""
+
+    def __init__(self, handle: Any):
+        self.handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    """``torch.save`` whose failed write raises the OSError the system gave."""
+    with open(path, "wb") as handle:
+        recorder = _WriteRecorder(handle)
+        try:
+            torch.save(obj, recorder)
+        except RuntimeError:
+            if recorder.error is not None:
+                raise recorder.error from None
+            raise
+
+
 def save_checkpoint(run: Path, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any],
                     scheduler: Any, state: TrainerState, identity: dict[str, Any], keep_last: int) -> Path:
     """``model_state``/``optimizer_state``: full (unsharded) state dicts, see ``Parallel.full_state``."""
-    from safetensors.torch import save_file
-
     final = run / CHECKPOINTS_DIR / checkpoint_dir_name(state.step)
     with atomic_directory(final, overwrite=True) as tmp:
-        save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, str(tmp / CHECKPOINT_WEIGHTS_FILE))
-        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
-        save_file(_rng_state(), str(tmp / RNG_FILE))
+        write_safetensors(tmp / CHECKPOINT_WEIGHTS_FILE, model_state)
+        _torch_save(optimizer_state, tmp / OPTIMIZER_FILE)
+        write_safetensors(tmp / RNG_FILE, _rng_state())
         write_json_atomic(tmp / TRAINER_STATE_FILE, {"state": state.as_dict(), "scheduler": scheduler.state_dict(),
                                              "identity": identity})
     checkpoints = sorted((run / CHECKPOINTS_DIR).glob("step-*"))
@@ -70,28 +101,55 @@ class LoadedCheckpoint:
     optimizer_state: dict[str, Any]
 
 
+class TrainerRecord(Record):
+    """A checkpoint's trainer.json."""
+
+    state: dict[str, Count]
+    scheduler: dict[str, Any]
+    identity: dict[str, Any]
+
+
+def _damaged(path: Path, what: str) -> EagletError:
+    return EagletError(f"{path}: a damaged checkpoint ({what}); delete {path} to resume from the checkpoint before "
+                       "it, or train into another --out")
+
+
 def load_checkpoint(path: Path, expected_keys: set[str], scheduler: Any, identity: dict[str, Any]) -> LoadedCheckpoint:
     """Read a checkpoint made with the same identity; restores the scheduler and RNG here, and returns the
-    model and optimizer states for the caller to load (sharded or not)."""
+    model and optimizer states for the caller to load (sharded or not). A damaged one is refused in one line."""
     from safetensors.torch import load_file
 
-    saved = read_json(path / TRAINER_STATE_FILE)
+    fix = f"delete {path} to resume from the checkpoint before it, or train into another --out"
+    saved = parse_record(TrainerRecord, load_json_file(path / TRAINER_STATE_FILE, fix), path / TRAINER_STATE_FILE, fix)
     for key, value in identity.items():
-        if saved["identity"].get(key) != value:
+        if saved.identity.get(key) != value:
             raise EagletError(
-                f"{path}: checkpoint was trained with {key}={saved['identity'].get(key)!r}, this run has {value!r}; "
+                f"{path}: checkpoint was trained with {key}={saved.identity.get(key)!r}, this run has {value!r}; "
                 "use another --out or the same settings"
             )
-    model_state = load_file(str(path / CHECKPOINT_WEIGHTS_FILE))
+    try:
+        state = TrainerState(**saved.state)
+    except TypeError as exc:
+        raise _damaged(path, f"{TRAINER_STATE_FILE}: {exc}") from None
+    try:
+        model_state = load_file(str(path / CHECKPOINT_WEIGHTS_FILE))
+        rng = load_file(str(path / RNG_FILE))
+    except Exception as exc:  # safetensors' errors for a missing, cut or foreign file
+        raise _damaged(path, str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
     if set(model_state) != expected_keys:
         raise EagletError(f"{path}: checkpoint weights do not match the draft "
                           f"(missing {sorted(expected_keys - set(model_state))}, unexpected {sorted(set(model_state) - expected_keys)})")
-    optimizer_state = torch.load(path / OPTIMIZER_FILE, weights_only=True, map_location="cpu")
-    scheduler.load_state_dict(saved["scheduler"])
-    rng = load_file(str(path / RNG_FILE))
-    torch.set_rng_state(rng["cpu"])
+    try:
+        optimizer_state = torch.load(path / OPTIMIZER_FILE, weights_only=True, map_location="cpu")
+    except Exception as exc:  # a cut zip, or a pickle with anything but tensors and plain containers
+        raise _damaged(path, f"{OPTIMIZER_FILE}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    try:
+        scheduler.load_state_dict(saved.scheduler)
+        torch.set_rng_state(rng["cpu"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise _damaged(path, f"scheduler or RNG state: {exc}") from None
     if torch.cuda.is_available():
         cuda_states = [rng[k] for k in sorted(rng) if k.startswith("cuda")]
         if cuda_states:
             torch.cuda.set_rng_state_all(cuda_states[: torch.cuda.device_count()])
-    return LoadedCheckpoint(TrainerState(**saved["state"]), model_state, optimizer_state)
+    return LoadedCheckpoint(state, model_state, optimizer_state)

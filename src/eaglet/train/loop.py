@@ -7,6 +7,8 @@ resumed run fetches the rest of that plan, so nothing is skipped or taken twice.
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -20,20 +22,22 @@ from rich.console import Console
 from .. import __version__
 from ..config import TrainConfig
 from ..distributed import Dist, all_reduce_sum, any_rank, init_distributed
+from ..errors import EagletError
 from ..draft import FROZEN_PREFIX, save_draft
 from ..formats.files import TRAIN_CONFIG_FILE
-from ..fsio import write_json_atomic
+from ..fsio import check_output_apart, check_output_dir, output_lock, write_json_atomic
 from ..progress import progress_bar
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
-from .data import FeatureBatch, kept_length, pad_to_budget
+from .data import FeatureBatch, kept_length, non_finite_samples, pad_to_budget
 from .evaluate import evaluate
 from ..sizing import draft_train_flops_per_token
 from .metrics import H200_BF16_DENSE_FLOPS, MetricsLog, plot_run
 from .prefetch import prefetched
 from .setup import Model, Setup, build_model, build_setup, lr_schedule, total_steps
-from .step import StepStats, train_step
+from .step import NonFiniteStep, StepStats, train_step
 
 PREFETCH_STEPS = 2  # optimizer steps' worth of micro-batches prepared ahead (packed, padded, pinned)
+MAX_SAMPLES_NAMED = 3  # samples a non-finite step's error line names
 
 
 @dataclass
@@ -60,10 +64,23 @@ class StopFlag:
 
 
 def run_train(config: TrainConfig, console: Console | None = None) -> TrainResult:
-    console = console or Console(stderr=True)
+    """Train into ``config.out``, resuming its latest checkpoint; one run at a time writes it. A run that fails
+    before its first checkpoint leaves no directory behind (nothing in it could be resumed)."""
     dist = init_distributed()
+    run = check_output_dir(config.out)
+    check_output_apart(run, [config.store, config.prepared, config.eval_store, config.target, config.draft_vocab_file])
+    with output_lock(run) if dist.is_main else contextlib.nullcontext():
+        created = not run.exists()
+        try:
+            return _train(config, console or Console(stderr=True), dist, run)
+        except BaseException:
+            if created and dist.is_main and latest_checkpoint(run) is None:
+                shutil.rmtree(run, ignore_errors=True)
+            raise
+
+
+def _train(config: TrainConfig, console: Console, dist: Dist, run: Path) -> TrainResult:
     device = torch.device(dist.device(config.device))
-    run = Path(config.out)
     setup = build_setup(config, str(device))
     model = build_model(config, setup, device, dist)
     select = setup.train_select(config)
@@ -101,7 +118,11 @@ def run_train(config: TrainConfig, console: Console | None = None) -> TrainResul
                 remaining = setup.source.fetch(plan[state.micro_in_epoch:])
                 groups = prefetched(_in_groups(remaining, per_step), host_ready, PREFETCH_STEPS)
                 for mine, group_size, group_tokens in groups:
-                    stats = train_step(model, mine, device, config.ttt_steps, config.clip)
+                    try:
+                        stats = train_step(model, mine, device, config.ttt_steps, config.clip)
+                    except NonFiniteStep as exc:
+                        groups.close()
+                        raise _non_finite_error(exc, state.step + 1, setup, run) from None
                     scheduler.step()
                     state.step += 1
                     state.micro_in_epoch += group_size
@@ -136,6 +157,23 @@ def run_train(config: TrainConfig, console: Console | None = None) -> TrainResul
     if dist.is_main:
         plot_run(run)
     return TrainResult(run, state.step, final_eval, time.perf_counter() - started, resumed_from)
+
+
+def _non_finite_error(error: NonFiniteStep, step: int, setup: Setup, run: Path) -> EagletError:
+    """One line naming the step, where the micro-batch's samples come from, and the checkpoint the run keeps."""
+    batch = error.batch
+    bad = non_finite_samples(batch)
+    culprits = bad or batch.sample_index.tolist()
+    named = "; ".join(setup.source.origin(sample) for sample in culprits[:MAX_SAMPLES_NAMED])
+    more = f" and {len(culprits) - MAX_SAMPLES_NAMED} more" if len(culprits) > MAX_SAMPLES_NAMED else ""
+    kept = latest_checkpoint(run)
+    keeps = f"the run keeps its last good checkpoint {kept}" if kept else "no checkpoint was written"
+    if bad:
+        cause = (f"non-finite {error.what} from non-finite features of {named}{more}; "
+                 f"{setup.source.repair_hint()}")
+    else:
+        cause = (f"non-finite {error.what} on finite features ({named}{more}); lower --lr or --clip")
+    return EagletError(f"step {step}: {cause}; the step was not applied and {keeps}")
 
 
 def _in_groups(batches: Iterator[FeatureBatch], size: int) -> Iterator[list[FeatureBatch]]:
@@ -174,7 +212,12 @@ def _resume(run: Path, model: Model, scheduler, setup: Setup, console: Console) 
     if checkpoint is None:
         return TrainerState()
     loaded = load_checkpoint(checkpoint, _checkpoint_keys(model), scheduler, setup.identity)
-    model.parallel.load_state(model.module, model.optimizer, model.draft, loaded.model_state, loaded.optimizer_state)
+    try:
+        model.parallel.load_state(model.module, model.optimizer, model.draft, loaded.model_state,
+                                  loaded.optimizer_state)
+    except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # shapes or optimizer entries of another draft
+        raise EagletError(f"{checkpoint}: a damaged checkpoint ({str(exc).splitlines()[0]}); delete it to resume "
+                          "from the checkpoint before it, or train into another --out") from None
     console.print(f"resuming from {checkpoint} (step {loaded.state.step})")
     return loaded.state
 

@@ -42,20 +42,47 @@ class StepStats:
         return [self.loss, self.losses, self.correct, self.counts]
 
 
+class NonFiniteStep(Exception):
+    """A step whose loss or gradient is not finite; raised before the optimizer applies it, so the draft and the
+    optimizer keep the last good step's state."""
+
+    def __init__(self, what: str, batch: FeatureBatch):
+        super().__init__(what)
+        self.what = what  # "loss" or "gradient"
+        self.batch = batch  # the first micro-batch with a non-finite loss (else the step's first)
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    """One host sync: whether every value is finite."""
+    return bool(torch.isfinite(tensor).all())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of the value (FSDP2's gradient norm is a DTensor: gathered)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def train_step(model: Model, batches: list[FeatureBatch], device: torch.device, ttt_steps: int,
                clip: float) -> StepStats:
-    """Forward and backward each micro-batch (gradient sync only on the last), then clip and step."""
+    """Forward and backward each micro-batch (gradient sync only on the last), then clip and step; a non-finite
+    loss or gradient raises ``NonFiniteStep`` instead of being applied."""
     stats = StepStats(torch.zeros((), device=device), *(torch.zeros(ttt_steps, device=device) for _ in range(3)))
+    losses = []
     for index, batch in enumerate(batches):
         inputs = device_inputs(batch, model.teacher, device, torch.float32)
         with model.parallel.accumulating(model.wrapped, last=index == len(batches) - 1), model.autocast():
             loss, losses_k, correct_k, counts_k = model.wrapped(inputs)
             (loss / len(batches)).backward()
+        losses.append(loss.detach())
         stats.loss += loss.detach() / len(batches)
         stats.losses += losses_k.detach().float() * counts_k.float()
         stats.correct += correct_k.float()
         stats.counts += counts_k.float()
-    torch.nn.utils.clip_grad_norm_(model.parameters, clip)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters, clip)
+    if not _finite(torch.stack([stats.loss, _local(grad_norm).to(stats.loss.device)])):
+        model.optimizer.zero_grad(set_to_none=True)
+        bad = [index for index, loss in enumerate(losses) if not _finite(loss)]
+        raise NonFiniteStep("loss" if bad else "gradient", batches[bad[0] if bad else 0])
     model.optimizer.step()
     model.optimizer.zero_grad(set_to_none=True)
     return stats
