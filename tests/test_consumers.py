@@ -98,7 +98,7 @@ def test_speculators_refuses_the_old_layout(tmp_path, drafts):
 def test_both_engines_load_every_tensor_and_read_the_trained_layers(tmp_path, drafts, fmt, vocab):
     out = export_draft(drafts[vocab], fmt, tmp_path / fmt)
     results = _by_engine(check_export(out))
-    assert set(results) == {"vllm", "sglang"}
+    assert set(results) == {"layout", "vllm", "sglang"}
     for engine, result in results.items():
         assert result.status == PASS, (engine, result.findings)
         assert "aux layers [1, 3, 6]" in result.findings[0]

@@ -28,3 +28,26 @@ def assert_refused(result: tuple[int, str, str], *fragments: str) -> str:
     for fragment in fragments:
         assert fragment in lines[-1], (fragment, lines[-1])
     return lines[-1]
+
+
+def rewrite_shard(store: Path, index: int, change) -> None:
+    """Replace shard ``index``'s tensors with ``change(tensors)`` and record the new file's sha256 and size in its
+    record and the manifest, as an attacker (or a buggy tool) who knows the format would: only content checks can
+    tell."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from eaglet.store import write_safetensors
+
+    name = f"shard-{index:05d}.safetensors"
+    tensors = change({k: v.clone() for k, v in load_file(str(store / name)).items()})
+    size, digest = write_safetensors(store / name, tensors)
+    record_file = store / f"shard-{index:05d}.json"
+    record = json.loads(record_file.read_text())
+    manifest = json.loads((store / "manifest.json").read_text())
+    manifest["totals"]["bytes"] += size - record["bytes"]
+    record |= {"bytes": size, "sha256": digest}
+    record_file.write_text(json.dumps(record))
+    manifest["shards"] = [record if entry["index"] == index else entry for entry in manifest["shards"]]
+    (store / "manifest.json").write_text(json.dumps(manifest))

@@ -122,5 +122,5 @@ def test_a_store_that_does_not_hold_its_prepared_set(tmp_path, capsys, store, ti
 
 def test_an_unreadable_manifest(tmp_path, capsys, store, tiny_target):
     (store / "manifest.json").write_text('{"schema": "eaglet.store/2", "shards": [')
-    line = refused_by_training(tmp_path, store, tiny_target, capsys, "manifest.json", "unreadable manifest")
+    line = refused_by_training(tmp_path, store, tiny_target, capsys, "manifest.json", "not valid JSON", "re-run the same `eaglet extract`")
     assert "at at" not in line
