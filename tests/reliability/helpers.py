@@ -30,6 +30,21 @@ def assert_refused(result: tuple[int, str, str], *fragments: str) -> str:
     return lines[-1]
 
 
+def copy_of(source: Path, tmp_path: Path) -> Path:
+    """A copy of an artifact directory to damage (the session's fixtures stay intact)."""
+    import shutil
+
+    copy = tmp_path / source.name
+    shutil.copytree(source, copy)
+    return copy
+
+
+def manifest_of(directory: Path) -> dict:
+    import json
+
+    return json.loads((directory / "manifest.json").read_text())
+
+
 def rewrite_shard(store: Path, index: int, change) -> None:
     """Replace shard ``index``'s tensors with ``change(tensors)`` and record the new file's sha256 and size in its
     record and the manifest, as an attacker (or a buggy tool) who knows the format would: only content checks can

@@ -13,20 +13,14 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import run_cli
-from helpers import assert_refused, rewrite_shard, tree_digest
+from helpers import assert_refused, copy_of, manifest_of, rewrite_shard, tree_digest
 
 TRAIN = ["--token-budget", "128", "--log-every", "1", "--seed", "1", "--set", "eval_fraction=0"]
 
 
 @pytest.fixture
 def store(tmp_path, tiny_store) -> Path:
-    copy = tmp_path / "store"
-    shutil.copytree(tiny_store, copy)
-    return copy
-
-
-def manifest_of(store: Path) -> dict:
-    return json.loads((store / "manifest.json").read_text())
+    return copy_of(tiny_store, tmp_path)
 
 
 def a_shard_with(store: Path, samples: int = 2) -> int:

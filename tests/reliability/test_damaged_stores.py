@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import extract_args, run_cli
-from helpers import assert_refused, tree_digest
+from helpers import assert_refused, copy_of, manifest_of, tree_digest
 
 TRAIN = ["--token-budget", "128", "--max-steps", "3", "--log-every", "1", "--save-every", "1000", "--seed", "1"]
 REPAIR = "eaglet store verify"
@@ -19,13 +19,7 @@ REPAIR = "eaglet store verify"
 
 @pytest.fixture
 def store(tmp_path, tiny_store) -> Path:
-    copy = tmp_path / "store"
-    shutil.copytree(tiny_store, copy)
-    return copy
-
-
-def manifest_of(store: Path) -> dict:
-    return json.loads((store / "manifest.json").read_text())
+    return copy_of(tiny_store, tmp_path)
 
 
 def write_manifest(store: Path, manifest: dict) -> None:
