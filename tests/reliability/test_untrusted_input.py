@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -22,7 +24,9 @@ def evil_target(root: Path, tiny_target: Path, marker: Path) -> Path:
     shutil.copytree(tiny_target, target)
     (target / "evil.py").write_text(
         f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n"
-        "from transformers import LlamaConfig as EvilConfig, LlamaForCausalLM as EvilModel\n")
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "class EvilConfig(LlamaConfig):\n    pass\n"
+        "class EvilModel(LlamaForCausalLM):\n    config_class = EvilConfig\n")
     config = json.loads((target / "config.json").read_text())
     config["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}
     (target / "config.json").write_text(json.dumps(config))
@@ -49,8 +53,10 @@ def test_repair_never_takes_remote_code_from_the_store(tmp_path, capsys, tiny_pr
     code, out, err = run_cli(["store", "verify", store, "--repair"], capsys)
     assert code == 0 and "repaired" in out, err
     assert not marker.exists() and not (tmp_path / "elsewhere").exists()
-    flip_a_byte(store)  # the user's own flag is obeyed: the same store, repaired with --trust-remote-code
-    run_cli(["store", "verify", store, "--repair", "--trust-remote-code"], capsys)
+    flip_a_byte(store)  # the user's own flag is obeyed: the same store, repaired with --trust-remote-code (in a
+    # process of its own: the imported remote code would change transformers' classes for every later test)
+    subprocess.run([sys.executable, "-m", "eaglet.cli", "store", "verify", str(store), "--repair",
+                    "--trust-remote-code"], capture_output=True, text=True)
     assert marker.exists()
 
 
