@@ -109,7 +109,8 @@ class TrainerRecord(Record):
     identity: dict[str, Any]
 
 
-def _damaged(path: Path, what: str) -> EagletError:
+def damaged_checkpoint(path: Path, what: str) -> EagletError:
+    """The one-line refusal of a checkpoint that cannot be resumed, with the fix."""
     return EagletError(f"{path}: a damaged checkpoint ({what}); delete {path} to resume from the checkpoint before "
                        "it, or train into another --out")
 
@@ -130,24 +131,24 @@ def load_checkpoint(path: Path, expected_keys: set[str], scheduler: Any, identit
     try:
         state = TrainerState(**saved.state)
     except TypeError as exc:
-        raise _damaged(path, f"{TRAINER_STATE_FILE}: {exc}") from None
+        raise damaged_checkpoint(path, f"{TRAINER_STATE_FILE}: {exc}") from None
     try:
         model_state = load_file(str(path / CHECKPOINT_WEIGHTS_FILE))
         rng = load_file(str(path / RNG_FILE))
     except Exception as exc:  # safetensors' errors for a missing, cut or foreign file
-        raise _damaged(path, str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+        raise damaged_checkpoint(path, str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
     if set(model_state) != expected_keys:
         raise EagletError(f"{path}: checkpoint weights do not match the draft "
                           f"(missing {sorted(expected_keys - set(model_state))}, unexpected {sorted(set(model_state) - expected_keys)})")
     try:
         optimizer_state = torch.load(path / OPTIMIZER_FILE, weights_only=True, map_location="cpu")
     except Exception as exc:  # a cut zip, or a pickle with anything but tensors and plain containers
-        raise _damaged(path, f"{OPTIMIZER_FILE}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        raise damaged_checkpoint(path, f"{OPTIMIZER_FILE}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     try:
         scheduler.load_state_dict(saved.scheduler)
         torch.set_rng_state(rng["cpu"])
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-        raise _damaged(path, f"scheduler or RNG state: {exc}") from None
+        raise damaged_checkpoint(path, f"scheduler or RNG state: {exc}") from None
     if torch.cuda.is_available():
         cuda_states = [rng[k] for k in sorted(rng) if k.startswith("cuda")]
         if cuda_states:

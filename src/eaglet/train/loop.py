@@ -27,7 +27,7 @@ from ..draft import FROZEN_PREFIX, save_draft
 from ..formats.files import TRAIN_CONFIG_FILE
 from ..fsio import check_output_apart, check_output_dir, output_lock, write_json_atomic
 from ..progress import progress_bar
-from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import TrainerState, damaged_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import FeatureBatch, kept_length, non_finite_samples, pad_to_budget
 from .evaluate import evaluate
 from ..sizing import draft_train_flops_per_token
@@ -216,8 +216,7 @@ def _resume(run: Path, model: Model, scheduler, setup: Setup, console: Console) 
         model.parallel.load_state(model.module, model.optimizer, model.draft, loaded.model_state,
                                   loaded.optimizer_state)
     except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # shapes or optimizer entries of another draft
-        raise EagletError(f"{checkpoint}: a damaged checkpoint ({str(exc).splitlines()[0]}); delete it to resume "
-                          "from the checkpoint before it, or train into another --out") from None
+        raise damaged_checkpoint(checkpoint, str(exc).splitlines()[0]) from None
     console.print(f"resuming from {checkpoint} (step {loaded.state.step})")
     return loaded.state
 
