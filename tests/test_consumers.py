@@ -16,7 +16,7 @@ from eaglet.consumers.check import FAIL, PASS, check_export
 from eaglet.consumers.fixtures import ENGINES, fixtures
 from eaglet.draft import Eagle3Draft, save_draft
 from eaglet.formats.draft import DraftConfig
-from eaglet.export import export_draft
+from eaglet.export.write import export_draft
 from eaglet.target import load_head_weights, read_config, resolve_target, target_info, target_record
 
 CUSTOM_LAYERS = (1, 3, 6)  # not the defaults (2, 4, 5) of the 8-layer tiny target: a wrong reading shows

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import EagletError
-from .formats.draft import (FIRST_LAYER_PREFIX, SPECULATORS_FIRST_LAYER_PREFIX, DraftConfig, StoredDraft,
-                            read_draft_config, weight_problems)
+from .export import export_format
+from .formats.draft import FIRST_LAYER_PREFIX, DraftConfig, StoredDraft, read_draft_config, weight_problems
 from .formats.files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -306,12 +306,12 @@ def save_draft(config: DraftConfig, weights: dict[str, torch.Tensor], directory:
     write_json_atomic(directory / DRAFT_CONFIG_FILE, config.to_dict())
 
 
-def _eaglet_names(state: dict[str, torch.Tensor], export_format: str | None) -> dict[str, torch.Tensor]:
-    """Tensors of any eaglet export under eaglet's names (the speculators format calls the first layer layers.0.)."""
-    if export_format != "speculators":
+def _eaglet_names(state: dict[str, torch.Tensor], stored: StoredDraft) -> dict[str, torch.Tensor]:
+    """Tensors of any eaglet export under eaglet's names (formats name the first layer their own way)."""
+    if stored.export_format is None:
         return state
-    return {FIRST_LAYER_PREFIX + k[len(SPECULATORS_FIRST_LAYER_PREFIX):] if k.startswith(SPECULATORS_FIRST_LAYER_PREFIX)
-            else k: v for k, v in state.items()}
+    fmt = export_format(stored.export_format, f"{stored.config_file}: export_format")
+    return {fmt.eaglet_name(name, FIRST_LAYER_PREFIX): tensor for name, tensor in state.items()}
 
 
 def read_draft_weights(directory: str | Path, stored: StoredDraft | None = None) -> dict[str, torch.Tensor]:
@@ -329,7 +329,7 @@ def read_draft_weights(directory: str | Path, stored: StoredDraft | None = None)
     except (SafetensorError, OSError, ValueError) as exc:
         raise EagletError(f"{weights_file}: unreadable safetensors ({str(exc).splitlines()[0]}); train (or export) "
                           "again") from None
-    state = _eaglet_names(raw, stored.export_format)
+    state = _eaglet_names(raw, stored)
     problems = weight_problems(stored.config, {name: tuple(tensor.shape) for name, tensor in state.items()})
     if not problems and "d2t" in state and len(state["d2t"]):  # of the config's shape: its values next
         used = torch.arange(len(state["d2t"])) + state["d2t"].long()  # the target id of each draft id

@@ -21,14 +21,15 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 from pydantic import Field, ValidationError
 from rich.console import Console
 
-from .config import (CPU_BATCH_TOKENS, DEFAULT_DRAFT_VOCAB_CAP, GPU_BATCH_TOKENS, GPU_GENERATE_BATCH, EvalConfig,
+from .config import (CPU_BATCH_TOKENS, DEFAULT_DRAFT_VOCAB_CAP, GPU_BATCH_TOKENS, GPU_GENERATE_BATCH, EvalConfig, ExportFormat,
                      ExtractConfig, PrepareConfig, RegenerateConfig, StrictModel, TrainConfig, describe_validation_error, read_yaml)
 from .errors import EagletError
+from .export import FORMAT_NAMES, FORMATS, verifier_reference
 from .formats.files import (DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, EXPORTED_DRAFT_CONFIG_FILE, MANIFEST_FILE,
                             REPORT_FILE, RUN_FILE, RUN_SCHEMA, answers_manifest)
 from .formats.records import RunRecord, parse_record
@@ -51,7 +52,7 @@ MEASURED_DECODE_LAYERS = 30  # RATES' decode rate was measured on the embedded t
 
 
 class ExportSection(StrictModel):
-    formats: list[Literal["vllm", "sglang", "speculators"]] = Field(default_factory=lambda: ["vllm", "sglang", "speculators"])
+    formats: list[ExportFormat] = Field(default_factory=lambda: list(FORMAT_NAMES))
     speculative_tokens: int = Field(default=3, ge=1, le=16)
 
 
@@ -230,13 +231,11 @@ class Pipeline:
                                                 "config_file": str(self.config_path), "stages": stages})
 
     def _fingerprint_matches(self, stage: Stage, state: dict[str, Any], record: dict[str, Any] | None) -> bool:
-        """The record was made from this stage's settings and inputs (also under the earlier fingerprint,
-        which held absolute paths: runs made before it keep their finished stages)."""
+        """The record was made from this stage's settings and inputs."""
         recorded = (record or {}).get("fingerprint")
-        return recorded is not None and recorded in (
-            self._fingerprint(stage, state), self._fingerprint(stage, state, run_relative=False))
+        return recorded is not None and recorded == self._fingerprint(stage, state)
 
-    def _fingerprint(self, stage: Stage, state: dict[str, Any], run_relative: bool = True) -> str | None:
+    def _fingerprint(self, stage: Stage, state: dict[str, Any]) -> str | None:
         """None while an upstream stage has no output yet. Paths inside the run directory count relative to
         it, so a run directory moved (or copied to another machine) keeps its finished stages."""
         upstream = []
@@ -247,11 +246,10 @@ class Pipeline:
             if record is None or not record.get("complete"):
                 return None
             upstream.append(record["output_hash"])
-        place = (lambda value: _run_relative(value, self.out)) if run_relative else (lambda value: value)
-        settings = place(stage.config.model_dump(mode="json")) if stage.config is not None else None
+        settings = _run_relative(stage.config.model_dump(mode="json"), self.out) if stage.config is not None else None
         fields = {"stage": stage.name, "settings": settings, "upstream": upstream}
-        if stage.heldout is not None:  # only then: runs made without held-out prompts keep their fingerprints
-            fields["heldout"] = place(stage.heldout.model_dump(mode="json"))
+        if stage.heldout is not None:
+            fields["heldout"] = _run_relative(stage.heldout.model_dump(mode="json"), self.out)
         text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
 
@@ -416,10 +414,6 @@ class Pipeline:
                 must_run = plan.action == "run"
             if not must_run:
                 result.outcomes.append(StageOutcome(stage.name, "skipped", 0.0, (record or {}).get("result", "")))
-                if record is not None and fingerprint is not None and record.get("fingerprint") != fingerprint \
-                        and self._fingerprint_matches(stage, state, record):  # made under the earlier fingerprint
-                    state[stage.name] = record | {"fingerprint": fingerprint}
-                    self._save_state(state)
                 continue
             if fingerprint is None:
                 raise EagletError(f"stage {stage.name} needs {', '.join(stage.reads)} first; run without --only")
@@ -449,14 +443,13 @@ class Pipeline:
 
     def serve_commands(self) -> dict[str, str]:
         """How to serve each exported draft, with its real path and the verifier its config names."""
-        from .export import serve_command, verifier_reference
-
         commands = {}
         for fmt in self.config.export.formats:
             directory = self.out / "export" / fmt
             if (directory / EXPORTED_DRAFT_CONFIG_FILE).is_file():
                 verifier, _ = verifier_reference(read_json(directory / EXPORTED_DRAFT_CONFIG_FILE))
-                commands[fmt] = serve_command(fmt, verifier, self.config.export.speculative_tokens, str(directory))
+                commands[fmt] = FORMATS[fmt].serve_command(verifier, self.config.export.speculative_tokens,
+                                                           str(directory))
         return commands
 
 
@@ -608,7 +601,7 @@ def _run_train(pipeline: Pipeline, stage: Stage) -> str:
 
 
 def _export_all(pipeline: Pipeline, report: Path | None) -> str:
-    from .export import export_draft
+    from .export.write import export_draft
 
     section = pipeline.config.export
     for fmt in section.formats:

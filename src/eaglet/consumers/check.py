@@ -16,8 +16,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..errors import EagletError
-from ..formats.draft import (FIRST_LAYER_PREFIX, SPECULATORS_FIRST_LAYER_PREFIX, DraftConfig, read_draft_config,
-                             weight_problems)
+from ..export import format_of_directory
+from ..export.spec import ExportFormat
+from ..formats.draft import FIRST_LAYER_PREFIX, DraftConfig, read_draft_config, weight_problems
 from ..formats.files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, EXPORTED_DRAFT_CONFIG_FILE
 from ..formats.records import validation_line
 from ..fsio import load_json_file
@@ -51,10 +52,7 @@ class ExportFacts:
     aux_layer_ids: tuple[int, ...] | None  # eaglet's convention (input of layer i), from eaglet_draft.json
     norm_before_residual: bool | None
     verifier: VerifierFacts
-
-    @property
-    def speculators_format(self) -> bool:
-        return "speculators_config" in self.config
+    fmt: ExportFormat  # the format config.json is in, as the engines recognise it
 
 
 EXPORT_AGAIN = "export the draft again with `eaglet export`"
@@ -85,7 +83,8 @@ def read_export(directory: Path) -> ExportFacts:
     verifier = VerifierFacts(target.get("vocab_size") or _int_or_none(layer_config.get("vocab_size")),
                              target.get("num_layers"))
     ids = meant.get("eagle_aux_hidden_state_layer_ids")
-    return ExportFacts(config, tensors, tuple(ids) if ids else None, meant.get("norm_before_residual"), verifier)
+    return ExportFacts(config, tensors, tuple(ids) if ids else None, meant.get("norm_before_residual"), verifier,
+                       format_of_directory(config))
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -138,7 +137,7 @@ def _layout_check(facts: ExportFacts) -> ConsumerResult:
         return ConsumerResult(LAYOUT, FAIL, [f"{DRAFT_CONFIG_FILE}: {validation_line(exc)}"])
     except (ValueError, TypeError) as exc:
         return ConsumerResult(LAYOUT, FAIL, [f"{DRAFT_CONFIG_FILE}: {exc}"])
-    names = {_eaglet_name(name, facts.speculators_format): shape for name, shape in facts.tensors.items()}
+    names = {facts.fmt.eaglet_name(name, FIRST_LAYER_PREFIX): shape for name, shape in facts.tensors.items()}
     findings = weight_problems(config, names)
     if facts.verifier.vocab_size is not None and config.vocab_size != facts.verifier.vocab_size:
         findings.append(f"vocab_size {config.vocab_size}, the target's is {facts.verifier.vocab_size}")
@@ -146,12 +145,6 @@ def _layout_check(facts: ExportFacts) -> ConsumerResult:
         return ConsumerResult(LAYOUT, FAIL, findings)
     return ConsumerResult(LAYOUT, PASS, [f"{len(facts.tensors)} tensors in the shapes config.json implies; aux layers "
                                          f"{config.eagle_aux_hidden_state_layer_ids} inside the target"])
-
-
-def _eaglet_name(name: str, speculators_format: bool) -> str:
-    if speculators_format and name.startswith(SPECULATORS_FIRST_LAYER_PREFIX):
-        return FIRST_LAYER_PREFIX + name[len(SPECULATORS_FIRST_LAYER_PREFIX):]
-    return name
 
 
 def _engine_check(reader: Any, facts: ExportFacts) -> ConsumerResult:
@@ -227,9 +220,8 @@ def check_export(directory: str | Path) -> list[ConsumerResult]:
     layout = _layout_check(facts)
     if layout.status == FAIL:  # the engines' loaders would stop at it: their readers are not run on it
         return [layout]
-    engines = ("vllm",) if facts.speculators_format else ("vllm", "sglang")
-    results = [layout] + ([_speculators_check(directory, facts)] if facts.speculators_format else [])
-    for engine in engines:
+    results = [layout] + ([_speculators_check(directory, facts)] if facts.fmt.library_check else [])
+    for engine in facts.fmt.readers:
         for fixture in fixtures(engine):
             results.append(_engine_check(READERS[engine](fixture), facts))
     return results

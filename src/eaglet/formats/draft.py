@@ -18,10 +18,7 @@ from .records import RECORD_CONFIG, Positive, validation_line
 
 DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 FIRST_LAYER_PREFIX = "midlayer."  # the EAGLE-3 layer's serving name (vLLM's and SGLang's checkpoints)
-SPECULATORS_FIRST_LAYER_PREFIX = "layers.0."  # the speculators library's name for it
 EXPORT_ONLY_KEYS = ("export_format",)  # what an export adds to eaglet's config
-EXPORT_FORMATS = ("vllm", "sglang", "speculators")
-SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config format the speculators export writes
 
 
 @record_dataclass(config=RECORD_CONFIG | {"extra": "forbid"})
@@ -165,9 +162,8 @@ def read_draft_config(directory: str | Path) -> StoredDraft:
     if not isinstance(fields, dict):
         raise EagletError(f"{config_file}: not an eaglet draft config; train again")
     export_format = fields.get("export_format")
-    if export_format is not None and export_format not in EXPORT_FORMATS:
-        raise EagletError(f"{config_file}: export_format {export_format!r} is none of {', '.join(EXPORT_FORMATS)}; "
-                          "export again")
+    if export_format is not None and not isinstance(export_format, str):
+        raise EagletError(f"{config_file}: export_format {export_format!r} is not a format name; export again")
     try:
         config = DraftConfig(**{k: v for k, v in fields.items() if k not in EXPORT_ONLY_KEYS})
     except ValidationError as exc:

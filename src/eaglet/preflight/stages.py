@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from ..config import DEFAULT_DRAFT_VOCAB_CAP
 from ..errors import EagletError
+from ..export import FORMATS
 from ..formats.draft import DraftConfig, read_draft_config
 from ..formats.files import MANIFEST_FILE, VOCAB_FILE
 from ..formats.layers import default_aux_layer_ids
@@ -142,17 +143,16 @@ def extract_checks(cfg: Any) -> list[Check]:
         return checks
     resolved, info = found
     checks.append(check_library_api())
-    same = prepared.manifest["target"]["tokenizer_hash"] == info.tokenizer_hash
-    checks.append(Check("tokenizer", PASS if same else FAIL,
-                        f"prepared with {prepared.manifest['target']['name']}'s tokenizer" + ("" if same else f", not {info.name}'s"),
-                        "" if same else "prepare again with this --target"))
+    checks.append(_target_check("tokenizer", info, prepared.manifest["target"], "prepared with",
+                                f"prepared with {prepared.manifest['target']['name']}'s tokenizer",
+                                "prepare again with this --target", tokenizer_only=True))
     checks.append(check_layers(cfg.layers, info.num_layers))
     store = Path(cfg.out)
     if (store / MANIFEST_FILE).is_file():
         existing = read_manifest(store, check_shards=False)
         mismatch = [k for k, v in (("aux_layer_ids", cfg.layers), ("storage_dtype", cfg.storage_dtype))
                     if v is not None and existing.get(k) != v]
-        if not info.same_config(existing.get("target", {}).get("config_hash")):
+        if info.identity.mismatches(existing.get("target")):
             mismatch.append("target")
         checks.append(Check("output", FAIL if mismatch else PASS,
                             f"{store} exists" + (f" with a different {', '.join(mismatch)}" if mismatch else "; missing shards are computed"),
@@ -169,6 +169,15 @@ def extract_checks(cfg: Any) -> list[Check]:
         checks.append(check_memory(device, weights_bytes(resolved.path, dtype_bytes) + activations,
                                    f"target weights + a {batch_tokens:,}-token batch"))
     return checks
+
+
+def _target_check(name: str, info: Any, recorded: dict[str, Any], made: str, detail: str, fix: str,
+                  *, tokenizer_only: bool = False) -> Check:
+    """An input's recorded target against the stage's (``TargetIdentity.mismatches``), as one check."""
+    findings = info.identity.mismatches(recorded, made, tokenizer_only=tokenizer_only)
+    if findings:
+        return Check(name, FAIL, "; ".join(findings), fix)
+    return Check(name, PASS, detail)
 
 
 def train_checks(cfg: Any) -> list[Check]:
@@ -190,13 +199,15 @@ def train_checks(cfg: Any) -> list[Check]:
             manifest = read_manifest(Path(cfg.store))
         except EagletError as exc:
             return checks + [Check("store", FAIL, exc.message)]
-        same = info.same_config(manifest["target"]["config_hash"]) and manifest["target"]["tokenizer_hash"] == info.tokenizer_hash
-        checks.append(Check("store", PASS if same and manifest["complete"] else FAIL,
+        findings = info.identity.mismatches(manifest["target"], "extracted from")
+        complete = manifest["complete"]
+        checks.append(Check("store", PASS if complete and not findings else FAIL,
                             f"{manifest['totals']['tokens']:,} tokens from {manifest['target']['name']}, layers "
                             f"{manifest['aux_layer_ids']} ({manifest['aux_convention']})"
-                            + ("" if manifest["complete"] else ", extraction incomplete"),
-                            "" if same and manifest["complete"] else
-                            ("extract with this --target" if not same else "rerun the same `eaglet extract` to finish it")))
+                            + "".join(f"; {finding}" for finding in findings)
+                            + ("" if complete else ", extraction incomplete"),
+                            "extract with this --target" if findings else
+                            "" if complete else "rerun the same `eaglet extract` to finish it"))
         if cfg.layers and list(cfg.layers) != list(manifest["aux_layer_ids"]):
             checks.append(Check("aux layer ids", FAIL, f"--layers {cfg.layers}, the store holds {manifest['aux_layer_ids']}",
                                 "drop --layers (training uses the store's), or extract again with --layers"))
@@ -206,9 +217,9 @@ def train_checks(cfg: Any) -> list[Check]:
             prepared = load_prepared(cfg.prepared)
         except EagletError as exc:
             return checks + [Check("prepared set", FAIL, exc.message)]
-        same = prepared.manifest["target"]["tokenizer_hash"] == info.tokenizer_hash
-        checks.append(Check("prepared set", PASS if same else FAIL, f"{len(prepared):,} samples",
-                            "" if same else "prepare again with this --target"))
+        checks.append(_target_check("prepared set", info, prepared.manifest["target"], "prepared with",
+                                    f"{len(prepared):,} samples", "prepare again with this --target",
+                                    tokenizer_only=True))
         checks.append(check_layers(cfg.layers, info.num_layers))
         checks.append(check_library_api())  # online: the target is loaded and driven through transformers
         if cfg.placement == "tp":
@@ -291,9 +302,9 @@ def eval_checks(cfg: Any) -> list[Check]:
         stored = None
     if stored is not None and found:
         recorded = stored.config.target or {}
-        same = recorded.get("config_hash") is None or found[1].same_config(recorded.get("config_hash"))
-        checks.append(Check("draft", PASS if same else FAIL, f"trained for {recorded.get('name', '?')}, layers "
-                            f"{stored.config.eagle_aux_hidden_state_layer_ids}", "" if same else "pass the draft's --target"))
+        checks.append(_target_check("draft", found[1], recorded, "trained for",
+                                    f"trained for {recorded.get('name', '?')}, layers "
+                                    f"{stored.config.eagle_aux_hidden_state_layer_ids}", "pass the draft's --target"))
     checks.append(check_rows([resolve_input(p) for p in cfg.prompts], need_assistant=False))
     if found:
         checks.append(check_library_api())
@@ -332,32 +343,30 @@ def check_static_cache(target_path: Any, mode: str, graphs: bool, trust_remote_c
     return Check("static cache", WARN, f"{problem}: eval falls back to dynamic caches (slower on GPU)", "")
 
 
-# the engines that load each export format (speculators-format directories are served by vLLM)
-FORMAT_ENGINES = {"vllm": ("vllm",), "sglang": ("sglang",), "speculators": ("vllm", "speculators")}
-
-
 def check_engine_coverage(fmt: str, declared: list[str]) -> list[Check]:
     """Each engine release the export will meet (installed here, or declared with --engine) is one whose
     loader eaglet's readers were made from; warn for any other."""
     import importlib.metadata
 
     from ..consumers.fixtures import covered_versions
-    from ..formats.draft import SPECULATORS_VERSION
+    from ..export import ENGINES
+    from ..export.speculators import VERSION as SPECULATORS_VERSION
 
+    engines = FORMATS[fmt].engines
     wanted: dict[str, set[str]] = {}
     for spec in declared:
         engine, _, version = spec.partition("==")
-        if engine not in ("vllm", "sglang", "speculators") or not version:
-            return [Check("engines", FAIL, f"--engine {spec!r}: expected ENGINE==VERSION with ENGINE vllm, sglang or "
-                          "speculators", "e.g. --engine vllm==0.33.0")]
+        if engine not in ENGINES or not version:
+            return [Check("engines", FAIL, f"--engine {spec!r}: expected ENGINE==VERSION with ENGINE one of "
+                          f"{', '.join(ENGINES)}", "e.g. --engine vllm==0.33.0")]
         wanted.setdefault(engine, set()).add(version)
-    for engine in FORMAT_ENGINES[fmt]:
+    for engine in engines:
         try:
             wanted.setdefault(engine, set()).add(importlib.metadata.version(engine))
         except importlib.metadata.PackageNotFoundError:
             pass
     checks = []
-    for engine in FORMAT_ENGINES[fmt]:
+    for engine in engines:
         covered = [SPECULATORS_VERSION] if engine == "speculators" else covered_versions(engine)
         for version in sorted(wanted.get(engine, ())):
             if version in covered:
@@ -369,7 +378,7 @@ def check_engine_coverage(fmt: str, declared: list[str]) -> list[Check]:
                 checks.append(Check("engines", WARN, f"{engine} {version}: eaglet's readers cover "
                                     f"{', '.join(covered)} only", fix))
     return checks or [Check("engines", PASS, "covered: " + "; ".join(
-        f"{e} {', '.join([SPECULATORS_VERSION] if e == 'speculators' else covered_versions(e))}" for e in FORMAT_ENGINES[fmt]))]
+        f"{e} {', '.join([SPECULATORS_VERSION] if e == 'speculators' else covered_versions(e))}" for e in engines))]
 
 
 def export_checks(cfg: Any) -> list[Check]:
@@ -379,7 +388,7 @@ def export_checks(cfg: Any) -> list[Check]:
     except EagletError as exc:
         return checks + [Check("draft", FAIL, exc.message)]
     checks.append(Check("draft", PASS, f"trained for {recorded.get('name', '?')}"))
-    if cfg.format == "speculators":
+    if FORMATS[cfg.format].carries_embedding:
         spec = cfg.target or recorded.get("spec")
         if not spec:
             checks.append(Check("target", FAIL, "the speculators format carries the target's embedding; this draft "
