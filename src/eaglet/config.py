@@ -13,6 +13,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import EagletError, shown
+from .export import FORMAT_NAMES
+from .formats.store import STORAGE_FORMATS
 
 DEFAULT_DRAFT_VOCAB_CAP = 32000
 GPU_BATCH_TOKENS, CPU_BATCH_TOKENS = 32768, 4096  # extract's tokens per forward when batch_tokens is 0
@@ -31,6 +33,19 @@ MAX_GB = 1e6
 SECONDS_PER_DAY = 86400.0
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]  # an Adam moment's decay
 
+# The vocabularies of the settings, each defined once: the store's storage formats (formats.store), the export
+# formats (eaglet.export's registry), where the target's weights go (eaglet.placement), compute dtypes.
+PLACEMENTS = ("one", "split", "tp")
+Placement = Literal[PLACEMENTS]  # type: ignore[valid-type]
+StorageDtype = Literal[tuple(STORAGE_FORMATS)]  # type: ignore[valid-type]
+ExportFormat = Literal[FORMAT_NAMES]  # type: ignore[valid-type]
+ComputeDtype = Literal["auto", "float32", "bfloat16", "float16"]
+Split = Literal["all", "train", "heldout"]  # rows whose `split` field matches
+OnBadRow = Literal["error", "skip"]
+TARGET_HELP = "'embedded' (SmolLM2-135M-Instruct), an HF model directory, a .gguf file or a hub id"
+RECORDED_TARGET_HELP = "the target (default: the one its input records)"
+TRUST_HELP = "allow the model's own Python code (off unless asked)"
+
 
 class StrictModel(BaseModel):
     """Unknown keys are errors; assignments are validated; every float is finite (inf and nan are refused)."""
@@ -41,12 +56,12 @@ class StrictModel(BaseModel):
 class PlacementFields(StrictModel):
     """Where the target's weights go, for every stage that runs it (see ``eaglet.placement``)."""
 
-    placement: Literal["one", "split", "tp"] = Field(
+    placement: Placement = Field(
         default="one", description="one device; split: layers spread over devices by --max-memory (one process); "
         "tp: tensor parallel over the torchrun world (transformers' plan for the architecture)")
     max_memory: dict[str, str] = Field(
-        default_factory=dict, description="split: memory each device may hold, e.g. {cuda:0: 60GiB, cuda:1: 60GiB, "
-        "cpu: 200GiB} (default: all GPUs, then CPU)")
+        default_factory=dict, description="split: memory each device may hold, e.g. cuda:0=60GiB,cuda:1=60GiB,"
+        "cpu=200GiB (default: all GPUs, then CPU)")
     offload_dir: str | None = Field(default=None, description="split: where weights past --max-memory are "
                                     "memory-mapped from disk")
     replica: str = Field(default="0/1", pattern=r"^\d+/\d+$", description="tp: this torchrun job is replica r of R "
@@ -59,42 +74,43 @@ class PlacementFields(StrictModel):
 
 class PrepareConfig(StrictModel):
     inputs: list[str] = Field(min_length=1, description="conversation files (.jsonl, .json, .parquet)")
-    out: str = Field(description="output directory")
-    target: str = "embedded"
+    out: str = Field(description="output directory (written atomically)")
+    target: str = Field(default="embedded", description=TARGET_HELP)
     chat_template: str | None = Field(default=None, description="a .jinja file replacing the target's template")
     max_len: int = Field(default=2048, ge=8, description="tokens per sample; longer samples are truncated")
-    draft_vocab: int | None = Field(default=None, ge=1, description="draft vocabulary size; default min(32000, V)")
-    on_bad_row: Literal["error", "skip"] = "error"
-    overwrite: bool = False
-    trust_remote_code: bool = False
+    draft_vocab: int | None = Field(default=None, ge=1, description="draft vocabulary size (default: min(32000, V))")
+    on_bad_row: OnBadRow = Field(default="error", description="skip: skipped rows are listed in the manifest")
+    overwrite: bool = Field(default=False, description="replace an existing --out")
+    trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
 
 
 class RegenerateConfig(PlacementFields):
     FORWARD_OPTION: ClassVar[tuple[str, int] | None] = ("--batch-size {}", 1)
 
-    prompts: list[str] = Field(min_length=1, description="prompt or conversation files")
-    out: str = Field(description="output .jsonl")
-    target: str = "embedded"
-    backend: Literal["hf", "openai"] = "hf"
+    prompts: list[str] = Field(min_length=1, description="prompt or conversation files; 'demo' = the shipped demo prompts")
+    out: str = Field(description="output .jsonl (resumable)")
+    target: str = Field(default="embedded", description=TARGET_HELP)
+    backend: Literal["hf", "openai"] = Field(default="hf", description="hf: in process; openai: an "
+                                             "OpenAI-compatible server")
     max_new_tokens: int = Field(default=256, ge=1)
-    temperature: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 means greedy")
+    temperature: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 = greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, description="answers per prompt")
     seed: int = 0
     batch_size: int = Field(default=0, ge=0, description="hf: prompts per batch (0 = 64 on GPU, 8 on CPU)")
-    max_prompts: int | None = Field(default=None, ge=1)
-    split: Literal["all", "train", "heldout"] = Field(default="all", description="rows whose `split` field matches")
-    device: str = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_prompts: int | None = Field(default=None, ge=1, description="only the first N selected prompts")
+    split: Split = Field(default="all", description="rows whose `split` field matches")
+    device: str = Field(default="auto", description="hf: auto, cpu, cuda, cuda:1 ...")
+    dtype: ComputeDtype = "auto"
     # openai backend
-    base_url: str = "http://127.0.0.1:8000/v1"
+    base_url: str = Field(default="http://127.0.0.1:8000/v1", description="openai: server URL")
     model: str | None = Field(default=None, description="openai: model name sent to the server")
-    api_key_env: str = "OPENAI_API_KEY"
-    concurrency: int = Field(default=16, ge=1)
-    timeout_s: float = Field(default=120.0, gt=0, le=SECONDS_PER_DAY)
-    max_retries: int = Field(default=5, ge=0)
-    on_bad_row: Literal["error", "skip"] = "error"
-    trust_remote_code: bool = False
+    api_key_env: str = Field(default="OPENAI_API_KEY", description="openai: the environment variable holding the key")
+    concurrency: int = Field(default=16, ge=1, description="openai: requests in flight")
+    timeout_s: float = Field(default=120.0, gt=0, le=SECONDS_PER_DAY, description="openai: seconds per request")
+    max_retries: int = Field(default=5, ge=0, description="openai: retries on timeouts, 429 and 5xx")
+    on_bad_row: OnBadRow = "error"
+    trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
 
 
 ConfigT = TypeVar("ConfigT", bound=StrictModel)
@@ -240,81 +256,87 @@ class ExtractConfig(PlacementFields):
 
     prepared: str = Field(description="a prepared set directory (`eaglet prepare`)")
     out: str = Field(description="store directory; an existing incomplete store with the same settings is resumed")
-    target: str | None = Field(default=None, description="default: the target its input records")
-    layers: list[int] | None = Field(default=None, description="aux layer ids; default (2, N//2, N-3)")
-    storage_dtype: Literal["bf16", "fp8", "fp8-aux"] = "bf16"
-    shard_mb: float = Field(default=512.0, gt=0, le=MAX_SHARD_MB, description="approximate shard size on disk")
+    target: str | None = Field(default=None, description=RECORDED_TARGET_HELP)
+    layers: list[int] | None = Field(default=None, description="aux layer ids, e.g. 2,15,27 (default: 2,N//2,N-3)")
+    storage_dtype: StorageDtype = Field(default="bf16", description="fp8: e4m3 with per-token scales, 0.5x the disk; "
+                                        "fp8-aux: aux fp8, the teacher's last feature bf16, 0.63x the disk")
+    shard_mb: float = Field(default=512.0, gt=0, le=MAX_SHARD_MB, description="approximate shard size on disk, MB")
     batch_tokens: int = Field(default=0, ge=0, description="tokens per forward pass (0 = 32768 on GPU, 4096 on CPU)")
-    max_samples: int | None = Field(default=None, ge=1)
-    device: str = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_samples: int | None = Field(default=None, ge=1, description="only the first N prepared samples")
+    device: str = Field(default="auto", description="auto (this rank's GPU, else cpu), cpu, cuda:1 ...")
+    dtype: ComputeDtype = Field(default="auto", description="compute dtype (auto: bf16 on GPU, fp32 on CPU)")
     reserve_gb: float = Field(default=1.0, ge=0, le=MAX_GB, description="free disk to keep beyond the store's estimated size")
-    trust_remote_code: bool = False
+    trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
 
 
 class TrainConfig(PlacementFields):
     FORWARD_OPTION: ClassVar[tuple[str, int] | None] = ("--set online_forward_tokens={}", 256)
 
-    out: str = Field(description="run directory: the draft, metrics, plots and checkpoints")
+    out: str = Field(description="run directory: the draft, metrics, plots and checkpoints (resumed from its last "
+                     "checkpoint)")
     store: str | None = Field(default=None, description="offline: a store from `eaglet extract`")
     prepared: str | None = Field(default=None, description="online: a prepared set; the target computes features live")
-    target: str | None = Field(default=None, description="default: the target its input records")
-    ttt_steps: int = Field(default=7, ge=1, le=32)
+    target: str | None = Field(default=None, description=RECORDED_TARGET_HELP)
+    ttt_steps: int = Field(default=7, ge=1, le=32, description="training-time-test unroll K")
     attention_kernels: Literal["one", "per_step"] = Field(
         default="one", description="GPU FlexAttention: one kernel for all TTT steps (one compile; 99.5 ms/step at "
         "the 8B shape on an H200) or one kernel per step count (K compiles; 104.8 ms)")
     compile_pointwise: bool = Field(
         default=True, description="GPU: fuse the draft's norms, RoPE, SwiGLU and residuals with torch.compile")
     draft_layers: int = Field(default=1, ge=1, le=8, description="decoder layers in the draft (1 = EAGLE-3's; SGLang serves 1 only)")
-    layers: list[int] | None = Field(default=None, description="online: aux layer ids (default (2, N//2, N-3)); "
-                                     "offline the store's are used")
-    loss_decay: float = Field(default=0.8, gt=0, le=1)
+    layers: list[int] | None = Field(default=None, description="online: aux layer ids, e.g. 2,15,27 (default: "
+                                     "2,N//2,N-3); offline the store's are used")
+    loss_decay: float = Field(default=0.8, gt=0, le=1, description="weight of TTT step k is loss_decay**k")
     token_budget: int = Field(default=4096, ge=16, description="tokens per packed micro-batch")
-    grad_accum: int = Field(default=1, ge=1)
+    grad_accum: int = Field(default=1, ge=1, description="micro-batches per optimizer step and rank")
     parallel: Literal["ddp", "fsdp2"] = Field(default="ddp", description="under torchrun: replicate (ddp) or shard (fsdp2) the draft and optimizer")
-    lr: float = Field(default=3e-4, gt=0, le=MAX_LR)
-    betas: tuple[Beta, Beta] = (0.9, 0.95)
+    lr: float = Field(default=3e-4, gt=0, le=MAX_LR, description="peak learning rate")
+    betas: tuple[Beta, Beta] = Field(default=(0.9, 0.95), description="AdamW's moment decays, e.g. 0.9,0.95")
     weight_decay: float = Field(default=0.0, ge=0, le=MAX_WEIGHT_DECAY)
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    schedule: Literal["cosine", "linear", "constant"] = Field(default="cosine", description="learning-rate decay "
+                                                              "after the warmup")
     warmup_steps: int = Field(default=20, ge=0)
-    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
-    clip: float = Field(default=0.5, gt=0, le=MAX_CLIP)
-    max_steps: int | None = Field(default=None, ge=1)
-    epochs: float | None = Field(default=None, gt=0, le=MAX_EPOCHS)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="the schedule's floor, a share of --lr")
+    clip: float = Field(default=0.5, gt=0, le=MAX_CLIP, description="gradient norm clip")
+    max_steps: int | None = Field(default=None, ge=1, description="stop after N optimizer steps")
+    epochs: float | None = Field(default=None, gt=0, le=MAX_EPOCHS, description="stop after E epochs (1 when no "
+                                 "other limit is given)")
     tokens: int | None = Field(default=None, ge=1, description="stop after this many training tokens")
     max_minutes: float | None = Field(default=None, gt=0, le=MAX_MINUTES, description="stop (with a checkpoint) after this long")
     eval_store: str | None = Field(default=None, description="evaluate on this store (e.g. held-out prompts) instead of a held-out fraction")
-    feature_noise_std: float = Field(default=0.0, ge=0, le=MAX_FEATURE_NOISE)
+    feature_noise_std: float = Field(default=0.0, ge=0, le=MAX_FEATURE_NOISE, description="Gaussian noise added to "
+                                     "the aux features while training")
     freeze_lm_head: bool = Field(default=False, description="keep the head the target's rows (less to fit on little data)")
     eval_fraction: float = Field(default=0.05, ge=0, lt=1, description="samples held out for the simulated acceptance")
-    eval_every: int = Field(default=100, ge=1)
-    log_every: int = Field(default=10, ge=1)
-    save_every: int = Field(default=200, ge=1)
-    keep_last: int = Field(default=2, ge=1)
-    seed: int = 0
-    device: str = "auto"
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    eval_every: int = Field(default=100, ge=1, description="held-out evaluation every N steps")
+    log_every: int = Field(default=10, ge=1, description="metrics every N steps")
+    save_every: int = Field(default=200, ge=1, description="checkpoint every N steps")
+    keep_last: int = Field(default=2, ge=1, description="checkpoints kept")
+    seed: int = Field(default=0, description="data order, init and noise")
+    device: str = Field(default="auto", description="auto (this rank's GPU, else cpu), cpu, cuda:1 ...")
+    precision: Literal["auto", "bf16", "fp32"] = Field(default="auto", description="auto: bf16 autocast on GPU")
     online_chunk_tokens: int = Field(default=262144, ge=1, description="online: samples shuffled in chunks of this many tokens")
     online_forward_tokens: int = Field(default=8192, ge=1, description="online: tokens per target forward")
     online_cache_gb: float = Field(default=8.0, ge=0, le=MAX_GB, description="online: host memory for features kept across "
                                    "epochs (computed once per sample while they fit; 0: every epoch recomputes)")
     draft_vocab_file: str | None = Field(default=None, description="vocab.safetensors (default: the prepared set's)")
-    trust_remote_code: bool = False
+    trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
 
 
 class ExportConfig(StrictModel):
     draft: str = Field(description="a draft directory (`eaglet train` output)")
-    format: Literal["vllm", "sglang", "speculators"] = Field(description="the consumer the directory is written for")
+    format: ExportFormat = Field(description="the consumer the directory is written for")
     out: str = Field(description="output directory (written atomically)")
     verifier: str | None = Field(default=None, description="how configs name the target (default: its hub id when "
                                  "known, else its local path)")
     target: str | None = Field(default=None, description="the target (default: the one the draft records); the "
                                "speculators format carries its embedding")
-    speculative_tokens: int = Field(default=3, ge=1, le=16)
+    speculative_tokens: int = Field(default=3, ge=1, le=16, description="draft tokens per step recorded for serving")
     report: str | None = Field(default=None, description="an `eaglet eval` report.json whose τ goes into the model card")
-    overwrite: bool = False
-    engines: list[str] = Field(default_factory=list, description="engine releases the export will be served with "
-                               "(ENGINE==VERSION): preflight warns when eaglet's readers do not cover one")
+    overwrite: bool = Field(default=False, description="replace an existing --out")
+    engines: list[str] = Field(default_factory=list, description="an engine release the export will be served with, "
+                               "ENGINE==VERSION (repeatable): preflight warns when eaglet's readers of its loader do "
+                               "not cover it")
 
 
 # The tree shapes `eval --tune` times by default: depth, top-k, budget. The fastest three measured for the embedded
@@ -327,10 +349,10 @@ class EvalConfig(PlacementFields):
     draft: str = Field(description="a draft directory (`eaglet train` output or an `eaglet export` directory)")
     out: str = Field(description="report directory")
     prompts: list[str] = Field(default_factory=lambda: ["demo"], description="prompt files; 'demo' = the shipped demo prompts")
-    target: str | None = Field(default=None, description="default: the target its input records")
-    split: Literal["all", "train", "heldout"] = "heldout"
+    target: str | None = Field(default=None, description=RECORDED_TARGET_HELP)
+    split: Split = Field(default="heldout", description="rows whose `split` field matches")
     max_prompts: int | None = Field(default=None, ge=1, description="only N prompts, taken round-robin over categories")
-    mode: Literal["chain", "tree"] = "chain"
+    mode: Literal["chain", "tree"] = Field(default="chain", description="tree: EAGLE-2's dynamic tree")
     depth: int = Field(default=4, ge=TREE_LIMITS["depth"][0], le=TREE_LIMITS["depth"][1],
                        description="draft steps per verification (chain length / tree depth)")
     topk: int = Field(default=8, ge=TREE_LIMITS["topk"][0], le=TREE_LIMITS["topk"][1],
@@ -343,13 +365,13 @@ class EvalConfig(PlacementFields):
         default_factory=lambda: list(TUNE_TREES), min_length=1,
         description="tree shapes --tune times: [depth, top-k, budget] each")
     tune_prompts: int = Field(default=4, ge=1, description="prompts each tree shape is timed on")
-    temperature: float = Field(default=0.0, ge=0, le=MAX_TEMPERATURE)
+    temperature: float = Field(default=0.0, ge=0, le=MAX_TEMPERATURE, description="0 = greedy, checked lossless")
     top_p: float = Field(default=1.0, gt=0, le=1)
     max_new_tokens: int = Field(default=128, ge=1)
     batch_size: int = Field(default=1, ge=1, le=1024, description="prompts decoded together (greedy chain only when > 1)")
-    seed: int = 0
-    device: str = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+    seed: int = Field(default=0, description="sampling seed")
+    device: str = Field(default="auto", description="auto, cpu, cuda, cuda:1 ...")
+    dtype: ComputeDtype = Field(
         default="float32", description="target and draft; float32 makes the greedy lossless check exact (bf16 rounds "
         "a k-token verify differently from a 1-token step, so near-ties flip); auto = bf16 on GPU")
     hf_generate_baseline: bool = Field(default=False, description="also time plain HF generate")
@@ -359,7 +381,7 @@ class EvalConfig(PlacementFields):
     compile_draft: Literal["auto", "on", "off"] = Field(
         default="auto", description="greedy rounds on static caches: the draft's part of each round through "
         "torch.compile (fused kernels inside the round's CUDA graph; auto: on GPU)")
-    trust_remote_code: bool = False
+    trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
 
     def decoding_problem(self) -> str | None:
         """Settings no decoder runs, found from the settings alone (before any stage of a run, any model load)."""

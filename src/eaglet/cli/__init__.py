@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from . import __version__
-from .errors import EagletError
+from .. import __version__
+from ..config import EvalConfig, ExportConfig, ExtractConfig, PrepareConfig, RegenerateConfig, TrainConfig
+from ..errors import EagletError
+from .console import err_console, out_console
+from .stage_options import StageOptions, stage_command
 
 app = typer.Typer(
     name="eaglet",
@@ -27,20 +29,8 @@ app.add_typer(target_app, name="target")
 store_app = typer.Typer(help="Inspect and verify hidden-state stores.", no_args_is_help=True)
 app.add_typer(store_app, name="store")
 
-out_console = Console(soft_wrap=True)
-err_console = Console(stderr=True, soft_wrap=True)
-
 TARGET_HELP = "'embedded' (SmolLM2-135M-Instruct), an HF model directory, a .gguf file or a hub id"
-CONFIG_HELP = "YAML config file (flat, or with a section named after the stage)"
-SKIP_HELP = "skip the preflight checks (problems then surface after the model load)"
 DISK_BOUND_SHARE = 0.2  # extract warns when more than this share of its time went to waiting on writes
-SET_HELP = "override a config key: --set key=value (repeatable)"
-# where the target's weights go (every stage that runs the target takes these four)
-PLACEMENT_HELP = ("one (default: one device), split (layers over devices by --max-memory, one process) or tp "
-                  "(tensor parallel over the torchrun world)")
-MAX_MEMORY_HELP = "split: memory per device, e.g. cuda:0=60GiB,cuda:1=60GiB,cpu=200GiB (default: all GPUs, then CPU)"
-OFFLOAD_HELP = "split: directory for the weights past --max-memory (memory-mapped from disk)"
-REPLICA_HELP = "tp: this torchrun job is replica r of R (data parallel over TP groups), e.g. 0/2"
 
 
 def _version(value: bool) -> None:
@@ -67,7 +57,7 @@ def target_info_cmd(
     trust_remote_code: bool = typer.Option(False, help="allow the model's own Python code (off by default)"),
 ) -> None:
     """Describe a target without loading its weights: architecture, sizes, template, aux layer ids."""
-    from .target import resolve_target, target_info
+    from ..target import resolve_target, target_info
 
     info = target_info(resolve_target(target, trust_remote_code))
     if as_json:
@@ -96,34 +86,12 @@ def target_info_cmd(
 # prepare
 
 
-@app.command()
-def prepare(
-    ctx: typer.Context,
-    inputs: List[str] = typer.Argument(..., help="conversation files (.jsonl/.json/.parquet)"),
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="output directory (written atomically)"),
-    target: Optional[str] = typer.Option(None, "--target", "-t", help=TARGET_HELP),
-    max_len: Optional[int] = typer.Option(None, help="tokens per sample (default: 2048); longer ones are truncated"),
-    draft_vocab: Optional[int] = typer.Option(None, help="draft vocabulary size (default: min(32000, V))"),
-    on_bad_row: Optional[str] = typer.Option(None, help="error (default) or skip: skipped rows are listed in the manifest"),
-    chat_template: Optional[str] = typer.Option(None, help="a .jinja chat template replacing the target's"),
-    overwrite: Optional[bool] = typer.Option(None, "--overwrite", help="replace an existing --out"),
-    skip_preflight: bool = typer.Option(False, "--skip-preflight", help=SKIP_HELP),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
-    overrides: List[str] = typer.Option([], "--set", help=SET_HELP),
-) -> None:
+@stage_command(app, PrepareConfig, "prepare", arguments=("inputs",), short={"out": "-o", "target": "-t"})
+def prepare(options: StageOptions) -> None:
     """Conversations -> token ids + assistant loss masks + draft vocabulary."""
-    from .config import PrepareConfig, build_config
-    from .data.prepare import run_prepare
+    from ..data.prepare import run_prepare
 
-    cfg = build_config(
-        PrepareConfig,
-        "prepare",
-        config,
-        dict(inputs=inputs, out=out, target=target, max_len=max_len, draft_vocab=draft_vocab,
-             on_bad_row=on_bad_row, chat_template=chat_template, overwrite=overwrite),
-        overrides,
-    )
-    _preflight(ctx, "prepare", cfg, skip_preflight)
+    cfg = options.build()
     result = run_prepare(cfg, err_console)
     m = result.manifest
     table = Table(title=f"prepared {result.out}", show_header=False)
@@ -141,53 +109,15 @@ def prepare(
 # regenerate
 
 
-@app.command()
-def regenerate(
-    ctx: typer.Context,
-    prompts: List[str] = typer.Argument(..., help="prompt or conversation files; 'demo' = the shipped demo prompts"),
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="output .jsonl (resumable)"),
-    target: Optional[str] = typer.Option(None, "--target", "-t", help=TARGET_HELP),
-    backend: Optional[str] = typer.Option(None, help="hf (in process) or openai (an OpenAI-compatible server)"),
-    max_new_tokens: Optional[int] = typer.Option(None, help="(default: 256)"),
-    temperature: Optional[float] = typer.Option(None, help="0 = greedy (default: 0)"),
-    top_p: Optional[float] = typer.Option(None, help="(default: 1.0)"),
-    n: Optional[int] = typer.Option(None, "--n", help="answers per prompt (default: 1)"),
-    seed: Optional[int] = typer.Option(None, help="(default: 0)"),
-    batch_size: Optional[int] = typer.Option(None, help="hf: prompts per batch (default: 64 GPU / 8 CPU)"),
-    max_prompts: Optional[int] = typer.Option(None, help="only the first N selected prompts"),
-    split: Optional[str] = typer.Option(None, help="all, train or heldout: rows whose `split` matches (default: all)"),
-    device: Optional[str] = typer.Option(None, help="hf: auto, cpu, cuda, cuda:1 ..."),
-    base_url: Optional[str] = typer.Option(None, help="openai: server URL (default: http://127.0.0.1:8000/v1)"),
-    model: Optional[str] = typer.Option(None, help="openai: model name sent to the server"),
-    concurrency: Optional[int] = typer.Option(None, help="openai: requests in flight (default: 16)"),
-    timeout_s: Optional[float] = typer.Option(None, help="openai: seconds per request (default: 120)"),
-    max_retries: Optional[int] = typer.Option(None, help="openai: retries on timeouts/429/5xx (default: 5)"),
-    on_bad_row: Optional[str] = typer.Option(None, help="error (default) or skip"),
-    placement: Optional[str] = typer.Option(None, help=PLACEMENT_HELP),
-    max_memory: Optional[str] = typer.Option(None, help=MAX_MEMORY_HELP),
-    offload_dir: Optional[str] = typer.Option(None, help=OFFLOAD_HELP),
-    replica: Optional[str] = typer.Option(None, help=REPLICA_HELP),
-    skip_preflight: bool = typer.Option(False, "--skip-preflight", help=SKIP_HELP),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
-    overrides: List[str] = typer.Option([], "--set", help=SET_HELP),
-) -> None:
+@stage_command(app, RegenerateConfig, "regenerate", arguments=("prompts",), short={"out": "-o", "target": "-t"})
+def regenerate(options: StageOptions) -> None:
     """The target writes the assistant answers (self-distillation), resumable after a kill."""
-    from .config import RegenerateConfig, build_config
-    from .data.regenerate import run_regenerate
-    from .resources import resolve_input
+    from ..data.regenerate import run_regenerate
+    from ..resources import resolve_input
 
-    cfg = build_config(
-        RegenerateConfig,
-        "regenerate",
-        config,
-        dict(prompts=[resolve_input(p) for p in prompts], out=out, target=target, backend=backend,
-             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, n=n, seed=seed,
-             batch_size=batch_size, max_prompts=max_prompts, split=split, device=device, base_url=base_url,
-             model=model, concurrency=concurrency, timeout_s=timeout_s, max_retries=max_retries,
-             on_bad_row=on_bad_row, **_placement(placement, max_memory, offload_dir, replica)),
-        overrides,
-    )
-    _preflight(ctx, "regenerate", cfg, skip_preflight)
+    if options.values["prompts"]:
+        options.values["prompts"] = [resolve_input(p) for p in options.values["prompts"]]
+    cfg = options.build()
     result = run_regenerate(cfg, err_console)
     rate = f"{result.new_tokens / result.seconds:,.1f} tok/s" if result.seconds > 0 and result.new_tokens else "-"
     out_console.print(
@@ -200,41 +130,12 @@ def regenerate(
 # extract and store
 
 
-@app.command()
-def extract(
-    ctx: typer.Context,
-    prepared: Optional[str] = typer.Option(None, "--prepared", "-p", help="prepared set directory"),
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="store directory (resumed if it exists with the same settings)"),
-    target: Optional[str] = typer.Option(None, "--target", "-t", help=TARGET_HELP),
-    layers: Optional[str] = typer.Option(None, help="aux layer ids, e.g. 2,15,27 (default: 2,N//2,N-3)"),
-    storage_dtype: Optional[str] = typer.Option(
-        None, help="bf16 (default), fp8 (e4m3, per-token scales: 0.5x the disk) or fp8-aux (aux fp8, the teacher's last feature bf16: 0.63x the disk)"),
-    shard_mb: Optional[float] = typer.Option(None, help="shard size on disk in MB (default: 512)"),
-    batch_tokens: Optional[int] = typer.Option(None, help="tokens per forward pass (default: 32768 GPU / 4096 CPU)"),
-    max_samples: Optional[int] = typer.Option(None, help="only the first N prepared samples"),
-    device: Optional[str] = typer.Option(None, help="auto (this rank's GPU, else cpu), cpu, cuda:1 ..."),
-    dtype: Optional[str] = typer.Option(None, help="compute dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16"),
-    reserve_gb: Optional[float] = typer.Option(None, help="free disk to keep beyond the store (default: 1)"),
-    placement: Optional[str] = typer.Option(None, help=PLACEMENT_HELP),
-    max_memory: Optional[str] = typer.Option(None, help=MAX_MEMORY_HELP),
-    offload_dir: Optional[str] = typer.Option(None, help=OFFLOAD_HELP),
-    replica: Optional[str] = typer.Option(None, help=REPLICA_HELP),
-    skip_preflight: bool = typer.Option(False, "--skip-preflight", help=SKIP_HELP),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
-    overrides: List[str] = typer.Option([], "--set", help=SET_HELP),
-) -> None:
+@stage_command(app, ExtractConfig, "extract", short={"prepared": "-p", "out": "-o", "target": "-t"})
+def extract(options: StageOptions) -> None:
     """Target hidden states (aux layers + final-normed last) for a prepared set, into a crash-safe store."""
-    from .config import ExtractConfig, build_config
-    from .extract import run_extract
+    from ..extract import run_extract
 
-    cfg = build_config(
-        ExtractConfig, "extract", config,
-        dict(prepared=prepared, out=out, target=target, layers=_layer_ids(layers), storage_dtype=storage_dtype,
-             shard_mb=shard_mb, batch_tokens=batch_tokens, max_samples=max_samples, device=device, dtype=dtype,
-             reserve_gb=reserve_gb, **_placement(placement, max_memory, offload_dir, replica)),
-        overrides,
-    )
-    _preflight(ctx, "extract", cfg, skip_preflight)
+    cfg = options.build()
     result = run_extract(cfg, err_console)
     totals = result.manifest["totals"]
     rate = f"{result.tokens_computed / result.seconds:,.0f} tok/s" if result.seconds > 0 and result.tokens_computed else "-"
@@ -261,7 +162,7 @@ def store_verify(
                                            "from the store)"),
 ) -> None:
     """Check checksums, shapes, dtypes, finite values and token ids of every shard; name each bad one."""
-    from .store_check import repair_store, verify_store
+    from ..store_check import repair_store, verify_store
 
     problems = verify_store(store, check_prepared=not no_prepared, console=err_console)
     for problem in problems:
@@ -284,7 +185,7 @@ def store_info(
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
     """Summarise a store: target, aux layers, dtype, shards, samples, tokens, size."""
-    from .store_check import store_summary
+    from ..store_check import store_summary
 
     summary = store_summary(store)
     if as_json:
@@ -296,81 +197,16 @@ def store_info(
     out_console.print(table)
 
 
-def _placement(placement: str | None, max_memory: str | None, offload_dir: str | None,
-               replica: str | None) -> dict:
-    """The placement options as config keys (``--max-memory cuda:0=60GiB,cpu=200GiB`` as a mapping)."""
-    memory = None
-    if max_memory is not None:
-        try:
-            memory = dict(item.split("=", 1) for item in max_memory.split(",") if item.strip())
-        except ValueError:
-            raise EagletError(f"--max-memory {max_memory!r}: expected DEVICE=SIZE pairs, e.g. "
-                              "cuda:0=60GiB,cpu=200GiB") from None
-        memory = {key.strip(): value.strip() for key, value in memory.items()}
-    return dict(placement=placement, max_memory=memory, offload_dir=offload_dir, replica=replica)
-
-
-def _layer_ids(text: str | None) -> list[int] | None:
-    """--layers 2,15,27 as a list (None when not given)."""
-    if text is None:
-        return None
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise EagletError(f"--layers {text!r}: expected comma-separated integers, e.g. 2,15,27") from None
-
-
 # ---------------------------------------------------------------------------------------------
 # train
 
 
-@app.command()
-def train(
-    ctx: typer.Context,
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="run directory (resumed from its last checkpoint)"),
-    store: Optional[str] = typer.Option(None, help="offline: a store from `eaglet extract`"),
-    prepared: Optional[str] = typer.Option(None, help="online: a prepared set; the target computes features live"),
-    target: Optional[str] = typer.Option(None, "--target", "-t", help=TARGET_HELP),
-    ttt_steps: Optional[int] = typer.Option(None, help="training-time-test unroll K (default: 7)"),
-    draft_layers: Optional[int] = typer.Option(None, help="decoder layers in the draft (default: 1, EAGLE-3's)"),
-    layers: Optional[str] = typer.Option(None, help="online: aux layer ids, e.g. 2,15,27 (default: 2,N//2,N-3)"),
-    token_budget: Optional[int] = typer.Option(None, help="tokens per packed micro-batch (default: 4096)"),
-    grad_accum: Optional[int] = typer.Option(None, help="micro-batches per optimizer step and rank (default: 1)"),
-    parallel: Optional[str] = typer.Option(None, help="under torchrun: ddp (default) or fsdp2 (shards weights and optimizer)"),
-    lr: Optional[float] = typer.Option(None, help="peak learning rate (default: 3e-4)"),
-    max_steps: Optional[int] = typer.Option(None, help="stop after N optimizer steps"),
-    epochs: Optional[float] = typer.Option(None, help="stop after E epochs (default: 1)"),
-    tokens: Optional[int] = typer.Option(None, help="stop after N training tokens"),
-    max_minutes: Optional[float] = typer.Option(None, help="stop with a checkpoint after M minutes"),
-    eval_store: Optional[str] = typer.Option(None, help="evaluate on this store (e.g. held-out prompts)"),
-    seed: Optional[int] = typer.Option(None, help="data order, init and noise (default: 0)"),
-    eval_every: Optional[int] = typer.Option(None, help="held-out evaluation every N steps (default: 100)"),
-    log_every: Optional[int] = typer.Option(None, help="metrics every N steps (default: 10)"),
-    save_every: Optional[int] = typer.Option(None, help="checkpoint every N steps (default: 200)"),
-    device: Optional[str] = typer.Option(None, help="auto (this rank's GPU, else cpu), cpu, cuda:1 ..."),
-    placement: Optional[str] = typer.Option(None, help=PLACEMENT_HELP),
-    max_memory: Optional[str] = typer.Option(None, help=MAX_MEMORY_HELP),
-    offload_dir: Optional[str] = typer.Option(None, help=OFFLOAD_HELP),
-    replica: Optional[str] = typer.Option(None, help=REPLICA_HELP),
-    skip_preflight: bool = typer.Option(False, "--skip-preflight", help=SKIP_HELP),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
-    overrides: List[str] = typer.Option([], "--set", help=SET_HELP),
-) -> None:
+@stage_command(app, TrainConfig, "train", short={"out": "-o", "target": "-t"})
+def train(options: StageOptions) -> None:
     """Train the EAGLE-3 draft (training-time test) on a store or online; resumable; torchrun for DDP or FSDP2."""
-    from .config import TrainConfig, build_config
-    from .train import run_train
+    from ..train import run_train
 
-    cfg = build_config(
-        TrainConfig, "train", config,
-        dict(out=out, store=store, prepared=prepared, target=target, ttt_steps=ttt_steps, draft_layers=draft_layers,
-             layers=_layer_ids(layers), token_budget=token_budget,
-             grad_accum=grad_accum, parallel=parallel, lr=lr, max_steps=max_steps, epochs=epochs, tokens=tokens, max_minutes=max_minutes,
-             eval_store=eval_store, seed=seed,
-             eval_every=eval_every, log_every=log_every, save_every=save_every, device=device,
-             **_placement(placement, max_memory, offload_dir, replica)),
-        overrides,
-    )
-    _preflight(ctx, "train", cfg, skip_preflight)
+    cfg = options.build()
     result = run_train(cfg, err_console)
     evaluation = result.final_eval
     if evaluation.get("tau") is not None:
@@ -387,43 +223,21 @@ def train(
 # export and eval
 
 
-@app.command()
+@stage_command(app, ExportConfig, "export", short={"draft": "-d", "format": "-f", "out": "-o", "target": "-t"},
+               renamed={"engines": "--engine"})
 def export(
-    ctx: typer.Context,
-    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="draft directory (`eaglet train` output)"),
-    format: Optional[str] = typer.Option(None, "--format", "-f", help="vllm, sglang or speculators"),
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="output directory (written atomically)"),
-    verifier: Optional[str] = typer.Option(None, help="how configs name the target (default: its hub id when known, "
-                                           "else its local path)"),
-    target: Optional[str] = typer.Option(None, "--target", "-t", help="the draft's target (default: the one it "
-                                         "records); the speculators format carries its embedding"),
-    speculative_tokens: Optional[int] = typer.Option(None, help="draft tokens per step recorded for serving (default: 3)"),
-    report: Optional[str] = typer.Option(None, help="an `eaglet eval` report.json whose τ goes into the model card"),
-    overwrite: Optional[bool] = typer.Option(None, "--overwrite", help="replace an existing --out"),
-    engines: Optional[List[str]] = typer.Option(None, "--engine", help="an engine release the export will be served "
-                                                "with, ENGINE==VERSION (repeatable): preflight warns when eaglet's "
-                                                "readers of its loader do not cover it"),
+    options: StageOptions,
     check: Optional[Path] = typer.Option(None, "--check", help="check an export directory against each engine's "
                                          "released loader instead of writing one"),
     as_json: bool = typer.Option(False, "--json", help="with --check: print JSON"),
-    skip_preflight: bool = typer.Option(False, "--skip-preflight", help=SKIP_HELP),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
-    overrides: List[str] = typer.Option([], "--set", help=SET_HELP),
 ) -> None:
     """Write a draft as the directory vLLM, SGLang or speculators load (config.json + model.safetensors + README)."""
     if check is not None:
         _export_check(check, as_json)
         return
-    from .config import ExportConfig, build_config
-    from .export import export_draft
+    from ..export.write import export_draft
 
-    cfg = build_config(
-        ExportConfig, "export", config,
-        dict(draft=draft, format=format, out=out, verifier=verifier, target=target,
-             speculative_tokens=speculative_tokens, report=report, overwrite=overwrite, engines=engines or None),
-        overrides,
-    )
-    _preflight(ctx, "export", cfg, skip_preflight)
+    cfg = options.build()
     path = export_draft(cfg.draft, cfg.format, cfg.out, cfg.verifier, cfg.speculative_tokens, cfg.report, cfg.overwrite,
                         cfg.target)
     out_console.print(f"exported {cfg.draft} as {cfg.format} -> {path} (serve it as its README.md shows; "
@@ -432,7 +246,7 @@ def export(
 
 def _export_check(directory: Path, as_json: bool) -> None:
     """Each consumer's verdict on an export directory: a table (or JSON); exit 2 when one fails."""
-    from .consumers.check import FAIL, check_export
+    from ..consumers.check import FAIL, check_export
 
     results = check_export(directory)
     if as_json:
@@ -451,55 +265,12 @@ def _export_check(directory: Path, as_json: bool) -> None:
         raise EagletError(f"{directory}: {failed[0].consumer} would not serve it as trained: {failed[0].findings[0]}")
 
 
-@app.command("eval")
-def eval_cmd(
-    ctx: typer.Context,
-    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="draft directory (trained or exported)"),
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="report directory"),
-    prompts: Optional[List[str]] = typer.Option(None, "--prompts", help="prompt files (default: demo)"),
-    target: Optional[str] = typer.Option(None, "--target", "-t", help=TARGET_HELP),
-    split: Optional[str] = typer.Option(None, help="all, train or heldout (default: heldout)"),
-    max_prompts: Optional[int] = typer.Option(None, help="only N prompts, round-robin over categories"),
-    mode: Optional[str] = typer.Option(None, help="chain (default) or tree (EAGLE-2 dynamic tree)"),
-    depth: Optional[int] = typer.Option(None, help="draft steps per verification (default: 4)"),
-    topk: Optional[int] = typer.Option(None, help="tree: children per node and nodes expanded per level (default: 8)"),
-    budget: Optional[int] = typer.Option(None, help="tree: draft tokens per verification (default: 48)"),
-    tune: Optional[bool] = typer.Option(None, "--tune", help="tree: time a few tree shapes (tune_trees) on a few "
-                                        "prompts first, evaluate with the fastest"),
-    temperature: Optional[float] = typer.Option(None, help="0 = greedy, checked lossless (default: 0)"),
-    top_p: Optional[float] = typer.Option(None, help="(default: 1.0)"),
-    max_new_tokens: Optional[int] = typer.Option(None, help="(default: 128)"),
-    batch_size: Optional[int] = typer.Option(None, help="prompts decoded together; > 1: greedy chain (default: 1)"),
-    seed: Optional[int] = typer.Option(None, help="sampling seed (default: 0)"),
-    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda, cuda:1 ..."),
-    dtype: Optional[str] = typer.Option(None, help="float32 (default: the lossless check is exact), bfloat16, float16, auto"),
-    hf_generate_baseline: Optional[bool] = typer.Option(None, "--hf-generate-baseline", help="also time plain HF generate"),
-    cuda_graphs: Optional[str] = typer.Option(None, "--cuda-graphs", help="auto (default: on GPU at batch 1), on, off: "
-                                              "target and draft on static caches, their forwards replayed as CUDA graphs"),
-    compile_draft: Optional[str] = typer.Option(None, "--compile-draft", help="auto (default: on GPU), on, off: the "
-                                                "draft's part of each greedy round through torch.compile"),
-    placement: Optional[str] = typer.Option(None, help=PLACEMENT_HELP),
-    max_memory: Optional[str] = typer.Option(None, help=MAX_MEMORY_HELP),
-    offload_dir: Optional[str] = typer.Option(None, help=OFFLOAD_HELP),
-    replica: Optional[str] = typer.Option(None, help=REPLICA_HELP),
-    skip_preflight: bool = typer.Option(False, "--skip-preflight", help=SKIP_HELP),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
-    overrides: List[str] = typer.Option([], "--set", help=SET_HELP),
-) -> None:
+@stage_command(app, EvalConfig, "eval", short={"draft": "-d", "out": "-o", "target": "-t"})
+def eval_cmd(options: StageOptions) -> None:
     """Speculative decoding with the draft: τ, speedup over the same engine without it, lossless check."""
-    from .config import EvalConfig, build_config
-    from .decode.evaluate import run_eval
+    from ..decode.evaluate import run_eval
 
-    cfg = build_config(
-        EvalConfig, "eval", config,
-        dict(draft=draft, out=out, prompts=prompts, target=target, split=split, max_prompts=max_prompts, mode=mode,
-             depth=depth, topk=topk, budget=budget, tune=tune,
-             temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, device=device,
-             batch_size=batch_size, dtype=dtype, hf_generate_baseline=hf_generate_baseline, cuda_graphs=cuda_graphs,
-             compile_draft=compile_draft, **_placement(placement, max_memory, offload_dir, replica)),
-        overrides,
-    )
-    _preflight(ctx, "eval", cfg, skip_preflight)
+    cfg = options.build()
     report = run_eval(cfg, err_console)
     out_console.print(
         f"τ {report['acceptance_length']:.2f}, {report['tokens_per_s']} tok/s vs {report['baseline_tokens_per_s']} "
@@ -509,46 +280,6 @@ def eval_cmd(
 
 # ---------------------------------------------------------------------------------------------
 # preflight
-
-
-def _preflight(ctx: typer.Context, stage: str, cfg: object, skip: bool) -> None:
-    """Run the stage's checks; under `eaglet preflight` print them and exit, otherwise stop on a failure."""
-    import time
-
-    from .preflight.stages import FAIL, WARN, run_checks, worst
-
-    mode = ctx.obj if isinstance(ctx.obj, dict) else {}
-    if skip and not mode.get("only"):
-        err_console.print(f"[bold yellow]PREFLIGHT SKIPPED for {stage} (--skip-preflight): anything wrong surfaces "
-                          "only after the expensive part starts[/]")
-        return
-    started = time.perf_counter()
-    checks = run_checks(stage, cfg)
-    status = worst(checks)
-    seconds = time.perf_counter() - started
-    if mode.get("only"):
-        if mode.get("json"):
-            out_console.print_json(json.dumps({"stage": stage, "status": status, "seconds": round(seconds, 3),
-                                               "checks": [c.as_dict() for c in checks]}))
-        else:
-            out_console.print(_checks_table(stage, checks, seconds))
-        raise typer.Exit(2 if status == FAIL else 1 if status == WARN and mode.get("strict") else 0)
-    if status == FAIL:  # one line: the first failed check and its fix (`eaglet preflight STAGE ...` lists them all)
-        first = next(c for c in checks if c.status == FAIL)
-        raise EagletError(f"preflight failed for {stage}: {first.name}: {first.detail}" + (f" ({first.fix})" if first.fix else ""))
-    for check in checks:
-        if check.status == WARN:
-            err_console.print(f"[yellow]preflight warning[/] {check.name}: {check.detail}", highlight=False)
-
-
-def _checks_table(stage: str, checks: list, seconds: float) -> Table:
-    styles = {"pass": "green", "warn": "yellow", "fail": "bold red"}
-    table = Table(title=f"preflight {stage} ({seconds:.2f} s)")
-    for column in ("check", "status", "detail", "fix"):
-        table.add_column(column)
-    for check in checks:
-        table.add_row(check.name, f"[{styles[check.status]}]{check.status}[/]", escape(check.detail), escape(check.fix))
-    return table
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -561,7 +292,7 @@ def preflight(
     """Run a stage's checks alone (same options as the stage), in seconds, loading no weights.
 
     Exit code: 0 pass, 1 warnings with --strict, 2 failure."""
-    from .preflight.stages import STAGE_CHECKS
+    from ..preflight.stages import STAGE_CHECKS
 
     if stage in ("calls", "self"):
         command = typer.main.get_command(app).commands[f"preflight-{stage}"]
@@ -583,7 +314,7 @@ def _split_spec(spec: str) -> tuple[str, str | None]:
 
 
 def _calls_report(paths: list[Path], against: str, site_packages: Optional[Path], wheel: Optional[Path]):
-    from .apicheck.check import check_calls, library_roots
+    from ..apicheck.check import check_calls, library_roots
 
     package, wanted = _split_spec(against)
     roots, source = library_roots(package, site_packages, wheel)
@@ -594,7 +325,7 @@ def _calls_report(paths: list[Path], against: str, site_packages: Optional[Path]
 
 
 def _print_calls(report, output_format: str, strict: bool) -> None:
-    from .apicheck.report import as_sarif, as_text
+    from ..apicheck.report import as_sarif, as_text
 
     if output_format == "json":
         out_console.print_json(json.dumps(report.as_json()))
@@ -619,7 +350,7 @@ def preflight_calls(
     strict: bool = typer.Option(False, "--strict", help="exit 1 on warnings"),
 ) -> None:
     """`eaglet preflight calls PATH... --against PKG`: bind every call into PKG to its signatures, statically."""
-    from .apicheck.check import upgrade_report
+    from ..apicheck.check import upgrade_report
 
     output_format = "json" if as_json else output_format
     if output_format not in ("text", "json", "sarif"):
@@ -640,7 +371,7 @@ def preflight_self(
     strict: bool = typer.Option(False, "--strict", help="exit 1 on warnings"),
 ) -> None:
     """eaglet's own calls into transformers, checked against the installed version (before any model load)."""
-    report = _calls_report([Path(__file__).parent], "transformers", None, None)
+    report = _calls_report([Path(__file__).parents[1]], "transformers", None, None)
     _print_calls(report, "json" if as_json else "text", strict)
 
 
@@ -657,7 +388,7 @@ def _human_bytes(count: float) -> str:
 
 
 def _plan_table(plans: list, out: Path) -> Table:
-    from .fsio import free_disk_bytes
+    from ..fsio import free_disk_bytes
 
     needed = sum(p.disk_bytes for p in plans if p.action == "run")
     free = free_disk_bytes(out)
@@ -708,7 +439,7 @@ def run(
 
     Stages whose output is complete and made from the same settings and inputs are skipped; a killed
     run resumes with the same command."""
-    from .pipeline import Pipeline, load_run_config
+    from ..pipeline import Pipeline, load_run_config
 
     cfg = load_run_config(config, {"out": out} if out else None)
     pipeline = Pipeline(cfg, config, err_console)
@@ -729,8 +460,8 @@ def demo(
     plan: bool = typer.Option(False, "--plan", help="print what would run; run nothing"),
 ) -> None:
     """`eaglet run` with a built-in config on the embedded target and the shipped demo prompts."""
-    from .pipeline import Pipeline, load_run_config
-    from .resources import demo_config_path
+    from ..pipeline import Pipeline, load_run_config
+    from ..resources import demo_config_path
 
     if scale not in ("auto", "cpu", "gpu"):
         raise EagletError(f"--scale {scale}: choose cpu, gpu or auto")
@@ -758,7 +489,7 @@ def main() -> None:
         _print_error(exc.message)
         sys.exit(exc.exit_code)
     except OSError as exc:  # the system refused a write or read (disk full, read-only, file-size limit...)
-        from .fsio import os_error_line
+        from ..fsio import os_error_line
 
         _print_error(os_error_line(exc))
         sys.exit(EagletError.exit_code)
@@ -766,6 +497,3 @@ def main() -> None:
         err_console.print("[yellow]interrupted[/]")
         sys.exit(130)
 
-
-if __name__ == "__main__":
-    main()
