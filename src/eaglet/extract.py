@@ -35,7 +35,7 @@ from .fsio import check_output_apart, check_output_dir, free_disk_bytes, output_
 from .formats.layers import AUX_CONVENTION, resolve_aux_layer_ids
 from .progress import progress_bar
 from .formats.files import MANIFEST_FILE, STORE_SCHEMA
-from .formats.target import stage_target, target_source
+from .formats.target_record import require_same_target, stage_target, target_source
 from .formats.store import SORT_WINDOW_SHARDS, ShardPlan, bytes_per_token, plan_shards, read_manifest, read_record
 from .store import encode_features, write_shard
 from .target import hub_id_of, load_model, load_tokenizer, pick_dtype, resolve_target, target_info
@@ -251,15 +251,7 @@ def store_identity(config: ExtractConfig, info: Any, layers: tuple[int, ...], pr
     """Everything that decides the store's bytes; a resumed run must match it exactly."""
     return {
         "schema": STORE_SCHEMA,
-        "target": {
-            "name": info.name,
-            "config_hash": info.config_hash,
-            "tokenizer_hash": info.tokenizer_hash,
-            "compute_dtype": model_dtype,
-            "num_layers": info.num_layers,
-            "hidden_size": info.hidden_size,
-            "vocab_size": info.vocab_size,
-        },
+        "target": info.identity.to_record() | {"compute_dtype": model_dtype},
         "aux_layer_ids": list(layers),
         "aux_convention": AUX_CONVENTION,
         "prepared": {
@@ -275,14 +267,12 @@ def store_identity(config: ExtractConfig, info: Any, layers: tuple[int, ...], pr
     }
 
 
-def _check_resume(store: Path, identity: dict[str, Any], legacy_config_hash: str = "") -> None:
+def _check_resume(store: Path, identity: dict[str, Any]) -> None:
     existing = read_manifest(store, check_shards=False)  # its shard list is rebuilt from the shard records
     for key, value in identity.items():
         was = existing.get(key)
         if key == "prepared" and isinstance(was, dict):  # the same prepared set (by manifest hash), perhaps moved
             was, value = {**was, "path": None}, {**value, "path": None}
-        if key == "target" and isinstance(was, dict) and was.get("config_hash") == legacy_config_hash:
-            was = {**was, "config_hash": value["config_hash"]}  # recorded before the config identity: the same target
         if was != value:
             raise EagletError(
                 f"{store}: an existing store with different '{key}' ({existing.get(key)!r} vs {value!r}); "
@@ -327,12 +317,8 @@ def _extract(config: ExtractConfig, console: Console, model: torch.nn.Module | N
     target = stage_target(config)
     resolved = resolve_target(target, config.trust_remote_code)
     info = target_info(resolved, load_tokenizer(resolved.path, config.trust_remote_code))
-    if prepared.manifest["target"]["tokenizer_hash"] != info.tokenizer_hash:
-        raise EagletError(
-            f"{config.prepared}: prepared with tokenizer of {prepared.manifest['target']['name']} "
-            f"({prepared.manifest['target']['tokenizer_hash'][:12]}), but --target {target} has "
-            f"{info.tokenizer_hash[:12]}; prepare again with this target"
-        )
+    require_same_target(info.identity, prepared.manifest["target"], str(config.prepared), "prepared with",
+                        f"prepare again with --target {target}", tokenizer_only=True)
     layers = resolve_aux_layer_ids(config.layers, info.num_layers)
     place = topology(config, dist.rank, dist.world)
     per_token = bytes_per_token(info.hidden_size, config.storage_dtype)
@@ -344,7 +330,7 @@ def _extract(config: ExtractConfig, console: Console, model: torch.nn.Module | N
     source = target_source(resolved.spec, resolved.path, hub_id_of(resolved))
 
     if (store / MANIFEST_FILE).is_file():
-        _check_resume(store, identity, info.legacy_config_hash)
+        _check_resume(store, identity)
     todo_all = [p for p in plans if read_record(store, p.index) is None and (only_shards is None or p.index in only_shards)]
     mine = [p for p in todo_all if p.index % place.replicas == place.replica]
     _check_disk(store, sum(p.tokens for p in todo_all) * per_token, config.reserve_gb)

@@ -22,6 +22,7 @@ from .errors import EagletError
 from .fsio import atomic_directory, json_error_text, load_json_file, sha256_file, sha256_json, write_json_atomic
 from .formats.files import TARGET_CONFIG_FILE
 from .formats.layers import default_aux_layer_ids
+from .formats.target_record import TargetIdentity
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the embedded GGUF quantizes
@@ -213,14 +214,15 @@ class TargetInfo:
     config_hash: str  # what the model computes (``config_identity``)
     tokenizer_hash: str
     template_hash: str | None
-    legacy_config_hash: str = ""  # the whole config.json's, which runs before the identity recorded
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def same_config(self, recorded: str | None) -> bool:
-        """Whether a config hash a prepared set, store or draft recorded is this target's (either form)."""
-        return recorded in (self.config_hash, self.legacy_config_hash)
+    @property
+    def identity(self) -> TargetIdentity:
+        """What every artifact made from this target records of it, and is compared on."""
+        return TargetIdentity(name=self.name, config_hash=self.config_hash, tokenizer_hash=self.tokenizer_hash,
+                              vocab_size=self.vocab_size, num_layers=self.num_layers, hidden_size=self.hidden_size)
 
 
 # config.json keys that say how the file was written, not what the model computes: transformers stamps its own
@@ -313,7 +315,6 @@ def target_info(resolved: ResolvedTarget, tokenizer: Any | None = None) -> Targe
         config_hash=config_identity(config),
         tokenizer_hash=tokenizer_hash(tokenizer),
         template_hash=sha256_json(template) if template else None,
-        legacy_config_hash=sha256_json(config),
     )
 
 

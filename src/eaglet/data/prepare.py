@@ -24,7 +24,7 @@ from ..formats.files import MANIFEST_FILE, PREPARED_SCHEMA, SAMPLES_FILE, VOCAB_
 from ..fsio import (atomic_directory, check_output_apart, check_output_dir, sha256_file, sha256_json,
                     write_json_atomic)
 from ..progress import progress_bar
-from ..formats.target import target_source
+from ..formats.target_record import target_source
 from ..target import hub_id_of, load_tokenizer, resolve_target, target_info
 from .readers import BadRow, Conversation, fail_on_bad_rows, read_conversations
 from .render import ChatRenderer, Rendered
@@ -122,15 +122,7 @@ def run_prepare(config: PrepareConfig, console: Console | None = None) -> Prepar
         manifest = {
             "schema": PREPARED_SCHEMA,
             "eaglet_version": __version__,
-            "target": {
-                "name": info.name,
-                "config_hash": info.config_hash,
-                "tokenizer_hash": info.tokenizer_hash,
-                "template_hash": sha256_json(renderer.template),
-                "vocab_size": vocab_size,
-                "num_layers": info.num_layers,
-                "hidden_size": info.hidden_size,
-            },
+            "target": info.identity.to_record() | {"template_hash": sha256_json(renderer.template)},
             "target_source": target_source(target.spec, target.path, hub_id_of(target)),
             "config": config.model_dump(),
             "inputs": [{"path": str(p), "sha256": sha256_file(p)} for p in config.inputs],

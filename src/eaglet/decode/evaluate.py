@@ -19,7 +19,7 @@ from ..data.readers import BadRow, read_conversations
 from ..draft import load_draft
 from ..errors import EagletError
 from ..formats.files import REPORT_FILE, REPORT_MARKDOWN_FILE
-from ..formats.target import stage_target
+from ..formats.target_record import require_same_target, stage_target
 from ..fsio import check_output_apart, check_output_dir, write_json_atomic
 from ..progress import progress_bar
 from ..resources import resolve_input
@@ -135,12 +135,8 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     tokenizer = load_tokenizer(resolved.path, config.trust_remote_code)
     info = target_info(resolved, tokenizer)
     draft = load_draft(config.draft, embed=load_head_weights(resolved.path).embed.float())
-    draft_target = draft.config.target or {}
-    if draft_target.get("config_hash") is not None and not info.same_config(draft_target.get("config_hash")):
-        raise EagletError(
-            f"{config.draft}: trained for target {draft_target.get('name')} (config {str(draft_target.get('config_hash'))[:12]}), "
-            f"not {info.name} ({info.config_hash[:12]}); pass the matching --target"
-        )
+    require_same_target(info.identity, draft.config.target, str(config.draft), "trained for",
+                        "pass the matching --target")
     layer_ids = tuple(draft.config.eagle_aux_hidden_state_layer_ids)
     dist = init_distributed()  # --placement tp: every rank runs the same decoding; rank 0 reports
     device = dist.device(config.device)

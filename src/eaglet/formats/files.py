@@ -12,7 +12,7 @@ SAMPLES_FILE = "samples.parquet"
 VOCAB_FILE = "vocab.safetensors"
 
 # hidden-state store (`eaglet extract`)
-STORE_SCHEMA = "eaglet.store/2"  # 2: shards hold length-sorted windows, not consecutive rows
+STORE_SCHEMA = "eaglet.store/2"
 
 
 def shard_name(index: int) -> str:

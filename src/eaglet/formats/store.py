@@ -240,15 +240,3 @@ def prepared_path(store: Path, manifest: dict[str, Any]) -> Path:
     if not (recorded / MANIFEST_FILE).is_file() and relative is not None and (store / relative / MANIFEST_FILE).is_file():
         return (store / relative).resolve()
     return recorded
-
-
-def check_same_target(store_manifest: dict[str, Any], target: dict[str, Any], what: str) -> None:
-    """Refuse a store made from another target or tokenizer, naming both. ``target`` may carry
-    ``legacy_config_hash`` (``TargetInfo``'s), which stores extracted before the config identity recorded."""
-    stored = store_manifest["target"]
-    for key, label in (("config_hash", "target"), ("tokenizer_hash", "tokenizer")):
-        if stored.get(key) not in {target.get(key), target.get(f"legacy_{key}")} - {None}:
-            raise EagletError(
-                f"{what}: extracted from {label} {stored.get('name')} ({key} {str(stored.get(key))[:12]}), "
-                f"but this run uses {target.get('name')} ({str(target.get(key))[:12]}); use the matching target or re-extract"
-            )

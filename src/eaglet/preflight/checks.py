@@ -90,7 +90,7 @@ def check_target(spec: str, need_template: bool, trust_remote_code: bool = False
 
 def check_stage_target(cfg: Any, need_template: bool) -> tuple[list[Check], Any]:
     """check_target for the stage's --target, or the target its input records when none is given."""
-    from ..formats.target import stage_target
+    from ..formats.target_record import stage_target
 
     try:
         spec = stage_target(cfg)

@@ -21,7 +21,8 @@ import torch
 from ..capture import FeatureCapture, batches_by_length
 from ..errors import EagletError
 from ..formats.prepared import PreparedSet
-from ..formats.store import ShardPlan, check_same_target, plan_shards, read_manifest
+from ..formats.store import ShardPlan, plan_shards, read_manifest
+from ..formats.target_record import TargetIdentity, require_same_target
 from ..store import ShardError, StoreReader, decode_features
 from .prefetch import prefetched
 
@@ -163,14 +164,15 @@ class StoreSource(FeatureSource):
     (headers and two small tensors: seconds), each shard's sha256 and content as it is read, before anything of it
     is trained on. With its ``prepared`` set, shards must hold exactly their planned samples, ids and masks."""
 
-    def __init__(self, store: str | Path, token_budget: int, seed: int = 0, expect_target: dict | None = None,
+    def __init__(self, store: str | Path, token_budget: int, seed: int = 0, expect_target: TargetIdentity | None = None,
                  prepared: PreparedSet | None = None):
         self.store = Path(store)
         self.manifest = read_manifest(self.store)
         if not self.manifest["complete"]:
             raise EagletError(f"{store}: extraction incomplete; run the same `eaglet extract` command again to finish it")
         if expect_target is not None:
-            check_same_target(self.manifest, expect_target, f"store {store}")
+            require_same_target(expect_target, self.manifest["target"], f"store {store}", "extracted from",
+                                "use the matching target or re-extract")
         self.prepared = prepared
         self.reader = StoreReader(self.store, self.manifest, prepared)
         self.hidden_size = self.manifest["hidden_size"]

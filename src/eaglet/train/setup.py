@@ -22,8 +22,8 @@ from ..sizing import GIB
 from ..formats.draft import DraftConfig
 from ..formats.layers import resolve_aux_layer_ids
 from ..formats.prepared import PreparedSet, load_prepared
-from ..formats.target import stage_target
-from ..formats.store import ShardPlan, check_same_target, check_store_counts, prepared_path, read_manifest
+from ..formats.target_record import TargetIdentity, require_same_target, stage_target
+from ..formats.store import ShardPlan, check_store_counts, prepared_path, read_manifest
 from ..loss import TeacherHead
 from ..target import (load_head_weights, load_model, load_tokenizer, read_config, resolve_target, target_info,
                       target_record)
@@ -59,11 +59,10 @@ def build_setup(config: TrainConfig, device: str) -> Setup:
     target = stage_target(config)
     resolved = resolve_target(target, config.trust_remote_code)
     info = target_info(resolved, load_tokenizer(resolved.path, config.trust_remote_code))
-    target_identity = {"name": info.name, "config_hash": info.config_hash, "tokenizer_hash": info.tokenizer_hash}
-    accepted_target = target_identity | {"legacy_config_hash": info.legacy_config_hash}
+    identity = info.identity
     source: FeatureSource
     if config.store is not None:
-        source, prepared = open_store(Path(config.store), accepted_target, config, "store")
+        source, prepared = open_store(Path(config.store), identity, config, "store")
         vocab = DraftVocab.load(config.draft_vocab_file or prepared.vocab_path)
         layer_ids = source.layer_ids
         if config.layers and tuple(config.layers) != layer_ids:
@@ -71,11 +70,8 @@ def build_setup(config: TrainConfig, device: str) -> Setup:
                               f"{config.layers}; drop --layers or extract again with --layers")
     else:
         prepared = load_prepared(config.prepared)
-        if prepared.manifest["target"]["tokenizer_hash"] != info.tokenizer_hash:
-            raise EagletError(
-                f"{config.prepared}: prepared with the tokenizer of {prepared.manifest['target']['name']}, not "
-                f"{info.name}'s; prepare again with --target {target}"
-            )
+        require_same_target(identity, prepared.manifest["target"], str(config.prepared), "prepared with",
+                            f"prepare again with --target {target}", tokenizer_only=True)
         vocab = DraftVocab.load(config.draft_vocab_file or prepared.vocab_path)  # before the target loads
         layer_ids = resolve_aux_layer_ids(config.layers, info.num_layers)
         if config.placement == "tp":
@@ -88,24 +84,26 @@ def build_setup(config: TrainConfig, device: str) -> Setup:
                             config.online_forward_tokens, int(config.online_cache_gb * GIB))
     eval_source = None
     if config.eval_store is not None:
-        eval_source, _ = open_store(Path(config.eval_store), accepted_target, config, "eval store")
+        eval_source, _ = open_store(Path(config.eval_store), identity, config, "eval store")
         if eval_source.layer_ids != layer_ids:
             raise EagletError(f"eval store {config.eval_store}: aux layers {list(eval_source.layer_ids)}, training "
                               f"uses {list(layer_ids)}")
-    identity = {"target": target_identity, "layer_ids": list(layer_ids), "draft_vocab_size": vocab.size,
+    run_identity = {"target": identity.to_record(), "layer_ids": list(layer_ids), "draft_vocab_size": vocab.size,
                 "draft_layers": config.draft_layers,
                 "ttt_steps": config.ttt_steps, "token_budget": config.token_budget, "seed": config.seed,
                 "input": "store" if config.store else "online", "eval_fraction": config.eval_fraction}
-    return Setup(source, source.plans, prepared.lengths, vocab, layer_ids, identity, target_identity | target_record(resolved, info),
+    return Setup(source, source.plans, prepared.lengths, vocab, layer_ids, run_identity,
+                 identity.to_record() | target_record(resolved, info),
                  resolved.path, read_config(resolved.path), eval_source)
 
 
-def open_store(store: Path, accepted_target: dict[str, Any], config: TrainConfig,
+def open_store(store: Path, identity: TargetIdentity, config: TrainConfig,
                what: str) -> tuple[StoreSource, PreparedSet]:
     """A complete store of this target with its prepared set (unchanged since extraction, the same samples), as a
     source whose every shard read is checked against that set."""
     manifest = read_manifest(store)
-    check_same_target(manifest, accepted_target, f"{what} {store}")
+    require_same_target(identity, manifest["target"], f"{what} {store}", "extracted from",
+                        "use the matching target or re-extract")
     if not manifest["complete"]:
         raise EagletError(f"{store}: extraction incomplete; run the same `eaglet extract` again to finish it")
     prepared = load_prepared(prepared_path(store, manifest))
