@@ -38,17 +38,29 @@ def main() -> None:
     for bench, label, path, higher in FIGURES:
         runs = {}
         for tree in ("before", "after"):
-            values = [value_at(json.loads(f.read_text()), path) for f in sorted(args.directory.glob(f"{tree}_{bench}_*.json"))]
+            values = [
+                value_at(json.loads(f.read_text()), path) for f in sorted(args.directory.glob(f"{tree}_{bench}_*.json"))
+            ]
             runs[tree] = [v for v in values if v is not None]
         if not runs["before"] or not runs["after"]:
             continue
         before, after = statistics.median(runs["before"]), statistics.median(runs["after"])
         ratio = after / before if higher else before / after  # > 1: after is faster
-        rows.append({"figure": label, "before_median": before, "after_median": after, "before_runs": runs["before"],
-                     "after_runs": runs["after"], "after_speed_vs_before": round(ratio, 3)})
+        rows.append(
+            {
+                "figure": label,
+                "before_median": before,
+                "after_median": after,
+                "before_runs": runs["before"],
+                "after_runs": runs["after"],
+                "after_speed_vs_before": round(ratio, 3),
+            }
+        )
         spread = lambda xs: f"{min(xs):g}..{max(xs):g}"  # noqa: E731
-        print(f"{label:36s} before {before:10.3f} ({spread(runs['before'])})  after {after:10.3f} "
-              f"({spread(runs['after'])})  after/before speed {ratio:.3f}")
+        print(
+            f"{label:36s} before {before:10.3f} ({spread(runs['before'])})  after {after:10.3f} "
+            f"({spread(runs['after'])})  after/before speed {ratio:.3f}"
+        )
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2) + "\n")
 

@@ -56,35 +56,80 @@ def main() -> None:
     if args.unpack:
         unpack(args.wheel, args.site)
     caller_lines = CALLER.read_text().splitlines()
-    record: dict = {"benchmark": "apicheck_vllm", "caller": str(CALLER.relative_to(Path(__file__).parent.parent)),
-                    "call_sites_in_caller": sum(line.count("(") for line in caller_lines if not line.lstrip().startswith(("def ", "#", '"'))),
-                    "repeats": f"best of {REPEATS}", "cpu": os.cpu_count()}
+    record: dict = {
+        "benchmark": "apicheck_vllm",
+        "caller": str(CALLER.relative_to(Path(__file__).parent.parent)),
+        "call_sites_in_caller": sum(
+            line.count("(") for line in caller_lines if not line.lstrip().startswith(("def ", "#", '"'))
+        ),
+        "repeats": f"best of {REPEATS}",
+        "cpu": os.cpu_count(),
+    }
 
-    seconds, result = timed([sys.executable, "-m", "eaglet.cli", "preflight", "calls", str(CALLER), "--against", "vllm",
-                             "--site-packages", str(args.site), "--json"])
+    seconds, result = timed(
+        [
+            sys.executable,
+            "-m",
+            "eaglet.cli",
+            "preflight",
+            "calls",
+            str(CALLER),
+            "--against",
+            "vllm",
+            "--site-packages",
+            str(args.site),
+            "--json",
+        ]
+    )
     ours = json.loads(result.stdout)
-    record["eaglet"] = {"wall_s": round(seconds, 3), "check_s": ours["seconds"], "version": ours["version"],
-                        "calls": ours["call_sites"], "errors": ours["errors"], "unverified": ours["unverified"]["total"],
-                        "error_lines": sorted({f["line"] for f in ours["findings"] if f["level"] == "error"})}
+    record["eaglet"] = {
+        "wall_s": round(seconds, 3),
+        "check_s": ours["seconds"],
+        "version": ours["version"],
+        "calls": ours["call_sites"],
+        "errors": ours["errors"],
+        "unverified": ours["unverified"]["total"],
+        "error_lines": sorted({f["line"] for f in ours["findings"] if f["level"] == "error"}),
+    }
 
     if Path(args.ty).exists():
-        seconds, result = timed([args.ty, "check", "--extra-search-path", str(args.site), "--output-format", "concise",
-                                 "--python-version", "3.12", str(CALLER)])
+        seconds, result = timed(
+            [
+                args.ty,
+                "check",
+                "--extra-search-path",
+                str(args.site),
+                "--output-format",
+                "concise",
+                "--python-version",
+                "3.12",
+                str(CALLER),
+            ]
+        )
         diagnostics = [l for l in result.stdout.splitlines() if re.match(r".*:\d+:\d+: ", l)]
-        record["ty"] = {"wall_s": round(seconds, 3), "version": subprocess.run([args.ty, "--version"], capture_output=True, text=True).stdout.strip(),
-                        "diagnostics": len(diagnostics),
-                        "lines": sorted({int(re.match(r".*?:(\d+):\d+:", l).group(1)) for l in diagnostics}),
-                        "sample": diagnostics[:12]}
+        record["ty"] = {
+            "wall_s": round(seconds, 3),
+            "version": subprocess.run([args.ty, "--version"], capture_output=True, text=True).stdout.strip(),
+            "diagnostics": len(diagnostics),
+            "lines": sorted({int(re.match(r".*?:(\d+):\d+:", l).group(1)) for l in diagnostics}),
+            "sample": diagnostics[:12],
+        }
     if Path(args.pyright).exists():
         with tempfile.TemporaryDirectory() as project:
             shutil.copy(CALLER, Path(project) / CALLER.name)
-            (Path(project) / "pyrightconfig.json").write_text(json.dumps({"extraPaths": [str(args.site)], "pythonVersion": "3.12"}))
+            (Path(project) / "pyrightconfig.json").write_text(
+                json.dumps({"extraPaths": [str(args.site)], "pythonVersion": "3.12"})
+            )
             seconds, result = timed([args.pyright, "--outputjson", CALLER.name], cwd=Path(project))
         data = json.loads(result.stdout)
         errors = [d for d in data["generalDiagnostics"] if d["severity"] == "error"]
-        record["pyright"] = {"wall_s": round(seconds, 3), "version": data.get("version"), "errors": len(errors),
-                             "lines": sorted({d["range"]["start"]["line"] + 1 for d in errors}),
-                             "sample": [f'{d["range"]["start"]["line"] + 1}: {d["message"].splitlines()[0]}' for d in errors[:12]]}
+        record["pyright"] = {
+            "wall_s": round(seconds, 3),
+            "version": data.get("version"),
+            "errors": len(errors),
+            "lines": sorted({d["range"]["start"]["line"] + 1 for d in errors}),
+            "sample": [f"{d['range']['start']['line'] + 1}: {d['message'].splitlines()[0]}" for d in errors[:12]],
+        }
     print(json.dumps(record, indent=2))
     if args.out:
         args.out.write_text(json.dumps(record, indent=2) + "\n")

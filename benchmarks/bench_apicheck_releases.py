@@ -82,8 +82,9 @@ def runtime_reading(finding) -> str:
     return "false"
 
 
-def read_row(name: str, package: str, roots: list[Path], source: str, callers: list[Path], verdicts: dict,
-             runtime: bool) -> dict:
+def read_row(
+    name: str, package: str, roots: list[Path], source: str, callers: list[Path], verdicts: dict, runtime: bool
+) -> dict:
     report = check_calls(callers, package, roots, source)
     release = f"{package} {report.version}"
     counts = {"confirmed": 0, "false": 0, "unreviewed": 0, "unreadable": 0}
@@ -96,12 +97,21 @@ def read_row(name: str, package: str, roots: list[Path], source: str, callers: l
             entry = verdicts.get(release, {}).get(where)
             verdict, why = (entry["verdict"], entry["why"]) if entry else ("unreviewed", "")
         counts[verdict] += 1
-        errors.append({"at": where, "target": finding.target, "message": finding.message, "second_reading": verdict,
-                       "why": why})
-    return {"row": name, "release": release, "call_sites": report.call_sites, "imports": report.imports,
-            "errors": len(report.errors), "warnings": len(report.warnings),
-            "unverified": sum(report.unverified.values()), "second_reading": counts, "seconds": round(report.seconds, 2),
-            "error_list": errors}
+        errors.append(
+            {"at": where, "target": finding.target, "message": finding.message, "second_reading": verdict, "why": why}
+        )
+    return {
+        "row": name,
+        "release": release,
+        "call_sites": report.call_sites,
+        "imports": report.imports,
+        "errors": len(report.errors),
+        "warnings": len(report.warnings),
+        "unverified": sum(report.unverified.values()),
+        "second_reading": counts,
+        "seconds": round(report.seconds, 2),
+        "error_list": errors,
+    }
 
 
 def main() -> None:
@@ -120,13 +130,16 @@ def main() -> None:
                 rows.append(read_row(caller.stem, "vllm", [site], str(wheel.name), [caller], verdicts, runtime=False))
     for package in ("transformers", "torch"):
         roots, source = library_roots(package)
-        rows.append(read_row("eaglet's own source", package, roots, source, [ROOT / "src" / "eaglet"], verdicts,
-                             runtime=True))
+        rows.append(
+            read_row("eaglet's own source", package, roots, source, [ROOT / "src" / "eaglet"], verdicts, runtime=True)
+        )
     for row in rows:
         second = row["second_reading"]
-        print(f"{row['release']:22s} {row['row']:24s} {row['call_sites']:4d} calls {row['errors']:3d} errors: "
-              f"{second['confirmed']} confirmed, {second['false']} false, {second['unreviewed']} unreviewed; "
-              f"{row['unverified']} unverified")
+        print(
+            f"{row['release']:22s} {row['row']:24s} {row['call_sites']:4d} calls {row['errors']:3d} errors: "
+            f"{second['confirmed']} confirmed, {second['false']} false, {second['unreviewed']} unreviewed; "
+            f"{row['unverified']} unverified"
+        )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"rows": rows}, indent=2) + "\n")

@@ -31,9 +31,9 @@ def main() -> None:
     from eaglet.decode.baseline import target_only_decode
     from eaglet.decode.common import sync
     from eaglet.decode.runners import TargetRunner
-    from eaglet.decode.static import StaticTarget
     from eaglet.decode.sampling import Sampling
-    from eaglet.target import load_model, pick_device, resolve_target
+    from eaglet.decode.static import StaticTarget
+    from eaglet.model.target import load_model, pick_device, resolve_target
 
     device = pick_device(args.device)
     model = load_model(resolve_target(args.target).path, device, args.dtype)
@@ -53,12 +53,17 @@ def main() -> None:
         model.generate(ids, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
         sync(torch.device(device))
         generate_s = time.perf_counter() - started
-    record = {"benchmark": "decode_step", "device": device, "torch": torch.__version__, "tokens": args.tokens,
-              "engine_ms_per_token": round(1000 * result.seconds / len(result.tokens), 2),
-              "static_cache_ms_per_token": round(1000 * static_result.seconds / len(static_result.tokens), 2),
-              "static_cache_cuda_graphs": static.graphs,
-              "same_tokens": static_result.tokens == result.tokens,
-              "hf_generate_ms_per_token": round(1000 * generate_s / args.tokens, 2)}
+    record = {
+        "benchmark": "decode_step",
+        "device": device,
+        "torch": torch.__version__,
+        "tokens": args.tokens,
+        "engine_ms_per_token": round(1000 * result.seconds / len(result.tokens), 2),
+        "static_cache_ms_per_token": round(1000 * static_result.seconds / len(static_result.tokens), 2),
+        "static_cache_cuda_graphs": static.graphs,
+        "same_tokens": static_result.tokens == result.tokens,
+        "hf_generate_ms_per_token": round(1000 * generate_s / args.tokens, 2),
+    }
     print(json.dumps(record, indent=2))
     if args.out:
         args.out.write_text(json.dumps(record, indent=2) + "\n")

@@ -28,8 +28,16 @@ def llama_8b_dir(root: Path, tokenizer_dir: Path) -> Path:
     """A target directory with the 8B config and the embedded tokenizer (weights are made in memory)."""
     from transformers import LlamaConfig
 
-    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
+    config = LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    )
     root.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(root)
     for file in tokenizer_dir.iterdir():
@@ -84,14 +92,13 @@ def main() -> None:
     import torch
     from rich.console import Console
 
-    from eaglet.capture import FeatureCapture, base_model_of
     from eaglet.config import ExtractConfig, PrepareConfig
     from eaglet.data.prepare import run_prepare
-    from eaglet.formats.prepared import load_prepared
-    from eaglet.capture import batches_by_length
-    from eaglet.extract import run_extract
+    from eaglet.extract.extractor import run_extract
     from eaglet.formats.layers import default_aux_layer_ids
-    from eaglet.target import load_model, resolve_target
+    from eaglet.formats.prepared import load_prepared
+    from eaglet.model.capture import FeatureCapture, base_model_of, batches_by_length
+    from eaglet.model.target import load_model, resolve_target
 
     quiet = Console(stderr=True, quiet=True)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="eaglet-bench-"))
@@ -110,7 +117,9 @@ def main() -> None:
 
         torch.manual_seed(0)
         with torch.device(args.device):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(target_dir), dtype=torch.bfloat16 if args.device == "cuda" else torch.float32).eval()
+            model = AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(target_dir), dtype=torch.bfloat16 if args.device == "cuda" else torch.float32
+            ).eval()
     layers = default_aux_layer_ids(model.config.num_hidden_layers)
     batches = batches_by_length(lengths, args.batch_tokens)
     base = base_model_of(model)
@@ -144,9 +153,19 @@ def main() -> None:
 
     store = args.store_dir or work / "store"
     shutil.rmtree(store, ignore_errors=True)
-    result = run_extract(ExtractConfig(prepared=str(work / "prepared"), out=str(store), target=str(target_dir),
-                                       batch_tokens=args.batch_tokens, reserve_gb=0, device=args.device,
-                                       storage_dtype=args.storage_dtype), quiet, model=model)
+    result = run_extract(
+        ExtractConfig(
+            prepared=str(work / "prepared"),
+            out=str(store),
+            target=str(target_dir),
+            batch_tokens=args.batch_tokens,
+            reserve_gb=0,
+            device=args.device,
+            storage_dtype=args.storage_dtype,
+        ),
+        quiet,
+        model=model,
+    )
     ours_s = result.seconds
     store_bytes = result.manifest["totals"]["bytes"]
     shutil.rmtree(store, ignore_errors=True)
@@ -161,8 +180,10 @@ def main() -> None:
                 output = base(input_ids=padded(batch), output_hidden_states=True, use_cache=False)
                 for row, sample in enumerate(batch.tolist()):
                     length = int(lengths[sample])
-                    record = {"aux": torch.stack([output.hidden_states[i][row, :length] for i in layers], 1).cpu(),
-                              "last": output.last_hidden_state[row, :length].cpu()}
+                    record = {
+                        "aux": torch.stack([output.hidden_states[i][row, :length] for i in layers], 1).cpu(),
+                        "last": output.last_hidden_state[row, :length].cpu(),
+                    }
                     torch.save(record, naive_dir / f"{sample}.pt")
         sync()
         naive_s = time.perf_counter() - started
@@ -170,16 +191,29 @@ def main() -> None:
 
     record = {
         "benchmark": f"extract_{args.model}",
-        "storage_dtype": args.storage_dtype, "store_dir": str(store.parent),
+        "storage_dtype": args.storage_dtype,
+        "store_dir": str(store.parent),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "torch": torch.__version__,
-        "samples": len(prepared), "tokens": tokens, "mean_length": round(float(lengths.mean()), 1),
-        "batch_tokens": args.batch_tokens, "aux_layer_ids": list(layers),
-        "bare_forward": {"seconds": round(bare_s, 3), "tokens_per_s": round(tokens / bare_s), "mfu": round(flops / bare_s / H200_BF16_DENSE_FLOPS, 4)},
+        "samples": len(prepared),
+        "tokens": tokens,
+        "mean_length": round(float(lengths.mean()), 1),
+        "batch_tokens": args.batch_tokens,
+        "aux_layer_ids": list(layers),
+        "bare_forward": {
+            "seconds": round(bare_s, 3),
+            "tokens_per_s": round(tokens / bare_s),
+            "mfu": round(flops / bare_s / H200_BF16_DENSE_FLOPS, 4),
+        },
         "host_copy": host_copy,
-        "eaglet_extract": {"seconds": round(ours_s, 3), "tokens_per_s": round(tokens / ours_s), "mfu": round(flops / ours_s / H200_BF16_DENSE_FLOPS, 4),
-                           "writer_stall_s": round(result.writer_stall_s, 3),
-                           "store_gb": round(store_bytes / 1e9, 2), "write_gb_per_s": round(store_bytes / 1e9 / ours_s, 2)},
+        "eaglet_extract": {
+            "seconds": round(ours_s, 3),
+            "tokens_per_s": round(tokens / ours_s),
+            "mfu": round(flops / ours_s / H200_BF16_DENSE_FLOPS, 4),
+            "writer_stall_s": round(result.writer_stall_s, 3),
+            "store_gb": round(store_bytes / 1e9, 2),
+            "write_gb_per_s": round(store_bytes / 1e9 / ours_s, 2),
+        },
         "naive": None if naive_s is None else {"seconds": round(naive_s, 3), "tokens_per_s": round(tokens / naive_s)},
         "ratio_extract_vs_bare": round(bare_s / ours_s, 3),
         "ratio_extract_vs_naive": None if naive_s is None else round(naive_s / ours_s, 3),

@@ -1,4 +1,4 @@
-"""The TTT loss alone: the fused soft cross-entropy (`eaglet.loss.soft_cross_entropy`) next to autograd
+"""The TTT loss alone: the fused soft cross-entropy (`eaglet.train.loss.soft_cross_entropy`) next to autograd
 through log-softmax with the teacher shifted by copies (how `ttt_forward` computed it before), same inputs.
 
 Times K steps' losses + backward to the logits (the draft itself left out) and reports peak memory on GPU.
@@ -22,17 +22,21 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="the logits' dtype (training: bf16 autocast)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
-                        help="compile the fused row math (default: on GPU only, as training does)")
+    parser.add_argument(
+        "--compiled",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile the fused row math (default: on GPU only, as training does)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
     import torch
     import torch.nn.functional as F
 
-    from eaglet.target import pick_device
-    from eaglet.loss import soft_cross_entropy
-    from eaglet.ttt import shift
+    from eaglet.model.target import pick_device
+    from eaglet.train.loss import soft_cross_entropy
+    from eaglet.train.ttt import shift
 
     device = torch.device(pick_device(args.device))
     dtype = getattr(torch, args.dtype)
@@ -57,8 +61,9 @@ def main() -> None:
         total = 0.0
         for k in range(K):
             m = shift(mask, 1 + k, False)
-            loss, _ = soft_cross_entropy(logits[k], probs[1 + k : 1 + k + T], m.float() / m.sum().clamp_min(1),
-                                         compiled=args.compiled)
+            loss, _ = soft_cross_entropy(
+                logits[k], probs[1 + k : 1 + k + T], m.float() / m.sum().clamp_min(1), compiled=args.compiled
+            )
             total = total + 0.8**k * loss
         total.backward()
 
@@ -84,10 +89,19 @@ def main() -> None:
 
     before = timed(autograd_loss)
     after = timed(fused_loss)
-    record = {"benchmark": "ttt_loss", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "tokens": T, "vocab": V, "steps": K, "dtype": args.dtype,
-              "compiled": args.compiled if args.compiled is not None else device.type == "cuda",
-              "autograd_log_softmax": before, "fused": after, "speedup": round(before["ms"] / after["ms"], 2)}
+    record = {
+        "benchmark": "ttt_loss",
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "tokens": T,
+        "vocab": V,
+        "steps": K,
+        "dtype": args.dtype,
+        "compiled": args.compiled if args.compiled is not None else device.type == "cuda",
+        "autograd_log_softmax": before,
+        "fused": after,
+        "speedup": round(before["ms"] / after["ms"], 2),
+    }
     print(json.dumps(record, indent=2))
     if args.out:
         args.out.write_text(json.dumps(record, indent=2) + "\n")

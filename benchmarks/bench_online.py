@@ -22,8 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-WORDS = ("the draft model proposes tokens and the target verifies them in one forward pass while the store keeps "
-         "hidden states of three layers for every sample of the prepared set").split()
+WORDS = (
+    "the draft model proposes tokens and the target verifies them in one forward pass while the store keeps "
+    "hidden states of three layers for every sample of the prepared set"
+).split()
 
 
 def conversations(path: Path, count: int, turns: int, seed: int = 0) -> Path:
@@ -42,8 +44,9 @@ def conversations(path: Path, count: int, turns: int, seed: int = 0) -> Path:
 def eaglet(*args: str) -> dict:
     """Run an eaglet command in its own process; returns its wall time and peak resident size."""
     started = time.perf_counter()
-    process = subprocess.Popen([sys.executable, "-m", "eaglet.cli", *args], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "eaglet.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     _, status, usage = os.wait4(process.pid, 0)
     stdout, stderr = process.communicate()
     if os.waitstatus_to_exitcode(status) != 0:
@@ -65,10 +68,10 @@ def target_forward_seconds(target: str, prepared: Path, tokens: int, device: str
     """One capture forward of ``tokens`` tokens (the prepared set's first sample, repeated), median of three."""
     import torch
 
-    from eaglet.capture import FeatureCapture
     from eaglet.formats.layers import default_aux_layer_ids
     from eaglet.formats.prepared import load_prepared
-    from eaglet.target import load_model, resolve_target
+    from eaglet.model.capture import FeatureCapture
+    from eaglet.model.target import load_model, resolve_target
 
     resolved = resolve_target(target)
     model = load_model(resolved.path, device)
@@ -103,36 +106,79 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     data = conversations(work / "conversations.jsonl", args.conversations, args.turns)
     prepared, store = work / "prepared", work / "store"
-    timings = {"prepare": eaglet("prepare", str(data), "--out", str(prepared), "--target", args.target,
-                                 "--overwrite"),
-               "extract": eaglet("extract", "--prepared", str(prepared), "--out", str(store), "--target", args.target,
-                                 "--device", args.device, "--reserve-gb", "0")}
-    common = ["--max-steps", str(args.steps), "--token-budget", str(args.token_budget), "--log-every", "1",
-              "--eval-every", str(10 * args.steps), "--save-every", str(10 * args.steps), "--target", args.target,
-              "--device", args.device, "--set", "eval_fraction=0"]
-    variants = {"offline": ["--store", str(store)],
-                "online_cached": ["--prepared", str(prepared)],
-                "online_recomputed": ["--prepared", str(prepared), "--set", "online_cache_gb=0"]}
+    timings = {
+        "prepare": eaglet("prepare", str(data), "--out", str(prepared), "--target", args.target, "--overwrite"),
+        "extract": eaglet(
+            "extract",
+            "--prepared",
+            str(prepared),
+            "--out",
+            str(store),
+            "--target",
+            args.target,
+            "--device",
+            args.device,
+            "--reserve-gb",
+            "0",
+        ),
+    }
+    common = [
+        "--max-steps",
+        str(args.steps),
+        "--token-budget",
+        str(args.token_budget),
+        "--log-every",
+        "1",
+        "--eval-every",
+        str(10 * args.steps),
+        "--save-every",
+        str(10 * args.steps),
+        "--target",
+        args.target,
+        "--device",
+        args.device,
+        "--set",
+        "eval_fraction=0",
+    ]
+    variants = {
+        "offline": ["--store", str(store)],
+        "online_cached": ["--prepared", str(prepared)],
+        "online_recomputed": ["--prepared", str(prepared), "--set", "online_cache_gb=0"],
+    }
     runs = {}
     for name, source in variants.items():
         out = work / name
         usage = eaglet("train", *source, "--out", str(out), *common)
         steps = step_seconds(out)
-        runs[name] = usage | {"first_step_s": round(steps[0], 2),
-                              "median_step_s": round(statistics.median(steps[1:]), 2) if len(steps) > 1 else None,
-                              "steps_s": [round(s, 2) for s in steps]}
+        runs[name] = usage | {
+            "first_step_s": round(steps[0], 2),
+            "median_step_s": round(statistics.median(steps[1:]), 2) if len(steps) > 1 else None,
+            "steps_s": [round(s, 2) for s in steps],
+        }
         print(name, json.dumps(runs[name]), flush=True)
-    forward = target_forward_seconds(args.target, prepared, args.token_budget,
-                                     "cuda" if args.device == "auto" and _has_cuda() else
-                                     ("cpu" if args.device == "auto" else args.device))
+    forward = target_forward_seconds(
+        args.target,
+        prepared,
+        args.token_budget,
+        "cuda" if args.device == "auto" and _has_cuda() else ("cpu" if args.device == "auto" else args.device),
+    )
     manifest = json.loads((prepared / "manifest.json").read_text())
     offline, cached = runs["offline"]["median_step_s"], runs["online_cached"]["median_step_s"]
-    report = {"target": args.target, "token_budget": args.token_budget, "steps": args.steps,
-              "samples": manifest["counts"]["samples"], "tokens": manifest["tokens"]["total"],
-              "prepare_extract": timings, "runs": runs, "target_forward_s": round(forward, 3),
-              "online_cached_over_offline": round(cached / offline, 3) if offline and cached else None,
-              "goal_online_le_2x_offline_plus_forward": bool(cached and offline and cached <= 2 * offline + forward),
-              "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}
+    report = {
+        "target": args.target,
+        "token_budget": args.token_budget,
+        "steps": args.steps,
+        "samples": manifest["counts"]["samples"],
+        "tokens": manifest["tokens"]["total"],
+        "prepare_extract": timings,
+        "runs": runs,
+        "target_forward_s": round(forward, 3),
+        "online_cached_over_offline": round(cached / offline, 3) if offline and cached else None,
+        "goal_online_le_2x_offline_plus_forward": bool(cached and offline and cached <= 2 * offline + forward),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}))

@@ -26,10 +26,22 @@ from types import SimpleNamespace
 import torch
 
 SHAPES = {
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256),
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256),
+    "8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
 }
 
 
@@ -46,11 +58,12 @@ def build(shape: str, root: Path) -> Path:
     return root
 
 
-def measure(path: Path, placement: SimpleNamespace, batches: list[torch.Tensor], layers: tuple[int, ...],
-            repeats: int) -> tuple[dict, list[tuple[torch.Tensor, torch.Tensor]]]:
-    from eaglet.capture import FeatureCapture
-    from eaglet.placement import describe
-    from eaglet.target import load_model
+def measure(
+    path: Path, placement: SimpleNamespace, batches: list[torch.Tensor], layers: tuple[int, ...], repeats: int
+) -> tuple[dict, list[tuple[torch.Tensor, torch.Tensor]]]:
+    from eaglet.model.capture import FeatureCapture
+    from eaglet.model.placement import describe
+    from eaglet.model.target import load_model
 
     started = time.perf_counter()
     model = load_model(path, "cuda", "bfloat16", placement=placement)
@@ -65,9 +78,15 @@ def measure(path: Path, placement: SimpleNamespace, batches: list[torch.Tensor],
     torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     tokens = repeats * sum(b.numel() for b in batches)
-    result = {"placement": placement.placement, "layout": describe(model), "load_s": round(load_s, 2),
-              "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
-              "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+    result = {
+        "placement": placement.placement,
+        "layout": describe(model),
+        "load_s": round(load_s, 2),
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+    }
     del model, capture, aux, last
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -92,11 +111,19 @@ def main() -> None:
     layers_total = SHAPES[args.shape]["num_hidden_layers"]
     layers = (2, layers_total // 2, layers_total - 3)
     generator = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, SHAPES[args.shape]["vocab_size"], (args.batch, args.seq), generator=generator)
-               for _ in range(args.batches)]
-    placements = [SimpleNamespace(placement="one", max_memory={}, offload_dir=None, replica="0/1"),
-                  SimpleNamespace(placement="split", max_memory={"cuda:0": f"{args.gpu_gib}GiB", "cpu": "400GiB"},
-                                  offload_dir=None, replica="0/1")]
+    batches = [
+        torch.randint(0, SHAPES[args.shape]["vocab_size"], (args.batch, args.seq), generator=generator)
+        for _ in range(args.batches)
+    ]
+    placements = [
+        SimpleNamespace(placement="one", max_memory={}, offload_dir=None, replica="0/1"),
+        SimpleNamespace(
+            placement="split",
+            max_memory={"cuda:0": f"{args.gpu_gib}GiB", "cpu": "400GiB"},
+            offload_dir=None,
+            replica="0/1",
+        ),
+    ]
     if torch.cuda.device_count() > 1:
         placements.append(SimpleNamespace(placement="split", max_memory={}, offload_dir=None, replica="0/1"))
     runs, reference = [], None
@@ -109,10 +136,17 @@ def main() -> None:
             result["last_max_abs_diff"] = float((outputs[0][1].float() - reference[0][1].float()).abs().max())
         runs.append(result)
         print(json.dumps(result), flush=True)
-    report = {"shape": args.shape, "build_s": round(build_s, 1), "batch": [args.batch, args.seq],
-              "runs": runs, "split_vs_one": round(runs[1]["tokens_per_s"] / runs[0]["tokens_per_s"], 4),
-              "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-              "transformers": __import__("transformers").__version__, "python": platform.python_version()}
+    report = {
+        "shape": args.shape,
+        "build_s": round(build_s, 1),
+        "batch": [args.batch, args.seq],
+        "runs": runs,
+        "split_vs_one": round(runs[1]["tokens_per_s"] / runs[0]["tokens_per_s"], 4),
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "python": platform.python_version(),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}))

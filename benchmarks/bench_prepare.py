@@ -22,6 +22,7 @@ from synthetic import write_conversations  # noqa: E402
 
 ANSWER_WORDS = 380  # ~460 tokens per conversation with the template's headers
 
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=8000)
@@ -33,7 +34,7 @@ def main() -> None:
 
     from eaglet.config import PrepareConfig
     from eaglet.data.prepare import run_prepare
-    from eaglet.target import load_tokenizer, resolve_target
+    from eaglet.model.target import load_tokenizer, resolve_target
 
     with tempfile.TemporaryDirectory() as tmp:
         data = write_conversations(Path(tmp) / "conversations.jsonl", args.conversations, ANSWER_WORDS)

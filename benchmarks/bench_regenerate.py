@@ -56,8 +56,8 @@ def main() -> None:
     from eaglet.config import RegenerateConfig
     from eaglet.data.readers import Conversation, read_conversations
     from eaglet.data.regenerate import run_regenerate
+    from eaglet.model.target import load_model, load_tokenizer, pick_device, resolve_target
     from eaglet.resources import demo_prompts_path
-    from eaglet.target import load_model, load_tokenizer, pick_device, resolve_target
 
     rows = [r for r in read_conversations([demo_prompts_path()]) if isinstance(r, Conversation)]
     rows = [r for r in rows if r.meta.get("split") == "train"][: args.prompts]
@@ -74,13 +74,23 @@ def main() -> None:
     def ours(batch_size: int) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             result = run_regenerate(
-                RegenerateConfig(prompts=[str(demo_prompts_path())], out=str(Path(tmp) / "a.jsonl"),
-                                 target=args.target, split="train", max_prompts=args.prompts,
-                                 max_new_tokens=args.max_new_tokens, batch_size=batch_size),
+                RegenerateConfig(
+                    prompts=[str(demo_prompts_path())],
+                    out=str(Path(tmp) / "a.jsonl"),
+                    target=args.target,
+                    split="train",
+                    max_prompts=args.prompts,
+                    max_new_tokens=args.max_new_tokens,
+                    batch_size=batch_size,
+                ),
                 Console(stderr=True, quiet=True),
             )
-        return {"batch_size": batch_size, "new_tokens": result.new_tokens, "seconds": round(result.seconds, 3),
-                "tokens_per_s": round(result.new_tokens / result.seconds, 1)}
+        return {
+            "batch_size": batch_size,
+            "new_tokens": result.new_tokens,
+            "seconds": round(result.seconds, 3),
+            "tokens_per_s": round(result.new_tokens / result.seconds, 1),
+        }
 
     same_batch = ours(args.batch_size)
     large_batch = ours(args.large_batch) if args.large_batch else None
@@ -88,8 +98,12 @@ def main() -> None:
         "benchmark": "regenerate_hf",
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "torch": torch.__version__,
-        "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
-        "plain_generate": baseline, "eaglet_regenerate": same_batch, "eaglet_regenerate_large_batch": large_batch,
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "batch_size": args.batch_size,
+        "plain_generate": baseline,
+        "eaglet_regenerate": same_batch,
+        "eaglet_regenerate_large_batch": large_batch,
         "ratio_same_batch": round(same_batch["tokens_per_s"] / baseline["tokens_per_s"], 3),
         "ratio_large_batch": round(large_batch["tokens_per_s"] / baseline["tokens_per_s"], 3) if large_batch else None,
     }

@@ -28,14 +28,16 @@ def random_draft(path, seed: int = 0):
     """An untrained draft shaped as `eaglet train` shapes one for the target at ``path``."""
     import torch
 
-    from eaglet.draft import Eagle3Draft
-    from eaglet.formats.draft import DraftConfig
+    from eaglet.formats.draft_config import DraftConfig
     from eaglet.formats.layers import default_aux_layer_ids
-    from eaglet.target import read_config
+    from eaglet.model.draft import Eagle3Draft
+    from eaglet.model.target import read_config
 
     target_config = read_config(path)
     vocab = min(RANDOM_DRAFT_VOCAB, int(target_config["vocab_size"]))
-    config = DraftConfig.from_target(target_config, vocab, default_aux_layer_ids(int(target_config["num_hidden_layers"])))
+    config = DraftConfig.from_target(
+        target_config, vocab, default_aux_layer_ids(int(target_config["num_hidden_layers"]))
+    )
     torch.manual_seed(seed)
     return Eagle3Draft(config)
 
@@ -47,27 +49,31 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--depth", type=int, default=5)
     parser.add_argument("--tree", action="append", help=f"tree depth,top-k,budget (repeatable; default {DEFAULT_TREE})")
-    parser.add_argument("--draft-round", default="compiled,eager",
-                        help="the draft's part of each round: compiled (eval's GPU default), eager, or both")
+    parser.add_argument(
+        "--draft-round",
+        default="compiled,eager",
+        help="the draft's part of each round: compiled (eval's GPU default), eager, or both",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of an eager D+1 forward, the busiest host operations of a tree decode and the kernels its round graphs replay")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="print the top CUDA kernels of an eager D+1 forward, the busiest host operations of a tree decode and the kernels its round graphs replay",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
     import torch
 
-    from eaglet.decode.baseline import target_only_decode
+    from eaglet.decode.baseline import GreedyTargetSteps, static_target_decode, target_only_decode
+    from eaglet.decode.chain import ChainRounds, StaticChainDraft, static_chain_decode
     from eaglet.decode.common import sync
     from eaglet.decode.sampling import Sampling
     from eaglet.decode.static import StaticTarget
-    from eaglet.decode.baseline import GreedyTargetSteps, static_target_decode
-    from eaglet.decode.chain import ChainRounds, static_chain_decode
-    from eaglet.decode.tree import TreeRounds, static_tree_decode
-    from eaglet.decode.chain import StaticChainDraft
-    from eaglet.decode.tree import StaticTreeDraft
-    from eaglet.draft import load_draft
-    from eaglet.target import load_head_weights, load_model, pick_device, resolve_target
+    from eaglet.decode.tree import StaticTreeDraft, TreeRounds, static_tree_decode
+    from eaglet.model.draft import load_draft
+    from eaglet.model.target import load_head_weights, load_model, pick_device, resolve_target
 
     device = torch.device(pick_device(args.device))
     path = resolve_target(args.target).path
@@ -94,15 +100,24 @@ def main() -> None:
         sync(device)
         return round(1000 * (time.perf_counter() - started) / REPEATS, 3)
 
-    record: dict = {"benchmark": "static_round", "device": str(device), "dtype": args.dtype, "depth": args.depth,
-                    "draft": args.draft, "cuda_graphs": target.graphs, "torch": torch.__version__}
+    record: dict = {
+        "benchmark": "static_round",
+        "device": str(device),
+        "dtype": args.dtype,
+        "depth": args.depth,
+        "draft": args.draft,
+        "cuda_graphs": target.graphs,
+        "torch": torch.__version__,
+    }
     target.reset()
     target.forward(PROMPT)
     base = target.length
     for size in sorted({1, args.depth + 1, *(budget + 1 for _, _, budget in trees)}):
+
         def forward(size=size):
             target.crop(base)
             target.forward(list(range(5, 5 + size)))
+
         record[f"target_forward_{size}_ms"] = ms(forward)
     baseline = target_only_decode(target, PROMPT, args.max_new_tokens, Sampling(), set())
     record["baseline_forwards_ms_per_token"] = round(1000 * baseline.seconds / len(baseline.tokens), 3)
@@ -130,13 +145,23 @@ def main() -> None:
         compiled = variant == "compiled"
         chain_draft = StaticChainDraft(draft, max_len, args.depth, compiled=compiled)
         chain_rounds = ChainRounds(target, chain_draft)
-        measure(f"chain_{args.depth}_{variant}", chain_draft, chain_rounds,
-                lambda n: static_chain_decode(target, chain_draft, PROMPT, n, set(), chain_rounds), args.depth + 1)
+        measure(
+            f"chain_{args.depth}_{variant}",
+            chain_draft,
+            chain_rounds,
+            lambda n: static_chain_decode(target, chain_draft, PROMPT, n, set(), chain_rounds),
+            args.depth + 1,
+        )
         for depth, topk, budget in trees:
             tree_draft = StaticTreeDraft(draft, max_len, depth, topk, budget, compiled=compiled)
             tree_rounds = TreeRounds(target, tree_draft)
-            measure(f"tree_{depth}_{topk}_{budget}_{variant}", tree_draft, tree_rounds,
-                    lambda n: static_tree_decode(target, tree_draft, PROMPT, n, set(), tree_rounds), tree_draft.budget + 1)
+            measure(
+                f"tree_{depth}_{topk}_{budget}_{variant}",
+                tree_draft,
+                tree_rounds,
+                lambda n: static_tree_decode(target, tree_draft, PROMPT, n, set(), tree_rounds),
+                tree_draft.budget + 1,
+            )
     print(json.dumps(record, indent=2))
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -149,8 +174,13 @@ def main() -> None:
                 eager.crop(len(PROMPT))
                 eager.forward(list(range(5, 6 + args.depth)))
             sync(device)
-        print(prof.key_averages().table(sort_by="cuda_time_total" if device.type == "cuda" else "cpu_time_total",
-                                        row_limit=12, max_name_column_width=70))
+        print(
+            prof.key_averages().table(
+                sort_by="cuda_time_total" if device.type == "cuda" else "cpu_time_total",
+                row_limit=12,
+                max_name_column_width=70,
+            )
+        )
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:  # the tree loop's host work
             result = static_tree_decode(target, tree_draft, PROMPT, 32, set(), tree_rounds)  # the last tree measured
         events = prof.key_averages()
@@ -159,8 +189,10 @@ def main() -> None:
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         launches = sum(e.count for e in kernels)
         gpu_us = sum(e.self_device_time_total for e in kernels)
-        print(f"tree decode: {result.forwards} rounds, {launches / result.forwards:.0f} kernels and "
-              f"{gpu_us / 1000 / result.forwards:.3f} ms of kernel time per round (prefill included)")
+        print(
+            f"tree decode: {result.forwards} rounds, {launches / result.forwards:.0f} kernels and "
+            f"{gpu_us / 1000 / result.forwards:.3f} ms of kernel time per round (prefill included)"
+        )
         print(events.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90))
     if args.out:
         args.out.write_text(json.dumps(record, indent=2) + "\n")

@@ -30,8 +30,8 @@ def main() -> None:
     from rich.console import Console
 
     from eaglet.config import ExtractConfig, TrainConfig
-    from eaglet.extract import run_extract
-    from eaglet.formats.store import STORAGE_FORMATS, read_manifest
+    from eaglet.extract.extractor import run_extract
+    from eaglet.formats.store_manifest import STORAGE_FORMATS, read_manifest
     from eaglet.train import run_train
     from eaglet.train.metrics import read_metrics
 
@@ -42,24 +42,57 @@ def main() -> None:
             stores = {}
             for name, prepared in (("train", args.prepared), ("heldout", args.heldout)):
                 stores[name] = Path(tmp) / storage / name
-                run_extract(ExtractConfig(prepared=prepared, out=str(stores[name]), target=args.target,
-                                          storage_dtype=storage, reserve_gb=0), quiet)
+                run_extract(
+                    ExtractConfig(
+                        prepared=prepared,
+                        out=str(stores[name]),
+                        target=args.target,
+                        storage_dtype=storage,
+                        reserve_gb=0,
+                    ),
+                    quiet,
+                )
             draft = Path(tmp) / storage / "draft"
-            result = run_train(TrainConfig(out=str(draft), store=str(stores["train"]), eval_store=str(stores["heldout"]),
-                                           target=args.target, token_budget=args.token_budget, max_steps=args.steps,
-                                           lr=args.lr, log_every=1, eval_every=args.steps, seed=0), quiet)
+            result = run_train(
+                TrainConfig(
+                    out=str(draft),
+                    store=str(stores["train"]),
+                    eval_store=str(stores["heldout"]),
+                    target=args.target,
+                    token_budget=args.token_budget,
+                    max_steps=args.steps,
+                    lr=args.lr,
+                    log_every=1,
+                    eval_every=args.steps,
+                    seed=0,
+                ),
+                quiet,
+            )
             losses = [r["loss"] for r in read_metrics(draft) if r["kind"] == "train"]
-            runs[storage] = {"store_bytes": read_manifest(stores["train"])["totals"]["bytes"], "losses": losses,
-                             "final_eval": result.final_eval, "train_seconds": round(result.seconds, 1)}
-            print(f"{storage}: store {runs[storage]['store_bytes'] / 1e6:.1f} MB, last loss {losses[-1]:.4f}, "
-                  f"held-out τ {result.final_eval.get('tau')}", flush=True)
+            runs[storage] = {
+                "store_bytes": read_manifest(stores["train"])["totals"]["bytes"],
+                "losses": losses,
+                "final_eval": result.final_eval,
+                "train_seconds": round(result.seconds, 1),
+            }
+            print(
+                f"{storage}: store {runs[storage]['store_bytes'] / 1e6:.1f} MB, last loss {losses[-1]:.4f}, "
+                f"held-out τ {result.final_eval.get('tau')}",
+                flush=True,
+            )
     reference = runs["bf16"]
     for storage, run in runs.items():
         gaps = [abs(a - b) / b for a, b in zip(run["losses"], reference["losses"])]
         run["size_vs_bf16"] = round(run["store_bytes"] / reference["store_bytes"], 4)
         run["loss_rel_diff_vs_bf16"] = {"max": round(max(gaps), 5), "mean": round(sum(gaps) / len(gaps), 5)}
-    record = {"benchmark": "storage_training", "target": args.target, "steps": args.steps,
-              "token_budget": args.token_budget, "lr": args.lr, "runs": runs}
+    record = {
+        "benchmark": "storage_training",
+        "target": args.target,
+        "steps": args.steps,
+        "token_budget": args.token_budget,
+        "lr": args.lr,
+        "runs": runs,
+    }
     print(json.dumps({k: {key: v for key, v in run.items() if key != "losses"} for k, run in runs.items()}, indent=2))
     if args.out:
         args.out.write_text(json.dumps(record, indent=2) + "\n")

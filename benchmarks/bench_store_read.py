@@ -3,7 +3,7 @@ cache (this measures the CPU work; a disk adds the same read time to every row).
 
   - unchecked:     safetensors.torch.load_file, every tensor then read (what training did before: it copies the
                    features into batches; load_file alone only maps the file)
-  - streamed:      eaglet.store.read_shard (one pass: read into one buffer, hash as it arrives, tensors are views)
+  - streamed:      eaglet.model.shards.read_shard (one pass: read into one buffer, hash as it arrives, tensors are views)
   - second pass:   sha256 of the file, then load_file (a verify pass before the read)
   - StoreReader:   what training runs now: read_shard, then the content checks (layout, offsets, planned samples,
                    ids in the vocabulary, ids and masks equal to the prepared rows)
@@ -19,14 +19,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
-import numpy as np
-
 from eaglet.formats.prepared import PreparedSet
 from eaglet.fsio import sha256_file
-from eaglet.store import StoreReader, read_shard, write_safetensors
+from eaglet.model.shards import StoreReader, read_shard, write_safetensors
 
 HIDDEN = 4096  # an 8B target's hidden size: features dominate the shard
 SAMPLES = 32  # samples in the shard (about 490 tokens each at 512 MB)
@@ -53,32 +52,59 @@ def main() -> None:
     ids = np.random.default_rng(0).integers(0, VOCAB, tokens).astype(np.int32)
     mask = (np.arange(tokens) % length > length // 3).astype(np.uint8)
     offsets = np.arange(SAMPLES + 1, dtype=np.int64) * length
-    tensors = {"aux": torch.randn(tokens, 3, HIDDEN).to(torch.bfloat16), "last": torch.randn(tokens, HIDDEN).to(torch.bfloat16),
-               "input_ids": torch.from_numpy(ids), "loss_mask": torch.from_numpy(mask),
-               "offsets": torch.from_numpy(offsets), "sample_index": torch.arange(SAMPLES)}
+    tensors = {
+        "aux": torch.randn(tokens, 3, HIDDEN).to(torch.bfloat16),
+        "last": torch.randn(tokens, HIDDEN).to(torch.bfloat16),
+        "input_ids": torch.from_numpy(ids),
+        "loss_mask": torch.from_numpy(mask),
+        "offsets": torch.from_numpy(offsets),
+        "sample_index": torch.arange(SAMPLES),
+    }
     prepared = PreparedSet(Path("prepared"), {}, "", [f"s{i}" for i in range(SAMPLES)], ids, mask, offsets)
-    manifest = {"hidden_size": HIDDEN, "storage_dtype": "bf16", "target": {"vocab_size": VOCAB},
-                "prepared": {"samples": SAMPLES}, "tokens_per_shard": tokens, "sort_window_shards": 64, "num_shards": 1}
+    manifest = {
+        "hidden_size": HIDDEN,
+        "storage_dtype": "bf16",
+        "target": {"vocab_size": VOCAB},
+        "prepared": {"samples": SAMPLES},
+        "tokens_per_shard": tokens,
+        "sort_window_shards": 64,
+        "num_shards": 1,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "shard-00000.safetensors"
         size, digest = write_safetensors(path, tensors)
-        entry = {"file": path.name, "index": 0, "bytes": size, "sha256": digest, "tokens": tokens,
-                 "num_samples": SAMPLES}
+        entry = {
+            "file": path.name,
+            "index": 0,
+            "bytes": size,
+            "sha256": digest,
+            "tokens": tokens,
+            "num_samples": SAMPLES,
+        }
         reader = StoreReader(Path(tmp), manifest, prepared)
         rows = {
             "unchecked (load_file)": best_of(args.runs, lambda: [t.clone() for t in load_file(str(path)).values()]),
             "streamed sha256 (read_shard)": best_of(args.runs, lambda: read_shard(Path(tmp), entry)),
-            "second pass (sha256, then load_file)": best_of(args.runs, lambda: (
-                sha256_file(path), [t.clone() for t in load_file(str(path)).values()])),
+            "second pass (sha256, then load_file)": best_of(
+                args.runs, lambda: (sha256_file(path), [t.clone() for t in load_file(str(path)).values()])
+            ),
             "StoreReader.read (streamed sha256 + content checks)": best_of(args.runs, lambda: reader.read(entry)),
         }
         read = read_shard(Path(tmp), entry)
-        rows["content checks alone (on the read tensors)"] = best_of(args.runs, lambda: (
-            reader._check_packing(entry, read["offsets"], read["sample_index"]), reader._check_tokens(read)))
+        rows["content checks alone (on the read tensors)"] = best_of(
+            args.runs,
+            lambda: (reader._check_packing(entry, read["offsets"], read["sample_index"]), reader._check_tokens(read)),
+        )
     base = rows["unchecked (load_file)"]
-    result = {"shard_mb": round(size / 1e6, 1), "runs": args.runs, "torch": torch.__version__,
-              "rows": {name: {"seconds": round(s, 4), "GB_per_s": round(size / s / 1e9, 2), "vs_unchecked": round(s / base, 3)}
-                       for name, s in rows.items()}}
+    result = {
+        "shard_mb": round(size / 1e6, 1),
+        "runs": args.runs,
+        "torch": torch.__version__,
+        "rows": {
+            name: {"seconds": round(s, 4), "GB_per_s": round(size / s / 1e9, 2), "vs_unchecked": round(s / base, 3)}
+            for name, s in rows.items()
+        },
+    }
     for name, row in result["rows"].items():
         print(f"{name:40s} {row['seconds']:8.3f} s  {row['GB_per_s']:6.2f} GB/s  {row['vs_unchecked']:.2f}x unchecked")
     if args.out:

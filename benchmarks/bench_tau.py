@@ -53,41 +53,143 @@ def main() -> None:
     timings = json.loads(timings_file.read_text()) if timings_file.exists() else {}
     limit = ["--max-prompts", str(args.max_prompts)] if args.max_prompts else []
     if "regenerate" in stages:
-        timings["regenerate_greedy"] = eaglet("regenerate", "demo", "--split", "train", "--target", args.target,
-                                              "--out", str(work / "train_greedy.jsonl"), "--max-new-tokens",
-                                              str(args.max_new_tokens), "--batch-size", str(args.batch_size), *limit)
+        timings["regenerate_greedy"] = eaglet(
+            "regenerate",
+            "demo",
+            "--split",
+            "train",
+            "--target",
+            args.target,
+            "--out",
+            str(work / "train_greedy.jsonl"),
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--batch-size",
+            str(args.batch_size),
+            *limit,
+        )
         if args.n > 1:
-            timings["regenerate_sampled"] = eaglet("regenerate", "demo", "--split", "train", "--target", args.target,
-                                                   "--out", str(work / "train_sampled.jsonl"), "--temperature", "0.7",
-                                                   "--top-p", "0.95", "--n", str(args.n - 1), "--max-new-tokens",
-                                                   str(args.max_new_tokens), "--batch-size", str(args.batch_size), *limit)
-        timings["regenerate_heldout"] = eaglet("regenerate", "demo", "--split", "heldout", "--target", args.target,
-                                               "--out", str(work / "heldout.jsonl"), "--max-new-tokens",
-                                               str(args.max_new_tokens), "--batch-size", str(args.batch_size))
+            timings["regenerate_sampled"] = eaglet(
+                "regenerate",
+                "demo",
+                "--split",
+                "train",
+                "--target",
+                args.target,
+                "--out",
+                str(work / "train_sampled.jsonl"),
+                "--temperature",
+                "0.7",
+                "--top-p",
+                "0.95",
+                "--n",
+                str(args.n - 1),
+                "--max-new-tokens",
+                str(args.max_new_tokens),
+                "--batch-size",
+                str(args.batch_size),
+                *limit,
+            )
+        timings["regenerate_heldout"] = eaglet(
+            "regenerate",
+            "demo",
+            "--split",
+            "heldout",
+            "--target",
+            args.target,
+            "--out",
+            str(work / "heldout.jsonl"),
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--batch-size",
+            str(args.batch_size),
+        )
     if "prepare" in stages:
         train_files = [str(p) for p in (work / "train_greedy.jsonl", work / "train_sampled.jsonl") if p.exists()]
-        timings["prepare"] = eaglet("prepare", *train_files, "--target", args.target, "--out", str(work / "prepared"),
-                                    "--overwrite", "--on-bad-row", "skip")
-        timings["prepare_heldout"] = eaglet("prepare", str(work / "heldout.jsonl"), "--target", args.target,
-                                            "--out", str(work / "prepared_heldout"), "--overwrite", "--on-bad-row", "skip")
+        timings["prepare"] = eaglet(
+            "prepare",
+            *train_files,
+            "--target",
+            args.target,
+            "--out",
+            str(work / "prepared"),
+            "--overwrite",
+            "--on-bad-row",
+            "skip",
+        )
+        timings["prepare_heldout"] = eaglet(
+            "prepare",
+            str(work / "heldout.jsonl"),
+            "--target",
+            args.target,
+            "--out",
+            str(work / "prepared_heldout"),
+            "--overwrite",
+            "--on-bad-row",
+            "skip",
+        )
     if "extract" in stages:
-        timings["extract"] = eaglet("extract", "--prepared", str(work / "prepared"), "--target", args.target,
-                                    "--out", str(work / "store"))
-        timings["extract_heldout"] = eaglet("extract", "--prepared", str(work / "prepared_heldout"), "--target",
-                                            args.target, "--out", str(work / "store_heldout"))
+        timings["extract"] = eaglet(
+            "extract", "--prepared", str(work / "prepared"), "--target", args.target, "--out", str(work / "store")
+        )
+        timings["extract_heldout"] = eaglet(
+            "extract",
+            "--prepared",
+            str(work / "prepared_heldout"),
+            "--target",
+            args.target,
+            "--out",
+            str(work / "store_heldout"),
+        )
     if "train" in stages:
-        timings["train"] = eaglet("train", "--store", str(work / "store"), "--eval-store", str(work / "store_heldout"),
-                                  "--target", args.target, "--out", str(work / "draft"), "--max-steps", str(args.max_steps),
-                                  "--max-minutes", str(args.train_minutes), "--eval-every", str(args.eval_every),
-                                  "--token-budget", str(args.token_budget), "--lr", str(args.lr), "--log-every", "20",
-                                  "--set", f"draft_vocab_file={work / 'prepared' / 'vocab.safetensors'}")
+        timings["train"] = eaglet(
+            "train",
+            "--store",
+            str(work / "store"),
+            "--eval-store",
+            str(work / "store_heldout"),
+            "--target",
+            args.target,
+            "--out",
+            str(work / "draft"),
+            "--max-steps",
+            str(args.max_steps),
+            "--max-minutes",
+            str(args.train_minutes),
+            "--eval-every",
+            str(args.eval_every),
+            "--token-budget",
+            str(args.token_budget),
+            "--lr",
+            str(args.lr),
+            "--log-every",
+            "20",
+            "--set",
+            f"draft_vocab_file={work / 'prepared' / 'vocab.safetensors'}",
+        )
     if "eval" in stages:
         subset = ["--max-prompts", str(args.eval_prompts)] if args.eval_prompts else []
-        for mode, extra in (("chain", ["--depth", "5", "--hf-generate-baseline"]),
-                            ("tree", ["--depth", "6", "--topk", "8", "--budget", "48"])):
-            timings[f"eval_{mode}"] = eaglet("eval", "--draft", str(work / "draft"), "--target", args.target,
-                                             "--out", str(work / f"eval_{mode}"), "--mode", mode, "--split", "heldout",
-                                             "--max-new-tokens", str(args.eval_new_tokens), *subset, *extra)
+        for mode, extra in (
+            ("chain", ["--depth", "5", "--hf-generate-baseline"]),
+            ("tree", ["--depth", "6", "--topk", "8", "--budget", "48"]),
+        ):
+            timings[f"eval_{mode}"] = eaglet(
+                "eval",
+                "--draft",
+                str(work / "draft"),
+                "--target",
+                args.target,
+                "--out",
+                str(work / f"eval_{mode}"),
+                "--mode",
+                mode,
+                "--split",
+                "heldout",
+                "--max-new-tokens",
+                str(args.eval_new_tokens),
+                *subset,
+                *extra,
+            )
     timings_file.write_text(json.dumps(timings, indent=2))
     metrics = work / "draft" / "metrics.jsonl"
     curve = []
@@ -95,17 +197,34 @@ def main() -> None:
         for line in metrics.read_text().splitlines():
             record = json.loads(line)
             if record["kind"] == "eval":
-                curve.append({"step": record["step"], "tokens": record["tokens"], "tau": record["tau"], "acc": record["acc"]})
+                curve.append(
+                    {"step": record["step"], "tokens": record["tokens"], "tau": record["tau"], "acc": record["acc"]}
+                )
     reports = {}
     for mode in ("chain", "tree"):
         report = work / f"eval_{mode}" / "report.json"
         if report.exists():
             data = json.loads(report.read_text())
-            reports[mode] = {k: data[k] for k in ("acceptance_length", "speedup", "tokens_per_s", "baseline_tokens_per_s",
-                                                  "lossless", "acceptance_by_position", "per_category")}
+            reports[mode] = {
+                k: data[k]
+                for k in (
+                    "acceptance_length",
+                    "speedup",
+                    "tokens_per_s",
+                    "baseline_tokens_per_s",
+                    "lossless",
+                    "acceptance_by_position",
+                    "per_category",
+                )
+            }
             reports[mode]["hf_generate_tokens_per_s"] = data.get("hf_generate_tokens_per_s")
-    result = {"benchmark": "tau_embedded", "timings_s": timings, "curve": curve,
-              "final_simulated_acceptance": curve[-1]["tau"] if curve else None, "eval": reports}
+    result = {
+        "benchmark": "tau_embedded",
+        "timings_s": timings,
+        "curve": curve,
+        "final_simulated_acceptance": curve[-1]["tau"] if curve else None,
+        "eval": reports,
+    }
     (work / "tau.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     if args.out:

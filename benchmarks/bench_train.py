@@ -24,12 +24,33 @@ from contextlib import nullcontext
 from pathlib import Path
 
 SHAPES = {
-    "8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336,
-               vocab_size=128256, draft_vocab_size=32000),
-    "smollm": dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
-                   vocab_size=49152, draft_vocab_size=16384),
-    "tiny": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                 vocab_size=512, draft_vocab_size=256),
+    "8b": dict(
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+        draft_vocab_size=32000,
+    ),
+    "smollm": dict(
+        hidden_size=576,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=49152,
+        draft_vocab_size=16384,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=512,
+        draft_vocab_size=256,
+    ),
 }
 
 
@@ -42,8 +63,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--skip-naive", action="store_true")
     parser.add_argument("--draft-vocab", type=int, default=None, help="override the shape's draft vocabulary")
-    parser.add_argument("--kernels", default="per_step,one", help="GPU FlexAttention layouts to time (train's attention_kernels)")
-    parser.add_argument("--pointwise", default="compiled,eager", help="GPU: time compiled and/or eager pointwise pieces")
+    parser.add_argument(
+        "--kernels", default="per_step,one", help="GPU FlexAttention layouts to time (train's attention_kernels)"
+    )
+    parser.add_argument(
+        "--pointwise", default="compiled,eager", help="GPU: time compiled and/or eager pointwise pieces"
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--profile", action="store_true", help="print each layout's busiest kernels over one step")
     parser.add_argument("--find-syncs", action="store_true", help="print where a step makes the host wait for the GPU")
@@ -51,11 +76,11 @@ def main() -> None:
 
     import torch
 
-    from eaglet.draft import Eagle3Draft
-    from eaglet.formats.draft import DraftConfig
-    from eaglet.sizing import draft_train_flops_per_token
+    from eaglet.formats.draft_config import DraftConfig
+    from eaglet.model.draft import Eagle3Draft
+    from eaglet.model.sizing import draft_train_flops_per_token
     from eaglet.train.metrics import H200_BF16_DENSE_FLOPS
-    from eaglet.ttt import ReferenceAttention, TTTInputs, attention_for, documents, ttt_forward
+    from eaglet.train.ttt import ReferenceAttention, TTTInputs, attention_for, documents, ttt_forward
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = SHAPES[args.shape] | ({"draft_vocab_size": args.draft_vocab} if args.draft_vocab else {})
@@ -73,7 +98,9 @@ def main() -> None:
         input_ids=torch.randint(0, shape["vocab_size"], (args.tokens,), device=device),
         aux=torch.randn(args.tokens, 3, shape["hidden_size"], device=device),
         loss_mask=torch.rand(args.tokens, device=device) > 0.3,
-        doc_ids=doc_ids, positions=positions, doc_end=doc_end,
+        doc_ids=doc_ids,
+        positions=positions,
+        doc_end=doc_end,
         teacher_logits=torch.randn(args.tokens, vocab, device=device) * 3,
         teacher_in_vocab=torch.rand(args.tokens, device=device) > 0.1,
     )
@@ -129,10 +156,14 @@ def main() -> None:
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        return {"step_ms_median": round(median * 1e3, 2), "tokens_per_s": round(args.tokens / median, 1),
-                "mfu": round(flops / median / H200_BF16_DENSE_FLOPS, 4) if device.type == "cuda" else None,
-                "peak_gib": round(peak, 2) if peak else None, "final_loss": round(float(out.loss.detach()), 4),
-                "host_syncs_per_step": syncs}
+        return {
+            "step_ms_median": round(median * 1e3, 2),
+            "tokens_per_s": round(args.tokens / median, 1),
+            "mfu": round(flops / median / H200_BF16_DENSE_FLOPS, 4) if device.type == "cuda" else None,
+            "peak_gib": round(peak, 2) if peak else None,
+            "final_loss": round(float(out.loss.detach()), 4),
+            "host_syncs_per_step": syncs,
+        }
 
     kernels = args.kernels.split(",") if device.type == "cuda" else ["per_step"]  # CPU: the dense path either way
     pointwise = args.pointwise.split(",") if device.type == "cuda" else ["eager"]
@@ -145,13 +176,22 @@ def main() -> None:
     ours, one_kernel = timed.get("per_step"), timed.get("one")
     naive = None if args.skip_naive else measure(ReferenceAttention)
     record = {
-        "benchmark": f"train_step_{args.shape}", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "tokens": args.tokens, "documents": len(lengths), "ttt_steps": args.ttt,
-        "draft_vocab": vocab, "flops_per_step": flops, "eaglet": ours, "eaglet_one_kernel": one_kernel, "naive_per_step": naive,
+        "benchmark": f"train_step_{args.shape}",
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "tokens": args.tokens,
+        "documents": len(lengths),
+        "ttt_steps": args.ttt,
+        "draft_vocab": vocab,
+        "flops_per_step": flops,
+        "eaglet": ours,
+        "eaglet_one_kernel": one_kernel,
+        "naive_per_step": naive,
         "variants": timed,
         "speedup_vs_naive": round(naive["step_ms_median"] / ours["step_ms_median"], 3) if naive and ours else None,
-        "one_kernel_speedup_vs_naive": (round(naive["step_ms_median"] / one_kernel["step_ms_median"], 3)
-                                        if naive and one_kernel else None),
+        "one_kernel_speedup_vs_naive": (
+            round(naive["step_ms_median"] / one_kernel["step_ms_median"], 3) if naive and one_kernel else None
+        ),
     }
     print(json.dumps(record, indent=2))
     if args.out:

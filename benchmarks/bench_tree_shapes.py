@@ -25,15 +25,17 @@ def main() -> None:
     args = parser.parse_args()
 
     from eaglet.config import EvalConfig
+    from eaglet.decode.evaluate import _prompts
     from eaglet.decode.runners import DraftRunner, TargetRunner
     from eaglet.decode.tree import tree_decode
-    from eaglet.decode.evaluate import _prompts
-    from eaglet.draft import load_draft
-    from eaglet.target import load_head_weights, load_model, load_tokenizer, pick_device, resolve_target
+    from eaglet.model.draft import load_draft
+    from eaglet.model.target import load_head_weights, load_model, load_tokenizer, pick_device, resolve_target
 
     resolved = resolve_target(args.target)
     tokenizer = load_tokenizer(resolved.path)
-    prompts = _prompts(EvalConfig(draft=args.draft, out="-", target=args.target, max_prompts=args.max_prompts), tokenizer)
+    prompts = _prompts(
+        EvalConfig(draft=args.draft, out="-", target=args.target, max_prompts=args.max_prompts), tokenizer
+    )
     device = pick_device(args.device)
     model = load_model(resolved.path, device, "float32")
     draft = load_draft(args.draft, embed=load_head_weights(resolved.path).embed.float()).to(device).eval()
@@ -46,8 +48,17 @@ def main() -> None:
         for _, _, ids in prompts:
             result = tree_decode(target, drafts, ids, args.max_new_tokens, depth, topk, budget, stop)
             tokens, forwards = tokens + len(result.tokens), forwards + result.forwards
-        lines.append(json.dumps({"tree": spec, "tau": round(tokens / forwards, 3), "tokens": tokens,
-                                 "forwards": forwards, "seconds": round(time.perf_counter() - started, 1)}))
+        lines.append(
+            json.dumps(
+                {
+                    "tree": spec,
+                    "tau": round(tokens / forwards, 3),
+                    "tokens": tokens,
+                    "forwards": forwards,
+                    "seconds": round(time.perf_counter() - started, 1),
+                }
+            )
+        )
         print(lines[-1], flush=True)
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")

@@ -13,11 +13,11 @@ import time
 
 import torch
 
-import eaglet.ttt as ttt
-from eaglet.draft import Eagle3Draft
-from eaglet.formats.draft import DraftConfig
+import eaglet.train.ttt as ttt
+from eaglet.formats.draft_config import DraftConfig
 from eaglet.formats.layers import default_aux_layer_ids
-from eaglet.target import read_config, resolve_target
+from eaglet.model.draft import Eagle3Draft
+from eaglet.model.target import read_config, resolve_target
 
 
 def main() -> None:
@@ -35,12 +35,21 @@ def main() -> None:
     draft = Eagle3Draft(config)
     tokens = args.tokens
     inputs = ttt.TTTInputs(
-        input_ids=torch.randint(0, config.vocab_size, (tokens,)), aux=torch.randn(tokens, 3, config.target_hidden_size),
-        loss_mask=torch.ones(tokens, dtype=torch.bool), doc_ids=torch.zeros(tokens, dtype=torch.long),
-        positions=torch.arange(tokens), doc_end=torch.full((tokens,), tokens),
-        teacher_logits=torch.randn(tokens, args.draft_vocab), teacher_in_vocab=torch.ones(tokens, dtype=torch.bool))
-    report = {"tokens": tokens, "draft_vocab": args.draft_vocab, "ttt_steps": args.steps,
-              "threads": torch.get_num_threads()}
+        input_ids=torch.randint(0, config.vocab_size, (tokens,)),
+        aux=torch.randn(tokens, 3, config.target_hidden_size),
+        loss_mask=torch.ones(tokens, dtype=torch.bool),
+        doc_ids=torch.zeros(tokens, dtype=torch.long),
+        positions=torch.arange(tokens),
+        doc_end=torch.full((tokens,), tokens),
+        teacher_logits=torch.randn(tokens, args.draft_vocab),
+        teacher_in_vocab=torch.ones(tokens, dtype=torch.bool),
+    )
+    report = {
+        "tokens": tokens,
+        "draft_vocab": args.draft_vocab,
+        "ttt_steps": args.steps,
+        "threads": torch.get_num_threads(),
+    }
     for name, bound in (("kept", 1 << 62), ("recomputed", 0), ("kept", 1 << 62), ("recomputed", 0)):
         ttt.ATTENTION_KEEP_BYTES = bound
         seconds = []

@@ -26,14 +26,14 @@ def main() -> None:
     import torch
     from rich.console import Console
 
-    from eaglet.capture import FeatureCapture, teacher_logits
     from eaglet.config import ExtractConfig
-    from eaglet.formats.prepared import load_prepared
-    from eaglet.extract import run_extract
+    from eaglet.extract.extractor import run_extract
     from eaglet.formats.layers import default_aux_layer_ids
-    from eaglet.formats.store import STORAGE_FORMATS, read_manifest
-    from eaglet.store import decode_features, read_shard
-    from eaglet.target import load_model, resolve_target
+    from eaglet.formats.prepared import load_prepared
+    from eaglet.formats.store_manifest import STORAGE_FORMATS, read_manifest
+    from eaglet.model.capture import FeatureCapture, teacher_logits
+    from eaglet.model.shards import decode_features, read_shard
+    from eaglet.model.target import load_model, resolve_target
 
     quiet = Console(stderr=True, quiet=True)
     model = load_model(resolve_target(args.target).path, device="cpu", dtype="float32")
@@ -45,15 +45,25 @@ def main() -> None:
         features = {}
         for dtype in STORAGE_FORMATS:
             store = Path(tmp) / dtype
-            run_extract(ExtractConfig(prepared=args.prepared, out=str(store), target=args.target, storage_dtype=dtype,
-                                      max_samples=args.max_samples, reserve_gb=0, dtype="float32"), quiet)
+            run_extract(
+                ExtractConfig(
+                    prepared=args.prepared,
+                    out=str(store),
+                    target=args.target,
+                    storage_dtype=dtype,
+                    max_samples=args.max_samples,
+                    reserve_gb=0,
+                    dtype="float32",
+                ),
+                quiet,
+            )
             per_sample = {}
             for entry in read_manifest(store)["shards"]:
                 tensors = read_shard(store, entry)
                 aux, last = decode_features(tensors)
                 offsets = tensors["offsets"].tolist()
                 for row, sample in enumerate(tensors["sample_index"].tolist()):
-                    per_sample[sample] = (aux[offsets[row]:offsets[row + 1]], last[offsets[row]:offsets[row + 1]])
+                    per_sample[sample] = (aux[offsets[row] : offsets[row + 1]], last[offsets[row] : offsets[row + 1]])
             features[dtype] = per_sample
         reference = {}
         for sample in range(len(prepared)):
@@ -78,8 +88,14 @@ def main() -> None:
                 "last_cosine_min": round(float(cos_last.min()), 6),
                 "teacher_top1_agreement_vs_fp32": round(float((top1 == ref_top1).float().mean()), 6),
             }
-    record = {"benchmark": "fp8_quality", "target": args.target, "samples": len(prepared), "tokens": int(ref_last.shape[0]),
-              "aux_layer_ids": list(layers), "vs_float32_reference": stats}
+    record = {
+        "benchmark": "fp8_quality",
+        "target": args.target,
+        "samples": len(prepared),
+        "tokens": int(ref_last.shape[0]),
+        "aux_layer_ids": list(layers),
+        "vs_float32_reference": stats,
+    }
     print(json.dumps(record, indent=2))
     if args.out:
         args.out.write_text(json.dumps(record, indent=2) + "\n")

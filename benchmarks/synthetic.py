@@ -6,8 +6,10 @@ import json
 import random
 from pathlib import Path
 
-WORDS = ("the model answers each question with care and detail while keeping the style clear and the facts "
-         "right so that a reader can follow every step of the reasoning from start to end").split()
+WORDS = (
+    "the model answers each question with care and detail while keeping the style clear and the facts "
+    "right so that a reader can follow every step of the reasoning from start to end"
+).split()
 
 
 def conversation(rng: random.Random, index: int, answer_words: int) -> dict:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point that does all set-up on a fresh machine (only Python >= 3.10 and pip needed), then runs:
 #   bash scripts/dev.sh demo [eaglet demo options]   the main job on the embedded target
-#   bash scripts/dev.sh test [pytest options]        the test suite
+#   bash scripts/dev.sh test [pytest options]        ruff (format, import order, lint), then the test suite
 #   bash scripts/dev.sh eaglet ARGS...               any eaglet command inside the project venv
 # Set-up: a venv in .venv (EAGLET_VENV overrides); torch's CPU build where no NVIDIA GPU is visible
 # (torch==2.13.0), a normal torch elsewhere; then eaglet itself in editable mode. Re-runs skip what is done.
@@ -39,7 +39,10 @@ command=${1:-}
 [ $# -gt 0 ] && shift
 case "$command" in
   demo) exec "$venv/bin/eaglet" demo "$@" ;;
-  test) exec "$py" -m pytest -q "$@" ;;
+  test)
+    "$venv/bin/ruff" format --check --quiet src tests benchmarks scripts
+    "$venv/bin/ruff" check --quiet src tests benchmarks scripts
+    exec "$py" -m pytest -q "$@" ;;
   eaglet) exec "$venv/bin/eaglet" "$@" ;;
   *) echo "usage: bash scripts/dev.sh demo|test|eaglet [args...]" >&2; exit 2 ;;
 esac

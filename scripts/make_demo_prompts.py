@@ -25,15 +25,47 @@ CATEGORIES: dict[str, tuple[list[str], dict[str, list[str]]]] = {
             "Compose a {form} that captures {topic}; make it {style_short}.",
         ],
         {
-            "form": ["short poem", "haiku sequence", "limerick", "two-paragraph story", "diary entry", "product description",
-                     "wedding toast", "cover letter opening", "blog introduction", "fable"],
-            "topic": ["a lighthouse keeper's last night", "the first snow in a big city", "a robot learning to cook",
-                      "an old bicycle", "moving to a new country", "a forgotten library", "the smell of rain",
-                      "a friendship between a cat and a crow", "a night train across the desert", "a garden in winter",
-                      "the last day of summer", "a lost umbrella"],
-            "style": ["in a hopeful tone", "in the voice of a child", "with vivid sensory detail", "with a twist ending",
-                      "using simple words", "in a melancholic mood"],
-            "style_short": ["under 120 words", "light and funny", "warm and sincere", "dramatic", "calm and reflective"],
+            "form": [
+                "short poem",
+                "haiku sequence",
+                "limerick",
+                "two-paragraph story",
+                "diary entry",
+                "product description",
+                "wedding toast",
+                "cover letter opening",
+                "blog introduction",
+                "fable",
+            ],
+            "topic": [
+                "a lighthouse keeper's last night",
+                "the first snow in a big city",
+                "a robot learning to cook",
+                "an old bicycle",
+                "moving to a new country",
+                "a forgotten library",
+                "the smell of rain",
+                "a friendship between a cat and a crow",
+                "a night train across the desert",
+                "a garden in winter",
+                "the last day of summer",
+                "a lost umbrella",
+            ],
+            "style": [
+                "in a hopeful tone",
+                "in the voice of a child",
+                "with vivid sensory detail",
+                "with a twist ending",
+                "using simple words",
+                "in a melancholic mood",
+            ],
+            "style_short": [
+                "under 120 words",
+                "light and funny",
+                "warm and sincere",
+                "dramatic",
+                "calm and reflective",
+            ],
         },
     ),
     "roleplay": (
@@ -43,15 +75,32 @@ CATEGORIES: dict[str, tuple[list[str], dict[str, list[str]]]] = {
             "Act as {persona} and answer me: {situation}",
         ],
         {
-            "persona": ["a medieval blacksmith", "a ship's captain in a storm", "a patient museum guide",
-                        "a grumpy but kind librarian", "a detective in 1920s London", "a friendly alien tourist",
-                        "a mountain guide", "a chef running a busy kitchen", "a retired astronaut", "a wise old tree",
-                        "a sports coach at half-time", "a travel agent from the future"],
-            "situation": ["A customer asks you for advice on their first day.", "I have just arrived and I am lost.",
-                          "Someone asks what your hardest day was like.", "A child asks why you chose your job.",
-                          "Explain your daily routine to a newcomer.", "I want to hear your best story.",
-                          "Convince me to try something new.", "Tell me what worries you most today.",
-                          "Welcome a group of visitors.", "Give a short pep talk to a nervous beginner."],
+            "persona": [
+                "a medieval blacksmith",
+                "a ship's captain in a storm",
+                "a patient museum guide",
+                "a grumpy but kind librarian",
+                "a detective in 1920s London",
+                "a friendly alien tourist",
+                "a mountain guide",
+                "a chef running a busy kitchen",
+                "a retired astronaut",
+                "a wise old tree",
+                "a sports coach at half-time",
+                "a travel agent from the future",
+            ],
+            "situation": [
+                "A customer asks you for advice on their first day.",
+                "I have just arrived and I am lost.",
+                "Someone asks what your hardest day was like.",
+                "A child asks why you chose your job.",
+                "Explain your daily routine to a newcomer.",
+                "I want to hear your best story.",
+                "Convince me to try something new.",
+                "Tell me what worries you most today.",
+                "Welcome a group of visitors.",
+                "Give a short pep talk to a nervous beginner.",
+            ],
         },
     ),
     "reasoning": (
@@ -64,25 +113,30 @@ CATEGORIES: dict[str, tuple[list[str], dict[str, list[str]]]] = {
             "puzzle": [
                 f"If {a} people each shake hands with everyone else exactly once, how many handshakes happen?"
                 for a in (4, 5, 6, 7, 8, 9, 10, 12)
-            ] + [
+            ]
+            + [
                 f"A bat and a ball cost {p} dollars in total, and the bat costs {d} dollars more than the ball. What does the ball cost?"
                 for p, d in ((1.10, 1.00), (2.20, 2.00), (3.30, 3.00), (5.50, 5.00))
-            ] + [
+            ]
+            + [
                 f"{x} is taller than {y}, and {y} is taller than {z}. Who is the shortest?"
                 for x, y, z in itertools.permutations(("Ana", "Ben", "Chloe"), 3)
-            ] + [
+            ]
+            + [
                 f"A train leaves at {h}:00 and travels for {t} hours. At what time does it arrive?"
                 for h, t in ((9, 3), (14, 5), (22, 4), (6, 7))
-            ] + [
-                f"How many diagonals does a polygon with {n} sides have?" for n in range(5, 13)
-            ] + [
+            ]
+            + [f"How many diagonals does a polygon with {n} sides have?" for n in range(5, 13)]
+            + [
                 f"A snail climbs {up} meters each day and slips back {down} at night in a {depth}-meter well. On which day does it get out?"
                 for up, down, depth in ((3, 2, 10), (4, 1, 20), (5, 3, 12), (2, 1, 8), (6, 4, 15), (3, 1, 11))
-            ] + [
+            ]
+            + [
                 f"If today is {day}, what day of the week will it be in {k} days?"
                 for day in ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
                 for k in (10, 45, 100)
-            ] + [
+            ]
+            + [
                 "All roses are flowers, and some flowers fade quickly. Can we conclude that some roses fade quickly?",
                 "If it rains, the ground gets wet. The ground is wet. Did it necessarily rain?",
                 "A farmer has 17 sheep and all but 9 run away. How many are left?",
@@ -101,11 +155,27 @@ CATEGORIES: dict[str, tuple[list[str], dict[str, list[str]]]] = {
             + [f"{a}% of {b}" for a in (15, 20, 7, 12.5, 35) for b in (80, 250, 64)]
             + [f"the sum of the first {n} positive integers" for n in (10, 20, 50, 100, 250, 1000)]
             + [f"the area of a circle with radius {r}" for r in (2, 3, 5, 7, 10)],
-            "eq": [f"{a}x + {b} = {c}" for a, b, c in ((2, 3, 11), (5, -4, 21), (3, 7, 25), (4, 1, 17), (7, 2, 30),
-                                                       (6, -5, 13), (9, 4, 40), (8, -3, 29), (10, 5, 65), (11, -2, 20))]
+            "eq": [
+                f"{a}x + {b} = {c}"
+                for a, b, c in (
+                    (2, 3, 11),
+                    (5, -4, 21),
+                    (3, 7, 25),
+                    (4, 1, 17),
+                    (7, 2, 30),
+                    (6, -5, 13),
+                    (9, 4, 40),
+                    (8, -3, 29),
+                    (10, 5, 65),
+                    (11, -2, 20),
+                )
+            ]
             + [f"x^2 - {s}x + {p} = 0" for s, p in ((5, 6), (7, 12), (9, 20), (3, 2), (11, 30), (8, 15))]
-            + ["the system x + y = 10, x - y = 4", "the system 2x + y = 7, x - y = -1",
-               "the system 3x + 2y = 12, x + y = 5"],
+            + [
+                "the system x + y = 10, x - y = 4",
+                "the system 2x + y = 7, x - y = -1",
+                "the system 3x + 2y = 12, x + y = 5",
+            ],
         },
     ),
     "coding": (
@@ -116,24 +186,42 @@ CATEGORIES: dict[str, tuple[list[str], dict[str, list[str]]]] = {
         ],
         {
             "lang": ["Python", "JavaScript", "Rust", "Go", "C", "Java", "TypeScript", "Bash"],
-            "task": ["reverses a string", "checks whether a number is prime", "returns the n-th Fibonacci number",
-                     "counts the words in a text", "removes duplicates from a list while keeping order",
-                     "merges two sorted lists", "validates an email address roughly",
-                     "finds the largest element of an array", "converts Celsius to Fahrenheit"],
-            "task_how": ["read a file line by line", "sort a list of records by a field", "parse JSON",
-                         "measure how long a function takes", "handle errors when opening a file"],
+            "task": [
+                "reverses a string",
+                "checks whether a number is prime",
+                "returns the n-th Fibonacci number",
+                "counts the words in a text",
+                "removes duplicates from a list while keeping order",
+                "merges two sorted lists",
+                "validates an email address roughly",
+                "finds the largest element of an array",
+                "converts Celsius to Fahrenheit",
+            ],
+            "task_how": [
+                "read a file line by line",
+                "sort a list of records by a field",
+                "parse JSON",
+                "measure how long a function takes",
+                "handle errors when opening a file",
+            ],
         },
     ),
     "extraction": (
         [
-            "Extract {what} from this text: \"{text}\"",
+            'Extract {what} from this text: "{text}"',
             "From the following passage, list {what}. Passage: {text}",
             "Read this and return {what} as JSON: {text}",
         ],
         {
-            "what": ["all dates", "the names of people", "every place mentioned", "the prices and items",
-                     "the main action items", "the company names",
-                     "every number with its unit"],
+            "what": [
+                "all dates",
+                "the names of people",
+                "every place mentioned",
+                "the prices and items",
+                "the main action items",
+                "the company names",
+                "every number with its unit",
+            ],
             "text": [
                 "On March 3rd, Maria Lopez flew from Madrid to Oslo to meet the team at Nordwind AS; the tickets cost 240 euros.",
                 "Tom and Priya will review the budget on Friday, then send the report to Acme Corp by June 10.",
@@ -153,11 +241,24 @@ CATEGORIES: dict[str, tuple[list[str], dict[str, list[str]]]] = {
             "Give a clear, short explanation of {concept} with one everyday example.",
         ],
         {
-            "concept": ["photosynthesis", "how vaccines train the immune system", "entropy", "plate tectonics",
-                        "why the sky is blue", "how a transistor works", "Newton's third law", "DNA replication",
-                        "the greenhouse effect", "how batteries store energy", "black holes", "natural selection",
-                        "how GPS finds your position", "the speed of sound",
-                        "how antibiotics work", "why ice floats"],
+            "concept": [
+                "photosynthesis",
+                "how vaccines train the immune system",
+                "entropy",
+                "plate tectonics",
+                "why the sky is blue",
+                "how a transistor works",
+                "Newton's third law",
+                "DNA replication",
+                "the greenhouse effect",
+                "how batteries store energy",
+                "black holes",
+                "natural selection",
+                "how GPS finds your position",
+                "the speed of sound",
+                "how antibiotics work",
+                "why ice floats",
+            ],
             "audience": ["ten-year-old", "high-school student", "busy adult", "first-year university student"],
         },
     ),
@@ -170,17 +271,45 @@ CATEGORIES: dict[str, tuple[list[str], dict[str, list[str]]]] = {
             "How did {event} change everyday life for ordinary people?",
         ],
         {
-            "event": ["the fall of the Western Roman Empire", "the printing revolution", "the French Revolution",
-                      "the Industrial Revolution", "the Renaissance in Italy", "the end of the Cold War",
-                      "the Silk Road trade", "the abolition of slavery in Britain", "the spread of literacy in Europe",
-                      "the founding of the United Nations",
-                      "the Meiji Restoration", "the Protestant Reformation", "the Age of Exploration",
-                      "the rise of the Mongol Empire", "the American civil rights movement", "the Scientific Revolution"],
-            "idea": ["justice", "freedom", "happiness", "duty", "beauty", "truth", "courage", "equality", "friendship",
-                     "the good life"],
-            "thinker_context": ["ancient Greek philosophy", "Confucian thought", "the Enlightenment",
-                                "modern political theory", "Stoicism", "Buddhist philosophy",
-                                "existentialism"],
+            "event": [
+                "the fall of the Western Roman Empire",
+                "the printing revolution",
+                "the French Revolution",
+                "the Industrial Revolution",
+                "the Renaissance in Italy",
+                "the end of the Cold War",
+                "the Silk Road trade",
+                "the abolition of slavery in Britain",
+                "the spread of literacy in Europe",
+                "the founding of the United Nations",
+                "the Meiji Restoration",
+                "the Protestant Reformation",
+                "the Age of Exploration",
+                "the rise of the Mongol Empire",
+                "the American civil rights movement",
+                "the Scientific Revolution",
+            ],
+            "idea": [
+                "justice",
+                "freedom",
+                "happiness",
+                "duty",
+                "beauty",
+                "truth",
+                "courage",
+                "equality",
+                "friendship",
+                "the good life",
+            ],
+            "thinker_context": [
+                "ancient Greek philosophy",
+                "Confucian thought",
+                "the Enlightenment",
+                "modern political theory",
+                "Stoicism",
+                "Buddhist philosophy",
+                "existentialism",
+            ],
         },
     ),
 }

@@ -39,10 +39,16 @@ EXCERPTS = {
     },
     "sglang": {
         "sglang/srt/models/llama_eagle3.py": ["*"],
-        "sglang/srt/models/llama.py": ["LlamaMLP", "LlamaAttention", "LlamaDecoderLayer", "LlamaModel",
-                                       "LlamaForCausalLM.set_eagle3_layers_to_capture"],
+        "sglang/srt/models/llama.py": [
+            "LlamaMLP",
+            "LlamaAttention",
+            "LlamaDecoderLayer",
+            "LlamaModel",
+            "LlamaForCausalLM.set_eagle3_layers_to_capture",
+        ],
         "sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py": [
-            "_resolve_eagle_aux_hidden_state"],
+            "_resolve_eagle_aux_hidden_state"
+        ],
     },
 }
 
@@ -54,12 +60,19 @@ def excerpt(source: str, names: list[str]) -> str:
         return source
     lines = source.splitlines(keepends=True)
     tree = ast.parse(source)
-    kept = ["".join(lines[node.lineno - 1 : node.end_lineno]) for node in tree.body
-            if isinstance(node, (ast.Import, ast.ImportFrom))]
+    kept = [
+        "".join(lines[node.lineno - 1 : node.end_lineno])
+        for node in tree.body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+    ]
     by_name = {node.name: node for node in tree.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
-    by_name |= {target.id: node for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
-                for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
-                if isinstance(target, ast.Name)}
+    by_name |= {
+        target.id: node
+        for node in tree.body
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Name)
+    }
     for name in names:
         owner, _, method = name.partition(".")
         if owner not in by_name:
@@ -79,17 +92,25 @@ def excerpt(source: str, names: list[str]) -> str:
 
 def refresh(engine: str, version: str) -> Path:
     with tempfile.TemporaryDirectory(prefix="eaglet-consumer-") as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, f"{engine}=={version}"],
-                       check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, f"{engine}=={version}"], check=True
+        )
         wheel = next(Path(tmp).glob("*.whl"))
         digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
         with zipfile.ZipFile(wheel) as archive:
-            sources = {path: excerpt(archive.read(path).decode("utf-8"), names)
-                       for path, names in EXCERPTS[engine].items()}
+            sources = {
+                path: excerpt(archive.read(path).decode("utf-8"), names) for path, names in EXCERPTS[engine].items()
+            }
     OUT.mkdir(parents=True, exist_ok=True)
     out = OUT / f"{engine}-{version}.json"
-    out.write_text(json.dumps({"consumer": engine, "version": version, "wheel": wheel.name, "wheel_sha256": digest,
-                               "sources": sources}, indent=1) + "\n", encoding="utf-8")
+    out.write_text(
+        json.dumps(
+            {"consumer": engine, "version": version, "wheel": wheel.name, "wheel_sha256": digest, "sources": sources},
+            indent=1,
+        )
+        + "\n",
+        encoding="utf-8",
+    )
     return out
 
 

@@ -11,8 +11,11 @@ TEMPLATES = Path(__file__).parent / "templates"
 
 # Special tokens each family's template emits; eot first.
 FAMILY_SPECIALS = {
-    "llama3": {"bos": "<|begin_of_text|>", "eos": "<|eot_id|>",
-               "extra": ["<|start_header_id|>", "<|end_header_id|>", "<|end_of_text|>"]},
+    "llama3": {
+        "bos": "<|begin_of_text|>",
+        "eos": "<|eot_id|>",
+        "extra": ["<|start_header_id|>", "<|end_header_id|>", "<|end_of_text|>"],
+    },
     "qwen3": {"bos": None, "eos": "<|im_end|>", "extra": ["<|im_start|>", "<|endoftext|>"]},
     "gemma": {"bos": "<bos>", "eos": "<end_of_turn>", "extra": ["<start_of_turn>", "<eos>"]},
 }
@@ -42,11 +45,16 @@ def build_tokenizer(family: str):
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=600, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=600,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     backend.train_from_iterator(CORPUS, trainer)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=spec["bos"], eos_token=spec["eos"],
+        tokenizer_object=backend,
+        bos_token=spec["bos"],
+        eos_token=spec["eos"],
         additional_special_tokens=spec["extra"],
     )
     if family in FAMILY_PLAIN_ADDED:
@@ -63,9 +71,15 @@ def tiny_llama_dir(root: Path, tokenizer_family: str = "qwen3", layers: int = 8)
     tokenizer = build_tokenizer(tokenizer_family)
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
     )
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # a sharper head: a random model's teacher is otherwise near-uniform
@@ -83,7 +97,7 @@ def tiny_target(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def embedded_target():
-    from eaglet.target import resolve_target
+    from eaglet.model.target import resolve_target
 
     return resolve_target("embedded")
 
@@ -118,14 +132,35 @@ def small_conversations(n: int, seed: int = 0) -> list[dict]:
 
     rng = random.Random(seed)
     words = "the cat sat on a mat while two dogs ran past and one bird sang".split()
-    return [{"id": f"c{i}", "messages": [
-        {"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(3, 12)))},
-        {"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(5, 60)))}]} for i in range(n)]
+    return [
+        {
+            "id": f"c{i}",
+            "messages": [
+                {"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(3, 12)))},
+                {"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(5, 60)))},
+            ],
+        }
+        for i in range(n)
+    ]
 
 
 def extract_args(prepared, out, target, *extra):
-    return ["extract", "--prepared", prepared, "--out", out, "--target", target, "--shard-mb", "0.05",
-            "--batch-tokens", "256", "--reserve-gb", "0", *extra]
+    return [
+        "extract",
+        "--prepared",
+        prepared,
+        "--out",
+        out,
+        "--target",
+        target,
+        "--shard-mb",
+        "0.05",
+        "--batch-tokens",
+        "256",
+        "--reserve-gb",
+        "0",
+        *extra,
+    ]
 
 
 def store_bytes(store: Path) -> dict[str, bytes]:
@@ -150,8 +185,11 @@ def tiny_store(tmp_path_factory, tiny_prepared, tiny_target):
     import sys
 
     out = tmp_path_factory.mktemp("ref") / "store"
-    proc = subprocess.run([sys.executable, "-m", "eaglet.cli", *map(str, extract_args(tiny_prepared, out, tiny_target))],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "eaglet.cli", *map(str, extract_args(tiny_prepared, out, tiny_target))],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     return out
 
@@ -163,6 +201,17 @@ def tiny_draft(tmp_path_factory, tiny_store, tiny_target):
     from eaglet.train import run_train
 
     out = tmp_path_factory.mktemp("draft") / "run"
-    run_train(TrainConfig(out=str(out), store=str(tiny_store), target=str(tiny_target), max_steps=12, token_budget=128,
-                          lr=3e-3, log_every=4, eval_every=6, seed=1))
+    run_train(
+        TrainConfig(
+            out=str(out),
+            store=str(tiny_store),
+            target=str(tiny_target),
+            max_steps=12,
+            token_budget=128,
+            lr=3e-3,
+            log_every=4,
+            eval_every=6,
+            seed=1,
+        )
+    )
     return out

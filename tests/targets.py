@@ -14,9 +14,16 @@ QUANT_GROUP = 16  # the tiny layers' widths (16..128) divide by it; real checkpo
 
 def _common(tokenizer) -> dict:
     vocab = -(-len(tokenizer) // 64) * 64  # padded like real vocabularies: tensor parallel splits it
-    return dict(vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.eos_token_id)
+    return dict(
+        vocab_size=vocab,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+    )
 
 
 def moe_config(arch: str, tokenizer):
@@ -25,19 +32,38 @@ def moe_config(arch: str, tokenizer):
     common = _common(tokenizer)
     if arch == "deepseek_v3":  # Kimi-K2's architecture: MLA attention, shared + routed experts, a dense first layer
         return transformers.DeepseekV3Config(
-            **(common | {"num_key_value_heads": 4}), intermediate_size=128, moe_intermediate_size=32,
-            n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16,
-            q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=2, topk_group=1,
-            rope_scaling=None)
+            **(common | {"num_key_value_heads": 4}),
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            n_group=2,
+            topk_group=1,
+            rope_scaling=None,
+        )
     if arch == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**common, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
-                                           num_experts_per_tok=2, head_dim=16)
+        return transformers.Qwen3MoeConfig(
+            **common, intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, head_dim=16
+        )
     if arch == "mixtral":
         return transformers.MixtralConfig(**common, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
     if arch == "gpt_oss":
-        return transformers.GptOssConfig(**common, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
-                                         head_dim=16, sliding_window=32,
-                                         layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2))
+        return transformers.GptOssConfig(
+            **common,
+            intermediate_size=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            head_dim=16,
+            sliding_window=32,
+            layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2),
+        )
     if arch == "llama":
         return transformers.LlamaConfig(**common, intermediate_size=128)
     raise ValueError(arch)
@@ -63,8 +89,12 @@ def quantized_target(source: Path, root: Path, kind: str) -> Path:
     or ``fp8`` (per-channel float8), the linear layers quantized and the LM head kept."""
     import torch
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
-                                                 apply_quantization_config)
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
     from compressed_tensors.quantization.utils import calculate_qparams
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -76,8 +106,10 @@ def quantized_target(source: Path, root: Path, kind: str) -> Path:
         args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
         layout = "float-quantized"
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"],
-                                                        quantization_status="initialized"))
+    apply_quantization_config(
+        model,
+        QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], quantization_status="initialized"),
+    )
     for module in model.modules():
         if getattr(module, "quantization_scheme", None) is None:
             continue

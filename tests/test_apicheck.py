@@ -11,8 +11,8 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
+
 from eaglet.apicheck.check import check_calls, upgrade_report
 from eaglet.apicheck.signature import CallShape, Kind, Param, Signature, bind
 
@@ -22,7 +22,13 @@ MARK = re.compile(r"#\s*(v2: error|v2: warning|ok|unverified)(, new)?")
 
 
 def expected() -> dict[str, set[tuple[str, int]]]:
-    marks: dict[str, set[tuple[str, int]]] = {"v2: error": set(), "v2: warning": set(), "ok": set(), "unverified": set(), "new": set()}
+    marks: dict[str, set[tuple[str, int]]] = {
+        "v2: error": set(),
+        "v2: warning": set(),
+        "ok": set(),
+        "unverified": set(),
+        "new": set(),
+    }
     for file in sorted(APP.glob("*.py")):
         for number, line in enumerate(file.read_text().splitlines(), start=1):
             match = MARK.search(line)
@@ -46,9 +52,13 @@ def test_corpus_every_break_found_and_no_false_error():
     assert lines(report, "warning") == marks["v2: warning"]
     assert not (lines(report, "error") | lines(report, "warning")) & marks["ok"]
     assert sum(report.unverified.values()) >= len(marks["unverified"])
-    assert set(report.unverified) >= {"dynamic getattr", "module X defines __getattr__ (dynamic names)",
-                                      "compiled module X without stubs", "class X defines __getattr__ (dynamic attributes)",
-                                      "return value of applib.engine.untyped_factory has no annotation"}
+    assert set(report.unverified) >= {
+        "dynamic getattr",
+        "module X defines __getattr__ (dynamic names)",
+        "compiled module X without stubs",
+        "class X defines __getattr__ (dynamic attributes)",
+        "return value of applib.engine.untyped_factory has no annotation",
+    }
 
 
 def test_upgrade_mode_reports_only_what_the_upgrade_breaks():
@@ -61,8 +71,10 @@ def test_upgrade_mode_reports_only_what_the_upgrade_breaks():
 
 
 def test_findings_name_the_target_where_it_is_defined_and_the_version(capsys):
-    code, out, _ = run_cli(["preflight", "calls", APP, "--against", "applib==2.0.0", "--site-packages", CORPUS / "v2",
-                            "--format", "json"], capsys)
+    code, out, _ = run_cli(
+        ["preflight", "calls", APP, "--against", "applib==2.0.0", "--site-packages", CORPUS / "v2", "--format", "json"],
+        capsys,
+    )
     assert code == 2  # errors found
     data = json.loads(out)
     finding = next(f for f in data["findings"] if f["path"].endswith("methods.py") and f["line"] == 13)
@@ -73,32 +85,70 @@ def test_findings_name_the_target_where_it_is_defined_and_the_version(capsys):
 
 
 def test_sarif_and_text_formats(capsys):
-    code, out, _ = run_cli(["preflight", "calls", APP / "models_use.py", "--against", "applib", "--site-packages",
-                            CORPUS / "v2", "--format", "sarif"], capsys)
+    code, out, _ = run_cli(
+        [
+            "preflight",
+            "calls",
+            APP / "models_use.py",
+            "--against",
+            "applib",
+            "--site-packages",
+            CORPUS / "v2",
+            "--format",
+            "sarif",
+        ],
+        capsys,
+    )
     assert code == 2
     sarif = json.loads(out)
     assert sarif["version"] == "2.1.0"
     result = sarif["runs"][0]["results"][0]
     assert result["locations"][0]["physicalLocation"]["region"]["startLine"] == 8
-    code, out, _ = run_cli(["preflight", "calls", APP / "compat.py", "--against", "applib", "--site-packages", CORPUS / "v2"], capsys)
+    code, out, _ = run_cli(
+        ["preflight", "calls", APP / "compat.py", "--against", "applib", "--site-packages", CORPUS / "v2"], capsys
+    )
     assert code == 0 and "0 errors, 0 warnings" in out
 
 
 def test_upgrade_mode_from_the_command_line(capsys):
-    code, out, _ = run_cli(["preflight", "calls", APP, "--against", "applib==1.0.0", "--site-packages", CORPUS / "v1",
-                            "--to", "applib==2.0.0", "--to-site-packages", CORPUS / "v2", "--json"], capsys)
+    code, out, _ = run_cli(
+        [
+            "preflight",
+            "calls",
+            APP,
+            "--against",
+            "applib==1.0.0",
+            "--site-packages",
+            CORPUS / "v1",
+            "--to",
+            "applib==2.0.0",
+            "--to-site-packages",
+            CORPUS / "v2",
+            "--json",
+        ],
+        capsys,
+    )
     assert code == 2
     assert len(json.loads(out)["findings"]) == len(expected()["new"])
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--against", "applib", "--site-packages", "/nonexistent"], "not a directory"),
-    (["--against", "nosuchlib", "--site-packages", str(CORPUS / "v2")], "nosuchlib: not found"),
-    (["--against", "applib==9.9", "--site-packages", str(CORPUS / "v2")], "holds applib 2.0.0"),
-    (["--against", "applib", "--wheel", "/nonexistent.whl"], "no such wheel"),
-    (["--against", "applib", "--site-packages", str(CORPUS / "v1"), "--to", "other==2"], "two versions of one package"),
-    (["--against", "applib", "--site-packages", str(CORPUS / "v2"), "--format", "xml"], "choose text, json or sarif"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--against", "applib", "--site-packages", "/nonexistent"], "not a directory"),
+        (["--against", "nosuchlib", "--site-packages", str(CORPUS / "v2")], "nosuchlib: not found"),
+        (["--against", "applib==9.9", "--site-packages", str(CORPUS / "v2")], "holds applib 2.0.0"),
+        (["--against", "applib", "--wheel", "/nonexistent.whl"], "no such wheel"),
+        (
+            ["--against", "applib", "--site-packages", str(CORPUS / "v1"), "--to", "other==2"],
+            "two versions of one package",
+        ),
+        (
+            ["--against", "applib", "--site-packages", str(CORPUS / "v2"), "--format", "xml"],
+            "choose text, json or sarif",
+        ),
+    ],
+)
 def test_bad_invocations_are_one_line_errors(capsys, args, message):
     code, _, err = run_cli(["preflight", "calls", APP, *args], capsys)
     assert code == 2 and message in err and "Traceback" not in err
@@ -117,13 +167,23 @@ def test_reads_a_wheel_without_installing_it(tmp_path, capsys):
 
 
 def test_binding_rules():
-    params = Signature((Param("a", Kind.POSITIONAL_ONLY, False), Param("b", Kind.POSITIONAL_OR_KEYWORD, True),
-                        Param("args", Kind.VAR_POSITIONAL, True), Param("c", Kind.KEYWORD_ONLY, False)))
+    params = Signature(
+        (
+            Param("a", Kind.POSITIONAL_ONLY, False),
+            Param("b", Kind.POSITIONAL_OR_KEYWORD, True),
+            Param("args", Kind.VAR_POSITIONAL, True),
+            Param("c", Kind.KEYWORD_ONLY, False),
+        )
+    )
     assert bind(params, CallShape(5, ("c",))) == []
-    assert [p.message for p in bind(params, CallShape(1, ("a", "c")))] == ["unexpected keyword argument 'a' (is positional-only)"]
+    assert [p.message for p in bind(params, CallShape(1, ("a", "c")))] == [
+        "unexpected keyword argument 'a' (is positional-only)"
+    ]
     assert [p.message for p in bind(params, CallShape(2, ("b", "c")))] == ["got multiple values for argument 'b'"]
     assert bind(params, CallShape(0, (), star=True, double_star=True)) == []  # nothing certain: nothing reported
-    assert [p.message for p in bind(params, CallShape(0, (), star=True))] == ["missing required keyword-only argument 'c'"]
+    assert [p.message for p in bind(params, CallShape(0, (), star=True))] == [
+        "missing required keyword-only argument 'c'"
+    ]
 
 
 def test_self_check_of_eaglets_transformers_calls(capsys):

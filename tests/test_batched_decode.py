@@ -4,16 +4,16 @@ drafts and accepts exactly what the batch-1 engine does for that prompt alone.""
 from __future__ import annotations
 
 import torch
-
 from test_decode import tiny_pair
-from eaglet.capture import FeatureCapture
-from eaglet.decode.batched import BatchDraft, BatchTarget, batched_speculative_decode, batched_target_only_decode
+
 from eaglet.decode.baseline import target_only_decode
+from eaglet.decode.batched import BatchDraft, BatchTarget, batched_speculative_decode, batched_target_only_decode
 from eaglet.decode.chain import speculative_decode
 from eaglet.decode.runners import DraftRunner, TargetRunner
 from eaglet.decode.sampling import Sampling
-from eaglet.loss import TeacherHead
-from eaglet.ttt import TTTInputs, documents, ttt_forward
+from eaglet.model.capture import FeatureCapture
+from eaglet.train.loss import TeacherHead
+from eaglet.train.ttt import TTTInputs, documents, ttt_forward
 
 LAYERS = (2, 4, 5)
 PROMPTS = [[5, 17, 33, 8, 26, 12], [3, 9], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [7], [60, 2, 2, 60]]
@@ -27,16 +27,26 @@ def trained_pair():
     target, draft = tiny_pair()
     capture = FeatureCapture(target, LAYERS)
     with torch.no_grad():
-        sequences = [target.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS + 8, do_sample=False,
-                                     pad_token_id=0)[0] for p in PROMPTS]
+        sequences = [
+            target.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS + 8, do_sample=False, pad_token_id=0)[0]
+            for p in PROMPTS
+        ]
     ids = torch.cat(sequences)
     offsets = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0)
     features = [capture(s[None]) for s in sequences]
     aux, last = torch.cat([a[0] for a, _ in features]), torch.cat([h[0] for _, h in features])
     teacher_logits, in_vocab = TeacherHead(target.lm_head.weight.detach(), draft.d2t)(last)
     doc_ids, positions, doc_end = documents(offsets, torch.device("cpu"))
-    inputs = TTTInputs(input_ids=ids, aux=aux.clone(), loss_mask=torch.ones(len(ids), dtype=torch.bool), doc_ids=doc_ids,
-                       positions=positions, doc_end=doc_end, teacher_logits=teacher_logits, teacher_in_vocab=in_vocab)
+    inputs = TTTInputs(
+        input_ids=ids,
+        aux=aux.clone(),
+        loss_mask=torch.ones(len(ids), dtype=torch.bool),
+        doc_ids=doc_ids,
+        positions=positions,
+        doc_end=doc_end,
+        teacher_logits=teacher_logits,
+        teacher_in_vocab=in_vocab,
+    )
     draft.train()
     optimizer = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=1e-2)
     for _ in range(TRAIN_STEPS):

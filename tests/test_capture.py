@@ -5,10 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eaglet.capture import FeatureCapture, decoder_layers, teacher_logits
+from eaglet.model.capture import FeatureCapture, decoder_layers, teacher_logits
 
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128)
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 def tiny(kind: str):
@@ -29,13 +36,26 @@ def tiny(kind: str):
     if kind == "gemma3":
         return tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**COMMON, head_dim=16))
     if kind == "qwen3_moe":
-        return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                                                        moe_intermediate_size=32))
+        return tf.Qwen3MoeForCausalLM(
+            tf.Qwen3MoeConfig(**COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        )
     if kind == "deepseek_v3":
-        return tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
-            **{**COMMON, "num_key_value_heads": 4}, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-            first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
-            qk_nope_head_dim=8, v_head_dim=16))
+        return tf.DeepseekV3ForCausalLM(
+            tf.DeepseekV3Config(
+                **{**COMMON, "num_key_value_heads": 4},
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                first_k_dense_replace=1,
+                n_group=1,
+                topk_group=1,
+                kv_lora_rank=16,
+                q_lora_rank=32,
+                qk_rope_head_dim=8,
+                qk_nope_head_dim=8,
+                v_head_dim=16,
+            )
+        )
     raise ValueError(kind)
 
 

@@ -27,8 +27,12 @@ def test_flat_file_and_unknown_key(tmp_path):
 
 @pytest.mark.parametrize(
     "override,fragment",
-    [("max_len=abc", "'max_len'"), ("nonsense", "expected KEY=VALUE"), ("on_bad_row=maybe", "'on_bad_row'"),
-     ("temperature=-1", "'temperature'")],
+    [
+        ("max_len=abc", "'max_len'"),
+        ("nonsense", "expected KEY=VALUE"),
+        ("on_bad_row=maybe", "'on_bad_row'"),
+        ("temperature=-1", "'temperature'"),
+    ],
 )
 def test_bad_overrides(override, fragment):
     cls, stage = (RegenerateConfig, "regenerate") if "temperature" in override else (PrepareConfig, "prepare")

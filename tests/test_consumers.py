@@ -8,28 +8,33 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli
 from safetensors.torch import load_file, save_file
 
-from conftest import run_cli
-from eaglet.consumers import speculators
-from eaglet.consumers.check import FAIL, PASS, check_export
+from eaglet.consumers import speculators_library as speculators
+from eaglet.consumers.export_check import FAIL, PASS, check_export
 from eaglet.consumers.fixtures import ENGINES, fixtures
-from eaglet.draft import Eagle3Draft, save_draft
-from eaglet.formats.draft import DraftConfig
 from eaglet.export.write import export_draft
-from eaglet.target import load_head_weights, read_config, resolve_target, target_info, target_record
+from eaglet.formats.draft_config import DraftConfig
+from eaglet.model.draft import Eagle3Draft, save_draft
+from eaglet.model.target import load_head_weights, read_config, resolve_target, target_info, target_record
 
 CUSTOM_LAYERS = (1, 3, 6)  # not the defaults (2, 4, 5) of the 8-layer tiny target: a wrong reading shows
 
 
-def random_draft(root: Path, target: Path, draft_vocab: int | None, layers=CUSTOM_LAYERS, seed: int = 0,
-                 hub_id: str | None = None) -> Path:
+def random_draft(
+    root: Path, target: Path, draft_vocab: int | None, layers=CUSTOM_LAYERS, seed: int = 0, hub_id: str | None = None
+) -> Path:
     """An eaglet draft directory with random weights (no training) for ``target``; ``draft_vocab`` None = the
     target's whole vocabulary."""
     resolved = resolve_target(str(target))
     info = target_info(resolved)
-    record = {"name": info.name, "config_hash": info.config_hash, "tokenizer_hash": info.tokenizer_hash,
-              **target_record(resolved, info)} | ({"hub_id": hub_id} if hub_id else {})
+    record = {
+        "name": info.name,
+        "config_hash": info.config_hash,
+        "tokenizer_hash": info.tokenizer_hash,
+        **target_record(resolved, info),
+    } | ({"hub_id": hub_id} if hub_id else {})
     vocab = info.vocab_size if draft_vocab is None else draft_vocab
     config = DraftConfig.from_target(read_config(target), vocab, layers, record)
     torch.manual_seed(seed)
@@ -38,8 +43,9 @@ def random_draft(root: Path, target: Path, draft_vocab: int | None, layers=CUSTO
     t2d = torch.zeros(info.vocab_size, dtype=torch.bool)
     t2d[used] = True
     head = load_head_weights(target)
-    draft.init_from_target(head.embed.float(), head.lm_head.float(), used - torch.arange(vocab), t2d,
-                           head.final_norm.float())
+    draft.init_from_target(
+        head.embed.float(), head.lm_head.float(), used - torch.arange(vocab), t2d, head.final_norm.float()
+    )
     with torch.no_grad():
         for parameter in draft.parameters():
             if parameter.requires_grad:
@@ -51,8 +57,10 @@ def random_draft(root: Path, target: Path, draft_vocab: int | None, layers=CUSTO
 @pytest.fixture(scope="module")
 def drafts(tmp_path_factory, tiny_target):
     root = tmp_path_factory.mktemp("consumer-drafts")
-    return {"subset": random_draft(root / "subset", tiny_target, 300),
-            "full": random_draft(root / "full", tiny_target, None)}
+    return {
+        "subset": random_draft(root / "subset", tiny_target, 300),
+        "full": random_draft(root / "full", tiny_target, None),
+    }
 
 
 def _by_engine(results) -> dict[str, object]:
@@ -83,8 +91,11 @@ def test_speculators_refuses_the_old_layout(tmp_path, drafts):
     embedding at their initial values; the check says so instead of passing."""
     out = export_draft(drafts["subset"], "speculators", tmp_path / "spec")
     tensors = load_file(str(out / "model.safetensors"))
-    old = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in tensors.items()
-           if k != "embed_tokens.weight"}
+    old = {
+        ("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): v
+        for k, v in tensors.items()
+        if k != "embed_tokens.weight"
+    }
     save_file(old, str(out / "model.safetensors"))
     _, load = speculators.load(out)
     assert "layers.0.self_attn.q_proj.weight" in load.missing and "midlayer.self_attn.q_proj.weight" in load.unexpected
@@ -112,10 +123,14 @@ def test_what_the_engines_did_with_eaglets_earlier_exports(tmp_path, drafts):
     out = export_draft(drafts["full"], "vllm", tmp_path / "full")
     tensors = load_file(str(out / "model.safetensors"))
     vocab = tensors["lm_head.weight"].shape[0]
-    save_file(tensors | {"d2t": torch.zeros(vocab, dtype=torch.int64), "t2d": torch.ones(vocab, dtype=torch.bool)},
-              str(out / "model.safetensors"))
+    save_file(
+        tensors | {"d2t": torch.zeros(vocab, dtype=torch.int64), "t2d": torch.ones(vocab, dtype=torch.bool)},
+        str(out / "model.safetensors"),
+    )
     vllm = _by_engine(check_export(out))["vllm"]
-    assert vllm.status == FAIL and any("no module or parameter named 'draft_id_to_target_id'" in f for f in vllm.findings)
+    assert vllm.status == FAIL and any(
+        "no module or parameter named 'draft_id_to_target_id'" in f for f in vllm.findings
+    )
 
     only_top = export_draft(drafts["subset"], "vllm", tmp_path / "only-top")
     config = json.loads((only_top / "config.json").read_text())
@@ -153,7 +168,9 @@ def test_verifier_named_by_hub_id_when_known_else_by_path(tmp_path, tiny_target)
     card = (export_draft(local, "vllm", tmp_path / "c") / "README.md").read_text()
     assert f"vllm serve {Path(tiny_target).resolve()}" in card and "not portable" in card
     given = export_draft(local, "speculators", tmp_path / "d", verifier="org/given")
-    assert json.loads((given / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == "org/given"
+    assert (
+        json.loads((given / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == "org/given"
+    )
 
 
 def test_export_check_command(tmp_path, capsys, drafts):

@@ -10,24 +10,39 @@ from eaglet.decode.baseline import target_only_decode
 from eaglet.decode.chain import speculative_decode
 from eaglet.decode.runners import DraftRunner, TargetRunner
 from eaglet.decode.sampling import Sampling
-from eaglet.draft import Eagle3Draft
-from eaglet.formats.draft import DraftConfig
 from eaglet.errors import EagletError
+from eaglet.formats.draft_config import DraftConfig
+from eaglet.model.draft import Eagle3Draft
 
 
 def tiny_pair(vocab=64, seed=0, draft_layers=1):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     target = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         target.lm_head.weight.mul_(30)  # a peaked target, so drafts sometimes agree
-    draft_config = DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                               intermediate_size=64, vocab_size=vocab, draft_vocab_size=vocab // 2,
-                               target_hidden_size=32, eagle_aux_hidden_state_layer_ids=[2, 4, 5],
-                               num_hidden_layers=draft_layers)
+    draft_config = DraftConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=vocab,
+        draft_vocab_size=vocab // 2,
+        target_hidden_size=32,
+        eagle_aux_hidden_state_layer_ids=[2, 4, 5],
+        num_hidden_layers=draft_layers,
+    )
     draft = Eagle3Draft(draft_config).eval()
     used = torch.arange(0, vocab, 2)  # every other token
     t2d = torch.zeros(vocab, dtype=torch.bool)
@@ -119,7 +134,9 @@ def test_sampling_matches_the_target_distribution():
     prompt = [3, 1, 4, 1, 5]
     for _ in range(1500):
         counts["plain"][target_only_decode(runner, prompt, 2, sampling, set(), generator).tokens[1]] += 1
-        counts["spec"][speculative_decode(runner, draft_runner, prompt, 2, 2, sampling, set(), generator).tokens[1]] += 1
+        counts["spec"][
+            speculative_decode(runner, draft_runner, prompt, 2, 2, sampling, set(), generator).tokens[1]
+        ] += 1
     tv = 0.5 * np.abs(counts["plain"] / 1500 - counts["spec"] / 1500).sum()
     assert tv < 0.07
 
@@ -160,8 +177,18 @@ def test_tree_sampling_matches_the_target_distribution():
     draws = 1500
     for _ in range(draws):
         plain = target_only_decode(runner, prompt, 3, sampling, set(), generator).tokens
-        tree = tree_decode(runner, draft_runner, prompt, 3, depth=2, topk=3, budget=6, stop_ids=set(),
-                           sampling=sampling, generator=generator).tokens
+        tree = tree_decode(
+            runner,
+            draft_runner,
+            prompt,
+            3,
+            depth=2,
+            topk=3,
+            budget=6,
+            stop_ids=set(),
+            sampling=sampling,
+            generator=generator,
+        ).tokens
         counts["plain"][plain[1], plain[2]] += 1
         counts["tree"][tree[1], tree[2]] += 1
     for axis in (1, 0):  # the marginals of the 2nd and of the 3rd token
@@ -174,7 +201,7 @@ def test_decoder_draft_steps_equal_the_training_time_test(draft_layers):
     """The decoder's incremental draft (cache of real positions, then speculative steps after the last one)
     computes what training computed: step 0 over the prefix, step k at the last position with RoPE position
     t + k (vLLM and SGLang advance the draft's position by one per step), every layer."""
-    from eaglet.ttt import TTTAttention, documents
+    from eaglet.train.ttt import TTTAttention, documents
 
     torch.manual_seed(1)
     target, draft = tiny_pair(draft_layers=draft_layers)
@@ -214,7 +241,7 @@ def test_tree_greedy_is_lossless(draft_layers):
 
 
 def test_tree_structure():
-    from eaglet.decode.tree import Tree
+    from eaglet.decode.common import Tree
 
     tree = Tree(tokens=[7, 1, 2, 3, 4], parents=[-1, 0, 0, 1, 3], depths=[0, 1, 1, 2, 3])
     mask = tree.ancestor_mask()
@@ -248,18 +275,33 @@ def test_tree_of_width_one_is_the_chain():
     assert tree.tokens == chain.tokens and tree.accepted == chain.accepted
 
 
-LLAMA31_TARGET = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
-                  "vocab_size": 64, "max_position_embeddings": 131072, "rope_theta": 500000.0,
-                  "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                                   "original_max_position_embeddings": 8192}}
+LLAMA31_TARGET = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 64,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+    },
+}
 
 
-@pytest.mark.parametrize("scaling", [
-    None,
-    {"rope_type": "linear", "factor": 4.0},
-    LLAMA31_TARGET["rope_scaling"],
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
-])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 4.0},
+        LLAMA31_TARGET["rope_scaling"],
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
+    ],
+)
 def test_the_draft_rotates_like_the_target(scaling):
     """The draft inherits the target's RoPE, scaling included (vLLM and SGLang serve it with the config's
     rope_scaling): its cos/sin equal transformers' own Llama rotary embedding, at long positions too."""
@@ -271,8 +313,11 @@ def test_the_draft_rotates_like_the_target(scaling):
     assert config.rope_scaling == scaling
     positions = torch.tensor([0, 1, 7, 1000, 20000, 100000])
     cos, sin = Eagle3Draft(config).rope(positions)
-    reference = LlamaRotaryEmbedding(LlamaConfig(**{k: v for k, v in target.items() if k != "rope_scaling"},
-                                                 rope_scaling=dict(scaling) if scaling else None))  # (it edits it)
+    reference = LlamaRotaryEmbedding(
+        LlamaConfig(
+            **{k: v for k, v in target.items() if k != "rope_scaling"}, rope_scaling=dict(scaling) if scaling else None
+        )
+    )  # (it edits it)
     expected_cos, expected_sin = reference(torch.zeros(1, len(positions), 16), positions[None])
     torch.testing.assert_close(cos, expected_cos[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sin, expected_sin[0], rtol=1e-5, atol=1e-5)
@@ -284,8 +329,12 @@ def test_rope_scaling_in_transformers_5_configs_and_bf16_drafts():
     position 20,000 radians off)."""
     legacy = DraftConfig.from_target(LLAMA31_TARGET, 32, (1, 2, 3))
     parameters = {"rope_theta": 500000.0, **LLAMA31_TARGET["rope_scaling"]}
-    modern = DraftConfig.from_target({k: v for k, v in LLAMA31_TARGET.items() if k not in ("rope_theta", "rope_scaling")}
-                                     | {"rope_parameters": parameters}, 32, (1, 2, 3))
+    modern = DraftConfig.from_target(
+        {k: v for k, v in LLAMA31_TARGET.items() if k not in ("rope_theta", "rope_scaling")}
+        | {"rope_parameters": parameters},
+        32,
+        (1, 2, 3),
+    )
     assert (modern.rope_theta, modern.rope_scaling) == (legacy.rope_theta, legacy.rope_scaling)
     positions = torch.tensor([3, 20000])
     draft = Eagle3Draft(legacy)
@@ -296,7 +345,8 @@ def test_rope_scaling_in_transformers_5_configs_and_bf16_drafts():
 
 
 def test_an_unknown_rope_type_is_a_one_line_error():
-    config = DraftConfig.from_target({**LLAMA31_TARGET, "rope_scaling": {"rope_type": "spiral", "factor": 2.0}},
-                                     32, (1, 2, 3))
+    config = DraftConfig.from_target(
+        {**LLAMA31_TARGET, "rope_scaling": {"rope_type": "spiral", "factor": 2.0}}, 32, (1, 2, 3)
+    )
     with pytest.raises(EagletError, match="RoPE type 'spiral' is not one transformers"):
         Eagle3Draft(config).rope(torch.arange(4))

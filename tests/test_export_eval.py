@@ -6,37 +6,66 @@ import json
 
 import pytest
 import torch
+from conftest import run_cli, write_jsonl
 from safetensors import safe_open
 
-from conftest import run_cli, write_jsonl
 from eaglet.decode.chain import speculative_decode
 from eaglet.decode.runners import DraftRunner, TargetRunner
 from eaglet.decode.sampling import Sampling
-from eaglet.draft import load_draft
-from eaglet.target import config_identity, load_head_weights, load_model, resolve_target
+from eaglet.model.draft import load_draft
+from eaglet.model.target import config_identity, load_head_weights, load_model, resolve_target
 
 EXPECTED_TENSORS = {
-    "fc.weight": [64, 192], "midlayer.input_layernorm.weight": [64], "midlayer.hidden_norm.weight": [64],
-    "midlayer.self_attn.q_proj.weight": [64, 128], "midlayer.self_attn.k_proj.weight": [32, 128],
-    "midlayer.self_attn.v_proj.weight": [32, 128], "midlayer.self_attn.o_proj.weight": [64, 64],
-    "midlayer.post_attention_layernorm.weight": [64], "midlayer.mlp.gate_proj.weight": [128, 64],
-    "midlayer.mlp.up_proj.weight": [128, 64], "midlayer.mlp.down_proj.weight": [64, 128], "norm.weight": [64],
+    "fc.weight": [64, 192],
+    "midlayer.input_layernorm.weight": [64],
+    "midlayer.hidden_norm.weight": [64],
+    "midlayer.self_attn.q_proj.weight": [64, 128],
+    "midlayer.self_attn.k_proj.weight": [32, 128],
+    "midlayer.self_attn.v_proj.weight": [32, 128],
+    "midlayer.self_attn.o_proj.weight": [64, 64],
+    "midlayer.post_attention_layernorm.weight": [64],
+    "midlayer.mlp.gate_proj.weight": [128, 64],
+    "midlayer.mlp.up_proj.weight": [128, 64],
+    "midlayer.mlp.down_proj.weight": [64, 128],
+    "norm.weight": [64],
 }
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
 def test_export_golden(tmp_path, capsys, tiny_draft, fmt):
     out = tmp_path / fmt
-    code, stdout, err = run_cli(["export", "--draft", tiny_draft, "--format", fmt, "--out", out,
-                                 "--verifier", "org/tiny-target", "--speculative-tokens", "4"], capsys)
+    code, stdout, err = run_cli(
+        [
+            "export",
+            "--draft",
+            tiny_draft,
+            "--format",
+            fmt,
+            "--out",
+            out,
+            "--verifier",
+            "org/tiny-target",
+            "--speculative-tokens",
+            "4",
+        ],
+        capsys,
+    )
     assert code == 0, err
     config = json.loads((out / "config.json").read_text())
     with safe_open(str(out / "model.safetensors"), framework="pt") as handle:
         shapes = {k: handle.get_slice(k).get_shape() for k in handle.keys()}
         dtypes = {k: handle.get_slice(k).get_dtype() for k in handle.keys()}
-    vocab, draft_vocab = config.get("vocab_size") or config["transformer_layer_config"]["vocab_size"], config["draft_vocab_size"]
-    expected = EXPECTED_TENSORS if fmt != "speculators" else {  # speculators' own name for the first layer
-        k.replace("midlayer.", "layers.0."): v for k, v in EXPECTED_TENSORS.items()}
+    vocab, draft_vocab = (
+        config.get("vocab_size") or config["transformer_layer_config"]["vocab_size"],
+        config["draft_vocab_size"],
+    )
+    expected = (
+        EXPECTED_TENSORS
+        if fmt != "speculators"
+        else {  # speculators' own name for the first layer
+            k.replace("midlayer.", "layers.0."): v for k, v in EXPECTED_TENSORS.items()
+        }
+    )
     assert {k: v for k, v in shapes.items() if k in expected} == expected
     assert shapes["lm_head.weight"] == [draft_vocab, 64] and dtypes["fc.weight"] == "BF16"
     assert draft_vocab == vocab and "d2t" not in shapes and "t2d" not in shapes  # the whole vocabulary: no mapping
@@ -52,7 +81,10 @@ def test_export_golden(tmp_path, capsys, tiny_draft, fmt):
         assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
         assert config["transformer_layer_config"]["hidden_size"] == 64
         method = config["speculators_config"]["proposal_methods"][0]
-        assert method["speculative_tokens"] == 4 and config["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-target"
+        assert (
+            method["speculative_tokens"] == 4
+            and config["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-target"
+        )
     card = (out / "README.md").read_text()
     assert "org/tiny-target" in card and ("vllm serve" in card or "sglang.launch_server" in card)
 
@@ -66,7 +98,9 @@ def test_round_trip_gives_identical_greedy_outputs(tmp_path, tiny_draft, tiny_ta
     original = load_draft(tiny_draft, embed=embed.float())
     runner = TargetRunner(model, (2, 4, 5))
     prompt = [5, 17, 33, 8, 90, 12]
-    reference = speculative_decode(runner, DraftRunner(original.to(torch.bfloat16).float()), prompt, 24, 3, Sampling(), set())
+    reference = speculative_decode(
+        runner, DraftRunner(original.to(torch.bfloat16).float()), prompt, 24, 3, Sampling(), set()
+    )
     for fmt in ("vllm", "sglang", "speculators"):
         exported = export_draft(tiny_draft, fmt, tmp_path / fmt)
         draft = load_draft(exported, embed=embed.float())
@@ -95,14 +129,35 @@ def test_export_refuses_to_clobber(tmp_path, capsys, tiny_draft):
 
 
 def test_eval_report(tmp_path, capsys, tiny_draft, tiny_target):
-    prompts = write_jsonl(tmp_path / "p.jsonl", [
-        {"id": "a", "prompt": "the cat sat", "category": "animals", "split": "heldout"},
-        {"id": "b", "prompt": "two dogs ran past", "category": "animals", "split": "heldout"},
-        {"id": "c", "prompt": "one bird sang", "category": "birds", "split": "heldout"},
-    ])
+    prompts = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"id": "a", "prompt": "the cat sat", "category": "animals", "split": "heldout"},
+            {"id": "b", "prompt": "two dogs ran past", "category": "animals", "split": "heldout"},
+            {"id": "c", "prompt": "one bird sang", "category": "birds", "split": "heldout"},
+        ],
+    )
     out = tmp_path / "eval"
-    code, stdout, err = run_cli(["eval", "--draft", tiny_draft, "--target", tiny_target, "--prompts", prompts,
-                                 "--out", out, "--max-new-tokens", "16", "--depth", "3", "--device", "cpu"], capsys)
+    code, stdout, err = run_cli(
+        [
+            "eval",
+            "--draft",
+            tiny_draft,
+            "--target",
+            tiny_target,
+            "--prompts",
+            prompts,
+            "--out",
+            out,
+            "--max-new-tokens",
+            "16",
+            "--depth",
+            "3",
+            "--device",
+            "cpu",
+        ],
+        capsys,
+    )
     assert code == 0, err
     report = json.loads((out / "report.json").read_text())
     assert report["lossless"] is True and report["prompts"] == 3 and report["divergences"] == {}
@@ -115,29 +170,84 @@ def test_eval_report(tmp_path, capsys, tiny_draft, tiny_target):
 
 
 def test_batched_eval_gives_the_same_tokens_and_tau_as_one_at_a_time(tmp_path, capsys, tiny_draft, tiny_target):
-    prompts = write_jsonl(tmp_path / "p.jsonl", [
-        {"id": "a", "prompt": "the cat sat", "split": "heldout"},
-        {"id": "b", "prompt": "two dogs ran past the old barn", "split": "heldout"},
-        {"id": "c", "prompt": "one bird", "split": "heldout"},
-    ])
+    prompts = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"id": "a", "prompt": "the cat sat", "split": "heldout"},
+            {"id": "b", "prompt": "two dogs ran past the old barn", "split": "heldout"},
+            {"id": "c", "prompt": "one bird", "split": "heldout"},
+        ],
+    )
     reports = {}
     for batch in ("1", "2"):
         out = tmp_path / f"batch{batch}"
-        code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", tiny_target, "--prompts", prompts, "--out", out,
-                                "--max-new-tokens", "16", "--depth", "3", "--device", "cpu", "--batch-size", batch], capsys)
+        code, _, err = run_cli(
+            [
+                "eval",
+                "--draft",
+                tiny_draft,
+                "--target",
+                tiny_target,
+                "--prompts",
+                prompts,
+                "--out",
+                out,
+                "--max-new-tokens",
+                "16",
+                "--depth",
+                "3",
+                "--device",
+                "cpu",
+                "--batch-size",
+                batch,
+            ],
+            capsys,
+        )
         assert code == 0, err
         reports[batch] = json.loads((out / "report.json").read_text())
     assert reports["2"]["lossless"] is True and reports["2"]["settings"]["batch_size"] == 2
     for key in ("acceptance_length", "acceptance_by_position", "generated_tokens", "target_forwards"):
         assert reports["2"][key] == reports["1"][key], key
     for refused in (["--mode", "tree"], ["--temperature", "0.7"]):
-        code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", tiny_target, "--prompts", prompts, "--out",
-                                tmp_path / "x", "--device", "cpu", "--batch-size", "2", *refused], capsys)
+        code, _, err = run_cli(
+            [
+                "eval",
+                "--draft",
+                tiny_draft,
+                "--target",
+                tiny_target,
+                "--prompts",
+                prompts,
+                "--out",
+                tmp_path / "x",
+                "--device",
+                "cpu",
+                "--batch-size",
+                "2",
+                *refused,
+            ],
+            capsys,
+        )
         assert code == 2 and "batched decoding drafts chains greedily" in err and "Traceback" not in err
         assert not (tmp_path / "x").exists()
     for bad, message in ((["--batch-size", "0"], "'batch_size'"), (["--dtype", "fp32"], "'dtype'")):
-        code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", tiny_target, "--prompts", prompts, "--out",
-                                tmp_path / "x", "--device", "cpu", *bad], capsys)
+        code, _, err = run_cli(
+            [
+                "eval",
+                "--draft",
+                tiny_draft,
+                "--target",
+                tiny_target,
+                "--prompts",
+                prompts,
+                "--out",
+                tmp_path / "x",
+                "--device",
+                "cpu",
+                *bad,
+            ],
+            capsys,
+        )
         assert code == 2 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
         assert not (tmp_path / "x").exists()
 
@@ -149,7 +259,9 @@ def test_eval_refuses_draft_for_another_target(tmp_path, capsys, tiny_draft):
     code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", other, "--out", tmp_path / "e"], capsys)
     assert code == 2 and "preflight failed for eval: draft: trained for target tiny-target0" in err
     # the stage itself refuses too when preflight is skipped
-    code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", other, "--out", tmp_path / "e", "--skip-preflight"], capsys)
+    code, _, err = run_cli(
+        ["eval", "--draft", tiny_draft, "--target", other, "--out", tmp_path / "e", "--skip-preflight"], capsys
+    )
     assert code == 2 and "PREFLIGHT SKIPPED" in err and "trained for target tiny-target0" in err
 
 
@@ -158,7 +270,7 @@ def test_a_draft_moves_between_transformers_releases(tmp_path, capsys, tiny_draf
     where another did: the same target."""
     import shutil
 
-    from eaglet.target import target_info
+    from eaglet.model.target import target_info
 
     moved = tmp_path / "target"
     shutil.copytree(tiny_target, moved)
@@ -167,8 +279,24 @@ def test_a_draft_moves_between_transformers_releases(tmp_path, capsys, tiny_draf
     here, there = target_info(resolve_target(str(tiny_target))), target_info(resolve_target(str(moved)))
     assert here.config_hash == there.config_hash
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "the cat sat", "split": "heldout"}])
-    code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", moved, "--prompts", prompts, "--out",
-                            tmp_path / "e", "--max-new-tokens", "4", "--device", "cpu"], capsys)
+    code, _, err = run_cli(
+        [
+            "eval",
+            "--draft",
+            tiny_draft,
+            "--target",
+            moved,
+            "--prompts",
+            prompts,
+            "--out",
+            tmp_path / "e",
+            "--max-new-tokens",
+            "4",
+            "--device",
+            "cpu",
+        ],
+        capsys,
+    )
     assert code == 0, err
     config["hidden_size"] = 2 * config["hidden_size"]  # what the model computes changed: another target
     assert config_identity(config) != here.config_hash
@@ -177,14 +305,57 @@ def test_a_draft_moves_between_transformers_releases(tmp_path, capsys, tiny_draf
 def test_eval_tree_mode_is_lossless_and_samples(tmp_path, capsys, tiny_draft, tiny_target):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "the cat sat on", "split": "heldout"}])
     out = tmp_path / "tree"
-    code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", tiny_target, "--prompts", prompts, "--out", out,
-                            "--mode", "tree", "--depth", "3", "--topk", "3", "--budget", "8", "--max-new-tokens", "16",
-                            "--device", "cpu"], capsys)
+    code, _, err = run_cli(
+        [
+            "eval",
+            "--draft",
+            tiny_draft,
+            "--target",
+            tiny_target,
+            "--prompts",
+            prompts,
+            "--out",
+            out,
+            "--mode",
+            "tree",
+            "--depth",
+            "3",
+            "--topk",
+            "3",
+            "--budget",
+            "8",
+            "--max-new-tokens",
+            "16",
+            "--device",
+            "cpu",
+        ],
+        capsys,
+    )
     assert code == 0, err
     report = json.loads((out / "report.json").read_text())
     assert report["lossless"] is True and report["settings"]["mode"] == "tree" and report["settings"]["budget"] == 8
-    code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", tiny_target, "--prompts", prompts, "--out", out,
-                            "--mode", "tree", "--temperature", "0.7", "--max-new-tokens", "16", "--device", "cpu"], capsys)
+    code, _, err = run_cli(
+        [
+            "eval",
+            "--draft",
+            tiny_draft,
+            "--target",
+            tiny_target,
+            "--prompts",
+            prompts,
+            "--out",
+            out,
+            "--mode",
+            "tree",
+            "--temperature",
+            "0.7",
+            "--max-new-tokens",
+            "16",
+            "--device",
+            "cpu",
+        ],
+        capsys,
+    )
     assert code == 0, err
     report = json.loads((out / "report.json").read_text())
     assert report["lossless"] is None and report["settings"]["temperature"] == 0.7  # sampled: checked statistically
@@ -197,22 +368,52 @@ def test_two_layer_draft_trains_exports_for_vllm_and_is_refused_for_sglang(tmp_p
     from safetensors.torch import load_file
 
     run = tmp_path / "deep"
-    code, _, err = run_cli(["train", "--store", tiny_store, "--target", tiny_target, "--out", run, "--draft-layers", "2",
-                            "--max-steps", "4", "--token-budget", "128", "--eval-every", "2"], capsys)
+    code, _, err = run_cli(
+        [
+            "train",
+            "--store",
+            tiny_store,
+            "--target",
+            tiny_target,
+            "--out",
+            run,
+            "--draft-layers",
+            "2",
+            "--max-steps",
+            "4",
+            "--token-budget",
+            "128",
+            "--eval-every",
+            "2",
+        ],
+        capsys,
+    )
     assert code == 0, err
     code, _, err = run_cli(["export", "--draft", run, "--format", "vllm", "--out", tmp_path / "vllm"], capsys)
     assert code == 0, err
     names = set(load_file(str(tmp_path / "vllm" / "model.safetensors")))
-    assert {"midlayer.self_attn.q_proj.weight", "layers.1.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight"} <= names
+    assert {
+        "midlayer.self_attn.q_proj.weight",
+        "layers.1.self_attn.q_proj.weight",
+        "layers.1.mlp.down_proj.weight",
+    } <= names
     assert json.loads((tmp_path / "vllm" / "config.json").read_text())["num_hidden_layers"] == 2
     target_path = resolve_target(str(tiny_target)).path
     embed = load_head_weights(target_path).embed
     runner = TargetRunner(load_model(target_path, device="cpu"), (2, 4, 5))
     prompt = [5, 17, 33, 8, 90, 12]
-    trained = speculative_decode(runner, DraftRunner(load_draft(run, embed=embed.float()).to(torch.bfloat16).float()),
-                                 prompt, 16, 3, Sampling(), set())
-    exported = speculative_decode(runner, DraftRunner(load_draft(tmp_path / "vllm", embed=embed.float())), prompt, 16, 3,
-                                  Sampling(), set())
+    trained = speculative_decode(
+        runner,
+        DraftRunner(load_draft(run, embed=embed.float()).to(torch.bfloat16).float()),
+        prompt,
+        16,
+        3,
+        Sampling(),
+        set(),
+    )
+    exported = speculative_decode(
+        runner, DraftRunner(load_draft(tmp_path / "vllm", embed=embed.float())), prompt, 16, 3, Sampling(), set()
+    )
     assert exported.tokens == trained.tokens and exported.accepted == trained.accepted
     code, _, err = run_cli(["export", "--draft", run, "--format", "sglang", "--out", tmp_path / "sglang"], capsys)
     assert code == 2 and "loads one decoder layer" in err and not (tmp_path / "sglang").exists()
@@ -221,10 +422,27 @@ def test_two_layer_draft_trains_exports_for_vllm_and_is_refused_for_sglang(tmp_p
 def test_report_explains_a_failed_lossless_check_outside_float32():
     from eaglet.decode.evaluate import _markdown
 
-    report = {"acceptance_length": 2.0, "tokens_per_s": 10.0, "baseline_tokens_per_s": 8.0, "speedup": 1.25,
-              "lossless": False, "prompts": 1, "generated_tokens": 9, "per_category": {}, "acceptance_by_position": [0.5],
-              "settings": {"draft": "d", "target": "t", "mode": "chain", "depth": 1, "temperature": 0.0, "split": "heldout",
-                           "device": "cuda", "dtype": "bfloat16"}}
+    report = {
+        "acceptance_length": 2.0,
+        "tokens_per_s": 10.0,
+        "baseline_tokens_per_s": 8.0,
+        "speedup": 1.25,
+        "lossless": False,
+        "prompts": 1,
+        "generated_tokens": 9,
+        "per_category": {},
+        "acceptance_by_position": [0.5],
+        "settings": {
+            "draft": "d",
+            "target": "t",
+            "mode": "chain",
+            "depth": 1,
+            "temperature": 0.0,
+            "split": "heldout",
+            "device": "cuda",
+            "dtype": "bfloat16",
+        },
+    }
     assert "--dtype float32" in _markdown(report)
     report["settings"]["dtype"] = "float32"
     assert "--dtype float32" not in _markdown(report)  # in float32 a failure is a real failure: no excuse offered
@@ -233,17 +451,40 @@ def test_report_explains_a_failed_lossless_check_outside_float32():
 def test_static_cache_eval_gives_the_dynamic_cache_results(tmp_path, capsys, tiny_draft, tiny_target):
     """`--cuda-graphs on` off the GPU runs the static-cache target eagerly, each greedy round one fused body, the
     draft's part compiled (`--compile-draft on`, as on GPU by default): same tokens, same acceptance."""
-    prompts = write_jsonl(tmp_path / "p.jsonl", [
-        {"id": "a", "prompt": "the cat sat", "split": "heldout"},
-        {"id": "b", "prompt": "two dogs ran past the old barn", "split": "heldout"},
-    ])
+    prompts = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"id": "a", "prompt": "the cat sat", "split": "heldout"},
+            {"id": "b", "prompt": "two dogs ran past the old barn", "split": "heldout"},
+        ],
+    )
     reports = {}
     for mode, shape in (("chain", ["--depth", "3"]), ("tree", ["--mode", "tree", "--depth", "3", "--budget", "10"])):
         for graphs in ("off", "on"):
             out = tmp_path / f"{mode}_{graphs}"
-            code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", tiny_target, "--prompts", prompts, "--out",
-                                    out, "--max-new-tokens", "16", "--device", "cpu", "--cuda-graphs", graphs,
-                                    "--compile-draft", graphs, *shape], capsys)
+            code, _, err = run_cli(
+                [
+                    "eval",
+                    "--draft",
+                    tiny_draft,
+                    "--target",
+                    tiny_target,
+                    "--prompts",
+                    prompts,
+                    "--out",
+                    out,
+                    "--max-new-tokens",
+                    "16",
+                    "--device",
+                    "cpu",
+                    "--cuda-graphs",
+                    graphs,
+                    "--compile-draft",
+                    graphs,
+                    *shape,
+                ],
+                capsys,
+            )
             assert code == 0, err
             reports[mode, graphs] = json.loads((out / "report.json").read_text())
         static, dynamic = reports[mode, "on"], reports[mode, "off"]
@@ -255,19 +496,49 @@ def test_static_cache_eval_gives_the_dynamic_cache_results(tmp_path, capsys, tin
         assert static["lossless"] is True
         for key in ("acceptance_length", "acceptance_by_position", "generated_tokens", "target_forwards"):
             assert static[key] == dynamic[key], (mode, key)
-    code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", tiny_target, "--prompts", prompts, "--out",
-                            tmp_path / "x", "--device", "cpu", "--cuda-graphs", "yes"], capsys)
+    code, _, err = run_cli(
+        [
+            "eval",
+            "--draft",
+            tiny_draft,
+            "--target",
+            tiny_target,
+            "--prompts",
+            prompts,
+            "--out",
+            tmp_path / "x",
+            "--device",
+            "cpu",
+            "--cuda-graphs",
+            "yes",
+        ],
+        capsys,
+    )
     assert code == 2 and "'cuda_graphs'" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "x").exists()
 
 
-def test_compile_draft_on_without_a_compiler_stops_before_decoding(tmp_path, capsys, monkeypatch, tiny_draft, tiny_target):
+def test_compile_draft_on_without_a_compiler_stops_before_decoding(
+    tmp_path, capsys, monkeypatch, tiny_draft, tiny_target
+):
     """`--compile-draft on` where torch.compile has no compiler to call: one line naming the fix, exit 1, no
     report; preflight says the same before any weights load, and `auto` on CPU does not compile at all."""
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "the cat sat", "split": "heldout"}])
     monkeypatch.setenv("CXX", "no-such-c++-compiler")
-    common = ["--draft", tiny_draft, "--target", tiny_target, "--prompts", prompts, "--out", tmp_path / "x",
-              "--device", "cpu", "--cuda-graphs", "on"]
+    common = [
+        "--draft",
+        tiny_draft,
+        "--target",
+        tiny_target,
+        "--prompts",
+        prompts,
+        "--out",
+        tmp_path / "x",
+        "--device",
+        "cpu",
+        "--cuda-graphs",
+        "on",
+    ]
     for skip in ([], ["--skip-preflight"]):  # preflight's check, then eval's own
         code, _, err = run_cli(["eval", *common, "--compile-draft", "on", *skip], capsys)
         last = err.strip().splitlines()[-1]  # (preflight prints its table first)
@@ -278,7 +549,10 @@ def test_compile_draft_on_without_a_compiler_stops_before_decoding(tmp_path, cap
     for mode in ("on", "auto"):
         code, stdout, err = run_cli(["preflight", "--json", "eval", *common, "--compile-draft", mode], capsys)
         checks[mode] = {c["name"]: c for c in json.loads(stdout)["checks"]}
-    assert checks["on"]["draft compile"]["status"] == "fail" and "--compile-draft off" in checks["on"]["draft compile"]["fix"]
+    assert (
+        checks["on"]["draft compile"]["status"] == "fail"
+        and "--compile-draft off" in checks["on"]["draft compile"]["fix"]
+    )
     assert "draft compile" not in checks["auto"]  # auto compiles on GPU only
     code, _, err = run_cli(["eval", *common, "--compile-draft", "maybe"], capsys)
     assert code == 2 and "'compile_draft'" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
@@ -289,9 +563,10 @@ def test_a_lossless_failure_is_located_and_sized():
     """Where a greedy output leaves the target's own, the report says at which token and by how many logits
     (and rounding units) the target preferred its own choice: near-ties (bf16) read differently from a bug."""
     from test_decode import tiny_pair
+
     from eaglet.decode.baseline import target_only_decode
-    from eaglet.decode.runners import TargetRunner
     from eaglet.decode.evaluate import _divergence, _divergence_lines
+    from eaglet.decode.runners import TargetRunner
     from eaglet.decode.sampling import Sampling
 
     target, _ = tiny_pair()
@@ -308,16 +583,41 @@ def test_a_lossless_failure_is_located_and_sized():
 
 
 def test_eval_tune_times_each_tree_and_evaluates_with_the_fastest(tmp_path, capsys, tiny_draft, tiny_target):
-    prompts = write_jsonl(tmp_path / "p.jsonl", [
-        {"id": "t1", "prompt": "a red fox jumped", "category": "animals", "split": "train"},
-        {"id": "t2", "prompt": "the sun rose slowly", "category": "sky", "split": "train"},
-        {"id": "h1", "prompt": "the cat sat", "category": "animals", "split": "heldout"},
-        {"id": "h2", "prompt": "one bird sang", "category": "birds", "split": "heldout"},
-    ])
+    prompts = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"id": "t1", "prompt": "a red fox jumped", "category": "animals", "split": "train"},
+            {"id": "t2", "prompt": "the sun rose slowly", "category": "sky", "split": "train"},
+            {"id": "h1", "prompt": "the cat sat", "category": "animals", "split": "heldout"},
+            {"id": "h2", "prompt": "one bird sang", "category": "birds", "split": "heldout"},
+        ],
+    )
     out = tmp_path / "eval"
-    code, stdout, err = run_cli(["eval", "--draft", tiny_draft, "--target", tiny_target, "--prompts", prompts,
-                                 "--out", out, "--max-new-tokens", "12", "--mode", "tree", "--tune", "--device", "cpu",
-                                 "--set", "tune_trees=[[2, 2, 4], [3, 3, 9]]", "--set", "tune_prompts=2"], capsys)
+    code, stdout, err = run_cli(
+        [
+            "eval",
+            "--draft",
+            tiny_draft,
+            "--target",
+            tiny_target,
+            "--prompts",
+            prompts,
+            "--out",
+            out,
+            "--max-new-tokens",
+            "12",
+            "--mode",
+            "tree",
+            "--tune",
+            "--device",
+            "cpu",
+            "--set",
+            "tune_trees=[[2, 2, 4], [3, 3, 9]]",
+            "--set",
+            "tune_prompts=2",
+        ],
+        capsys,
+    )
     assert code == 0, err
     report = json.loads((out / "report.json").read_text())
     tuning = report["tuning"]
@@ -333,24 +633,69 @@ def test_eval_tune_times_each_tree_and_evaluates_with_the_fastest(tmp_path, caps
 
 
 def test_eval_tune_without_a_train_split_times_the_first_evaluated_prompts(tmp_path, capsys, tiny_draft, tiny_target):
-    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "the cat sat"}, {"id": "b", "prompt": "one bird"}])
+    prompts = write_jsonl(
+        tmp_path / "p.jsonl", [{"id": "a", "prompt": "the cat sat"}, {"id": "b", "prompt": "one bird"}]
+    )
     out = tmp_path / "eval"
-    code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", tiny_target, "--prompts", prompts, "--out", out,
-                            "--max-new-tokens", "8", "--mode", "tree", "--tune", "--device", "cpu",
-                            "--set", "tune_trees=[[2, 2, 4]]", "--set", "tune_prompts=1"], capsys)
+    code, _, err = run_cli(
+        [
+            "eval",
+            "--draft",
+            tiny_draft,
+            "--target",
+            tiny_target,
+            "--prompts",
+            prompts,
+            "--out",
+            out,
+            "--max-new-tokens",
+            "8",
+            "--mode",
+            "tree",
+            "--tune",
+            "--device",
+            "cpu",
+            "--set",
+            "tune_trees=[[2, 2, 4]]",
+            "--set",
+            "tune_prompts=1",
+        ],
+        capsys,
+    )
     assert code == 0, err
     tuning = json.loads((out / "report.json").read_text())["tuning"]
     assert tuning["prompts_from"] == "evaluated prompts" and tuning["prompts"] == 1 and tuning["chosen"] == [2, 2, 4]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--tune"], "--tune times tree shapes; add --mode tree"),
-    (["--tune", "--mode", "tree", "--set", "tune_trees=[[0, 2, 4]]"], "tune_trees [0, 2, 4]: depth 0 is outside 1..16"),
-    (["--tune", "--mode", "tree", "--set", "tune_trees=[[2, 2]]"], "tune_trees"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tune"], "--tune times tree shapes; add --mode tree"),
+        (
+            ["--tune", "--mode", "tree", "--set", "tune_trees=[[0, 2, 4]]"],
+            "tune_trees [0, 2, 4]: depth 0 is outside 1..16",
+        ),
+        (["--tune", "--mode", "tree", "--set", "tune_trees=[[2, 2]]"], "tune_trees"),
+    ],
+)
 def test_eval_tune_bad_settings_refused_before_loading(tmp_path, capsys, tiny_draft, tiny_target, args, message):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "the cat sat"}])
-    code, _, err = run_cli(["eval", "--draft", tiny_draft, "--target", tiny_target, "--prompts", prompts, "--out",
-                            tmp_path / "x", "--device", "cpu", *args], capsys)
+    code, _, err = run_cli(
+        [
+            "eval",
+            "--draft",
+            tiny_draft,
+            "--target",
+            tiny_target,
+            "--prompts",
+            prompts,
+            "--out",
+            tmp_path / "x",
+            "--device",
+            "cpu",
+            *args,
+        ],
+        capsys,
+    )
     assert code == 2 and message in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "x").exists()

@@ -12,15 +12,15 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import extract_args, run_cli, store_bytes
 from safetensors.torch import load_file
 
-from conftest import extract_args, run_cli, store_bytes
-from eaglet.capture import FeatureCapture, teacher_logits
 from eaglet.formats.prepared import load_prepared
-from eaglet.formats.store import read_manifest
+from eaglet.formats.store_manifest import read_manifest
 from eaglet.formats.target_record import TargetIdentity
-from eaglet.store import decode_features, read_shard
-from eaglet.target import load_model, resolve_target
+from eaglet.model.capture import FeatureCapture, teacher_logits
+from eaglet.model.shards import decode_features, read_shard
+from eaglet.model.target import load_model, resolve_target
 
 
 def test_store_features_equal_direct_capture(tiny_store, tiny_prepared, tiny_target):
@@ -80,8 +80,18 @@ def test_a_store_moved_with_its_prepared_set_verifies_and_repairs(tmp_path, caps
 
 def test_torchrun_two_cpu_processes_equal_one(tmp_path, tiny_store, tiny_prepared, tiny_target):
     out = tmp_path / "store"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
-           "-m", "eaglet.cli", *map(str, extract_args(tiny_prepared, out, tiny_target))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "29517",
+        "-m",
+        "eaglet.cli",
+        *map(str, extract_args(tiny_prepared, out, tiny_target)),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert store_bytes(out) == store_bytes(tiny_store)
@@ -93,7 +103,9 @@ def test_disk_too_small_is_refused_before_any_work(tmp_path, capsys, tiny_prepar
     code, _, err = run_cli(extract_args(tiny_prepared, out, tiny_target)[:-2] + ["--reserve-gb", "1000000"], capsys)
     assert code == 2 and "preflight failed for extract: disk:" in err and "GiB free" in err
     assert not out.exists()
-    code, _, err = run_cli(extract_args(tiny_prepared, out, tiny_target)[:-2] + ["--reserve-gb", "1000000", "--skip-preflight"], capsys)
+    code, _, err = run_cli(
+        extract_args(tiny_prepared, out, tiny_target)[:-2] + ["--reserve-gb", "1000000", "--skip-preflight"], capsys
+    )
     assert code == 2 and "GiB are free" in err  # the stage's own check, before any model load
     assert not out.exists()
     assert time.perf_counter() - started < 5
@@ -114,7 +126,9 @@ def test_resume_with_other_settings_refused(tmp_path, capsys, tiny_store, tiny_p
     shutil.copytree(tiny_store, store)
     code, _, err = run_cli(extract_args(tiny_prepared, store, tiny_target, "--layers", "1,3,6"), capsys)
     assert code == 2 and "preflight failed for extract: output:" in err and "different aux_layer_ids" in err
-    code, _, err = run_cli(extract_args(tiny_prepared, store, tiny_target, "--layers", "1,3,6", "--skip-preflight"), capsys)
+    code, _, err = run_cli(
+        extract_args(tiny_prepared, store, tiny_target, "--layers", "1,3,6", "--skip-preflight"), capsys
+    )
     assert code == 2 and "different 'aux_layer_ids'" in err
     code, _, err = run_cli(extract_args(tiny_prepared, store, tiny_target, "--storage-dtype", "fp8-aux"), capsys)
     assert code == 2 and "different storage_dtype" in err
@@ -134,7 +148,7 @@ def test_store_from_other_target_refused_by_source(tiny_store):
 def test_non_finite_features_name_the_sample(tmp_path, tiny_prepared, tiny_target):
     from eaglet.config import ExtractConfig
     from eaglet.errors import EagletError
-    from eaglet.extract import run_extract
+    from eaglet.extract.extractor import run_extract
 
     model = load_model(resolve_target(str(tiny_target)).path, device="cpu")
     with torch.no_grad():
@@ -147,17 +161,26 @@ def test_non_finite_features_name_the_sample(tmp_path, tiny_prepared, tiny_targe
 def test_fp8_storage_quality_size_and_training(tmp_path, tiny_prepared, tiny_target):
     """fp8 and fp8-aux stores: features close to bf16's (fp8-aux: the teacher's `last` bit-equal), the sizes the
     disk check predicts, and a draft trains on each."""
+    from rich.console import Console
+
     from eaglet.config import ExtractConfig, TrainConfig
-    from eaglet.extract import run_extract
-    from eaglet.formats.store import STORAGE_FORMATS, bytes_per_token
+    from eaglet.extract.extractor import run_extract
+    from eaglet.formats.store_manifest import STORAGE_FORMATS, bytes_per_token
     from eaglet.train import run_train
     from eaglet.train.metrics import read_metrics
-    from rich.console import Console
 
     outs, sizes = {}, {}
     for dtype in STORAGE_FORMATS:
-        run_extract(ExtractConfig(prepared=str(tiny_prepared), out=str(tmp_path / dtype), target=str(tiny_target),
-                                  storage_dtype=dtype, reserve_gb=0, max_samples=20))
+        run_extract(
+            ExtractConfig(
+                prepared=str(tiny_prepared),
+                out=str(tmp_path / dtype),
+                target=str(tiny_target),
+                storage_dtype=dtype,
+                reserve_gb=0,
+                max_samples=20,
+            )
+        )
         outs[dtype] = decode_features(load_file(next((tmp_path / dtype).glob("*.safetensors"))))
         totals = read_manifest(tmp_path / dtype)["totals"]
         sizes[dtype] = totals["bytes"]
@@ -174,8 +197,18 @@ def test_fp8_storage_quality_size_and_training(tmp_path, tiny_prepared, tiny_tar
     assert sizes["fp8"] < 0.6 * sizes["bf16"] and sizes["fp8"] < sizes["fp8-aux"] < 0.7 * sizes["bf16"]
     for dtype in ("fp8", "fp8-aux"):
         draft = tmp_path / f"draft-{dtype}"
-        run_train(TrainConfig(out=str(draft), store=str(tmp_path / dtype), target=str(tiny_target), max_steps=3,
-                              token_budget=128, log_every=1, seed=1), Console(quiet=True))
+        run_train(
+            TrainConfig(
+                out=str(draft),
+                store=str(tmp_path / dtype),
+                target=str(tiny_target),
+                max_steps=3,
+                token_budget=128,
+                log_every=1,
+                seed=1,
+            ),
+            Console(quiet=True),
+        )
         losses = [r["loss"] for r in read_metrics(draft) if r["kind"] == "train"]
         assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
 
@@ -186,8 +219,14 @@ def test_store_and_live_sources_give_the_same_batches(tiny_store, tiny_prepared,
     manifest = read_manifest(tiny_store)
     store_source = StoreSource(tiny_store, token_budget=200, seed=3)
     model = load_model(resolve_target(str(tiny_target)).path, device="cpu")
-    live = LiveSource(load_prepared(tiny_prepared), model, (2, 4, 5), token_budget=200,
-                      tokens_per_shard=manifest["tokens_per_shard"], seed=3)
+    live = LiveSource(
+        load_prepared(tiny_prepared),
+        model,
+        (2, 4, 5),
+        token_budget=200,
+        tokens_per_shard=manifest["tokens_per_shard"],
+        seed=3,
+    )
     for epoch in (0, 1):
         offline, online = list(store_source.batches(epoch)), list(live.batches(epoch))
         assert len(offline) == len(online) > 3
@@ -205,12 +244,15 @@ def test_shard_writer_output_reads_back_with_safetensors(tmp_path):
     from safetensors.torch import load_file
 
     from eaglet.fsio import sha256_file
-    from eaglet.store import write_safetensors
+    from eaglet.model.shards import write_safetensors
 
     tensors = {
-        "aux": torch.randn(5, 3, 7).bfloat16(), "last": torch.randn(5, 7).to(torch.float8_e4m3fn),
-        "scale": torch.rand(5), "input_ids": torch.arange(5, dtype=torch.int32),
-        "loss_mask": torch.tensor([0, 1, 1, 0, 1], dtype=torch.uint8), "offsets": torch.tensor([0, 2, 5]),
+        "aux": torch.randn(5, 3, 7).bfloat16(),
+        "last": torch.randn(5, 7).to(torch.float8_e4m3fn),
+        "scale": torch.rand(5),
+        "input_ids": torch.arange(5, dtype=torch.int32),
+        "loss_mask": torch.tensor([0, 1, 1, 0, 1], dtype=torch.uint8),
+        "offsets": torch.tensor([0, 2, 5]),
         "empty": torch.empty(0, dtype=torch.int64),
     }
     size, digest = write_safetensors(tmp_path / "x.safetensors", tensors)
@@ -218,7 +260,9 @@ def test_shard_writer_output_reads_back_with_safetensors(tmp_path):
     loaded = load_file(str(tmp_path / "x.safetensors"))
     assert set(loaded) == set(tensors)
     for name, tensor in tensors.items():
-        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name].view(torch.uint8), tensor.view(torch.uint8))
+        assert loaded[name].dtype == tensor.dtype and torch.equal(
+            loaded[name].view(torch.uint8), tensor.view(torch.uint8)
+        )
     with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as handle:
         assert handle.get_slice("aux").get_shape() == [5, 3, 7]
 
@@ -226,8 +270,8 @@ def test_shard_writer_output_reads_back_with_safetensors(tmp_path):
 def test_shard_plan_partitions_samples_into_length_sorted_windows():
     """Every sample in exactly one shard; a shard's samples have nearly one length, so the extractor's
     padded batches waste little even when a shard is smaller than one batch (8B-sized features)."""
-    from eaglet.capture import batches_by_length
-    from eaglet.formats.store import plan_shards
+    from eaglet.formats.store_manifest import plan_shards
+    from eaglet.model.capture import batches_by_length
 
     lengths = np.random.default_rng(0).integers(300, 2048, size=3000)
     plans = plan_shards(lengths, tokens_per_shard=16000)
@@ -239,8 +283,11 @@ def test_shard_plan_partitions_samples_into_length_sorted_windows():
         assert list(lengths[list(plan.samples)]) == sorted(lengths[list(plan.samples)], reverse=True)
 
     def padding_overhead(plans) -> float:
-        padded = sum(len(b) * int(lengths[np.asarray(p.samples)][b].max())
-                     for p in plans for b in batches_by_length(lengths[np.asarray(p.samples)], 32768))
+        padded = sum(
+            len(b) * int(lengths[np.asarray(p.samples)][b].max())
+            for p in plans
+            for b in batches_by_length(lengths[np.asarray(p.samples)], 32768)
+        )
         return padded / lengths.sum() - 1
 
     assert padding_overhead(plans) < 0.02
@@ -249,7 +296,7 @@ def test_shard_plan_partitions_samples_into_length_sorted_windows():
 
 
 def test_verify_names_shard_holding_other_samples(tmp_path, capsys, tiny_store):
-    from eaglet.store import write_safetensors
+    from eaglet.model.shards import write_safetensors
 
     store = tmp_path / "store"
     shutil.copytree(tiny_store, store)

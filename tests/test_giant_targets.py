@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import extract_args, run_cli, small_conversations, write_jsonl
 from targets import quantized_target, tiny_target
 
@@ -50,8 +49,11 @@ def store_tensors(store: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     manifest = json.loads((store / "manifest.json").read_text())
-    return {f"{shard['file']}:{key}": value for shard in manifest["shards"]
-            for key, value in load_file(str(store / shard["file"])).items()}
+    return {
+        f"{shard['file']}:{key}": value
+        for shard in manifest["shards"]
+        for key, value in load_file(str(store / shard["file"])).items()
+    }
 
 
 def manifest_without_settings(store: Path) -> dict:
@@ -64,14 +66,29 @@ def manifest_without_settings(store: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3-fp8", "llama-int4"])
-def test_moe_and_quantized_targets_run_prepare_extract_online_train_and_eval(tmp_path, capsys, targets, conversations,
-                                                                              name):
+def test_moe_and_quantized_targets_run_prepare_extract_online_train_and_eval(
+    tmp_path, capsys, targets, conversations, name
+):
     """Each stage after `prepare` is given no --target: it takes the one its input records."""
     target = targets(name)
     prepared, store = tmp_path / "prepared", tmp_path / "store"
     assert run_cli(["prepare", conversations, "--out", prepared, "--target", target], capsys)[0] == 0
-    code, _, err = run_cli(["extract", "--prepared", prepared, "--out", store, "--shard-mb", "0.05",
-                            "--batch-tokens", "256", "--reserve-gb", "0"], capsys)
+    code, _, err = run_cli(
+        [
+            "extract",
+            "--prepared",
+            prepared,
+            "--out",
+            store,
+            "--shard-mb",
+            "0.05",
+            "--batch-tokens",
+            "256",
+            "--reserve-gb",
+            "0",
+        ],
+        capsys,
+    )
     assert code == 0, err
     features = store_tensors(store)
     aux = [v for k, v in features.items() if k.endswith(":aux")]
@@ -107,12 +124,14 @@ def test_moe_features_are_the_hidden_states_transformers_computes(tmp_path, caps
         hidden = model(torch.tensor(ids[None].astype("int64")), output_hidden_states=True).hidden_states
     expected = torch.stack([hidden[i][0] for i in manifest["aux_layer_ids"]], dim=1)  # [T, 3, H]
     torch.testing.assert_close(tensors["aux"][:length].float(), expected.to(torch.bfloat16).float(), rtol=0, atol=0)
-    torch.testing.assert_close(tensors["last"][:length].float(), hidden[-1][0].to(torch.bfloat16).float(),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        tensors["last"][:length].float(), hidden[-1][0].to(torch.bfloat16).float(), rtol=0, atol=0
+    )
 
 
-def test_a_checkpoint_transformers_reads_only_in_part_is_refused_before_anything_is_written(tmp_path, capsys, targets,
-                                                                                          conversations):
+def test_a_checkpoint_transformers_reads_only_in_part_is_refused_before_anything_is_written(
+    tmp_path, capsys, targets, conversations
+):
     """An INT4 MoE saved with its experts per linear layer loads with the fused experts left random in this
     transformers: refused, naming the first missing weight, the store never created."""
     target = targets("deepseek_v3-int4")
@@ -125,8 +144,7 @@ def test_a_checkpoint_transformers_reads_only_in_part_is_refused_before_anything
     assert not store.exists()
 
 
-def test_a_quantization_format_without_its_package_is_refused_before_the_load(tmp_path, capsys, targets,
-                                                                             conversations):
+def test_a_quantization_format_without_its_package_is_refused_before_the_load(tmp_path, capsys, targets, conversations):
     target = tmp_path / "bnb"
     shutil.copytree(targets("llama"), target)
     config = json.loads((target / "config.json").read_text())
@@ -134,8 +152,9 @@ def test_a_quantization_format_without_its_package_is_refused_before_the_load(tm
     (target / "config.json").write_text(json.dumps(config))
     prepared, store = tmp_path / "prepared", tmp_path / "store"
     assert run_cli(["prepare", conversations, "--out", prepared, "--target", targets("llama")], capsys)[0] == 0
-    code, _, err = run_cli(["extract", "--prepared", prepared, "--out", store, "--target", target, "--reserve-gb", "0"],
-                           capsys)
+    code, _, err = run_cli(
+        ["extract", "--prepared", prepared, "--out", store, "--target", target, "--reserve-gb", "0"], capsys
+    )
     assert code == 2 and "quantization 'bitsandbytes'" in err and "pip install" in err, err
     assert len(err.strip().splitlines()) == 1 and not store.exists()
 
@@ -151,8 +170,20 @@ def test_a_target_split_over_devices_writes_the_same_store(tmp_path, capsys, tar
     assert run_cli(["prepare", conversations, "--out", prepared, "--target", target], capsys)[0] == 0
     one, split = tmp_path / "one", tmp_path / "split"
     assert run_cli(extract_args(prepared, one, target), capsys)[0] == 0
-    code, _, err = run_cli(extract_args(prepared, split, target, "--placement", "split", "--max-memory", "cpu=450KB",
-                                        "--offload-dir", tmp_path / "offload"), capsys)
+    code, _, err = run_cli(
+        extract_args(
+            prepared,
+            split,
+            target,
+            "--placement",
+            "split",
+            "--max-memory",
+            "cpu=450KB",
+            "--offload-dir",
+            tmp_path / "offload",
+        ),
+        capsys,
+    )
     assert code == 0, err
     assert "target split: cpu: model.embed_tokens" in err and "disk: model.layers" in err, err
     assert manifest_without_settings(split) == manifest_without_settings(one)
@@ -160,8 +191,9 @@ def test_a_target_split_over_devices_writes_the_same_store(tmp_path, capsys, tar
 
 
 @pytest.mark.slow
-def test_tensor_parallel_extraction_under_torchrun_writes_the_one_device_store(tmp_path, capsys, targets,
-                                                                              conversations):
+def test_tensor_parallel_extraction_under_torchrun_writes_the_one_device_store(
+    tmp_path, capsys, targets, conversations
+):
     """Two gloo processes split every layer (transformers' plan); rank 0 writes. Same shards, same manifest, features
     equal to bf16 rounding (the all-reduce sums partial products in another order)."""
     target = targets("llama")
@@ -169,10 +201,21 @@ def test_tensor_parallel_extraction_under_torchrun_writes_the_one_device_store(t
     assert run_cli(["prepare", conversations, "--out", prepared, "--target", target], capsys)[0] == 0
     one, tp = tmp_path / "one", tmp_path / "tp"
     assert run_cli(extract_args(prepared, one, target), capsys)[0] == 0
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29541",
-               "-m", "eaglet.cli", *map(str, extract_args(prepared, tp, target, "--placement", "tp"))]
-    done = subprocess.run(command, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"},
-                          timeout=600)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "29541",
+        "-m",
+        "eaglet.cli",
+        *map(str, extract_args(prepared, tp, target, "--placement", "tp")),
+    ]
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert manifest_without_settings(tp) | {"shards": None} == manifest_without_settings(one) | {"shards": None}
     reference, sharded = store_tensors(one), store_tensors(tp)
@@ -191,7 +234,7 @@ def trained(tmp_path_factory, targets, conversations):
 
     from eaglet.config import ExtractConfig, PrepareConfig, TrainConfig
     from eaglet.data.prepare import run_prepare
-    from eaglet.extract import run_extract
+    from eaglet.extract.extractor import run_extract
     from eaglet.train import run_train
 
     root, target, quiet = tmp_path_factory.mktemp("trained"), str(targets("llama")), Console(quiet=True)
@@ -208,15 +251,31 @@ def test_a_split_target_decodes_and_regenerates_the_same_tokens(tmp_path, capsys
         code, _, err = run_cli(["eval", "--draft", trained, "--out", tmp_path / name, *EVAL, *extra], capsys)
         assert code == 0, err
         reports.append(json.loads((tmp_path / name / "report.json").read_text()))
-        code, _, err = run_cli(["regenerate", "demo", "--out", tmp_path / f"{name}.jsonl", "--max-prompts", "4",
-                                "--max-new-tokens", "8", "--target", json.loads(
-                                    (trained / "config.json").read_text())["target"]["path"], *extra], capsys)
+        code, _, err = run_cli(
+            [
+                "regenerate",
+                "demo",
+                "--out",
+                tmp_path / f"{name}.jsonl",
+                "--max-prompts",
+                "4",
+                "--max-new-tokens",
+                "8",
+                "--target",
+                json.loads((trained / "config.json").read_text())["target"]["path"],
+                *extra,
+            ],
+            capsys,
+        )
         assert code == 0, err
     assert reports[1]["lossless"] is True
-    assert [reports[1][k] for k in ("generated_tokens", "target_forwards")] == \
-        [reports[0][k] for k in ("generated_tokens", "target_forwards")]
-    answers = [[json.loads(line)["messages"][-1] for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
-               for name in ("one", "split")]
+    assert [reports[1][k] for k in ("generated_tokens", "target_forwards")] == [
+        reports[0][k] for k in ("generated_tokens", "target_forwards")
+    ]
+    answers = [
+        [json.loads(line)["messages"][-1] for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        for name in ("one", "split")
+    ]
     assert answers[0] == answers[1]
 
 
@@ -224,11 +283,28 @@ def test_a_split_target_decodes_and_regenerates_the_same_tokens(tmp_path, capsys
 def test_tensor_parallel_eval_under_torchrun_decodes_the_same_tokens(tmp_path, capsys, trained):
     """Every rank runs the same decoding on its shard of each layer; rank 0 writes the report."""
     assert run_cli(["eval", "--draft", trained, "--out", tmp_path / "one", *EVAL], capsys)[0] == 0
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29542",
-               "-m", "eaglet.cli", "eval", "--draft", str(trained), "--out", str(tmp_path / "tp"), *EVAL,
-               "--placement", "tp"]
-    done = subprocess.run(command, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"},
-                          timeout=600)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "29542",
+        "-m",
+        "eaglet.cli",
+        "eval",
+        "--draft",
+        str(trained),
+        "--out",
+        str(tmp_path / "tp"),
+        *EVAL,
+        "--placement",
+        "tp",
+    ]
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     one, tp = (json.loads((tmp_path / name / "report.json").read_text()) for name in ("one", "tp"))
     assert tp["lossless"] is True and tp["generated_tokens"] == one["generated_tokens"]
@@ -238,38 +314,68 @@ def test_tensor_parallel_eval_under_torchrun_decodes_the_same_tokens(tmp_path, c
 @pytest.mark.slow
 def test_tensor_parallel_eval_tunes_one_tree_shape_for_every_rank(tmp_path, trained):
     """Ranks time the shapes apart; rank 0's choice is the one every rank decodes with (else they would hang)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29543",
-               "-m", "eaglet.cli", "eval", "--draft", str(trained), "--out", str(tmp_path / "tp"), *EVAL,
-               "--placement", "tp", "--mode", "tree", "--tune", "--split", "all",
-               "--set", "tune_trees=[[2, 2, 4], [2, 3, 6]]", "--set", "tune_prompts=1"]
-    done = subprocess.run(command, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"},
-                          timeout=600)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "29543",
+        "-m",
+        "eaglet.cli",
+        "eval",
+        "--draft",
+        str(trained),
+        "--out",
+        str(tmp_path / "tp"),
+        *EVAL,
+        "--placement",
+        "tp",
+        "--mode",
+        "tree",
+        "--tune",
+        "--split",
+        "all",
+        "--set",
+        "tune_trees=[[2, 2, 4], [2, 3, 6]]",
+        "--set",
+        "tune_prompts=1",
+    ]
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "tp" / "report.json").read_text())
     chosen = report["tuning"]["chosen"]
     assert [report["settings"][key] for key in ("depth", "topk", "budget")] == chosen and report["lossless"] is True
 
 
-def test_tensor_parallel_for_an_architecture_without_a_plan_is_refused_before_the_load(tmp_path, capsys, targets,
-                                                                                      conversations, monkeypatch):
+def test_tensor_parallel_for_an_architecture_without_a_plan_is_refused_before_the_load(
+    tmp_path, capsys, targets, conversations, monkeypatch
+):
     target = targets("gpt_oss")
     prepared, store = tmp_path / "prepared", tmp_path / "store"
     assert run_cli(["prepare", conversations, "--out", prepared, "--target", target], capsys)[0] == 0
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it; preflight refuses before joining any group
-    code, _, err = run_cli(["extract", "--prepared", prepared, "--out", store, "--placement", "tp",
-                            "--reserve-gb", "0"], capsys)
+    code, _, err = run_cli(
+        ["extract", "--prepared", prepared, "--out", store, "--placement", "tp", "--reserve-gb", "0"], capsys
+    )
     assert code == 2 and "'gpt_oss' has no tensor-parallel plan" in err and "--placement split" in err, err
     assert not store.exists()
 
 
-def test_tensor_parallel_over_a_count_that_does_not_divide_the_heads_names_counts_that_do(tmp_path, capsys, targets,
-                                                                                         conversations, monkeypatch):
+def test_tensor_parallel_over_a_count_that_does_not_divide_the_heads_names_counts_that_do(
+    tmp_path, capsys, targets, conversations, monkeypatch
+):
     target = targets("llama")
     prepared = tmp_path / "prepared"
     assert run_cli(["prepare", conversations, "--out", prepared, "--target", target], capsys)[0] == 0
     monkeypatch.setenv("WORLD_SIZE", "3")
-    code, _, err = run_cli(["extract", "--prepared", prepared, "--out", tmp_path / "store", "--placement", "tp",
-                            "--reserve-gb", "0"], capsys)
+    code, _, err = run_cli(
+        ["extract", "--prepared", prepared, "--out", tmp_path / "store", "--placement", "tp", "--reserve-gb", "0"],
+        capsys,
+    )
     assert code == 2 and "num_attention_heads (4) does not divide by 3" in err, err
     assert "run torchrun with 2 processes" in err  # 2 key-value heads: 4 would not divide them
 
@@ -278,22 +384,40 @@ def test_tensor_parallel_without_torchrun_is_refused(tmp_path, capsys, targets, 
     target = targets("llama")
     prepared = tmp_path / "prepared"
     assert run_cli(["prepare", conversations, "--out", prepared, "--target", target], capsys)[0] == 0
-    code, _, err = run_cli(["extract", "--prepared", prepared, "--out", tmp_path / "store", "--placement", "tp",
-                            "--reserve-gb", "0"], capsys)
+    code, _, err = run_cli(
+        ["extract", "--prepared", prepared, "--out", tmp_path / "store", "--placement", "tp", "--reserve-gb", "0"],
+        capsys,
+    )
     assert code == 2 and "torchrun" in err and not (tmp_path / "store").exists(), err
 
 
-@pytest.mark.parametrize("bad, expected", [
-    ("cuda0", "expected DEVICE=SIZE pairs"),
-    ("cpu=lots", "not a memory size"),
-    ("tpu=1GiB", "unknown device 'tpu'"),
-])
+@pytest.mark.parametrize(
+    "bad, expected",
+    [
+        ("cuda0", "expected DEVICE=SIZE pairs"),
+        ("cpu=lots", "not a memory size"),
+        ("tpu=1GiB", "unknown device 'tpu'"),
+    ],
+)
 def test_bad_max_memory_is_a_one_line_error(tmp_path, capsys, targets, conversations, bad, expected):
     target = targets("llama")
     prepared = tmp_path / "prepared"
     assert run_cli(["prepare", conversations, "--out", prepared, "--target", target], capsys)[0] == 0
-    code, _, err = run_cli(["extract", "--prepared", prepared, "--out", tmp_path / "store", "--placement", "split",
-                            "--max-memory", bad, "--skip-preflight"], capsys)
+    code, _, err = run_cli(
+        [
+            "extract",
+            "--prepared",
+            prepared,
+            "--out",
+            tmp_path / "store",
+            "--placement",
+            "split",
+            "--max-memory",
+            bad,
+            "--skip-preflight",
+        ],
+        capsys,
+    )
     assert code == 2 and expected in err and len(err.strip().splitlines()) <= 2, err
     assert not (tmp_path / "store").exists()
 
@@ -304,7 +428,7 @@ def test_bad_max_memory_is_a_one_line_error(tmp_path, capsys, targets, conversat
 def test_kimi_k25_weights_from_its_config_alone():
     """1.03 T parameters (32.9 B active), the routed experts in INT4 groups of 32, the rest bf16: 553 GiB, the size of
     the published checkpoint (~595 GB)."""
-    from eaglet.sizing import weights_of
+    from eaglet.model.sizing import weights_of
 
     weights = weights_of(json.loads((FIXTURES / "kimi-k2.5" / "config.json").read_text()))
     assert 1.02e12 < weights.parameters < 1.04e12 and 32e9 < weights.active_parameters < 34e9
@@ -313,22 +437,25 @@ def test_kimi_k25_weights_from_its_config_alone():
 
 
 def test_llama_70b_weights_from_its_config_alone():
-    from eaglet.sizing import weights_of
+    from eaglet.model.sizing import weights_of
 
     weights = weights_of(json.loads((FIXTURES / "llama-3.1-70b" / "config.json").read_text()))
     assert weights.parameters == weights.active_parameters and 70.5e9 < weights.parameters < 70.6e9
     assert weights.bytes == 2 * weights.parameters
 
 
-@pytest.mark.parametrize("fixture, gpus, memory, placement, fits", [
-    ("kimi-k2.5", 8, 141, "tp", True),     # 69 GiB of weights per H200
-    ("kimi-k2.5", 4, 141, "tp", False),    # 138 GiB per GPU + activations
-    ("kimi-k2.5", 8, 80, "split", False),  # weights fit, a 32k-token forward on one GPU does not
-    ("llama-3.1-70b", 1, 141, "one", False),
-    ("llama-3.1-70b", 2, 141, "split", True),
-])
+@pytest.mark.parametrize(
+    "fixture, gpus, memory, placement, fits",
+    [
+        ("kimi-k2.5", 8, 141, "tp", True),  # 69 GiB of weights per H200
+        ("kimi-k2.5", 4, 141, "tp", False),  # 138 GiB per GPU + activations
+        ("kimi-k2.5", 8, 80, "split", False),  # weights fit, a 32k-token forward on one GPU does not
+        ("llama-3.1-70b", 1, 141, "one", False),
+        ("llama-3.1-70b", 2, 141, "split", True),
+    ],
+)
 def test_layouts_fit_or_not(fixture, gpus, memory, placement, fits):
-    from eaglet.sizing import Machine, layout, weights_of
+    from eaglet.model.sizing import Machine, layout, weights_of
 
     config = json.loads((FIXTURES / fixture / "config.json").read_text())
     chosen = layout(config, weights_of(config), Machine(gpus, memory * GIB, "H200"), placement, 32768)
@@ -336,21 +463,31 @@ def test_layouts_fit_or_not(fixture, gpus, memory, placement, fits):
 
 
 def write_plan_config(path: Path, out: Path, target: Path, conversations: Path, gpus: int, memory: str) -> Path:
-    path.write_text(json.dumps({
-        "out": str(out), "target": str(target), "machine": {"gpus": gpus, "gpu_memory": memory, "name": "H200"},
-        "prepare": {"inputs": [str(conversations)]}, "extract": {"placement": "tp"}, "train": {"max_minutes": 30},
-        "eval": {"placement": "tp", "max_prompts": 16}}))
+    path.write_text(
+        json.dumps(
+            {
+                "out": str(out),
+                "target": str(target),
+                "machine": {"gpus": gpus, "gpu_memory": memory, "name": "H200"},
+                "prepare": {"inputs": [str(conversations)]},
+                "extract": {"placement": "tp"},
+                "train": {"max_minutes": 30},
+                "eval": {"placement": "tp", "max_prompts": 16},
+            }
+        )
+    )
     return path
 
 
 def test_run_plan_for_kimi_on_eight_h200_shows_the_layout_per_gpu(tmp_path, capsys, conversations):
-    config = write_plan_config(tmp_path / "run.yaml", tmp_path / "run", FIXTURES / "kimi-k2.5", conversations, 8,
-                               "141GiB")
+    config = write_plan_config(
+        tmp_path / "run.yaml", tmp_path / "run", FIXTURES / "kimi-k2.5", conversations, 8, "141GiB"
+    )
     code, out, err = run_cli(["run", config, "--plan"], capsys)
     assert code == 0 and "does not fit" not in out and not (tmp_path / "run").exists(), err
     from rich.console import Console
 
-    from eaglet.pipeline import Pipeline, load_run_config
+    from eaglet.run import Pipeline, load_run_config
 
     plans = {p.name: p for p in Pipeline(load_run_config(config), config, Console(quiet=True)).plan()}
     assert plans["extract"].memory.startswith("tp x8: 69.2 + ") and "MB per sample" in plans["extract"].memory
@@ -359,8 +496,9 @@ def test_run_plan_for_kimi_on_eight_h200_shows_the_layout_per_gpu(tmp_path, caps
 
 
 def test_run_plan_refuses_kimi_on_four_h200_naming_what_to_change(tmp_path, capsys, conversations):
-    config = write_plan_config(tmp_path / "run.yaml", tmp_path / "run", FIXTURES / "kimi-k2.5", conversations, 4,
-                               "141GiB")
+    config = write_plan_config(
+        tmp_path / "run.yaml", tmp_path / "run", FIXTURES / "kimi-k2.5", conversations, 4, "141GiB"
+    )
     code, out, err = run_cli(["run", config, "--plan"], capsys)
     assert code == 2 and "does not fit" in out and not (tmp_path / "run").exists()
     assert "extract: the target needs" in err and "8 GPUs of 141 GiB (torchrun --nproc-per-node 8" in err, err
@@ -373,15 +511,23 @@ def test_the_advice_names_each_stages_own_forward_option(tmp_path, conversations
     online_forward_tokens, regenerate's --batch-size; eval has none."""
     from rich.console import Console
 
-    from eaglet.pipeline import Pipeline, load_run_config
+    from eaglet.run import Pipeline, load_run_config
 
     config = tmp_path / "run.yaml"
-    config.write_text(json.dumps({
-        "out": str(tmp_path / "run"), "target": str(FIXTURES / "llama-3.1-70b"),
-        "machine": {"gpus": 1, "gpu_memory": "160GiB", "name": "H200"},
-        "regenerate": {"prompts": [str(conversations)], "batch_size": 4096, "max_new_tokens": 2048},
-        "prepare": {}, "extract": {"batch_tokens": 1048576}, "train": {"online_forward_tokens": 1048576},
-        "eval": {"max_prompts": 4}}))
+    config.write_text(
+        json.dumps(
+            {
+                "out": str(tmp_path / "run"),
+                "target": str(FIXTURES / "llama-3.1-70b"),
+                "machine": {"gpus": 1, "gpu_memory": "160GiB", "name": "H200"},
+                "regenerate": {"prompts": [str(conversations)], "batch_size": 4096, "max_new_tokens": 2048},
+                "prepare": {},
+                "extract": {"batch_tokens": 1048576},
+                "train": {"online_forward_tokens": 1048576},
+                "eval": {"max_prompts": 4},
+            }
+        )
+    )
     plans = {p.name: p for p in Pipeline(load_run_config(config), config, Console(quiet=True)).plan()}
     assert "--batch-size " in plans["regenerate"].refusal and "--batch-tokens" not in plans["regenerate"].refusal
     assert "--batch-tokens " in plans["extract"].refusal
@@ -418,12 +564,14 @@ def test_the_readme_kimi_example_plans_tp_over_eight_gpus(tmp_path, capsys):
     """examples/kimi_8xh200.yaml, the README's giant-target plan, stays valid and fits 8 x H200."""
     example = Path(__file__).parent.parent / "examples" / "kimi_8xh200.yaml"
     config = tmp_path / "kimi.yaml"
-    config.write_text(example.read_text().replace("target: tests/fixtures/", f"target: {FIXTURES.parent.parent}/fixtures/"))
+    config.write_text(
+        example.read_text().replace("target: tests/fixtures/", f"target: {FIXTURES.parent.parent}/fixtures/")
+    )
     code, out, err = run_cli(["run", config, "--plan", "--out", str(tmp_path / "run")], capsys)
     assert code == 0 and "does not fit" not in out, err
     from rich.console import Console
 
-    from eaglet.pipeline import Pipeline, load_run_config
+    from eaglet.run import Pipeline, load_run_config
 
     plans = {p.name: p for p in Pipeline(load_run_config(config), config, Console(quiet=True)).plan()}
     assert plans["extract"].memory.startswith("tp x8: 69.2 + 6.9 GiB of 139")

@@ -7,8 +7,8 @@ are built in the test from the templates, except the embedded target's, which is
 from __future__ import annotations
 
 import pytest
-
 from conftest import build_tokenizer
+
 from eaglet.data.readers import Conversation
 from eaglet.data.render import ChatRenderer
 
@@ -46,24 +46,41 @@ def render(tokenizer, messages, max_len=4096):
 GOLDEN = {
     # family: (messages, expected masked runs, text that must stay unmasked)
     "llama3": [
-        ([HI, HELLO], ["Hello! How can I help?<|eot_id|>"],
-         "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
-         "Today Date: 26 Jul 2024\n\n<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
-         "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+        (
+            [HI, HELLO],
+            ["Hello! How can I help?<|eot_id|>"],
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
+            "Today Date: 26 Jul 2024\n\n<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        ),
         ([SYSTEM, HI, HELLO, ASK, FOUR], ["Hello! How can I help?<|eot_id|>", "2 + 2 = 4.<|eot_id|>"], None),
         ([HI, {"role": "assistant", "content": "  padded answer \n"}], ["padded answer<|eot_id|>"], None),
     ],
     "qwen3": [
-        ([HI, HELLO], ["<think>\n\n</think>\n\nHello! How can I help?<|im_end|>"],
-         "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n\n"),
-        ([SYSTEM, HI, {"role": "assistant", "content": "<think>\ngreet back\n</think>\n\nHello!"}, ASK,
-          {"role": "assistant", "content": "<think>\nadd: 2+2=4\n</think>\n\n4"}],
-         # history turns drop their reasoning; the last turn keeps it
-         ["Hello!<|im_end|>", "<think>\nadd: 2+2=4\n</think>\n\n4<|im_end|>"], None),
+        (
+            [HI, HELLO],
+            ["<think>\n\n</think>\n\nHello! How can I help?<|im_end|>"],
+            "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n\n",
+        ),
+        (
+            [
+                SYSTEM,
+                HI,
+                {"role": "assistant", "content": "<think>\ngreet back\n</think>\n\nHello!"},
+                ASK,
+                {"role": "assistant", "content": "<think>\nadd: 2+2=4\n</think>\n\n4"},
+            ],
+            # history turns drop their reasoning; the last turn keeps it
+            ["Hello!<|im_end|>", "<think>\nadd: 2+2=4\n</think>\n\n4<|im_end|>"],
+            None,
+        ),
     ],
     "gemma": [
-        ([SYSTEM, HI, HELLO], ["Hello! How can I help?<end_of_turn>"],
-         "<bos><start_of_turn>user\nBe brief.\n\nHi there<end_of_turn>\n<start_of_turn>model\n\n"),
+        (
+            [SYSTEM, HI, HELLO],
+            ["Hello! How can I help?<end_of_turn>"],
+            "<bos><start_of_turn>user\nBe brief.\n\nHi there<end_of_turn>\n<start_of_turn>model\n\n",
+        ),
         ([HI, HELLO, ASK, FOUR], ["Hello! How can I help?<end_of_turn>", "2 + 2 = 4.<end_of_turn>"], None),
     ],
 }
@@ -86,25 +103,47 @@ def test_golden_masks_built_tokenizers(family):
 
 def test_golden_embedded_chatml_token_exact(embedded_target):
     """The embedded SmolLM2 tokenizer: exact token ids and mask for a multi-turn conversation."""
-    from eaglet.target import load_tokenizer
+    from eaglet.model.target import load_tokenizer
 
     tokenizer = load_tokenizer(embedded_target.path)
     rendered = render(tokenizer, [SYSTEM, HI, HELLO, ASK, FOUR])
-    pieces = [(tokenizer.convert_ids_to_tokens(t), m) for t, m in zip(rendered.input_ids.tolist(), rendered.loss_mask.tolist())]
+    pieces = [
+        (tokenizer.convert_ids_to_tokens(t), m)
+        for t, m in zip(rendered.input_ids.tolist(), rendered.loss_mask.tolist())
+    ]
     masked = [p for p, m in pieces if m]
-    assert masked == ["Hello", "!", "ĠHow", "Ġcan", "ĠI", "Ġhelp", "?", "<|im_end|>",
-                      "2", "Ġ+", "Ġ", "2", "Ġ=", "Ġ", "4", ".", "<|im_end|>"]
+    assert masked == [
+        "Hello",
+        "!",
+        "ĠHow",
+        "Ġcan",
+        "ĠI",
+        "Ġhelp",
+        "?",
+        "<|im_end|>",
+        "2",
+        "Ġ+",
+        "Ġ",
+        "2",
+        "Ġ=",
+        "Ġ",
+        "4",
+        ".",
+        "<|im_end|>",
+    ]
     # the tokens right before each assistant run are the header "assistant\n"; right after, the newline
     text = [p for p, _ in pieces]
     first = [i for i, (_, m) in enumerate(pieces) if m][0]
     assert text[first - 3 : first] == ["ass", "istant", "Ċ"]
     assert pieces[first + 8] == ("Ċ", 0)
-    assert unmasked_text(tokenizer, rendered).startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there")
+    assert unmasked_text(tokenizer, rendered).startswith(
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there"
+    )
 
 
 def test_default_system_prompt_is_not_masked(embedded_target):
     """SmolLM2's template injects a default system prompt when none is given; it stays unmasked."""
-    from eaglet.target import load_tokenizer
+    from eaglet.model.target import load_tokenizer
 
     tokenizer = load_tokenizer(embedded_target.path)
     rendered = render(tokenizer, [HI, HELLO])
@@ -156,9 +195,12 @@ def test_truncated_regenerated_answer_does_not_teach_end_of_turn():
 
 def test_reader_marks_truncated_answers(tmp_path):
     from conftest import write_jsonl
+
     from eaglet.data.readers import read_conversations
 
-    rows = [{"messages": [HI, HELLO], "provenance": {"finish_reason": "length"}},
-            {"messages": [HI, HELLO], "provenance": {"finish_reason": "stop"}}]
+    rows = [
+        {"messages": [HI, HELLO], "provenance": {"finish_reason": "length"}},
+        {"messages": [HI, HELLO], "provenance": {"finish_reason": "stop"}},
+    ]
     items = list(read_conversations([write_jsonl(tmp_path / "r.jsonl", rows)]))
     assert items[0].meta.get("last_answer_truncated") is True and "last_answer_truncated" not in items[1].meta

@@ -8,21 +8,59 @@ from conftest import run_cli, small_conversations, write_jsonl
 
 
 def test_extract_preflight_passes_quickly_as_json(capsys, tmp_path, tiny_prepared, tiny_target):
-    code, stdout, err = run_cli(["preflight", "extract", "--json", "--prepared", tiny_prepared, "--target", tiny_target,
-                                 "--out", tmp_path / "store", "--reserve-gb", "0"], capsys)
+    code, stdout, err = run_cli(
+        [
+            "preflight",
+            "extract",
+            "--json",
+            "--prepared",
+            tiny_prepared,
+            "--target",
+            tiny_target,
+            "--out",
+            tmp_path / "store",
+            "--reserve-gb",
+            "0",
+        ],
+        capsys,
+    )
     assert code == 0, err
     report = json.loads(stdout)
     assert report["status"] == "pass" and report["seconds"] < 5
     names = [c["name"] for c in report["checks"]]
-    assert names == ["config", "device", "prepared set", "target", "transformers API", "tokenizer", "aux layer ids", "output",
-                     "disk", "memory"]
+    assert names == [
+        "config",
+        "device",
+        "prepared set",
+        "target",
+        "transformers API",
+        "tokenizer",
+        "aux layer ids",
+        "output",
+        "disk",
+        "memory",
+    ]
     assert all(set(c) == {"name", "status", "detail", "fix"} for c in report["checks"])
     assert not (tmp_path / "store").exists()
 
 
 def test_failures_exit_2_with_the_fix(capsys, tmp_path, tiny_prepared, tiny_target):
-    code, stdout, _ = run_cli(["preflight", "extract", "--json", "--prepared", tiny_prepared, "--target", tiny_target,
-                               "--out", tmp_path / "store", "--layers", "2,4,9"], capsys)
+    code, stdout, _ = run_cli(
+        [
+            "preflight",
+            "extract",
+            "--json",
+            "--prepared",
+            tiny_prepared,
+            "--target",
+            tiny_target,
+            "--out",
+            tmp_path / "store",
+            "--layers",
+            "2,4,9",
+        ],
+        capsys,
+    )
     assert code == 2
     failed = [c for c in json.loads(stdout)["checks"] if c["status"] == "fail"]
     assert failed[0]["name"] == "aux layer ids" and "1..7" in failed[0]["fix"]
@@ -39,19 +77,36 @@ def test_warnings_exit_1_only_with_strict(capsys, tmp_path, tiny_target):
 
 def test_bad_data_row_is_caught_before_the_stage(capsys, tmp_path, tiny_target):
     data = write_jsonl(tmp_path / "d.jsonl", small_conversations(2) + ['{"messages": 7}'])
-    code, stdout, _ = run_cli(["preflight", "--json", "prepare", data, "--target", tiny_target, "--out", tmp_path / "o"], capsys)
+    code, stdout, _ = run_cli(
+        ["preflight", "--json", "prepare", data, "--target", tiny_target, "--out", tmp_path / "o"], capsys
+    )
     assert code == 2
     failed = [c for c in json.loads(stdout)["checks"] if c["status"] == "fail"]
     assert failed[0]["name"] == "data" and f"{data}:3" in failed[0]["detail"]
 
 
 def test_train_and_eval_preflight(capsys, tmp_path, tiny_store, tiny_target, tiny_draft):
-    code, stdout, err = run_cli(["preflight", "--json", "train", "--store", tiny_store, "--target", tiny_target,
-                                 "--out", tmp_path / "run"], capsys)
+    code, stdout, err = run_cli(
+        ["preflight", "--json", "train", "--store", tiny_store, "--target", tiny_target, "--out", tmp_path / "run"],
+        capsys,
+    )
     assert code == 0, stdout + err
-    code, stdout, err = run_cli(["preflight", "--json", "eval", "--draft", tiny_draft, "--target", tiny_target,
-                                 "--out", tmp_path / "eval", "--prompts", write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])],
-                                capsys)
+    code, stdout, err = run_cli(
+        [
+            "preflight",
+            "--json",
+            "eval",
+            "--draft",
+            tiny_draft,
+            "--target",
+            tiny_target,
+            "--out",
+            tmp_path / "eval",
+            "--prompts",
+            write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}]),
+        ],
+        capsys,
+    )
     assert code == 0, stdout + err
     assert {c["name"] for c in json.loads(stdout)["checks"]} >= {"target", "draft", "data", "memory"}
 
@@ -63,7 +118,9 @@ def test_unknown_stage(capsys):
 
 def test_skip_preflight_is_loud(capsys, tmp_path, tiny_target):
     data = write_jsonl(tmp_path / "d.jsonl", small_conversations(3))
-    code, _, err = run_cli(["prepare", data, "--target", tiny_target, "--out", tmp_path / "o", "--skip-preflight"], capsys)
+    code, _, err = run_cli(
+        ["prepare", data, "--target", tiny_target, "--out", tmp_path / "o", "--skip-preflight"], capsys
+    )
     assert code == 0 and "PREFLIGHT SKIPPED for prepare" in err
 
 
@@ -98,8 +155,26 @@ def test_eval_preflight_checks_the_static_cache_before_any_load(capsys, tmp_path
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
     results = {}
     for target in (tiny_target, sliding):
-        code, stdout, err = run_cli(["preflight", "--json", "eval", "--draft", tiny_draft, "--target", target, "--out",
-                                     tmp_path / "eval", "--prompts", prompts, "--device", "cpu", "--cuda-graphs", "on"], capsys)
+        code, stdout, err = run_cli(
+            [
+                "preflight",
+                "--json",
+                "eval",
+                "--draft",
+                tiny_draft,
+                "--target",
+                target,
+                "--out",
+                tmp_path / "eval",
+                "--prompts",
+                prompts,
+                "--device",
+                "cpu",
+                "--cuda-graphs",
+                "on",
+            ],
+            capsys,
+        )
         results[target] = {c["name"]: c for c in json.loads(stdout)["checks"]}
     assert results[tiny_target]["static cache"]["status"] == "pass"
     check = results[sliding]["static cache"]

@@ -11,15 +11,20 @@ import time
 
 import numpy as np
 import pyarrow.parquet as pq
-
 from conftest import run_cli, write_jsonl
+
 from eaglet.data.vocab import DraftVocab
 
 
 def conversations(n: int) -> list[dict]:
     return [
-        {"id": f"c{i}", "messages": [{"role": "user", "content": f"Question number {i}?"},
-                                     {"role": "assistant", "content": f"Answer {i}: " + "word " * (i % 7 + 1)}]}
+        {
+            "id": f"c{i}",
+            "messages": [
+                {"role": "user", "content": f"Question number {i}?"},
+                {"role": "assistant", "content": f"Answer {i}: " + "word " * (i % 7 + 1)},
+            ],
+        }
         for i in range(n)
     ]
 
@@ -76,7 +81,8 @@ def test_killed_prepare_leaves_no_output(tmp_path, tiny_target):
     out = tmp_path / "prepared"
     proc = subprocess.Popen(
         [sys.executable, "-m", "eaglet.cli", "prepare", str(data), "--target", str(tiny_target), "--out", str(out)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.time() + 60
     while time.time() < deadline and not any(p.name.endswith(".partial") for p in tmp_path.iterdir()):

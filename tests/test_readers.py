@@ -9,8 +9,8 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import run_cli, write_jsonl
+
 from eaglet.data.readers import BadRow, Conversation, read_conversations
 
 GOOD = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}
@@ -27,19 +27,73 @@ BAD_ROWS = [
     ("missing_content", '{"messages": [{"role": "user"}]}', "turn 0: missing 'content'"),
     ("missing_role", '{"messages": [{"content": "hi"}]}', "turn 0: missing 'role'"),
     ("unknown_role", json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}), "unknown role 'wizard'"),
-    ("content_wrong_type", json.dumps({"messages": [{"role": "user", "content": 42}]}), "content must be a string, got int"),
-    ("content_null", json.dumps({"messages": [{"role": "user", "content": None}]}), "content must be a string, got NoneType"),
-    ("empty_content", json.dumps({"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "x"}]}), "empty content"),
-    ("image_part", json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}), "only text parts"),
+    (
+        "content_wrong_type",
+        json.dumps({"messages": [{"role": "user", "content": 42}]}),
+        "content must be a string, got int",
+    ),
+    (
+        "content_null",
+        json.dumps({"messages": [{"role": "user", "content": None}]}),
+        "content must be a string, got NoneType",
+    ),
+    (
+        "empty_content",
+        json.dumps({"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "x"}]}),
+        "empty content",
+    ),
+    (
+        "image_part",
+        json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}),
+        "only text parts",
+    ),
     ("no_assistant", json.dumps({"messages": [{"role": "user", "content": "hi"}]}), "no assistant turn"),
     ("prompt_only", json.dumps({"prompt": "hi"}), "no assistant turn"),
-    ("two_systems", json.dumps({"messages": [{"role": "system", "content": "a"}, {"role": "system", "content": "b"},
-                                             {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}), "2 system messages"),
-    ("system_not_first", json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"},
-                                                  {"role": "assistant", "content": "d"}]}), "system message at turn 1"),
-    ("assistant_first", json.dumps({"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]}), "first non-system turn must be from the user"),
-    ("not_alternating", json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
-                                                 {"role": "assistant", "content": "c"}]}), "two user turns in a row"),
+    (
+        "two_systems",
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "system", "content": "a"},
+                    {"role": "system", "content": "b"},
+                    {"role": "user", "content": "c"},
+                    {"role": "assistant", "content": "d"},
+                ]
+            }
+        ),
+        "2 system messages",
+    ),
+    (
+        "system_not_first",
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "system", "content": "b"},
+                    {"role": "assistant", "content": "d"},
+                ]
+            }
+        ),
+        "system message at turn 1",
+    ),
+    (
+        "assistant_first",
+        json.dumps({"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]}),
+        "first non-system turn must be from the user",
+    ),
+    (
+        "not_alternating",
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "user", "content": "b"},
+                    {"role": "assistant", "content": "c"},
+                ]
+            }
+        ),
+        "two user turns in a row",
+    ),
     ("bad_id", json.dumps({"id": [1], **GOOD}), "'id' must be a non-empty string or an integer"),
     ("prompt_not_string", json.dumps({"prompt": 3}), "'prompt': content must be a string"),
 ]
@@ -106,18 +160,51 @@ def test_skip_mode_records_reasons_in_manifest(tmp_path, capsys, tiny_target):
 
 def test_all_forms_read_the_same(tmp_path):
     """ShareGPT (from/value and role/content), OpenAI (text parts too) and prompt rows, in jsonl/json/parquet."""
-    sharegpt = {"id": "s", "conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]}
-    sharegpt_rc = {"id": "r", "conversations": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}
-    openai = {"id": "o", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": [{"type": "text", "text": "Q"}]}, {"role": "assistant", "content": "A"}]}
+    sharegpt = {
+        "id": "s",
+        "conversations": [
+            {"from": "system", "value": "S"},
+            {"from": "human", "value": "Q"},
+            {"from": "gpt", "value": "A"},
+        ],
+    }
+    sharegpt_rc = {
+        "id": "r",
+        "conversations": [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "Q"},
+            {"role": "assistant", "content": "A"},
+        ],
+    }
+    openai = {
+        "id": "o",
+        "messages": [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": [{"type": "text", "text": "Q"}]},
+            {"role": "assistant", "content": "A"},
+        ],
+    }
     prompt = {"id": "p", "prompt": "Q", "system": "S", "category": "math"}
     rows = [sharegpt, sharegpt_rc, openai, prompt]
     jsonl = write_jsonl(tmp_path / "a.jsonl", rows)
     (tmp_path / "b.json").write_text(json.dumps([{**r, "id": r["id"] + "2"} for r in rows]))
-    table = pa.Table.from_pylist([{"id": "pq", "messages": openai["messages"][:1] + [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}])
+    table = pa.Table.from_pylist(
+        [
+            {
+                "id": "pq",
+                "messages": openai["messages"][:1]
+                + [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}],
+            }
+        ]
+    )
     pq.write_table(table, tmp_path / "c.parquet")
     items = list(read_conversations([jsonl, tmp_path / "b.json", tmp_path / "c.parquet"]))
     assert all(isinstance(i, Conversation) for i in items), [str(i) for i in items if isinstance(i, BadRow)]
-    expected = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+    expected = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": "A"},
+    ]
     for item in items:
         want = expected[:2] if item.id.startswith("p") and item.id != "pq" else expected
         assert item.messages == want, item.id
@@ -128,8 +215,19 @@ def test_all_forms_read_the_same(tmp_path):
 def test_real_process_exit_code_and_single_line(tmp_path, tiny_target):
     data = write_jsonl(tmp_path / "d.jsonl", [GOOD, '{"messages": 5}'])
     proc = subprocess.run(
-        [sys.executable, "-m", "eaglet.cli", "prepare", str(data), "--target", str(tiny_target), "--out", str(tmp_path / "o")],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "eaglet.cli",
+            "prepare",
+            str(data),
+            "--target",
+            str(tiny_target),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 2
     lines = [l for l in proc.stderr.splitlines() if l.strip()]

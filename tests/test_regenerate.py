@@ -12,7 +12,6 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-
 from conftest import run_cli, write_jsonl
 
 
@@ -22,8 +21,21 @@ def prompts_file(tmp_path, n=24):
 
 
 def regen_args(prompts, out, target, *extra):
-    return ["regenerate", prompts, "--out", out, "--target", target, "--max-new-tokens", "12", "--batch-size", "4",
-            "--device", "cpu", *extra]
+    return [
+        "regenerate",
+        prompts,
+        "--out",
+        out,
+        "--target",
+        target,
+        "--max-new-tokens",
+        "12",
+        "--batch-size",
+        "4",
+        "--device",
+        "cpu",
+        *extra,
+    ]
 
 
 def test_hf_backend_rows_and_manifest(tmp_path, capsys, tiny_target):
@@ -64,7 +76,9 @@ def test_torn_last_line_is_dropped_and_redone(tmp_path, capsys, tiny_target):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sampling", [[], ["--temperature", "0.9", "--top-p", "0.9", "--n", "2"]], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "sampling", [[], ["--temperature", "0.9", "--top-p", "0.9", "--n", "2"]], ids=["greedy", "sampled"]
+)
 def test_sigkill_resume_is_byte_identical(tmp_path, capsys, tiny_target, sampling):
     prompts = prompts_file(tmp_path, 40)
     reference = tmp_path / "reference.jsonl"
@@ -114,8 +128,10 @@ class StubServer:
                     self.send_response(503)
                     self.end_headers()
                     return
-                payload = {"choices": [{"message": {"role": "assistant", "content": prompt[::-1]}, "finish_reason": "stop"}],
-                           "usage": {"completion_tokens": 5}}
+                payload = {
+                    "choices": [{"message": {"role": "assistant", "content": prompt[::-1]}, "finish_reason": "stop"}],
+                    "usage": {"completion_tokens": 5},
+                }
                 data = json.dumps(payload).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -138,8 +154,25 @@ def test_openai_backend_retries_and_order(tmp_path, capsys):
     prompts = prompts_file(tmp_path, 10)
     out = tmp_path / "a.jsonl"
     with StubServer(fail_first=1) as url:
-        code, stdout, err = run_cli(["regenerate", prompts, "--out", out, "--backend", "openai", "--base-url", url,
-                                     "--model", "stub", "--concurrency", "4", "--max-retries", "2"], capsys)
+        code, stdout, err = run_cli(
+            [
+                "regenerate",
+                prompts,
+                "--out",
+                out,
+                "--backend",
+                "openai",
+                "--base-url",
+                url,
+                "--model",
+                "stub",
+                "--concurrency",
+                "4",
+                "--max-retries",
+                "2",
+            ],
+            capsys,
+        )
     assert code == 0, err
     rows = [json.loads(l) for l in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == [f"p{i}" for i in range(10)]  # plan order despite concurrency
@@ -150,15 +183,40 @@ def test_openai_backend_retries_and_order(tmp_path, capsys):
 def test_openai_backend_gives_up_with_one_line(tmp_path, capsys):
     prompts = prompts_file(tmp_path, 2)
     with StubServer(fail_first=100) as url:
-        code, _, err = run_cli(["regenerate", prompts, "--out", tmp_path / "a.jsonl", "--backend", "openai",
-                                "--base-url", url, "--max-retries", "1"], capsys)
+        code, _, err = run_cli(
+            [
+                "regenerate",
+                prompts,
+                "--out",
+                tmp_path / "a.jsonl",
+                "--backend",
+                "openai",
+                "--base-url",
+                url,
+                "--max-retries",
+                "1",
+            ],
+            capsys,
+        )
     assert code == 2 and "failed after 2 attempts (HTTP 503)" in err
 
 
 def test_openai_unreachable_server(tmp_path, capsys):
     prompts = prompts_file(tmp_path, 1)
-    args = ["regenerate", prompts, "--out", tmp_path / "a.jsonl", "--backend", "openai",
-            "--base-url", "http://127.0.0.1:9/v1", "--max-retries", "0", "--timeout-s", "2"]
+    args = [
+        "regenerate",
+        prompts,
+        "--out",
+        tmp_path / "a.jsonl",
+        "--backend",
+        "openai",
+        "--base-url",
+        "http://127.0.0.1:9/v1",
+        "--max-retries",
+        "0",
+        "--timeout-s",
+        "2",
+    ]
     code, _, err = run_cli(args, capsys)
     assert code == 2 and "preflight failed for regenerate: server: http://127.0.0.1:9/v1: not reachable" in err
     code, _, err = run_cli([*args, "--skip-preflight"], capsys)

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import run_cli, small_conversations, write_jsonl
 
 
 def run_config(tmp_path: Path, target: Path, **changes) -> Path:
     data = write_jsonl(tmp_path / "conversations.jsonl", small_conversations(40))
-    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": f"p{i}", "prompt": "the cat sat on", "split": "heldout"}
-                                                         for i in range(2)])
+    prompts = write_jsonl(
+        tmp_path / "prompts.jsonl", [{"id": f"p{i}", "prompt": "the cat sat on", "split": "heldout"} for i in range(2)]
+    )
     config = {
         "out": str(tmp_path / "run"),
         "target": str(target),
@@ -42,7 +42,11 @@ def statuses(run_dir: Path, out: str) -> dict[str, str]:
     found = {}
     for line in out.splitlines():
         cells = [c.strip() for c in line.split("│") if c.strip()]
-        if len(cells) >= 2 and cells[0] in ("prepare", "extract", "train", "export", "eval") and cells[1] in ("ran", "skipped"):
+        if (
+            len(cells) >= 2
+            and cells[0] in ("prepare", "extract", "train", "export", "eval")
+            and cells[1] in ("ran", "skipped")
+        ):
             found[cells[0]] = cells[1]
     return found
 
@@ -57,8 +61,15 @@ def test_run_all_then_skip_then_rerun_from_the_change(tmp_path, capsys, tiny_tar
     code, out, err = run_cli(["run", config], capsys)
     assert code == 0, err
     assert statuses(run_dir, out) == {s: "ran" for s in ("prepare", "extract", "train", "export", "eval")}
-    for path in ("prepared/manifest.json", "store/manifest.json", "draft/model.safetensors", "export/vllm/config.json",
-                 "export/sglang/config.json", "eval/report.json", "run.json"):
+    for path in (
+        "prepared/manifest.json",
+        "store/manifest.json",
+        "draft/model.safetensors",
+        "export/vllm/config.json",
+        "export/sglang/config.json",
+        "eval/report.json",
+        "run.json",
+    ):
         assert (run_dir / path).is_file(), path
     assert "τ " in out and "lossless True" in out
     assert f"--speculative-draft-model-path {run_dir / 'export' / 'sglang'}" in out  # how to serve, with real paths
@@ -76,12 +87,23 @@ def test_run_all_then_skip_then_rerun_from_the_change(tmp_path, capsys, tiny_tar
     assert "settings or inputs changed" in out
     code, out, err = run_cli(["run", changed], capsys)
     assert code == 0, err
-    assert statuses(run_dir, out) == {"prepare": "skipped", "extract": "skipped", "train": "ran", "export": "ran", "eval": "ran"}
+    assert statuses(run_dir, out) == {
+        "prepare": "skipped",
+        "extract": "skipped",
+        "train": "ran",
+        "export": "ran",
+        "eval": "ran",
+    }
 
     code, out, err = run_cli(["run", changed, "--only", "eval"], capsys)
     assert code == 0, err
-    assert statuses(run_dir, out) == {"prepare": "skipped", "extract": "skipped", "train": "skipped", "export": "skipped",
-                                      "eval": "ran"}
+    assert statuses(run_dir, out) == {
+        "prepare": "skipped",
+        "extract": "skipped",
+        "train": "skipped",
+        "export": "skipped",
+        "eval": "ran",
+    }
     code, out, err = run_cli(["run", changed, "--from", "export"], capsys)
     assert code == 0, err
     assert statuses(run_dir, out)["export"] == "ran" and statuses(run_dir, out)["train"] == "skipped"
@@ -125,8 +147,13 @@ def test_killed_run_resumes_with_the_same_command(tmp_path, tiny_target):
     resumed = subprocess.run(command, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming from" in resumed.stderr and "interrupted: resumes" in resumed.stderr
-    assert statuses(tmp_path / "run", resumed.stdout) == {"prepare": "skipped", "extract": "skipped", "train": "ran",
-                                                          "export": "ran", "eval": "ran"}
+    assert statuses(tmp_path / "run", resumed.stdout) == {
+        "prepare": "skipped",
+        "extract": "skipped",
+        "train": "ran",
+        "export": "ran",
+        "eval": "ran",
+    }
 
 
 def test_bad_run_configs_are_one_line_errors(tmp_path, capsys, tiny_target):
@@ -150,8 +177,14 @@ def test_bad_run_configs_are_one_line_errors(tmp_path, capsys, tiny_target):
 def test_bad_options_of_the_new_commands_are_one_line_errors(tmp_path, capsys, tiny_store, tiny_target):
     cases = [
         (["demo", "--scale", "tpu", "--out", tmp_path / "d"], "--scale tpu: choose cpu, gpu or auto"),
-        (["train", "--store", tiny_store, "--target", tiny_target, "--out", tmp_path / "t", "--parallel", "zero3"], "'parallel'"),
-        (["train", "--store", tiny_store, "--target", tiny_target, "--out", tmp_path / "t", "--draft-layers", "0"], "'draft_layers'"),
+        (
+            ["train", "--store", tiny_store, "--target", tiny_target, "--out", tmp_path / "t", "--parallel", "zero3"],
+            "'parallel'",
+        ),
+        (
+            ["train", "--store", tiny_store, "--target", tiny_target, "--out", tmp_path / "t", "--draft-layers", "0"],
+            "'draft_layers'",
+        ),
     ]
     for args, message in cases:
         code, _, err = run_cli(args, capsys)
@@ -160,14 +193,24 @@ def test_bad_options_of_the_new_commands_are_one_line_errors(tmp_path, capsys, t
 
 
 def test_heldout_prompts_are_answered_extracted_and_trained_against(tmp_path, capsys, tiny_target):
-    prompts = write_jsonl(tmp_path / "split_prompts.jsonl",
-                          [{"id": f"t{i}", "prompt": f"tell me about the number {i}", "split": "train"} for i in range(6)]
-                          + [{"id": f"h{i}", "prompt": f"what comes after {i}?", "split": "heldout"} for i in range(3)])
+    prompts = write_jsonl(
+        tmp_path / "split_prompts.jsonl",
+        [{"id": f"t{i}", "prompt": f"tell me about the number {i}", "split": "train"} for i in range(6)]
+        + [{"id": f"h{i}", "prompt": f"what comes after {i}?", "split": "heldout"} for i in range(3)],
+    )
     config = yaml.safe_load(run_config(tmp_path, tiny_target).read_text())
     config.pop("prepare")
-    config |= {"regenerate": {"prompts": [str(prompts)], "split": "train", "max_new_tokens": 6, "n": 2,
-                              "temperature": 0.8, "device": "cpu"},
-               "heldout": {"max_prompts": 2}}
+    config |= {
+        "regenerate": {
+            "prompts": [str(prompts)],
+            "split": "train",
+            "max_new_tokens": 6,
+            "n": 2,
+            "temperature": 0.8,
+            "device": "cpu",
+        },
+        "heldout": {"max_prompts": 2},
+    }
     path = tmp_path / "heldout.yaml"
     path.write_text(yaml.safe_dump(config))
     run_dir = tmp_path / "run"
@@ -180,39 +223,58 @@ def test_heldout_prompts_are_answered_extracted_and_trained_against(tmp_path, ca
     assert (run_dir / "store_heldout" / "manifest.json").is_file()
     train_config = json.loads((run_dir / "draft" / "train_config.json").read_text())["config"]
     assert train_config["eval_store"] == str(run_dir / "store_heldout")
-    assert any(json.loads(line)["kind"] == "eval" for line in (run_dir / "draft" / "metrics.jsonl").read_text().splitlines())
+    assert any(
+        json.loads(line)["kind"] == "eval" for line in (run_dir / "draft" / "metrics.jsonl").read_text().splitlines()
+    )
 
     code, out, err = run_cli(["run", path], capsys)
-    assert code == 0 and statuses(run_dir, out) == {s: "skipped" for s in ("prepare", "extract", "train", "export", "eval")}
+    assert code == 0 and statuses(run_dir, out) == {
+        s: "skipped" for s in ("prepare", "extract", "train", "export", "eval")
+    }
     config["heldout"]["max_prompts"] = 3  # a different held-out set: regenerate .. train run again; training does
     path.write_text(yaml.safe_dump(config))  # not read the held-out store, so the same draft needs no new export/eval
     code, out, err = run_cli(["run", path], capsys)
     assert code == 0, err
-    assert statuses(run_dir, out) == {"prepare": "ran", "extract": "ran", "train": "ran", "export": "skipped",
-                                      "eval": "skipped"}
+    assert statuses(run_dir, out) == {
+        "prepare": "ran",
+        "extract": "ran",
+        "train": "ran",
+        "export": "skipped",
+        "eval": "skipped",
+    }
     assert len((run_dir / "heldout.jsonl").read_text().splitlines()) == 3
 
-    for broken, message in (({**config, "regenerate": {**config["regenerate"], "split": "all"}}, "regenerate.split: train"),
-                            ({**config, "extract": None}, "'heldout' needs a 'regenerate' section")):
+    for broken, message in (
+        ({**config, "regenerate": {**config["regenerate"], "split": "all"}}, "regenerate.split: train"),
+        ({**config, "extract": None}, "'heldout' needs a 'regenerate' section"),
+    ):
         path.write_text(yaml.safe_dump(broken))
         code, _, err = run_cli(["run", path], capsys)
         assert code == 2 and message in err and "Traceback" not in err, err
 
 
 def test_plan_counts_the_prompts_each_split_would_regenerate(tmp_path):
-    from eaglet.pipeline import _count_rows
+    from eaglet.run.plan import _count_rows
 
     rows = [{"prompt": "a", "split": "train"}] * 3 + [{"prompt": "b", "split": "heldout"}] * 2 + [{"prompt": "c"}]
     path = write_jsonl(tmp_path / "p.jsonl", rows + ["{not json"])
-    assert (_count_rows([str(path)], "train"), _count_rows([str(path)], "heldout"), _count_rows([str(path)])) == (4, 2, 6)
+    assert (_count_rows([str(path)], "train"), _count_rows([str(path)], "heldout"), _count_rows([str(path)])) == (
+        4,
+        2,
+        6,
+    )
 
 
-@pytest.mark.parametrize("evaluation, message", [
-    ({"batch_size": 2, "mode": "tree"}, "eval: --batch-size 2: batched decoding drafts chains greedily"),
-    ({"tune": True}, "eval: --tune times tree shapes; add --mode tree"),
-])
-def test_eval_settings_no_decoder_runs_are_refused_before_the_first_stage(tmp_path, capsys, tiny_target, evaluation,
-                                                                           message):
+@pytest.mark.parametrize(
+    "evaluation, message",
+    [
+        ({"batch_size": 2, "mode": "tree"}, "eval: --batch-size 2: batched decoding drafts chains greedily"),
+        ({"tune": True}, "eval: --tune times tree shapes; add --mode tree"),
+    ],
+)
+def test_eval_settings_no_decoder_runs_are_refused_before_the_first_stage(
+    tmp_path, capsys, tiny_target, evaluation, message
+):
     config = run_config(tmp_path, tiny_target)
     data = yaml.safe_load(config.read_text())
     data["eval"] = (data.get("eval") or {}) | evaluation

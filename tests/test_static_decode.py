@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_batched_decode import LAYERS, NEW_TOKENS, PROMPTS, trained_pair
 from test_decode import tiny_pair
+
 from eaglet.decode.baseline import GreedyTargetSteps, static_target_decode, target_only_decode
 from eaglet.decode.chain import ChainRounds, StaticChainDraft, speculative_decode, static_chain_decode
+from eaglet.decode.common import Tree
 from eaglet.decode.runners import DraftRunner, TargetRunner
 from eaglet.decode.sampling import Sampling
 from eaglet.decode.static import GRAPH_BUCKETS, StaticTarget, bucket_for, buckets_for
-from eaglet.decode.tree import StaticTreeDraft, Tree, TreeRounds, expand_tree, static_tree_decode, tree_decode
+from eaglet.decode.tree import StaticTreeDraft, TreeRounds, expand_tree, static_tree_decode, tree_decode
 from eaglet.errors import EagletError
 
 LONG_PROMPT = [(7 * i) % 60 + 2 for i in range(GRAPH_BUCKETS[-1] + 9)]  # past the largest bucket: runs unbucketed
@@ -206,8 +207,9 @@ def test_static_tree_matches_the_host_tree_node_for_node(pair):
     tree_draft.reset()
     tree_draft.prefill(prompt[1:], aux[:-1])
     rows = tree_draft.rows
-    tokens, depths, parents, block = tree_draft.round(torch.tensor([first] * rows), aux[-1:].expand(rows, -1, -1),
-                                                      torch.tensor(1))
+    tokens, depths, parents, block = tree_draft.round(
+        torch.tensor([first] * rows), aux[-1:].expand(rows, -1, -1), torch.tensor(1)
+    )
     assert tokens.tolist() == expected.tokens and depths.tolist() == expected.depths
     assert parents.tolist()[1:] == expected.parents[1:]
     assert torch.equal(block, expected.ancestor_mask())
@@ -228,11 +230,15 @@ def test_a_forward_past_the_cache_is_refused():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_replays_equal_the_dynamic_cache_on_gpu(pair):
     """Captured mid-decode and replayed with new ids, positions and masks: the same tokens and acceptance; the
-fused rounds (draft, verification, acceptance, compaction in one graph) captured once and replayed for every
-prompt."""
+    fused rounds (draft, verification, acceptance, compaction in one graph) captured once and replayed for every
+    prompt."""
     target, draft = (module.to("cuda") for module in pair)
     try:
-        dynamic, graphed, drafts = TargetRunner(target, LAYERS), StaticTarget(target, LAYERS, MAX_LEN), DraftRunner(draft)
+        dynamic, graphed, drafts = (
+            TargetRunner(target, LAYERS),
+            StaticTarget(target, LAYERS, MAX_LEN),
+            DraftRunner(draft),
+        )
         assert graphed.graphs
         graphed_draft = StaticChainDraft(draft, MAX_LEN, 3, compiled=True)  # eval's GPU default
         graphed_tree = StaticTreeDraft(draft, MAX_LEN, 4, 3, 12, compiled=True)
@@ -259,8 +265,15 @@ def test_sliding_window_targets_are_refused_by_name():
     falls back to the dynamic cache), not silently decoded wrong."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-                           num_key_value_heads=2, sliding_window=16)
+    config = MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=16,
+    )
     with pytest.raises(EagletError, match="MistralConfig has sliding-window attention layers.*--cuda-graphs off"):
         StaticTarget(MistralForCausalLM(config).eval(), LAYERS, 64)
 
@@ -270,10 +283,18 @@ def test_mixture_of_experts_targets_are_not_graphed():
     (eval's auto mode falls back; preflight says so from the config); a static cache alone is fine."""
     from transformers import Qwen3MoeConfig
 
-    from eaglet.support import static_cache_problem
+    from eaglet.model.support import static_cache_problem
 
-    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
-                            num_experts_per_tok=2)
+    config = Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
     assert "mixture of experts" in static_cache_problem(config, graphs=True)
     assert static_cache_problem(config, graphs=False) is None

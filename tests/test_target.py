@@ -6,10 +6,10 @@ import json
 import time
 
 import pytest
-
 from conftest import run_cli
+
 from eaglet.errors import EagletError
-from eaglet.target import EMBEDDED_NAME, load_model, load_tokenizer, resolve_target, target_info
+from eaglet.model.target import EMBEDDED_NAME, load_model, load_tokenizer, resolve_target, target_info
 
 
 def test_target_info_embedded_json(capsys, embedded_target):

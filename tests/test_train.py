@@ -11,8 +11,8 @@ import time
 
 import pytest
 import torch
-
 from conftest import run_cli
+
 from eaglet.train.metrics import read_metrics
 
 BASE = ["--token-budget", "128", "--log-every", "1", "--eval-every", "10", "--lr", "3e-3", "--seed", "1"]
@@ -28,11 +28,21 @@ def train_losses(run):
 
 def test_train_offline_learns_and_writes_everything(tmp_path, capsys, tiny_store, tiny_target):
     out = tmp_path / "run"
-    code, stdout, err = run_cli(train_args(tiny_store, out, tiny_target, "--max-steps", "30", "--save-every", "10"), capsys)
+    code, stdout, err = run_cli(
+        train_args(tiny_store, out, tiny_target, "--max-steps", "30", "--save-every", "10"), capsys
+    )
     assert code == 0, err
     losses = train_losses(out)
     assert len(losses) == 30 and sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
-    for name in ("config.json", "model.safetensors", "metrics.jsonl", "loss.png", "accuracy.png", "tau.png", "train_config.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "metrics.jsonl",
+        "loss.png",
+        "accuracy.png",
+        "tau.png",
+        "train_config.json",
+    ):
         assert (out / name).is_file(), name
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000020", "step-000030"]  # keep_last 2
     config = json.loads((out / "config.json").read_text())
@@ -42,8 +52,15 @@ def test_train_offline_learns_and_writes_everything(tmp_path, capsys, tiny_store
 
     with safe_open(str(out / "model.safetensors"), framework="pt") as handle:
         names = set(handle.keys())
-        assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight", "norm.weight",
-                "lm_head.weight", "d2t", "t2d"} <= names and not any("embed" in n for n in names)
+        assert {
+            "fc.weight",
+            "midlayer.self_attn.q_proj.weight",
+            "midlayer.hidden_norm.weight",
+            "norm.weight",
+            "lm_head.weight",
+            "d2t",
+            "t2d",
+        } <= names and not any("embed" in n for n in names)
         assert handle.get_slice("midlayer.self_attn.q_proj.weight").get_shape() == [64, 128]  # takes 2H
         assert handle.get_slice("fc.weight").get_shape() == [64, 192]  # 3H -> H
     evals = [r for r in read_metrics(out) if r["kind"] == "eval"]
@@ -74,13 +91,25 @@ def test_sigterm_then_resume_gives_the_same_losses(tmp_path, capsys, tiny_store,
 
 
 def test_online_takes_the_same_steps_as_offline(tmp_path, capsys, tiny_store, tiny_target, tiny_prepared):
-    from eaglet.formats.store import read_manifest
+    from eaglet.formats.store_manifest import read_manifest
 
     chunk = read_manifest(tiny_store)["tokens_per_shard"]
     offline, online = tmp_path / "offline", tmp_path / "online"
     assert run_cli(train_args(tiny_store, offline, tiny_target, "--max-steps", "8"), capsys)[0] == 0
-    args = ["train", "--prepared", tiny_prepared, "--out", online, "--target", tiny_target, *BASE, "--max-steps", "8",
-            "--set", f"online_chunk_tokens={chunk}"]
+    args = [
+        "train",
+        "--prepared",
+        tiny_prepared,
+        "--out",
+        online,
+        "--target",
+        tiny_target,
+        *BASE,
+        "--max-steps",
+        "8",
+        "--set",
+        f"online_chunk_tokens={chunk}",
+    ]
     code, _, err = run_cli(args, capsys)
     assert code == 0, err
     # the store holds bf16 features, the live target float32: equal up to that rounding
@@ -90,31 +119,51 @@ def test_online_takes_the_same_steps_as_offline(tmp_path, capsys, tiny_store, ti
 def test_online_training_uses_the_layers_asked_for(tmp_path, capsys, tiny_target, tiny_prepared):
     """Online --layers captures those layers live: the same steps as a store extracted with the same --layers."""
     from conftest import extract_args
-    from eaglet.formats.store import read_manifest
+
+    from eaglet.formats.store_manifest import read_manifest
 
     store = tmp_path / "store"
     assert run_cli(extract_args(tiny_prepared, store, tiny_target, "--layers", "1,3,6"), capsys)[0] == 0
     offline, online = tmp_path / "offline", tmp_path / "online"
     assert run_cli(train_args(store, offline, tiny_target, "--max-steps", "4"), capsys)[0] == 0
-    args = ["train", "--prepared", tiny_prepared, "--out", online, "--target", tiny_target, *BASE, "--max-steps", "4",
-            "--layers", "1,3,6", "--set", f"online_chunk_tokens={read_manifest(store)['tokens_per_shard']}"]
+    args = [
+        "train",
+        "--prepared",
+        tiny_prepared,
+        "--out",
+        online,
+        "--target",
+        tiny_target,
+        *BASE,
+        "--max-steps",
+        "4",
+        "--layers",
+        "1,3,6",
+        "--set",
+        f"online_chunk_tokens={read_manifest(store)['tokens_per_shard']}",
+    ]
     code, _, err = run_cli(args, capsys)
     assert code == 0, err
     assert json.loads((online / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]
     assert train_losses(online) == pytest.approx(train_losses(offline), rel=2e-2)
 
 
-@pytest.mark.parametrize("source, layers, expected", [
-    ("prepared", "1,3,99", "aux layer"),  # past the target's 8 layers
-    ("prepared", "1,x,3", "--layers '1,x,3'"),  # not integers
-    ("store", "1,3,6", "the store holds [2, 4, 5]"),  # the store was extracted from other layers
-])
-def test_bad_layers_for_training_are_one_line_errors_before_anything_loads(tmp_path, capsys, tiny_store, tiny_target,
-                                                                           tiny_prepared, source, layers, expected):
+@pytest.mark.parametrize(
+    "source, layers, expected",
+    [
+        ("prepared", "1,3,99", "aux layer"),  # past the target's 8 layers
+        ("prepared", "1,x,3", "--layers '1,x,3'"),  # not integers
+        ("store", "1,3,6", "the store holds [2, 4, 5]"),  # the store was extracted from other layers
+    ],
+)
+def test_bad_layers_for_training_are_one_line_errors_before_anything_loads(
+    tmp_path, capsys, tiny_store, tiny_target, tiny_prepared, source, layers, expected
+):
     out = tmp_path / "run"
     given = ["--store", tiny_store] if source == "store" else ["--prepared", tiny_prepared]
-    code, _, err = run_cli(["train", *given, "--out", out, "--target", tiny_target, *BASE, "--max-steps", "1",
-                            "--layers", layers], capsys)
+    code, _, err = run_cli(
+        ["train", *given, "--out", out, "--target", tiny_target, *BASE, "--max-steps", "1", "--layers", layers], capsys
+    )
     assert code != 0 and expected in err and "Traceback" not in err, err
     assert not out.exists()
 
@@ -129,9 +178,21 @@ def test_two_processes_equal_one_process_with_accumulation(tmp_path, capsys, tin
     single = tmp_path / "single"
     assert run_cli(train_args(tiny_store, single, tiny_target, "--max-steps", "6", "--grad-accum", "2"), capsys)[0] == 0
     multi = tmp_path / parallel
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-           "-m", "eaglet.cli", *map(str, train_args(tiny_store, multi, tiny_target, "--max-steps", "6",
-                                                    "--parallel", parallel, "--eval-every", "3"))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(port),
+        "-m",
+        "eaglet.cli",
+        *map(
+            str,
+            train_args(tiny_store, multi, tiny_target, "--max-steps", "6", "--parallel", parallel, "--eval-every", "3"),
+        ),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -152,7 +213,9 @@ def test_store_from_another_target_is_refused(tmp_path, capsys, tiny_store):
     other = tiny_llama_dir(tmp_path / "other", tokenizer_family="gemma")
     code, _, err = run_cli(train_args(tiny_store, tmp_path / "run", other, "--max-steps", "2"), capsys)
     assert code == 2 and "preflight failed for train: store:" in err and "extract with this --target" in err
-    code, _, err = run_cli(train_args(tiny_store, tmp_path / "run", other, "--max-steps", "2", "--skip-preflight"), capsys)
+    code, _, err = run_cli(
+        train_args(tiny_store, tmp_path / "run", other, "--max-steps", "2", "--skip-preflight"), capsys
+    )
     assert code == 2 and "extracted from target tiny-target0" in err
 
 
@@ -165,8 +228,12 @@ def test_needs_exactly_one_input(tmp_path, capsys, tiny_target):
 
 def test_time_budget_and_separate_eval_store(tmp_path, capsys, tiny_store, tiny_target):
     out = tmp_path / "run"
-    code, _, err = run_cli(train_args(tiny_store, out, tiny_target, "--max-steps", "500", "--max-minutes", "0.0001",
-                                      "--eval-store", tiny_store), capsys)
+    code, _, err = run_cli(
+        train_args(
+            tiny_store, out, tiny_target, "--max-steps", "500", "--max-minutes", "0.0001", "--eval-store", tiny_store
+        ),
+        capsys,
+    )
     assert code == 0, err
     assert "stopped at step 1" in err
     assert (out / "checkpoints" / "step-000001").is_dir()
@@ -175,24 +242,38 @@ def test_time_budget_and_separate_eval_store(tmp_path, capsys, tiny_store, tiny_
 
 
 def test_padding_to_the_budget_does_not_change_the_loss():
-    from eaglet.train.data import FeatureBatch, pad_to_budget
-    from eaglet.ttt import TTTInputs, documents, ttt_forward
     from test_ttt import tiny_setup
 
+    from eaglet.train.data import FeatureBatch, pad_to_budget
+    from eaglet.train.ttt import TTTInputs, documents, ttt_forward
+
     draft, inputs = tiny_setup()
-    batch = FeatureBatch(input_ids=inputs.input_ids, loss_mask=inputs.loss_mask.to(torch.uint8), aux=inputs.aux,
-                         last=torch.zeros(len(inputs.input_ids), 32, dtype=torch.float64),
-                         doc_offsets=torch.tensor([0, 7, 12, 19]), sample_index=torch.arange(3))
+    batch = FeatureBatch(
+        input_ids=inputs.input_ids,
+        loss_mask=inputs.loss_mask.to(torch.uint8),
+        aux=inputs.aux,
+        last=torch.zeros(len(inputs.input_ids), 32, dtype=torch.float64),
+        doc_offsets=torch.tensor([0, 7, 12, 19]),
+        sample_index=torch.arange(3),
+    )
     padded = pad_to_budget(batch, 32)
     assert padded.tokens == 32 and padded.doc_offsets.tolist() == [0, 7, 12, 19, 32]
     assert not padded.aux[19:].any() and not padded.input_ids[19:].any() and not padded.loss_mask[19:].any()
     assert torch.equal(padded.aux[:19], batch.aux)
     doc_ids, positions, doc_end = documents(padded.doc_offsets, torch.device("cpu"))
     extra = 32 - 19
-    grown = TTTInputs(input_ids=padded.input_ids, aux=padded.aux, loss_mask=padded.loss_mask.bool(), doc_ids=doc_ids,
-                      positions=positions, doc_end=doc_end,
-                      teacher_logits=torch.cat([inputs.teacher_logits, torch.randn(extra, inputs.teacher_logits.shape[1], dtype=torch.float64)]),
-                      teacher_in_vocab=torch.cat([inputs.teacher_in_vocab, torch.ones(extra, dtype=torch.bool)]))
+    grown = TTTInputs(
+        input_ids=padded.input_ids,
+        aux=padded.aux,
+        loss_mask=padded.loss_mask.bool(),
+        doc_ids=doc_ids,
+        positions=positions,
+        doc_end=doc_end,
+        teacher_logits=torch.cat(
+            [inputs.teacher_logits, torch.randn(extra, inputs.teacher_logits.shape[1], dtype=torch.float64)]
+        ),
+        teacher_in_vocab=torch.cat([inputs.teacher_in_vocab, torch.ones(extra, dtype=torch.bool)]),
+    )
     a, b = ttt_forward(draft, inputs, 3), ttt_forward(draft, grown, 3)
     torch.testing.assert_close(a.loss, b.loss, rtol=1e-12, atol=1e-12)
 
@@ -200,11 +281,13 @@ def test_padding_to_the_budget_does_not_change_the_loss():
 def test_frozen_head_stays_the_targets_rows_and_norm_starts_from_the_targets(tmp_path, capsys, tiny_store, tiny_target):
     from safetensors.torch import load_file
 
-    from eaglet.target import load_head_weights, resolve_target
+    from eaglet.model.target import load_head_weights, resolve_target
 
     head = load_head_weights(resolve_target(str(tiny_target)).path)
     out = tmp_path / "run"
-    code, _, err = run_cli(train_args(tiny_store, out, tiny_target, "--max-steps", "3", "--set", "freeze_lm_head=true"), capsys)
+    code, _, err = run_cli(
+        train_args(tiny_store, out, tiny_target, "--max-steps", "3", "--set", "freeze_lm_head=true"), capsys
+    )
     assert code == 0, err
     weights = load_file(str(out / "model.safetensors"))
     used = torch.arange(len(weights["d2t"])) + weights["d2t"]
@@ -223,17 +306,21 @@ def test_evaluation_reuses_the_training_kernels_on_gpu(tmp_path, capsys, tiny_st
     after the FlexAttention gradient tests and passed alone.)"""
     torch._dynamo.reset()
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        code, _, err = run_cli(train_args(tiny_store, tmp_path / "run", tiny_target, "--max-steps", "12",
-                                          "--device", "cuda"), capsys)
+        code, _, err = run_cli(
+            train_args(tiny_store, tmp_path / "run", tiny_target, "--max-steps", "12", "--device", "cuda"), capsys
+        )
     assert code == 0, err
     assert [r for r in read_metrics(tmp_path / "run") if r["kind"] == "eval"]
 
 
 def test_an_unknown_attention_kernels_value_is_a_one_line_error(tmp_path, capsys, tiny_store, tiny_target):
     out = tmp_path / "run"
-    code, _, err = run_cli(train_args(tiny_store, out, tiny_target, "--max-steps", "1", "--set", "attention_kernels=two"),
-                           capsys)
-    assert code == 2 and "attention_kernels" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = run_cli(
+        train_args(tiny_store, out, tiny_target, "--max-steps", "1", "--set", "attention_kernels=two"), capsys
+    )
+    assert code == 2 and "attention_kernels" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (
+        err
+    )
     assert not out.exists()
 
 
@@ -244,14 +331,19 @@ def test_moving_a_batch_to_the_gpu_never_waits_for_the_stream(prefetched):
     to finish before queuing its own work. A batch's inputs (features, ids, masks, documents, teacher)
     reach the device without any synchronising call — padded here, or (the training loop) padded into
     pinned memory ahead of time by the prefetch thread."""
-    from eaglet.loss import TeacherHead
     from eaglet.train.data import FeatureBatch, pad_to_budget
+    from eaglet.train.loss import TeacherHead
     from eaglet.train.step import device_inputs
 
     tokens, hidden = 40, 16
-    batch = FeatureBatch(input_ids=torch.randint(0, 50, (tokens,)), loss_mask=torch.ones(tokens, dtype=torch.uint8),
-                         aux=torch.randn(tokens, 3, hidden).bfloat16(), last=torch.randn(tokens, hidden).bfloat16(),
-                         doc_offsets=torch.tensor([0, 25, tokens]), sample_index=torch.tensor([0, 1]))
+    batch = FeatureBatch(
+        input_ids=torch.randint(0, 50, (tokens,)),
+        loss_mask=torch.ones(tokens, dtype=torch.uint8),
+        aux=torch.randn(tokens, 3, hidden).bfloat16(),
+        last=torch.randn(tokens, hidden).bfloat16(),
+        doc_offsets=torch.tensor([0, 25, tokens]),
+        sample_index=torch.tensor([0, 1]),
+    )
     cuda = torch.device("cuda")
     teacher = TeacherHead(torch.randn(50, hidden, device=cuda), torch.zeros(20, dtype=torch.long, device=cuda))
     budget = 64

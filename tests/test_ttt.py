@@ -6,10 +6,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eaglet.draft import Eagle3Draft
-from eaglet.formats.draft import DraftConfig
-from eaglet.loss import TeacherHead, soft_cross_entropy
-from eaglet.ttt import FLEX_MIN_HEAD_DIM, TTTAttention, TTTInputs, documents, shift, simulated_acceptance, ttt_forward
+from eaglet.formats.draft_config import DraftConfig
+from eaglet.model.draft import Eagle3Draft
+from eaglet.train.loss import TeacherHead, soft_cross_entropy
+from eaglet.train.ttt import (
+    FLEX_MIN_HEAD_DIM,
+    TTTAttention,
+    TTTInputs,
+    documents,
+    shift,
+    simulated_acceptance,
+    ttt_forward,
+)
 
 
 class NaiveAttention:
@@ -45,9 +53,18 @@ BLOCK_ALIGNED_DOCS = (0, 100, 101, 102, 128, 400, 512)
 def tiny_setup(seed=0, head_dim=8, draft_layers=1, doc_offsets=(0, 7, 12, 19)):
     torch.manual_seed(seed)
     vocab, draft_vocab, hidden = 50, 20, 4 * head_dim
-    config = DraftConfig(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-                         intermediate_size=64, vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=hidden,
-                         eagle_aux_hidden_state_layer_ids=[1, 2, 3], num_hidden_layers=draft_layers)
+    config = DraftConfig(
+        hidden_size=hidden,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        intermediate_size=64,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=hidden,
+        eagle_aux_hidden_state_layer_ids=[1, 2, 3],
+        num_hidden_layers=draft_layers,
+    )
     draft = Eagle3Draft(config).double()
     used = torch.sort(torch.randperm(vocab)[:draft_vocab]).values
     d2t = used - torch.arange(draft_vocab)
@@ -61,9 +78,14 @@ def tiny_setup(seed=0, head_dim=8, draft_layers=1, doc_offsets=(0, 7, 12, 19)):
     last = torch.randn(tokens, hidden, dtype=torch.float64)
     teacher_logits, in_vocab = TeacherHead(lm_head, d2t)(last)
     inputs = TTTInputs(
-        input_ids=torch.randint(0, vocab, (tokens,)), aux=torch.randn(tokens, 3, hidden, dtype=torch.float64),
-        loss_mask=torch.rand(tokens) > 0.3, doc_ids=doc_ids, positions=positions, doc_end=doc_end,
-        teacher_logits=teacher_logits.double(), teacher_in_vocab=in_vocab | (torch.rand(tokens) > 0.5),
+        input_ids=torch.randint(0, vocab, (tokens,)),
+        aux=torch.randn(tokens, 3, hidden, dtype=torch.float64),
+        loss_mask=torch.rand(tokens) > 0.3,
+        doc_ids=doc_ids,
+        positions=positions,
+        doc_end=doc_end,
+        teacher_logits=teacher_logits.double(),
+        teacher_in_vocab=in_vocab | (torch.rand(tokens) > 0.5),
     )
     return draft, inputs
 
@@ -120,8 +142,11 @@ def autograd_reference(draft, inputs, steps, decay=0.8):
         cos, sin = draft.rope(inputs.positions + k)
         hidden, logits = draft.step(ids, hidden, cos, sin, attends)
         teacher = shift(inputs.teacher_logits, 1 + k)
-        mask = ((index + 2 + k < inputs.doc_end) & shift(inputs.loss_mask, 2 + k, False)
-                & shift(inputs.teacher_in_vocab, 1 + k, False))
+        mask = (
+            (index + 2 + k < inputs.doc_end)
+            & shift(inputs.loss_mask, 2 + k, False)
+            & shift(inputs.teacher_in_vocab, 1 + k, False)
+        )
         cross_entropy = -(torch.softmax(teacher, -1) * torch.log_softmax(logits, -1)).sum(-1)
         total = total + decay**k * (cross_entropy * mask).sum() / mask.sum().clamp_min(1)
         correct.append(int(((logits.argmax(-1) == teacher.argmax(-1)) & mask).sum()))
@@ -193,7 +218,7 @@ def test_the_compiled_loss_is_one_graph_for_every_step():
 
 
 def test_library_reference_attention_equals_the_loop_reference():
-    from eaglet.ttt import ReferenceAttention
+    from eaglet.train.ttt import ReferenceAttention
 
     draft, inputs = tiny_setup()
     a = ttt_forward(draft, inputs, 4, attention_factory=ReferenceAttention)
@@ -228,7 +253,7 @@ def test_simulated_acceptance():
 def test_flex_attention_mask_matches_dense_forward(doc_offsets):
     """FlexAttention's block mask (the GPU path) gives the dense path's outputs; forward only on CPU. A batch of
     whole 128-token blocks gets its block mask built from the documents, any other from create_block_mask."""
-    from eaglet.ttt import FlexTTTAttention
+    from eaglet.train.ttt import FlexTTTAttention
 
     draft, inputs = tiny_setup(doc_offsets=doc_offsets)
     draft = draft.float()
@@ -248,7 +273,7 @@ def test_block_mask_from_documents_equals_create_block_mask(key_steps):
     torch's create_block_mask finds by evaluating the mask at every point, for every step."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from eaglet.ttt import FlexTTTAttention, ttt_block_mask
+    from eaglet.train.ttt import FlexTTTAttention, ttt_block_mask
 
     steps = 4
     doc_ids, _, _ = documents(torch.tensor(BLOCK_ALIGNED_DOCS), torch.device("cpu"))
@@ -270,7 +295,8 @@ def test_block_mask_from_documents_equals_create_block_mask(key_steps):
         for counts, indices in [("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")]:
             torch.testing.assert_close(
                 listed(getattr(ours, counts), getattr(ours, indices), blocks),
-                listed(getattr(theirs, counts), getattr(theirs, indices), blocks))
+                listed(getattr(theirs, counts), getattr(theirs, indices), blocks),
+            )
         torch.testing.assert_close(ours.to_dense(), theirs.to_dense())
 
 
@@ -283,7 +309,7 @@ def test_flex_attention_kernel_count(kernels, compiles, doc_offsets):
     from torch._dynamo.utils import counters
     from torch.nn.attention.flex_attention import flex_attention
 
-    from eaglet.ttt import ATTENTION_KERNELS
+    from eaglet.train.ttt import ATTENTION_KERNELS
 
     compiled = torch.compile(flex_attention, dynamic=False)
 
@@ -309,7 +335,7 @@ def test_flex_attention_kernel_count(kernels, compiles, doc_offsets):
 
 def test_small_heads_use_the_dense_path_on_gpu():
     """FlexAttention's GPU kernels refuse heads under 16 dims: such drafts must still train there."""
-    from eaglet.ttt import FlexTTTAttention, attention_for
+    from eaglet.train.ttt import FlexTTTAttention, attention_for
 
     assert attention_for(torch.device("cuda"), FLEX_MIN_HEAD_DIM) is FlexTTTAttention
     assert attention_for(torch.device("cuda"), FLEX_MIN_HEAD_DIM, "per_step") is not FlexTTTAttention
@@ -321,7 +347,7 @@ def test_small_heads_use_the_dense_path_on_gpu():
 @pytest.mark.parametrize("kernels", ["one", "per_step"])
 @pytest.mark.parametrize("doc_offsets", [(0, 7, 12, 19), BLOCK_ALIGNED_DOCS])
 def test_flex_attention_gradients_match_on_gpu(kernels, doc_offsets):
-    from eaglet.ttt import ATTENTION_KERNELS
+    from eaglet.train.ttt import ATTENTION_KERNELS
 
     draft, inputs = tiny_setup(head_dim=FLEX_MIN_HEAD_DIM, doc_offsets=doc_offsets)
     device = torch.device("cuda")
@@ -367,7 +393,7 @@ def test_compiled_pointwise_equals_eager(bf16):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs a GPU")
 def test_compiled_pointwise_with_flex_attention_on_gpu():
     """Training's GPU step as it runs (inductor kernels, FlexAttention, bf16 autocast) against eager pieces."""
-    from eaglet.ttt import FlexTTTAttention
+    from eaglet.train.ttt import FlexTTTAttention
 
     draft, inputs = tiny_setup(head_dim=FLEX_MIN_HEAD_DIM, doc_offsets=BLOCK_ALIGNED_DOCS)
     device = torch.device("cuda")
@@ -383,7 +409,7 @@ def test_attention_recomputed_in_the_backward_gives_the_kept_gradients(monkeypat
     gradient are the ones of keeping them."""
     import contextlib
 
-    import eaglet.ttt as ttt
+    import eaglet.train.ttt as ttt
 
     draft, inputs = tiny_setup()
     kept_out, kept = loss_and_grads(draft, inputs, TTTAttention, contextlib.nullcontext)

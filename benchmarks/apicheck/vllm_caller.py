@@ -43,8 +43,13 @@ def engine_args(model: str, draft: str):
 
 def scheduler_internals(vllm_config, kv_cache_config, structured_output_manager):
     scheduler = Scheduler(vllm_config, kv_cache_config, structured_output_manager, block_size=16)
-    scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                          structured_output_manager=structured_output_manager, block_size=16, log_stats=True)
+    scheduler = Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=structured_output_manager,
+        block_size=16,
+        log_stats=True,
+    )
     scheduler_old = Scheduler(vllm_config, kv_cache_config, structured_output_manager)  # before block_size
     scheduler.add_request(make_request("a"))
     output = scheduler.schedule()
@@ -57,8 +62,14 @@ def scheduler_internals(vllm_config, kv_cache_config, structured_output_manager)
 def make_request(request_id: str) -> Request:
     params = SamplingParams(max_tokens=16)
     request = Request(request_id, [1, 2, 3], params, None)
-    request = Request(request_id=request_id, prompt_token_ids=[1, 2, 3], sampling_params=params, pooling_params=None,
-                      arrival_time=0.0, priority=0)
+    request = Request(
+        request_id=request_id,
+        prompt_token_ids=[1, 2, 3],
+        sampling_params=params,
+        pooling_params=None,
+        arrival_time=0.0,
+        priority=0,
+    )
     request = Request(request_id, [1, 2, 3], params, None, eos_token_id=2)  # removed keyword
     request = Request(request_id, [1, 2, 3], params, None, 0, 0.0, None, None, None, None, None, 0)
     request = Request(request_id, [1, 2, 3])  # missing sampling/pooling params

@@ -5,8 +5,14 @@ that gave false errors before the checker followed them."""
 
 import vllm.distributed as dist
 from vllm.config import CacheConfig, LoadConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
-from vllm.distributed import (get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
-                              get_tp_group, tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce)
+from vllm.distributed import (
+    get_pp_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    get_tp_group,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
 
 
 def configs(draft: str):

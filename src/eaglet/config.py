@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import EagletError, shown
 from .export import FORMAT_NAMES
-from .formats.store import STORAGE_FORMATS
+from .formats.store_manifest import STORAGE_FORMATS
 
 DEFAULT_DRAFT_VOCAB_CAP = 32000
 GPU_BATCH_TOKENS, CPU_BATCH_TOKENS = 32768, 4096  # extract's tokens per forward when batch_tokens is 0
@@ -34,7 +34,7 @@ SECONDS_PER_DAY = 86400.0
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]  # an Adam moment's decay
 
 # The vocabularies of the settings, each defined once: the store's storage formats (formats.store), the export
-# formats (eaglet.export's registry), where the target's weights go (eaglet.placement), compute dtypes.
+# formats (eaglet.export's registry), where the target's weights go (eaglet.model.placement), compute dtypes.
 PLACEMENTS = ("one", "split", "tp")
 Placement = Literal[PLACEMENTS]  # type: ignore[valid-type]
 StorageDtype = Literal[tuple(STORAGE_FORMATS)]  # type: ignore[valid-type]
@@ -54,18 +54,27 @@ class StrictModel(BaseModel):
 
 
 class PlacementFields(StrictModel):
-    """Where the target's weights go, for every stage that runs it (see ``eaglet.placement``)."""
+    """Where the target's weights go, for every stage that runs it (see ``eaglet.model.placement``)."""
 
     placement: Placement = Field(
-        default="one", description="one device; split: layers spread over devices by --max-memory (one process); "
-        "tp: tensor parallel over the torchrun world (transformers' plan for the architecture)")
+        default="one",
+        description="one device; split: layers spread over devices by --max-memory (one process); "
+        "tp: tensor parallel over the torchrun world (transformers' plan for the architecture)",
+    )
     max_memory: dict[str, str] = Field(
-        default_factory=dict, description="split: memory each device may hold, e.g. cuda:0=60GiB,cuda:1=60GiB,"
-        "cpu=200GiB (default: all GPUs, then CPU)")
-    offload_dir: str | None = Field(default=None, description="split: where weights past --max-memory are "
-                                    "memory-mapped from disk")
-    replica: str = Field(default="0/1", pattern=r"^\d+/\d+$", description="tp: this torchrun job is replica r of R "
-                         "(data parallel over tensor-parallel groups: one torchrun per group)")
+        default_factory=dict,
+        description="split: memory each device may hold, e.g. cuda:0=60GiB,cuda:1=60GiB,"
+        "cpu=200GiB (default: all GPUs, then CPU)",
+    )
+    offload_dir: str | None = Field(
+        default=None, description="split: where weights past --max-memory are memory-mapped from disk"
+    )
+    replica: str = Field(
+        default="0/1",
+        pattern=r"^\d+/\d+$",
+        description="tp: this torchrun job is replica r of R "
+        "(data parallel over tensor-parallel groups: one torchrun per group)",
+    )
 
     # the option that sets how much one target forward holds ({} the value, multiples of the step), named when a
     # layout does not fit; None where the stage has no such option
@@ -87,11 +96,14 @@ class PrepareConfig(StrictModel):
 class RegenerateConfig(PlacementFields):
     FORWARD_OPTION: ClassVar[tuple[str, int] | None] = ("--batch-size {}", 1)
 
-    prompts: list[str] = Field(min_length=1, description="prompt or conversation files; 'demo' = the shipped demo prompts")
+    prompts: list[str] = Field(
+        min_length=1, description="prompt or conversation files; 'demo' = the shipped demo prompts"
+    )
     out: str = Field(description="output .jsonl (resumable)")
     target: str = Field(default="embedded", description=TARGET_HELP)
-    backend: Literal["hf", "openai"] = Field(default="hf", description="hf: in process; openai: an "
-                                             "OpenAI-compatible server")
+    backend: Literal["hf", "openai"] = Field(
+        default="hf", description="hf: in process; openai: an OpenAI-compatible server"
+    )
     max_new_tokens: int = Field(default=256, ge=1)
     temperature: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 = greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -192,8 +204,10 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise EagletError(f"config {path}: {'not a file' if path.exists() else 'file not found'}")
     if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise EagletError(f"config {path}: {path.stat().st_size:,} bytes, more than a config holds "
-                          f"({MAX_CONFIG_BYTES:,}); pass the config file, not a data file")
+        raise EagletError(
+            f"config {path}: {path.stat().st_size:,} bytes, more than a config holds "
+            f"({MAX_CONFIG_BYTES:,}); pass the config file, not a data file"
+        )
     try:
         data = load_yaml_text(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -258,55 +272,79 @@ class ExtractConfig(PlacementFields):
     out: str = Field(description="store directory; an existing incomplete store with the same settings is resumed")
     target: str | None = Field(default=None, description=RECORDED_TARGET_HELP)
     layers: list[int] | None = Field(default=None, description="aux layer ids, e.g. 2,15,27 (default: 2,N//2,N-3)")
-    storage_dtype: StorageDtype = Field(default="bf16", description="fp8: e4m3 with per-token scales, 0.5x the disk; "
-                                        "fp8-aux: aux fp8, the teacher's last feature bf16, 0.63x the disk")
+    storage_dtype: StorageDtype = Field(
+        default="bf16",
+        description="fp8: e4m3 with per-token scales, 0.5x the disk; "
+        "fp8-aux: aux fp8, the teacher's last feature bf16, 0.63x the disk",
+    )
     shard_mb: float = Field(default=512.0, gt=0, le=MAX_SHARD_MB, description="approximate shard size on disk, MB")
     batch_tokens: int = Field(default=0, ge=0, description="tokens per forward pass (0 = 32768 on GPU, 4096 on CPU)")
     max_samples: int | None = Field(default=None, ge=1, description="only the first N prepared samples")
     device: str = Field(default="auto", description="auto (this rank's GPU, else cpu), cpu, cuda:1 ...")
     dtype: ComputeDtype = Field(default="auto", description="compute dtype (auto: bf16 on GPU, fp32 on CPU)")
-    reserve_gb: float = Field(default=1.0, ge=0, le=MAX_GB, description="free disk to keep beyond the store's estimated size")
+    reserve_gb: float = Field(
+        default=1.0, ge=0, le=MAX_GB, description="free disk to keep beyond the store's estimated size"
+    )
     trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
 
 
 class TrainConfig(PlacementFields):
     FORWARD_OPTION: ClassVar[tuple[str, int] | None] = ("--set online_forward_tokens={}", 256)
 
-    out: str = Field(description="run directory: the draft, metrics, plots and checkpoints (resumed from its last "
-                     "checkpoint)")
+    out: str = Field(
+        description="run directory: the draft, metrics, plots and checkpoints (resumed from its last checkpoint)"
+    )
     store: str | None = Field(default=None, description="offline: a store from `eaglet extract`")
     prepared: str | None = Field(default=None, description="online: a prepared set; the target computes features live")
     target: str | None = Field(default=None, description=RECORDED_TARGET_HELP)
     ttt_steps: int = Field(default=7, ge=1, le=32, description="training-time-test unroll K")
     attention_kernels: Literal["one", "per_step"] = Field(
-        default="one", description="GPU FlexAttention: one kernel for all TTT steps (one compile; 99.5 ms/step at "
-        "the 8B shape on an H200) or one kernel per step count (K compiles; 104.8 ms)")
+        default="one",
+        description="GPU FlexAttention: one kernel for all TTT steps (one compile; 99.5 ms/step at "
+        "the 8B shape on an H200) or one kernel per step count (K compiles; 104.8 ms)",
+    )
     compile_pointwise: bool = Field(
-        default=True, description="GPU: fuse the draft's norms, RoPE, SwiGLU and residuals with torch.compile")
-    draft_layers: int = Field(default=1, ge=1, le=8, description="decoder layers in the draft (1 = EAGLE-3's; SGLang serves 1 only)")
-    layers: list[int] | None = Field(default=None, description="online: aux layer ids, e.g. 2,15,27 (default: "
-                                     "2,N//2,N-3); offline the store's are used")
+        default=True, description="GPU: fuse the draft's norms, RoPE, SwiGLU and residuals with torch.compile"
+    )
+    draft_layers: int = Field(
+        default=1, ge=1, le=8, description="decoder layers in the draft (1 = EAGLE-3's; SGLang serves 1 only)"
+    )
+    layers: list[int] | None = Field(
+        default=None,
+        description="online: aux layer ids, e.g. 2,15,27 (default: 2,N//2,N-3); offline the store's are used",
+    )
     loss_decay: float = Field(default=0.8, gt=0, le=1, description="weight of TTT step k is loss_decay**k")
     token_budget: int = Field(default=4096, ge=16, description="tokens per packed micro-batch")
     grad_accum: int = Field(default=1, ge=1, description="micro-batches per optimizer step and rank")
-    parallel: Literal["ddp", "fsdp2"] = Field(default="ddp", description="under torchrun: replicate (ddp) or shard (fsdp2) the draft and optimizer")
+    parallel: Literal["ddp", "fsdp2"] = Field(
+        default="ddp", description="under torchrun: replicate (ddp) or shard (fsdp2) the draft and optimizer"
+    )
     lr: float = Field(default=3e-4, gt=0, le=MAX_LR, description="peak learning rate")
     betas: tuple[Beta, Beta] = Field(default=(0.9, 0.95), description="AdamW's moment decays, e.g. 0.9,0.95")
     weight_decay: float = Field(default=0.0, ge=0, le=MAX_WEIGHT_DECAY)
-    schedule: Literal["cosine", "linear", "constant"] = Field(default="cosine", description="learning-rate decay "
-                                                              "after the warmup")
+    schedule: Literal["cosine", "linear", "constant"] = Field(
+        default="cosine", description="learning-rate decay after the warmup"
+    )
     warmup_steps: int = Field(default=20, ge=0)
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="the schedule's floor, a share of --lr")
     clip: float = Field(default=0.5, gt=0, le=MAX_CLIP, description="gradient norm clip")
     max_steps: int | None = Field(default=None, ge=1, description="stop after N optimizer steps")
-    epochs: float | None = Field(default=None, gt=0, le=MAX_EPOCHS, description="stop after E epochs (1 when no "
-                                 "other limit is given)")
+    epochs: float | None = Field(
+        default=None, gt=0, le=MAX_EPOCHS, description="stop after E epochs (1 when no other limit is given)"
+    )
     tokens: int | None = Field(default=None, ge=1, description="stop after this many training tokens")
-    max_minutes: float | None = Field(default=None, gt=0, le=MAX_MINUTES, description="stop (with a checkpoint) after this long")
-    eval_store: str | None = Field(default=None, description="evaluate on this store (e.g. held-out prompts) instead of a held-out fraction")
-    feature_noise_std: float = Field(default=0.0, ge=0, le=MAX_FEATURE_NOISE, description="Gaussian noise added to "
-                                     "the aux features while training")
-    freeze_lm_head: bool = Field(default=False, description="keep the head the target's rows (less to fit on little data)")
+    max_minutes: float | None = Field(
+        default=None, gt=0, le=MAX_MINUTES, description="stop (with a checkpoint) after this long"
+    )
+    eval_store: str | None = Field(
+        default=None, description="evaluate on this store (e.g. held-out prompts) instead of a held-out fraction"
+    )
+    feature_noise_std: float = Field(
+        default=0.0, ge=0, le=MAX_FEATURE_NOISE, description="Gaussian noise added to the aux features while training"
+    )
+    freeze_lm_head: bool = Field(
+        default=False, description="keep the head the target's rows (less to fit on little data)"
+    )
     eval_fraction: float = Field(default=0.05, ge=0, lt=1, description="samples held out for the simulated acceptance")
     eval_every: int = Field(default=100, ge=1, description="held-out evaluation every N steps")
     log_every: int = Field(default=10, ge=1, description="metrics every N steps")
@@ -315,10 +353,17 @@ class TrainConfig(PlacementFields):
     seed: int = Field(default=0, description="data order, init and noise")
     device: str = Field(default="auto", description="auto (this rank's GPU, else cpu), cpu, cuda:1 ...")
     precision: Literal["auto", "bf16", "fp32"] = Field(default="auto", description="auto: bf16 autocast on GPU")
-    online_chunk_tokens: int = Field(default=262144, ge=1, description="online: samples shuffled in chunks of this many tokens")
+    online_chunk_tokens: int = Field(
+        default=262144, ge=1, description="online: samples shuffled in chunks of this many tokens"
+    )
     online_forward_tokens: int = Field(default=8192, ge=1, description="online: tokens per target forward")
-    online_cache_gb: float = Field(default=8.0, ge=0, le=MAX_GB, description="online: host memory for features kept across "
-                                   "epochs (computed once per sample while they fit; 0: every epoch recomputes)")
+    online_cache_gb: float = Field(
+        default=8.0,
+        ge=0,
+        le=MAX_GB,
+        description="online: host memory for features kept across "
+        "epochs (computed once per sample while they fit; 0: every epoch recomputes)",
+    )
     draft_vocab_file: str | None = Field(default=None, description="vocab.safetensors (default: the prepared set's)")
     trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
 
@@ -327,16 +372,24 @@ class ExportConfig(StrictModel):
     draft: str = Field(description="a draft directory (`eaglet train` output)")
     format: ExportFormat = Field(description="the consumer the directory is written for")
     out: str = Field(description="output directory (written atomically)")
-    verifier: str | None = Field(default=None, description="how configs name the target (default: its hub id when "
-                                 "known, else its local path)")
-    target: str | None = Field(default=None, description="the target (default: the one the draft records); the "
-                               "speculators format carries its embedding")
+    verifier: str | None = Field(
+        default=None, description="how configs name the target (default: its hub id when known, else its local path)"
+    )
+    target: str | None = Field(
+        default=None,
+        description="the target (default: the one the draft records); the speculators format carries its embedding",
+    )
     speculative_tokens: int = Field(default=3, ge=1, le=16, description="draft tokens per step recorded for serving")
-    report: str | None = Field(default=None, description="an `eaglet eval` report.json whose τ goes into the model card")
+    report: str | None = Field(
+        default=None, description="an `eaglet eval` report.json whose τ goes into the model card"
+    )
     overwrite: bool = Field(default=False, description="replace an existing --out")
-    engines: list[str] = Field(default_factory=list, description="an engine release the export will be served with, "
-                               "ENGINE==VERSION (repeatable): preflight warns when eaglet's readers of its loader do "
-                               "not cover it")
+    engines: list[str] = Field(
+        default_factory=list,
+        description="an engine release the export will be served with, "
+        "ENGINE==VERSION (repeatable): preflight warns when eaglet's readers of its loader do "
+        "not cover it",
+    )
 
 
 # The tree shapes `eval --tune` times by default: depth, top-k, budget. The fastest three measured for the embedded
@@ -348,54 +401,87 @@ TREE_LIMITS = {"depth": (1, 16), "topk": (1, 64), "budget": (1, 512)}  # the bou
 class EvalConfig(PlacementFields):
     draft: str = Field(description="a draft directory (`eaglet train` output or an `eaglet export` directory)")
     out: str = Field(description="report directory")
-    prompts: list[str] = Field(default_factory=lambda: ["demo"], description="prompt files; 'demo' = the shipped demo prompts")
+    prompts: list[str] = Field(
+        default_factory=lambda: ["demo"], description="prompt files; 'demo' = the shipped demo prompts"
+    )
     target: str | None = Field(default=None, description=RECORDED_TARGET_HELP)
     split: Split = Field(default="heldout", description="rows whose `split` field matches")
     max_prompts: int | None = Field(default=None, ge=1, description="only N prompts, taken round-robin over categories")
     mode: Literal["chain", "tree"] = Field(default="chain", description="tree: EAGLE-2's dynamic tree")
-    depth: int = Field(default=4, ge=TREE_LIMITS["depth"][0], le=TREE_LIMITS["depth"][1],
-                       description="draft steps per verification (chain length / tree depth)")
-    topk: int = Field(default=8, ge=TREE_LIMITS["topk"][0], le=TREE_LIMITS["topk"][1],
-                      description="tree: children per expanded node and nodes expanded per level")
-    budget: int = Field(default=48, ge=TREE_LIMITS["budget"][0], le=TREE_LIMITS["budget"][1],
-                        description="tree: draft tokens verified per target forward")
-    tune: bool = Field(default=False, description="tree: first time each of tune_trees on tune_prompts prompts (the "
-                       "train split's when the held-out ones are evaluated) and evaluate with the fastest")
+    depth: int = Field(
+        default=4,
+        ge=TREE_LIMITS["depth"][0],
+        le=TREE_LIMITS["depth"][1],
+        description="draft steps per verification (chain length / tree depth)",
+    )
+    topk: int = Field(
+        default=8,
+        ge=TREE_LIMITS["topk"][0],
+        le=TREE_LIMITS["topk"][1],
+        description="tree: children per expanded node and nodes expanded per level",
+    )
+    budget: int = Field(
+        default=48,
+        ge=TREE_LIMITS["budget"][0],
+        le=TREE_LIMITS["budget"][1],
+        description="tree: draft tokens verified per target forward",
+    )
+    tune: bool = Field(
+        default=False,
+        description="tree: first time each of tune_trees on tune_prompts prompts (the "
+        "train split's when the held-out ones are evaluated) and evaluate with the fastest",
+    )
     tune_trees: list[tuple[int, int, int]] = Field(
-        default_factory=lambda: list(TUNE_TREES), min_length=1,
-        description="tree shapes --tune times: [depth, top-k, budget] each")
+        default_factory=lambda: list(TUNE_TREES),
+        min_length=1,
+        description="tree shapes --tune times: [depth, top-k, budget] each",
+    )
     tune_prompts: int = Field(default=4, ge=1, description="prompts each tree shape is timed on")
     temperature: float = Field(default=0.0, ge=0, le=MAX_TEMPERATURE, description="0 = greedy, checked lossless")
     top_p: float = Field(default=1.0, gt=0, le=1)
     max_new_tokens: int = Field(default=128, ge=1)
-    batch_size: int = Field(default=1, ge=1, le=1024, description="prompts decoded together (greedy chain only when > 1)")
+    batch_size: int = Field(
+        default=1, ge=1, le=1024, description="prompts decoded together (greedy chain only when > 1)"
+    )
     seed: int = Field(default=0, description="sampling seed")
     device: str = Field(default="auto", description="auto, cpu, cuda, cuda:1 ...")
     dtype: ComputeDtype = Field(
-        default="float32", description="target and draft; float32 makes the greedy lossless check exact (bf16 rounds "
-        "a k-token verify differently from a 1-token step, so near-ties flip); auto = bf16 on GPU")
+        default="float32",
+        description="target and draft; float32 makes the greedy lossless check exact (bf16 rounds "
+        "a k-token verify differently from a 1-token step, so near-ties flip); auto = bf16 on GPU",
+    )
     hf_generate_baseline: bool = Field(default=False, description="also time plain HF generate")
     cuda_graphs: Literal["auto", "on", "off"] = Field(
-        default="auto", description="batch 1: target and draft on static KV caches, their forwards (greedy: the "
-        "draft's whole rounds) replayed as CUDA graphs (auto: on GPU; on: also on CPU, run eagerly; off: dynamic caches)")
+        default="auto",
+        description="batch 1: target and draft on static KV caches, their forwards (greedy: the "
+        "draft's whole rounds) replayed as CUDA graphs (auto: on GPU; on: also on CPU, run eagerly; off: dynamic caches)",
+    )
     compile_draft: Literal["auto", "on", "off"] = Field(
-        default="auto", description="greedy rounds on static caches: the draft's part of each round through "
-        "torch.compile (fused kernels inside the round's CUDA graph; auto: on GPU)")
+        default="auto",
+        description="greedy rounds on static caches: the draft's part of each round through "
+        "torch.compile (fused kernels inside the round's CUDA graph; auto: on GPU)",
+    )
     trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
 
     def decoding_problem(self) -> str | None:
         """Settings no decoder runs, found from the settings alone (before any stage of a run, any model load)."""
         if self.batch_size > 1 and (self.mode != "chain" or self.temperature > 0):
-            return (f"--batch-size {self.batch_size}: batched decoding drafts chains greedily; use --mode chain and "
-                    "temperature 0, or --batch-size 1 for trees and sampling")
+            return (
+                f"--batch-size {self.batch_size}: batched decoding drafts chains greedily; use --mode chain and "
+                "temperature 0, or --batch-size 1 for trees and sampling"
+            )
         if self.placement != "one" and (self.batch_size > 1 or self.cuda_graphs == "on"):
-            return (f"--placement {self.placement}: the target runs on dynamic caches, one prompt at a time; drop "
-                    "--batch-size and --cuda-graphs on (static caches and graphs need the whole target on one GPU)")
+            return (
+                f"--placement {self.placement}: the target runs on dynamic caches, one prompt at a time; drop "
+                "--batch-size and --cuda-graphs on (static caches and graphs need the whole target on one GPU)"
+            )
         if self.tune and self.mode != "tree":
             return "--tune times tree shapes; add --mode tree (a chain has only --depth to choose)"
         for shape in self.tune_trees if self.tune else ():
             for (name, (low, high)), value in zip(TREE_LIMITS.items(), shape):
                 if not low <= value <= high:
-                    return (f"tune_trees {list(shape)}: {name} {value} is outside {low}..{high}; give each shape as "
-                            "[depth, top-k, budget]")
+                    return (
+                        f"tune_trees {list(shape)}: {name} {value} is outside {low}..{high}; give each shape as "
+                        "[depth, top-k, budget]"
+                    )
         return None

@@ -143,9 +143,11 @@ def check_output_apart(out: str | Path, inputs: Sequence[str | Path | None], fla
             continue
         source = source.resolve()
         if _inside(source, target) or (source.is_dir() and _inside(target, source)):
-            relation = ("is" if source == target else "contains" if _inside(source, target) else "lies inside")
-            raise EagletError(f"{flag} {out}: {relation} the input {raw}; writing it would destroy what this stage "
-                              f"reads: choose an {flag} outside the inputs")
+            relation = "is" if source == target else "contains" if _inside(source, target) else "lies inside"
+            raise EagletError(
+                f"{flag} {out}: {relation} the input {raw}; writing it would destroy what this stage "
+                f"reads: choose an {flag} outside the inputs"
+            )
 
 
 def check_output_dir(out: str | Path, flag: str = "--out") -> Path:
@@ -184,13 +186,15 @@ def output_lock(output: str | Path, tag: str = "") -> Iterator[Path]:
         except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
-            raise EagletError(f"{output}: in use by {holder}; wait for it to finish, or choose another output "
-                              f"(lock: {path})") from None
+            raise EagletError(
+                f"{output}: in use by {holder}; wait for it to finish, or choose another output (lock: {path})"
+            ) from None
         handle.seek(0)
         handle.truncate()
         command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:MAX_COMMAND_SHOWN] if sys.argv else ""
-        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-                     f" ({command})\n")
+        handle.write(
+            f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')} ({command})\n"
+        )
         handle.flush()
         yield path
     finally:
@@ -208,7 +212,7 @@ OS_ERROR_FIXES = {
     errno.ENOSPC: "the disk is full: free space or choose another output; the same command resumes",
     errno.EDQUOT: "the disk quota is used up: free space or choose another output; the same command resumes",
     errno.EFBIG: "a file passed the file-size limit (`ulimit -f`): raise it, or write smaller files "
-                 "(extract --shard-mb)",
+    "(extract --shard-mb)",
     errno.EROFS: "the filesystem is read-only: choose a writable output",
     errno.EACCES: "permission denied: fix the permissions or choose another path",
     errno.EPERM: "operation not permitted: fix the permissions or choose another path",

@@ -13,8 +13,11 @@ def tree_digest(path: Path) -> dict[str, str] | None:
         return None
     if path.is_file():
         return {path.name: hashlib.sha256(path.read_bytes()).hexdigest()}
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(path.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
 
 
 def assert_refused(result: tuple[int, str, str], *fragments: str) -> str:
@@ -53,7 +56,7 @@ def rewrite_shard(store: Path, index: int, change) -> None:
 
     from safetensors.torch import load_file
 
-    from eaglet.store import write_safetensors
+    from eaglet.model.shards import write_safetensors
 
     name = f"shard-{index:05d}.safetensors"
     tensors = change({k: v.clone() for k, v in load_file(str(store / name)).items()})

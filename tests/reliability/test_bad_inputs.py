@@ -11,7 +11,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import extract_args, run_cli, tiny_llama_dir
 from helpers import assert_refused, tree_digest
 
@@ -43,13 +42,20 @@ def refused_by_extract(tmp_path, prepared, target, capsys, *fragments) -> str:
     return line
 
 
-@pytest.mark.parametrize("text,message", [("", "manifest.json:1: not valid JSON (Expecting value at column 1)"),
-                                          ('{"schema": "eaglet.prepared/1", "target":', "not valid JSON"),
-                                          ("[]", "schema 'list'"),
-                                          ('{"schema": "eaglet.prepared/0"}', "schema 'eaglet.prepared/0'")])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("", "manifest.json:1: not valid JSON (Expecting value at column 1)"),
+        ('{"schema": "eaglet.prepared/1", "target":', "not valid JSON"),
+        ("[]", "schema 'list'"),
+        ('{"schema": "eaglet.prepared/0"}', "schema 'eaglet.prepared/0'"),
+    ],
+)
 def test_a_broken_manifest(tmp_path, capsys, prepared, tiny_target, text, message):
     (prepared / "manifest.json").write_text(text)
-    line = refused_by_extract(tmp_path, prepared, tiny_target, capsys, str(prepared / "manifest.json"), message, PREPARE_AGAIN)
+    line = refused_by_extract(
+        tmp_path, prepared, tiny_target, capsys, str(prepared / "manifest.json"), message, PREPARE_AGAIN
+    )
     assert "at at" not in line
 
 
@@ -62,7 +68,9 @@ def test_samples_changed_after_prepare(tmp_path, capsys, prepared, tiny_target):
 def test_no_input_ids_column(tmp_path, capsys, prepared, tiny_target):
     table = pq.read_table(prepared / "samples.parquet")
     rewrite_samples(prepared, table.drop(["input_ids"]))
-    refused_by_extract(tmp_path, prepared, tiny_target, capsys, "samples.parquet", "no 'input_ids' column", PREPARE_AGAIN)
+    refused_by_extract(
+        tmp_path, prepared, tiny_target, capsys, "samples.parquet", "no 'input_ids' column", PREPARE_AGAIN
+    )
 
 
 def test_a_loss_mask_shorter_than_its_ids(tmp_path, capsys, prepared, tiny_target):
@@ -71,7 +79,9 @@ def test_a_loss_mask_shorter_than_its_ids(tmp_path, capsys, prepared, tiny_targe
     masks = table.column("loss_mask").to_pylist()
     masks[3] = masks[3][:-1]
     rewrite_samples(prepared, table.set_column(2, "loss_mask", pa.array(masks, type=pa.list_(pa.uint8()))))
-    refused_by_extract(tmp_path, prepared, tiny_target, capsys, "samples.parquet", "row 3: loss_mask has", PREPARE_AGAIN)
+    refused_by_extract(
+        tmp_path, prepared, tiny_target, capsys, "samples.parquet", "row 3: loss_mask has", PREPARE_AGAIN
+    )
 
 
 def test_a_token_id_beyond_the_vocabulary(tmp_path, capsys, prepared, tiny_target):
@@ -86,17 +96,34 @@ def test_a_token_id_beyond_the_vocabulary(tmp_path, capsys, prepared, tiny_targe
 def test_online_training_without_the_draft_vocabulary(tmp_path, capsys, prepared, tiny_target):
     (prepared / "vocab.safetensors").unlink()
     out = tmp_path / "run"
-    result = run_cli(["train", "--prepared", prepared, "--out", out, "--target", tiny_target, "--max-steps", "2"], capsys)
+    result = run_cli(
+        ["train", "--prepared", prepared, "--out", out, "--target", tiny_target, "--max-steps", "2"], capsys
+    )
     assert_refused(result, "vocab.safetensors: no draft vocabulary here", "prepare again")
     assert not out.exists()
-    result = run_cli(["train", "--prepared", prepared, "--out", out, "--target", tiny_target, "--max-steps", "2",
-                      "--skip-preflight"], capsys)  # the stage itself refuses too, before the target loads
+    result = run_cli(
+        [
+            "train",
+            "--prepared",
+            prepared,
+            "--out",
+            out,
+            "--target",
+            tiny_target,
+            "--max-steps",
+            "2",
+            "--skip-preflight",
+        ],
+        capsys,
+    )  # the stage itself refuses too, before the target loads
     assert_refused(result, "vocab.safetensors: no draft vocabulary here")
     assert not out.exists()
 
 
-@pytest.mark.parametrize("device,message", [("tpu:7", "not a device"), ("cuda:0", "CUDA is not available here"),
-                                            ("meta", "eaglet runs on cpu or cuda")])
+@pytest.mark.parametrize(
+    "device,message",
+    [("tpu:7", "not a device"), ("cuda:0", "CUDA is not available here"), ("meta", "eaglet runs on cpu or cuda")],
+)
 def test_a_device_this_torch_does_not_have(tmp_path, capsys, tiny_prepared, tiny_store, tiny_target, device, message):
     import torch
 
@@ -104,10 +131,19 @@ def test_a_device_this_torch_does_not_have(tmp_path, capsys, tiny_prepared, tiny
         pytest.skip("this machine has CUDA")
     store, run = tmp_path / "store", tmp_path / "run"
     for skip in ((), ("--skip-preflight",)):  # the preflight and the stage itself both refuse
-        assert_refused(run_cli(extract_args(tiny_prepared, store, tiny_target, "--device", device, *skip), capsys),
-                       f"--device {device}", message)
-        assert_refused(run_cli(["train", "--store", tiny_store, "--out", run, "--target", tiny_target, "--device", device,
-                                *skip], capsys), f"--device {device}", message)
+        assert_refused(
+            run_cli(extract_args(tiny_prepared, store, tiny_target, "--device", device, *skip), capsys),
+            f"--device {device}",
+            message,
+        )
+        assert_refused(
+            run_cli(
+                ["train", "--store", tiny_store, "--out", run, "--target", tiny_target, "--device", device, *skip],
+                capsys,
+            ),
+            f"--device {device}",
+            message,
+        )
         assert not store.exists() and not run.exists()
 
 
@@ -115,12 +151,16 @@ def test_extract_into_a_file(tmp_path, capsys, tiny_prepared, tiny_target):
     out = tmp_path / "store"
     out.write_text("not a store")
     for skip in ((), ("--skip-preflight",)):
-        assert_refused(run_cli(extract_args(tiny_prepared, out, tiny_target, *skip), capsys), str(out), "not a directory")
+        assert_refused(
+            run_cli(extract_args(tiny_prepared, out, tiny_target, *skip), capsys), str(out), "not a directory"
+        )
         assert out.read_text() == "not a store"
 
 
-@pytest.mark.parametrize("text,message", [('{"hidden_size": 64,', "config.json:1: not valid JSON"),
-                                          ('{"model_type": "llama"}', "no integer 'hidden_size'")])
+@pytest.mark.parametrize(
+    "text,message",
+    [('{"hidden_size": 64,', "config.json:1: not valid JSON"), ('{"model_type": "llama"}', "no integer 'hidden_size'")],
+)
 def test_a_target_with_a_broken_config(tmp_path, capsys, tiny_prepared, text, message):
     target = tiny_llama_dir(tmp_path / "target")
     (target / "config.json").write_text(text)

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import run_cli
 from helpers import assert_refused, copy_of, manifest_of, rewrite_shard, tree_digest
+from safetensors.torch import load_file
 
 TRAIN = ["--token-budget", "128", "--log-every", "1", "--seed", "1", "--set", "eval_fraction=0"]
 
@@ -32,8 +31,10 @@ def refused_everywhere(tmp_path, capsys, store, target, *fragments) -> None:
     """Training refuses the store (nothing trained, nothing written) and `store verify` names the same problem."""
     run = tmp_path / "run"
     before = tree_digest(store)
-    assert_refused(run_cli(["train", "--store", store, "--out", run, "--target", target, "--epochs", "1", *TRAIN],
-                           capsys), *fragments)
+    assert_refused(
+        run_cli(["train", "--store", store, "--out", run, "--target", target, "--epochs", "1", *TRAIN], capsys),
+        *fragments,
+    )
     assert not run.exists() and tree_digest(store) == before
     code, _, err = run_cli(["store", "verify", store], capsys)
     assert code == 2 and "Traceback" not in err, err
@@ -44,22 +45,62 @@ def _offsets(change):
     def edit(tensors):
         tensors["offsets"] = change(tensors["offsets"])
         return tensors
+
     return edit
 
 
-@pytest.mark.parametrize("case,edit,message", [
-    ("non-monotone offsets", _offsets(lambda o: torch.cat([o[:1], o[2:3], o[1:2], o[3:]])), "offsets are not a valid packing"),
-    ("shifted offsets", _offsets(lambda o: torch.cat([o[:1], o[1:-1] + 1, o[-1:]])), "offsets do not give the prepared samples' lengths"),
-    ("int32 aux", lambda t: t | {"aux": t["aux"].float().to(torch.int32)}, "tensor 'aux' has dtype torch.int32"),
-    ("float32 aux", lambda t: t | {"aux": t["aux"].float()}, "tensor 'aux' has dtype torch.float32"),
-    ("ids of other tokens", lambda t: t | {"input_ids": (t["input_ids"] + 1) % 50}, "token ids or loss mask differ from the prepared set"),
-    ("ids beyond the vocabulary", lambda t: t | {"input_ids": t["input_ids"] + 100_000}, "token ids outside the target's vocabulary"),
-    ("every loss mask zero", lambda t: t | {"loss_mask": torch.zeros_like(t["loss_mask"])}, "token ids or loss mask differ from the prepared set"),
-    ("a sample index out of range", lambda t: t | {"sample_index": t["sample_index"] + 10_000}, "sample_index names samples outside"),
-    ("a sample index twice", lambda t: t | {"sample_index": t["sample_index"][:1].repeat(len(t["sample_index"]))}, "sample_index names a sample twice"),
-    ("another shard's samples", lambda t: t | {"sample_index": t["sample_index"].flip(0)}, "does not match the shard's planned samples"),
-    ("a tensor no store holds", lambda t: t | {"extra": torch.zeros(3)}, "tensor 'extra' is not part of a bf16 store"),
-])
+@pytest.mark.parametrize(
+    "case,edit,message",
+    [
+        (
+            "non-monotone offsets",
+            _offsets(lambda o: torch.cat([o[:1], o[2:3], o[1:2], o[3:]])),
+            "offsets are not a valid packing",
+        ),
+        (
+            "shifted offsets",
+            _offsets(lambda o: torch.cat([o[:1], o[1:-1] + 1, o[-1:]])),
+            "offsets do not give the prepared samples' lengths",
+        ),
+        ("int32 aux", lambda t: t | {"aux": t["aux"].float().to(torch.int32)}, "tensor 'aux' has dtype torch.int32"),
+        ("float32 aux", lambda t: t | {"aux": t["aux"].float()}, "tensor 'aux' has dtype torch.float32"),
+        (
+            "ids of other tokens",
+            lambda t: t | {"input_ids": (t["input_ids"] + 1) % 50},
+            "token ids or loss mask differ from the prepared set",
+        ),
+        (
+            "ids beyond the vocabulary",
+            lambda t: t | {"input_ids": t["input_ids"] + 100_000},
+            "token ids outside the target's vocabulary",
+        ),
+        (
+            "every loss mask zero",
+            lambda t: t | {"loss_mask": torch.zeros_like(t["loss_mask"])},
+            "token ids or loss mask differ from the prepared set",
+        ),
+        (
+            "a sample index out of range",
+            lambda t: t | {"sample_index": t["sample_index"] + 10_000},
+            "sample_index names samples outside",
+        ),
+        (
+            "a sample index twice",
+            lambda t: t | {"sample_index": t["sample_index"][:1].repeat(len(t["sample_index"]))},
+            "sample_index names a sample twice",
+        ),
+        (
+            "another shard's samples",
+            lambda t: t | {"sample_index": t["sample_index"].flip(0)},
+            "does not match the shard's planned samples",
+        ),
+        (
+            "a tensor no store holds",
+            lambda t: t | {"extra": torch.zeros(3)},
+            "tensor 'extra' is not part of a bf16 store",
+        ),
+    ],
+)
 def test_shard_content_is_checked_beyond_its_checksum(tmp_path, capsys, store, tiny_target, case, edit, message):
     index = a_shard_with(store, 2)
     rewrite_shard(store, index, edit)
@@ -86,13 +127,18 @@ def test_a_directory_where_a_shard_belongs(tmp_path, capsys, store, tiny_target)
     shard.unlink()
     shard.mkdir()
     run = tmp_path / "run"
-    assert_refused(run_cli(["train", "--store", store, "--out", run, "--target", tiny_target, "--max-steps", "2", *TRAIN],
-                           capsys), str(shard), "not a file")
+    assert_refused(
+        run_cli(["train", "--store", store, "--out", run, "--target", tiny_target, "--max-steps", "2", *TRAIN], capsys),
+        str(shard),
+        "not a file",
+    )
     code, _, err = run_cli(["store", "verify", store], capsys)
     assert code == 2 and f"bad shard {shard}: a directory, not a file" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("key", ["target", "hidden_size", "storage_dtype", "aux_layer_ids", "totals", "tokens_per_shard"])
+@pytest.mark.parametrize(
+    "key", ["target", "hidden_size", "storage_dtype", "aux_layer_ids", "totals", "tokens_per_shard"]
+)
 def test_manifest_keys_missing(tmp_path, capsys, store, tiny_target, key):
     manifest = manifest_of(store)
     del manifest[key]
@@ -100,13 +146,16 @@ def test_manifest_keys_missing(tmp_path, capsys, store, tiny_target, key):
     refused_everywhere(tmp_path, capsys, store, tiny_target, "manifest.json", f"'{key}' is missing")
 
 
-@pytest.mark.parametrize("path,value,message", [
-    (("aux_layer_ids",), [2, 4, 99], "out of range for a target with 8 layers"),
-    (("hidden_size",), "abc", "'hidden_size': Input should be a valid integer"),
-    (("target", "num_layers"), 8.0, "'target.num_layers': Input should be a valid integer"),
-    (("storage_dtype",), "fp4", "storage_dtype 'fp4' is none of bf16, fp8, fp8-aux"),
-    (("shards", 0, "sha256"), "not-a-hash", "'shards.0.sha256': String should match pattern"),
-])
+@pytest.mark.parametrize(
+    "path,value,message",
+    [
+        (("aux_layer_ids",), [2, 4, 99], "out of range for a target with 8 layers"),
+        (("hidden_size",), "abc", "'hidden_size': Input should be a valid integer"),
+        (("target", "num_layers"), 8.0, "'target.num_layers': Input should be a valid integer"),
+        (("storage_dtype",), "fp4", "storage_dtype 'fp4' is none of bf16, fp8, fp8-aux"),
+        (("shards", 0, "sha256"), "not-a-hash", "'shards.0.sha256': String should match pattern"),
+    ],
+)
 def test_manifest_values_out_of_their_range(tmp_path, capsys, store, tiny_target, path, value, message):
     manifest = manifest_of(store)
     node = manifest
@@ -125,22 +174,27 @@ def test_a_billion_planned_shards_is_refused_at_once(tmp_path, capsys, store):
     manifest["num_shards"] = 1_000_000_000
     (store / "manifest.json").write_text(json.dumps(manifest))
     started = time.monotonic()
-    assert_refused(run_cli(["store", "verify", store], capsys), "manifest.json", "num_shards 1,000,000,000 for 60 samples")
+    assert_refused(
+        run_cli(["store", "verify", store], capsys), "manifest.json", "num_shards 1,000,000,000 for 60 samples"
+    )
     assert time.monotonic() - started < 10
 
 
 def _poison(sample_row: int):
     """Make one sample's aux features NaN (the checksum recomputed)."""
+
     def edit(tensors):
         begin, end = tensors["offsets"][sample_row].item(), tensors["offsets"][sample_row + 1].item()
         aux = tensors["aux"].float()
         aux[begin:end] = float("nan")
         return tensors | {"aux": aux.to(torch.bfloat16)}
+
     return edit
 
 
-def test_non_finite_features_stop_training_at_their_step_keeping_the_last_good_checkpoint(tmp_path, capsys, store,
-                                                                                           tiny_target):
+def test_non_finite_features_stop_training_at_their_step_keeping_the_last_good_checkpoint(
+    tmp_path, capsys, store, tiny_target
+):
     """The NaN features reach training some steps in: training stops at that step naming the shard and the sample,
     the step is not applied, and the run keeps its last checkpoint and a finite draft."""
     manifest = manifest_of(store)
@@ -148,10 +202,29 @@ def test_non_finite_features_stop_training_at_their_step_keeping_the_last_good_c
     rewrite_shard(store, index, _poison(0))
     poisoned = int(load_file(str(store / f"shard-{index:05d}.safetensors"))["sample_index"][0])
     run = tmp_path / "run"
-    line = assert_refused(run_cli(["train", "--store", store, "--out", run, "--target", tiny_target, "--epochs", "1",
-                                   "--save-every", "1", *TRAIN], capsys),
-                          "non-finite loss from non-finite features", f"shard-{index:05d}.safetensors sample {poisoned}",
-                          "the step was not applied", "eaglet store verify")
+    line = assert_refused(
+        run_cli(
+            [
+                "train",
+                "--store",
+                store,
+                "--out",
+                run,
+                "--target",
+                tiny_target,
+                "--epochs",
+                "1",
+                "--save-every",
+                "1",
+                *TRAIN,
+            ],
+            capsys,
+        ),
+        "non-finite loss from non-finite features",
+        f"shard-{index:05d}.safetensors sample {poisoned}",
+        "the step was not applied",
+        "eaglet store verify",
+    )
     step = int(line.split("step ")[1].split(":")[0])
     checkpoints = sorted((run / "checkpoints").glob("step-*"))
     assert step > 1 and checkpoints and checkpoints[-1].name == f"step-{step - 1:06d}", (line, checkpoints)
@@ -162,8 +235,9 @@ def test_non_finite_features_stop_training_at_their_step_keeping_the_last_good_c
     assert code == 2 and "non-finite feature values" in err
 
 
-def test_a_target_computing_non_finite_features_stops_online_training_at_step_one(tmp_path, capsys, tiny_prepared,
-                                                                                  tiny_target):
+def test_a_target_computing_non_finite_features_stops_online_training_at_step_one(
+    tmp_path, capsys, tiny_prepared, tiny_target
+):
     """Online training, the target itself broken: the first step stops, nothing is left behind."""
     from safetensors.torch import save_file
 
@@ -176,10 +250,28 @@ def test_a_target_computing_non_finite_features_stops_online_training_at_step_on
     prepared = tmp_path / "prepared"
     shutil.copytree(tiny_prepared, prepared)
     run = tmp_path / "run"
-    assert_refused(run_cli(["train", "--prepared", prepared, "--out", run, "--target", broken, "--max-steps", "3",
-                            "--skip-preflight", *TRAIN], capsys),
-                   "step 1: non-finite loss from non-finite features", f"{prepared} sample", "the target computed them",
-                   "no checkpoint was written")
+    assert_refused(
+        run_cli(
+            [
+                "train",
+                "--prepared",
+                prepared,
+                "--out",
+                run,
+                "--target",
+                broken,
+                "--max-steps",
+                "3",
+                "--skip-preflight",
+                *TRAIN,
+            ],
+            capsys,
+        ),
+        "step 1: non-finite loss from non-finite features",
+        f"{prepared} sample",
+        "the target computed them",
+        "no checkpoint was written",
+    )
     assert not run.exists()
 
 
@@ -196,17 +288,38 @@ def test_a_set_with_no_trainable_token_is_refused(tmp_path, capsys, tiny_prepare
     table = pq.read_table(prepared / "samples.parquet")
     masks = table.column("loss_mask").combine_chunks()
     zero = pa.ListArray.from_arrays(masks.offsets, pa.array([0] * len(masks.flatten()), type=pa.uint8()))
-    pq.write_table(table.set_column(table.column_names.index("loss_mask"), "loss_mask", zero), prepared / "samples.parquet")
+    pq.write_table(
+        table.set_column(table.column_names.index("loss_mask"), "loss_mask", zero), prepared / "samples.parquet"
+    )
     manifest = json.loads((prepared / "manifest.json").read_text())
     manifest["files"]["samples.parquet"] = hashlib.sha256((prepared / "samples.parquet").read_bytes()).hexdigest()
     (prepared / "manifest.json").write_text(json.dumps(manifest))
     run = tmp_path / "run"
     source = ["--prepared", prepared] if online else ["--store", tmp_path / "store"]
     if not online:  # a store of it: extraction refuses the set too
-        assert_refused(run_cli(["extract", "--prepared", prepared, "--out", tmp_path / "store", "--target", tiny_target,
-                                "--reserve-gb", "0"], capsys), "samples.parquet", "no trainable token")
+        assert_refused(
+            run_cli(
+                [
+                    "extract",
+                    "--prepared",
+                    prepared,
+                    "--out",
+                    tmp_path / "store",
+                    "--target",
+                    tiny_target,
+                    "--reserve-gb",
+                    "0",
+                ],
+                capsys,
+            ),
+            "samples.parquet",
+            "no trainable token",
+        )
         assert not (tmp_path / "store").exists()
         return
-    assert_refused(run_cli(["train", *source, "--out", run, "--target", tiny_target, "--max-steps", "2", *TRAIN],
-                           capsys), "samples.parquet", "no trainable token")
+    assert_refused(
+        run_cli(["train", *source, "--out", run, "--target", tiny_target, "--max-steps", "2", *TRAIN], capsys),
+        "samples.parquet",
+        "no trainable token",
+    )
     assert not run.exists()

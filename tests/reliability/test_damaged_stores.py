@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import extract_args, run_cli
 from helpers import assert_refused, copy_of, manifest_of, tree_digest
 
@@ -64,10 +63,14 @@ def test_an_entry_pointing_at_another_shard(tmp_path, capsys, store, tiny_target
     manifest = manifest_of(store)
     manifest["shards"][1]["file"] = manifest["shards"][0]["file"]
     write_manifest(store, manifest)
-    refused_by_training(tmp_path, store, tiny_target, capsys, "manifest.json", "shard 1 is listed as 'shard-00000.safetensors'")
+    refused_by_training(
+        tmp_path, store, tiny_target, capsys, "manifest.json", "shard 1 is listed as 'shard-00000.safetensors'"
+    )
 
 
-@pytest.mark.parametrize("name", ["../../outside/x.safetensors", "/etc/passwd", "../../../etc/passwd", "sub/shard-00000.safetensors"])
+@pytest.mark.parametrize(
+    "name", ["../../outside/x.safetensors", "/etc/passwd", "../../../etc/passwd", "sub/shard-00000.safetensors"]
+)
 def test_names_outside_the_store_are_refused_everywhere(tmp_path, capsys, store, tiny_target, tiny_prepared, name):
     """Path traversal: training, `store verify` and a resumed extract all refuse before opening the file."""
     outside = tmp_path / "outside"
@@ -115,6 +118,8 @@ def test_a_store_that_does_not_hold_its_prepared_set(tmp_path, capsys, store, ti
 
 
 def test_an_unreadable_manifest(tmp_path, capsys, store, tiny_target):
-    (store / "manifest.json").write_text('{"schema": "eaglet.store/2", "shards": [')
-    line = refused_by_training(tmp_path, store, tiny_target, capsys, "manifest.json", "not valid JSON", "re-run the same `eaglet extract`")
+    (store / "manifest.json").write_text('{"schema": "eaglet.model.shards/2", "shards": [')
+    line = refused_by_training(
+        tmp_path, store, tiny_target, capsys, "manifest.json", "not valid JSON", "re-run the same `eaglet extract`"
+    )
     assert "at at" not in line

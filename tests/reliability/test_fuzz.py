@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors.torch import load_file
-
 from conftest import extract_args, run_cli
 from helpers import rewrite_shard
+from safetensors.torch import load_file
 
 SEED = 20261203
 SECONDS_PER_ARTIFACT = 40.0  # each test mutates until this budget is spent (at least MIN_CASES mutants)
@@ -48,16 +47,19 @@ def _get_path(data: Any, path: tuple) -> Any:
 def mutate_json(file: str, paths: list[tuple], deletable: bool = True) -> Mutation:
     """A field read and checked by eaglet, given a value of another type or range (or removed, where every reader
     needs it)."""
+
     def mutate(rng: random.Random, root: Path) -> str:
         data = json.loads((root / file).read_text())
         path = rng.choice(paths)
         path = tuple(rng.randrange(len(data["shards"])) if part == "#" else part for part in path)
         old = _get_path(data, path)
-        value = rng.choice([v for v in WRONG_VALUES if not (type(v) is type(old) and v == old)]
-                           + ([_DELETE] if deletable else []))
+        value = rng.choice(
+            [v for v in WRONG_VALUES if not (type(v) is type(old) and v == old)] + ([_DELETE] if deletable else [])
+        )
         _set_path(data, path, value)
         (root / file).write_text(json.dumps(data))
         return f"{file} {'.'.join(map(str, path))} = {'<deleted>' if value is _DELETE else repr(value)[:40]}"
+
     return mutate
 
 
@@ -73,6 +75,7 @@ def flip_bytes(pattern: str) -> Mutation:
         data[position] ^= 1 << rng.randrange(8)
         file.write_bytes(bytes(data))
         return f"{file.name}: bit flipped at byte {position}"
+
     return mutate
 
 
@@ -82,6 +85,7 @@ def cut(pattern: str) -> Mutation:
         size = rng.randrange(file.stat().st_size)
         file.write_bytes(file.read_bytes()[:size])
         return f"{file.name}: cut to {size} bytes"
+
     return mutate
 
 
@@ -145,28 +149,77 @@ def fuzz(tmp_path: Path, source: Path, mutations: list[Mutation], check: Callabl
     return cases
 
 
-STORE_FIELDS = [("schema",), ("target",), ("target", "num_layers"), ("target", "hidden_size"),
-                ("target", "vocab_size"), ("aux_layer_ids",), ("aux_layer_ids", 2),
-                ("aux_convention",), ("prepared",), ("prepared", "samples"), ("prepared", "manifest_sha256"),
-                ("storage_dtype",), ("hidden_size",), ("tokens_per_shard",), ("sort_window_shards",), ("complete",),
-                ("num_shards",), ("totals", "tokens"), ("totals", "bytes"), ("shards",), ("shards", "#"),
-                ("shards", "#", "file"), ("shards", "#", "index"), ("shards", "#", "tokens"),
-                ("shards", "#", "num_samples"), ("shards", "#", "bytes"), ("shards", "#", "sha256")]
+STORE_FIELDS = [
+    ("schema",),
+    ("target",),
+    ("target", "num_layers"),
+    ("target", "hidden_size"),
+    ("target", "vocab_size"),
+    ("aux_layer_ids",),
+    ("aux_layer_ids", 2),
+    ("aux_convention",),
+    ("prepared",),
+    ("prepared", "samples"),
+    ("prepared", "manifest_sha256"),
+    ("storage_dtype",),
+    ("hidden_size",),
+    ("tokens_per_shard",),
+    ("sort_window_shards",),
+    ("complete",),
+    ("num_shards",),
+    ("totals", "tokens"),
+    ("totals", "bytes"),
+    ("shards",),
+    ("shards", "#"),
+    ("shards", "#", "file"),
+    ("shards", "#", "index"),
+    ("shards", "#", "tokens"),
+    ("shards", "#", "num_samples"),
+    ("shards", "#", "bytes"),
+    ("shards", "#", "sha256"),
+]
 
 
 def test_mutated_stores_are_refused_by_verify_and_training(tmp_path, capsys, tiny_store, tiny_target):
     def check(store: Path, what: str) -> None:
         refused(run_cli(["store", "verify", store], capsys), f"verify, {what}")
-        refused(run_cli(["train", "--store", store, "--out", store.with_name(store.name + "-run"), "--target",
-                         tiny_target, *TRAIN], capsys), f"train, {what}")
+        refused(
+            run_cli(
+                [
+                    "train",
+                    "--store",
+                    store,
+                    "--out",
+                    store.with_name(store.name + "-run"),
+                    "--target",
+                    tiny_target,
+                    *TRAIN,
+                ],
+                capsys,
+            ),
+            f"train, {what}",
+        )
 
-    mutations = [mutate_json("manifest.json", STORE_FIELDS), flip_bytes("shard-*.safetensors"),
-                 cut("shard-*.safetensors"), rewrite_tensor]
+    mutations = [
+        mutate_json("manifest.json", STORE_FIELDS),
+        flip_bytes("shard-*.safetensors"),
+        cut("shard-*.safetensors"),
+        rewrite_tensor,
+    ]
     assert fuzz(tmp_path, tiny_store, mutations, check) >= MIN_CASES
 
 
-PREPARED_FIELDS = [("schema",), ("target",), ("target", "vocab_size"), ("target", "tokenizer_hash"), ("counts",),
-                   ("counts", "samples"), ("tokens", "assistant"), ("files",), ("files", "samples.parquet")]
+PREPARED_FIELDS = [
+    ("schema",),
+    ("target",),
+    ("target", "vocab_size"),
+    ("target", "tokenizer_hash"),
+    ("counts",),
+    ("counts", "samples"),
+    ("tokens", "assistant"),
+    ("files",),
+    ("files", "samples.parquet"),
+]
 
 
 def rewrite_rows(rng: random.Random, root: Path) -> str:
@@ -197,24 +250,57 @@ def rewrite_rows(rng: random.Random, root: Path) -> str:
     return f"samples.parquet row {row}: {kind}, sha256 recorded"
 
 
-def test_mutated_prepared_sets_are_refused_by_extraction_and_online_training(tmp_path, capsys, tiny_prepared,
-                                                                           tiny_target):
+def test_mutated_prepared_sets_are_refused_by_extraction_and_online_training(
+    tmp_path, capsys, tiny_prepared, tiny_target
+):
     def check(prepared: Path, what: str) -> None:
-        refused(run_cli(extract_args(prepared, prepared.with_name(prepared.name + "-store"), tiny_target), capsys),
-                f"extract, {what}")
-        refused(run_cli(["train", "--prepared", prepared, "--out", prepared.with_name(prepared.name + "-run"),
-                         "--target", tiny_target, "--max-steps", "2", "--token-budget", "256"], capsys),
-                f"online train, {what}")
+        refused(
+            run_cli(extract_args(prepared, prepared.with_name(prepared.name + "-store"), tiny_target), capsys),
+            f"extract, {what}",
+        )
+        refused(
+            run_cli(
+                [
+                    "train",
+                    "--prepared",
+                    prepared,
+                    "--out",
+                    prepared.with_name(prepared.name + "-run"),
+                    "--target",
+                    tiny_target,
+                    "--max-steps",
+                    "2",
+                    "--token-budget",
+                    "256",
+                ],
+                capsys,
+            ),
+            f"online train, {what}",
+        )
 
-    mutations = [mutate_json("manifest.json", PREPARED_FIELDS), flip_bytes("samples.parquet"), cut("samples.parquet"),
-                 rewrite_rows]
+    mutations = [
+        mutate_json("manifest.json", PREPARED_FIELDS),
+        flip_bytes("samples.parquet"),
+        cut("samples.parquet"),
+        rewrite_rows,
+    ]
     assert fuzz(tmp_path, tiny_prepared, mutations, check) >= MIN_CASES
 
 
 # the sizes both a draft's config and an export's carry; removing one is wrong only where no default stands in
-EXPORT_FIELDS = [("hidden_size",), ("num_attention_heads",), ("num_key_value_heads",), ("head_dim",),
-                 ("intermediate_size",), ("vocab_size",), ("draft_vocab_size",), ("num_hidden_layers",),
-                 ("target_hidden_size",), ("eagle_aux_hidden_state_layer_ids",), ("eagle_aux_hidden_state_layer_ids", 0)]
+EXPORT_FIELDS = [
+    ("hidden_size",),
+    ("num_attention_heads",),
+    ("num_key_value_heads",),
+    ("head_dim",),
+    ("intermediate_size",),
+    ("vocab_size",),
+    ("draft_vocab_size",),
+    ("num_hidden_layers",),
+    ("target_hidden_size",),
+    ("eagle_aux_hidden_state_layer_ids",),
+    ("eagle_aux_hidden_state_layer_ids", 0),
+]
 REQUIRED_EXPORT_FIELDS = [("hidden_size",), ("num_attention_heads",), ("intermediate_size",), ("vocab_size",)]
 
 
@@ -243,8 +329,12 @@ def test_mutated_exports_fail_the_check(tmp_path, capsys, tiny_draft):
     def check(directory: Path, what: str) -> None:
         refused(run_cli(["export", "--check", directory], capsys), f"export --check, {what}")
 
-    mutations = [mutate_json("config.json", EXPORT_FIELDS, deletable=False),
-                 mutate_json("config.json", REQUIRED_EXPORT_FIELDS), reshape_tensor, cut("model.safetensors")]
+    mutations = [
+        mutate_json("config.json", EXPORT_FIELDS, deletable=False),
+        mutate_json("config.json", REQUIRED_EXPORT_FIELDS),
+        reshape_tensor,
+        cut("model.safetensors"),
+    ]
     assert fuzz(tmp_path, export, mutations, check) >= MIN_CASES
 
 
@@ -254,6 +344,10 @@ def test_mutated_drafts_are_not_exported(tmp_path, capsys, tiny_draft):
         refused(run_cli(["export", "--draft", draft, "--format", "vllm", "--out", out], capsys), f"export, {what}")
         assert not out.exists()
 
-    mutations = [mutate_json("config.json", EXPORT_FIELDS, deletable=False),
-                 mutate_json("config.json", REQUIRED_EXPORT_FIELDS), reshape_tensor, cut("model.safetensors")]
+    mutations = [
+        mutate_json("config.json", EXPORT_FIELDS, deletable=False),
+        mutate_json("config.json", REQUIRED_EXPORT_FIELDS),
+        reshape_tensor,
+        cut("model.safetensors"),
+    ]
     assert fuzz(tmp_path, tiny_draft, mutations, check) >= MIN_CASES

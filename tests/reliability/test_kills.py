@@ -13,10 +13,25 @@ import time
 from pathlib import Path
 
 from conftest import extract_args, store_bytes
+
 from eaglet.train.metrics import read_metrics
 
-TRAIN = ["--token-budget", "128", "--max-steps", "24", "--save-every", "4", "--log-every", "1", "--eval-every", "8",
-         "--lr", "3e-3", "--seed", "1"]
+TRAIN = [
+    "--token-budget",
+    "128",
+    "--max-steps",
+    "24",
+    "--save-every",
+    "4",
+    "--log-every",
+    "1",
+    "--eval-every",
+    "8",
+    "--lr",
+    "3e-3",
+    "--seed",
+    "1",
+]
 
 
 def _kill_when(cmd: list[str], ready, rng: random.Random, timeout_s: float = 120) -> bool:
@@ -57,9 +72,21 @@ def _steps(run: Path) -> list[int]:
 
 def test_train_killed_at_random_moments_ends_byte_identical(tmp_path, tiny_store, tiny_target):
     """Three SIGKILLs between and during checkpoints; the draft and every logged step equal an uninterrupted run's."""
+
     def command(out: Path) -> list[str]:
-        return [sys.executable, "-m", "eaglet.cli", "train", "--store", str(tiny_store), "--out", str(out),
-                "--target", str(tiny_target), *TRAIN]
+        return [
+            sys.executable,
+            "-m",
+            "eaglet.cli",
+            "train",
+            "--store",
+            str(tiny_store),
+            "--out",
+            str(out),
+            "--target",
+            str(tiny_target),
+            *TRAIN,
+        ]
 
     reference = tmp_path / "reference"
     assert subprocess.run(command(reference), capture_output=True).returncode == 0
@@ -69,7 +96,9 @@ def test_train_killed_at_random_moments_ends_byte_identical(tmp_path, tiny_store
     for _ in range(3):
         logged = len(_steps(out)) if (out / "metrics.jsonl").exists() else 0
         wait_for = logged + rng.randint(3, 7)
-        kills += _kill_when(command(out), lambda: (out / "metrics.jsonl").exists() and len(_steps(out)) >= wait_for, rng)
+        kills += _kill_when(
+            command(out), lambda: (out / "metrics.jsonl").exists() and len(_steps(out)) >= wait_for, rng
+        )
     assert kills == 3
     final = subprocess.run(command(out), capture_output=True, text=True)
     assert final.returncode == 0, final.stderr
@@ -86,8 +115,11 @@ def test_metrics_row_cut_by_a_kill_is_left_out_and_dropped_on_resume(tmp_path):
     from eaglet.train.metrics import MetricsLog
 
     log = tmp_path / "metrics.jsonl"
-    log.write_text('{"kind": "train", "step": 1, "loss": 2.0}\n{"kind": "train", "step": 2, "loss": 1.5}\n'
-                   '{"kind": "train", "step": 3, "l', encoding="utf-8")
+    log.write_text(
+        '{"kind": "train", "step": 1, "loss": 2.0}\n{"kind": "train", "step": 2, "loss": 1.5}\n'
+        '{"kind": "train", "step": 3, "l',
+        encoding="utf-8",
+    )
     assert _steps(tmp_path) == [1, 2]
     MetricsLog(tmp_path, enabled=True, tensorboard=False, resumed_step=1).log({"kind": "train", "step": 2, "loss": 1.4})
     assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 2.0), (2, 1.4)]

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import extract_args, run_cli, small_conversations, write_jsonl
 from helpers import assert_refused, tree_digest
 
@@ -28,8 +27,12 @@ def test_export_over_its_own_run_is_refused(tmp_path, capsys, tiny_draft):
     shutil.copytree(tiny_draft, run)
     before = tree_digest(run)
     for out in (run, run / "vllm"):
-        assert_refused(run_cli(["export", "--draft", run, "--format", "vllm", "--out", out, "--overwrite"], capsys),
-                       f"--out {out}", "the input", "choose an --out outside the inputs")
+        assert_refused(
+            run_cli(["export", "--draft", run, "--format", "vllm", "--out", out, "--overwrite"], capsys),
+            f"--out {out}",
+            "the input",
+            "choose an --out outside the inputs",
+        )
     assert tree_digest(run) == before
 
 
@@ -38,18 +41,27 @@ def test_prepare_over_its_own_input_is_refused(tmp_path, capsys, tiny_target):
     data_dir.mkdir()
     data = write_jsonl(data_dir / "convs.jsonl", small_conversations(5))
     before = tree_digest(data_dir)
-    assert_refused(run_cli(["prepare", data, "--out", data_dir, "--target", tiny_target, "--overwrite"], capsys),
-                   f"--out {data_dir}", "contains the input", str(data))
+    assert_refused(
+        run_cli(["prepare", data, "--out", data_dir, "--target", tiny_target, "--overwrite"], capsys),
+        f"--out {data_dir}",
+        "contains the input",
+        str(data),
+    )
     assert tree_digest(data_dir) == before
 
 
 @pytest.mark.parametrize("stage", ["train-into-store", "extract-into-prepared", "eval-into-draft"])
-def test_stage_outputs_inside_their_inputs_are_refused(tmp_path, capsys, tiny_store, tiny_prepared, tiny_draft,
-                                                       tiny_target, stage):
-    args = {"train-into-store": ["train", "--store", tiny_store, "--out", tiny_store],
-            "extract-into-prepared": extract_args(tiny_prepared, tiny_prepared / "store", tiny_target),
-            "eval-into-draft": ["eval", "--draft", tiny_draft, "--out", tiny_draft / "eval"]}[stage]
-    watched = {"train-into-store": tiny_store, "extract-into-prepared": tiny_prepared, "eval-into-draft": tiny_draft}[stage]
+def test_stage_outputs_inside_their_inputs_are_refused(
+    tmp_path, capsys, tiny_store, tiny_prepared, tiny_draft, tiny_target, stage
+):
+    args = {
+        "train-into-store": ["train", "--store", tiny_store, "--out", tiny_store],
+        "extract-into-prepared": extract_args(tiny_prepared, tiny_prepared / "store", tiny_target),
+        "eval-into-draft": ["eval", "--draft", tiny_draft, "--out", tiny_draft / "eval"],
+    }[stage]
+    watched = {"train-into-store": tiny_store, "extract-into-prepared": tiny_prepared, "eval-into-draft": tiny_draft}[
+        stage
+    ]
     before = tree_digest(watched)
     assert_refused(run_cli(args, capsys), "the input", "outside the inputs")
     assert tree_digest(watched) == before
@@ -64,10 +76,12 @@ def test_an_out_that_is_a_file(tmp_path, capsys, tiny_store, tiny_draft, tiny_ta
     out = tmp_path / "out"
     out.write_text("keep me")
     data = write_jsonl(tmp_path / "d.jsonl", small_conversations(3))
-    args = {"train": ["train", "--store", tiny_store, "--out", out, "--max-steps", "1", "--skip-preflight"],
-            "eval": ["eval", "--draft", tiny_draft, "--out", out, "--max-prompts", "1", "--skip-preflight"],
-            "export": ["export", "--draft", tiny_draft, "--format", "vllm", "--out", out, "--overwrite"],
-            "prepare": ["prepare", data, "--out", out, "--target", tiny_target, "--overwrite"]}[stage]
+    args = {
+        "train": ["train", "--store", tiny_store, "--out", out, "--max-steps", "1", "--skip-preflight"],
+        "eval": ["eval", "--draft", tiny_draft, "--out", out, "--max-prompts", "1", "--skip-preflight"],
+        "export": ["export", "--draft", tiny_draft, "--format", "vllm", "--out", out, "--overwrite"],
+        "prepare": ["prepare", data, "--out", out, "--target", tiny_target, "--overwrite"],
+    }[stage]
     code, _, err = run_cli(args, capsys)
     assert_refused((code, "", err), f"--out {out}", "a file, not a directory")
     assert "eval ━" not in err  # refused before any decoding
@@ -83,10 +97,22 @@ def test_a_second_writer_is_told_who_holds_the_output(tmp_path, capsys, tiny_pre
     from eaglet.fsio import output_lock
 
     out = {"extract": tmp_path / "store", "train": tmp_path / "run", "regenerate": tmp_path / "a.jsonl"}[stage]
-    args = {"extract": extract_args(tiny_prepared, out, tiny_target),
-            "train": ["train", "--store", tiny_store, "--out", out, "--max-steps", "1", *TRAIN],
-            "regenerate": ["regenerate", "demo", "--out", out, "--target", tiny_target, "--max-prompts", "1",
-                           "--max-new-tokens", "2"]}[stage]
+    args = {
+        "extract": extract_args(tiny_prepared, out, tiny_target),
+        "train": ["train", "--store", tiny_store, "--out", out, "--max-steps", "1", *TRAIN],
+        "regenerate": [
+            "regenerate",
+            "demo",
+            "--out",
+            out,
+            "--target",
+            tiny_target,
+            "--max-prompts",
+            "1",
+            "--max-new-tokens",
+            "2",
+        ],
+    }[stage]
     with output_lock(out):
         assert_refused(run_cli(args, capsys), f"{out}: in use by pid {os.getpid()}", "wait for it to finish")
     assert not out.exists()
@@ -128,8 +154,9 @@ def run_limited(args: list, file_size_limit: int | None = None) -> subprocess.Co
         if file_size_limit is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
 
-    return subprocess.run([sys.executable, "-m", "eaglet.cli", *map(str, args)], capture_output=True, text=True,
-                          preexec_fn=limit)
+    return subprocess.run(
+        [sys.executable, "-m", "eaglet.cli", *map(str, args)], capture_output=True, text=True, preexec_fn=limit
+    )
 
 
 def assert_one_line(proc: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -151,8 +178,10 @@ def test_the_file_size_limit_during_extract(tmp_path, tiny_prepared, tiny_target
 
 def test_the_file_size_limit_during_checkpointing(tmp_path, tiny_store, tiny_target):
     run = tmp_path / "run"
-    proc = run_limited(["train", "--store", tiny_store, "--out", run, "--target", tiny_target, "--max-steps", "2",
-                        *TRAIN], file_size_limit=100_000)
+    proc = run_limited(
+        ["train", "--store", tiny_store, "--out", run, "--target", tiny_target, "--max-steps", "2", *TRAIN],
+        file_size_limit=100_000,
+    )
     assert_one_line(proc, "File too large (EFBIG)")
     assert not run.exists()  # nothing to resume from: no directory holding only train_config.json
 
@@ -165,8 +194,9 @@ def mounts(tmp_path):
     def mount(kind: str) -> Path:
         point = tmp_path / f"mnt-{kind}"
         point.mkdir()
-        args = (["-t", "tmpfs", "-o", "size=64m,nr_inodes=24", "tmpfs"] if kind == "full"
-                else ["-o", "bind,ro", str(point)])
+        args = (
+            ["-t", "tmpfs", "-o", "size=64m,nr_inodes=24", "tmpfs"] if kind == "full" else ["-o", "bind,ro", str(point)]
+        )
         if subprocess.run(["mount", *args, str(point)], capture_output=True).returncode != 0:
             pytest.skip("mounting needs root (CAP_SYS_ADMIN) here")
         mounted.append(point)
@@ -184,17 +214,46 @@ def test_a_full_disk_during_extract_and_checkpointing(tmp_path, tiny_prepared, t
     assert no_temporary_files(full)
     for child in full.iterdir():
         shutil.rmtree(child) if child.is_dir() else child.unlink()
-    proc = run_limited(["train", "--store", tiny_store, "--out", full / "run", "--target", tiny_target,
-                        "--max-steps", "40", "--save-every", "1", "--set", "keep_last=30", *TRAIN])
+    proc = run_limited(
+        [
+            "train",
+            "--store",
+            tiny_store,
+            "--out",
+            full / "run",
+            "--target",
+            tiny_target,
+            "--max-steps",
+            "40",
+            "--save-every",
+            "1",
+            "--set",
+            "keep_last=30",
+            *TRAIN,
+        ]
+    )
     assert_one_line(proc, "No space left on device (ENOSPC)")
     assert no_temporary_files(full)
 
 
 def test_a_read_only_filesystem_with_preflight_skipped(tmp_path, tiny_prepared, tiny_store, tiny_target, mounts):
     read_only = mounts("ro")
-    for args in (extract_args(tiny_prepared, read_only / "store", tiny_target, "--skip-preflight"),
-                 ["train", "--store", tiny_store, "--out", read_only / "run", "--target", tiny_target,
-                  "--max-steps", "1", "--skip-preflight", *TRAIN]):
+    for args in (
+        extract_args(tiny_prepared, read_only / "store", tiny_target, "--skip-preflight"),
+        [
+            "train",
+            "--store",
+            tiny_store,
+            "--out",
+            read_only / "run",
+            "--target",
+            tiny_target,
+            "--max-steps",
+            "1",
+            "--skip-preflight",
+            *TRAIN,
+        ],
+    ):
         assert_one_line(run_limited(args), "Read-only file system (EROFS)", "choose a writable output")
 
 
@@ -205,26 +264,67 @@ def test_a_read_only_filesystem_with_preflight_skipped(tmp_path, tiny_prepared, 
 @pytest.fixture
 def trained(tmp_path, tiny_store, tiny_target):
     run = tmp_path / "run"
-    code = run_limited(["train", "--store", tiny_store, "--out", run, "--target", tiny_target, "--max-steps", "2",
-                        "--save-every", "1", *TRAIN])
+    code = run_limited(
+        [
+            "train",
+            "--store",
+            tiny_store,
+            "--out",
+            run,
+            "--target",
+            tiny_target,
+            "--max-steps",
+            "2",
+            "--save-every",
+            "1",
+            *TRAIN,
+        ]
+    )
     assert code.returncode == 0, code.stderr
     return run
 
 
-@pytest.mark.parametrize("damage,message", [
-    (lambda c: (c / "trainer.json").write_text('{"state": {"step": 2'), "trainer.json:1: not valid JSON"),
-    (lambda c: (c / "trainer.json").write_text('[1, 2]'), "trainer.json: '(top level)'"),
-    (lambda c: (c / "trainer.json").write_text('{"state": {"step": -1}, "scheduler": {}, "identity": {}}'),
-     "'state.step': Input should be greater than or equal to 0"),
-    (lambda c: (c / "draft.safetensors").write_bytes((c / "draft.safetensors").read_bytes()[:100]), "damaged checkpoint"),
-    (lambda c: (c / "optimizer.pt").write_bytes((c / "optimizer.pt").read_bytes()[:200]), "optimizer.pt"),
-])
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (lambda c: (c / "trainer.json").write_text('{"state": {"step": 2'), "trainer.json:1: not valid JSON"),
+        (lambda c: (c / "trainer.json").write_text("[1, 2]"), "trainer.json: '(top level)'"),
+        (
+            lambda c: (c / "trainer.json").write_text('{"state": {"step": -1}, "scheduler": {}, "identity": {}}'),
+            "'state.step': Input should be greater than or equal to 0",
+        ),
+        (
+            lambda c: (c / "draft.safetensors").write_bytes((c / "draft.safetensors").read_bytes()[:100]),
+            "damaged checkpoint",
+        ),
+        (lambda c: (c / "optimizer.pt").write_bytes((c / "optimizer.pt").read_bytes()[:200]), "optimizer.pt"),
+    ],
+)
 def test_a_damaged_checkpoint_at_resume(tmp_path, capsys, trained, tiny_store, tiny_target, damage, message):
     latest = sorted((trained / "checkpoints").glob("step-*"))[-1]
     damage(latest)
     before = tree_digest(trained)
-    assert_refused(run_cli(["train", "--store", tiny_store, "--out", trained, "--target", tiny_target,
-                            "--max-steps", "4", "--save-every", "1", *TRAIN], capsys), str(latest), message)
+    assert_refused(
+        run_cli(
+            [
+                "train",
+                "--store",
+                tiny_store,
+                "--out",
+                trained,
+                "--target",
+                tiny_target,
+                "--max-steps",
+                "4",
+                "--save-every",
+                "1",
+                *TRAIN,
+            ],
+            capsys,
+        ),
+        str(latest),
+        message,
+    )
     assert tree_digest(trained) == before
 
 
@@ -239,8 +339,11 @@ def test_unreadable_target_weights(tmp_path, capsys, tiny_prepared, tiny_target,
         weights.unlink()
         weights.mkdir()
     for skip in ((), ("--skip-preflight",)):
-        assert_refused(run_cli(extract_args(tiny_prepared, tmp_path / "store", target, *skip), capsys),
-                       f"{target}: model.safetensors is unreadable", "download or convert the target again")
+        assert_refused(
+            run_cli(extract_args(tiny_prepared, tmp_path / "store", target, *skip), capsys),
+            f"{target}: model.safetensors is unreadable",
+            "download or convert the target again",
+        )
     assert not (tmp_path / "store").exists()
 
 
@@ -263,13 +366,21 @@ def _wrong_fc(directory: Path) -> None:
     save_file(tensors, str(directory / "model.safetensors"))
 
 
-@pytest.mark.parametrize("damage,message", [
-    (lambda d: _edit_config(d, lambda c: c.pop("hidden_size")), "config.json: no 'hidden_size'"),
-    (lambda d: _edit_config(d, lambda c: c.update(hidden_size="abc")), "'hidden_size': Input should be a valid integer"),
-    (_wrong_fc, "fc.weight: shape"),
-    (lambda d: _edit_config(d, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 4, 99])),
-     "out of range for a target with 8 layers"),
-])
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (lambda d: _edit_config(d, lambda c: c.pop("hidden_size")), "config.json: no 'hidden_size'"),
+        (
+            lambda d: _edit_config(d, lambda c: c.update(hidden_size="abc")),
+            "'hidden_size': Input should be a valid integer",
+        ),
+        (_wrong_fc, "fc.weight: shape"),
+        (
+            lambda d: _edit_config(d, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 4, 99])),
+            "out of range for a target with 8 layers",
+        ),
+    ],
+)
 def test_export_check_fails_what_an_engine_cannot_load(tmp_path, capsys, tiny_draft, damage, message):
     out = tmp_path / "vllm"
     assert run_cli(["export", "--draft", tiny_draft, "--format", "vllm", "--out", out], capsys)[0] == 0
@@ -280,14 +391,22 @@ def test_export_check_fails_what_an_engine_cannot_load(tmp_path, capsys, tiny_dr
     assert layout["status"] == "fail" and any(message in f for f in layout["findings"]), layout
 
 
-@pytest.mark.parametrize("field,value,message", [("hidden_size", "abc", "'hidden_size': Input should be a valid integer"),
-                                                 ("eagle_aux_hidden_state_layer_ids", [2, 4, 99], "out of range")])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("hidden_size", "abc", "'hidden_size': Input should be a valid integer"),
+        ("eagle_aux_hidden_state_layer_ids", [2, 4, 99], "out of range"),
+    ],
+)
 def test_a_crafted_draft_config_is_not_exported(tmp_path, capsys, tiny_draft, field, value, message):
     draft = tmp_path / "draft"
     shutil.copytree(tiny_draft, draft)
     _edit_config(draft, lambda c: c.update({field: value}))
-    assert_refused(run_cli(["export", "--draft", draft, "--format", "vllm", "--out", tmp_path / "out"], capsys),
-                   "config.json", message)
+    assert_refused(
+        run_cli(["export", "--draft", draft, "--format", "vllm", "--out", tmp_path / "out"], capsys),
+        "config.json",
+        message,
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -295,5 +414,8 @@ def test_draft_weights_of_another_shape_are_refused(tmp_path, capsys, tiny_draft
     draft = tmp_path / "draft"
     shutil.copytree(tiny_draft, draft)
     _wrong_fc(draft)
-    assert_refused(run_cli(["export", "--draft", draft, "--format", "sglang", "--out", tmp_path / "out"], capsys),
-                   "model.safetensors: does not hold the draft", "fc.weight: shape")
+    assert_refused(
+        run_cli(["export", "--draft", draft, "--format", "sglang", "--out", tmp_path / "out"], capsys),
+        "model.safetensors: does not hold the draft",
+        "fc.weight: shape",
+    )

@@ -19,24 +19,28 @@ IMPORT_ERRORS = {"ImportError", "ModuleNotFoundError", "Exception", "BaseExcepti
 @dataclass(frozen=True)
 class Ref:
     """A library object named by a dotted path (a module, class, function, attribute)."""
+
     path: str
 
 
 @dataclass(frozen=True)
 class Instance:
     """An instance of a library class."""
+
     class_path: str
 
 
 @dataclass(frozen=True)
 class Untyped:
     """A value that came from the library but whose type is not known."""
+
     reason: str
 
 
 @dataclass(frozen=True)
 class CallerClass:
     """A class defined in the caller's code, with its library bases (if any)."""
+
     module: str
     name: str
     library_bases: tuple[str, ...]
@@ -48,6 +52,7 @@ Value = Ref | Instance | Untyped | CallerClass | None
 @dataclass
 class Site:
     """An import or a call that reaches into the library."""
+
     kind: str  # "import" or "call"
     path: Path
     line: int
@@ -126,7 +131,9 @@ class Analyzer:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 self._bind_import(module, node, scope, guard=None, record=False)
             elif isinstance(node, ast.ClassDef):
-                bases = tuple(v.path for v in (self._eval(b, scope, module, None) for b in node.bases) if isinstance(v, Ref))
+                bases = tuple(
+                    v.path for v in (self._eval(b, scope, module, None) for b in node.bases) if isinstance(v, Ref)
+                )
                 scope[node.name] = CallerClass(module.name, node.name, bases)
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
                 self._bind_assignment(node, scope, module, None)
@@ -146,10 +153,19 @@ class Analyzer:
                 scope = dict(module.scope)
                 self._bind_parameters(method, scope, module, node.name)
                 for statement in ast.walk(method):
-                    targets = statement.targets if isinstance(statement, ast.Assign) else \
-                        [statement.target] if isinstance(statement, ast.AnnAssign) else []
+                    targets = (
+                        statement.targets
+                        if isinstance(statement, ast.Assign)
+                        else [statement.target]
+                        if isinstance(statement, ast.AnnAssign)
+                        else []
+                    )
                     for target in targets:
-                        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+                        if (
+                            isinstance(target, ast.Attribute)
+                            and isinstance(target.value, ast.Name)
+                            and target.value.id == "self"
+                        ):
                             if isinstance(statement, ast.AnnAssign):
                                 value = self._annotation(statement.annotation, scope, module)
                             else:
@@ -159,8 +175,14 @@ class Analyzer:
 
     # ------------------------------------------------------------------ statements
 
-    def _walk(self, module: CallerModule, body: list[ast.stmt], scope: dict[str, Value], guard: str | None,
-              current_class: str | None) -> None:
+    def _walk(
+        self,
+        module: CallerModule,
+        body: list[ast.stmt],
+        scope: dict[str, Value],
+        guard: str | None,
+        current_class: str | None,
+    ) -> None:
         for node in body:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 self._bind_import(module, node, scope, guard, record=True)
@@ -176,7 +198,11 @@ class Analyzer:
                 self._walk(module, node.body, local, guard, None)
             elif isinstance(node, ast.Try) or type(node).__name__ == "TryStar":
                 catches = {name for handler in node.handlers for name in _exception_names(handler)}
-                inner = "ImportError handler" if catches & IMPORT_ERRORS or any(h.type is None for h in node.handlers) else guard
+                inner = (
+                    "ImportError handler"
+                    if catches & IMPORT_ERRORS or any(h.type is None for h in node.handlers)
+                    else guard
+                )
                 self._walk(module, node.body, scope, inner or guard, current_class)
                 for handler in node.handlers:
                     self._walk(module, handler.body, scope, guard, current_class)
@@ -204,8 +230,13 @@ class Analyzer:
                     if isinstance(child, ast.expr):
                         self._eval(child, scope, module, guard)
 
-    def _bind_parameters(self, function: ast.FunctionDef | ast.AsyncFunctionDef, scope: dict[str, Value],
-                         module: CallerModule, current_class: str | None) -> None:
+    def _bind_parameters(
+        self,
+        function: ast.FunctionDef | ast.AsyncFunctionDef,
+        scope: dict[str, Value],
+        module: CallerModule,
+        current_class: str | None,
+    ) -> None:
         arguments = function.args.posonlyargs + function.args.args + function.args.kwonlyargs
         for index, argument in enumerate(arguments):
             if index == 0 and current_class is not None and argument.arg in ("self", "cls"):
@@ -213,8 +244,9 @@ class Analyzer:
                 continue
             scope[argument.arg] = self._annotation(argument.annotation, scope, module) if argument.annotation else None
 
-    def _bind_assignment(self, node: ast.Assign | ast.AnnAssign, scope: dict[str, Value], module: CallerModule,
-                         guard: str | None) -> None:
+    def _bind_assignment(
+        self, node: ast.Assign | ast.AnnAssign, scope: dict[str, Value], module: CallerModule, guard: str | None
+    ) -> None:
         if isinstance(node, ast.AnnAssign):
             value = self._annotation(node.annotation, scope, module)
             if node.value is not None:
@@ -228,14 +260,22 @@ class Analyzer:
             if isinstance(target, ast.Name):
                 scope[target.id] = value
 
-    def _bind_import(self, module: CallerModule, node: ast.Import | ast.ImportFrom, scope: dict[str, Value],
-                     guard: str | None, record: bool) -> None:
+    def _bind_import(
+        self,
+        module: CallerModule,
+        node: ast.Import | ast.ImportFrom,
+        scope: dict[str, Value],
+        guard: str | None,
+        record: bool,
+    ) -> None:
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if self.in_library(alias.name):
                     if record:
                         self._site("import", module, node, Ref(alias.name), guard)
-                    scope[alias.asname or alias.name.split(".")[0]] = Ref(alias.name if alias.asname else alias.name.split(".")[0])
+                    scope[alias.asname or alias.name.split(".")[0]] = Ref(
+                        alias.name if alias.asname else alias.name.split(".")[0]
+                    )
                 elif alias.name in self.modules:
                     scope[alias.asname or alias.name.split(".")[0]] = None
             return
@@ -290,7 +330,11 @@ class Analyzer:
                 return None
             inner = annotation.slice
             elements = inner.elts if isinstance(inner, ast.Tuple) else [inner]
-            if isinstance(annotation.value, (ast.Name, ast.Attribute)) and _last_name(annotation.value) in ("Optional", "Union", "Annotated"):
+            if isinstance(annotation.value, (ast.Name, ast.Attribute)) and _last_name(annotation.value) in (
+                "Optional",
+                "Union",
+                "Annotated",
+            ):
                 for element in elements:
                     value = self._annotation(element, scope, module)
                     if value is not None:
@@ -300,8 +344,9 @@ class Analyzer:
         value = self._eval(annotation, scope, module, None, record=False)
         return Instance(value.path) if isinstance(value, Ref) else None
 
-    def _eval(self, node: ast.expr, scope: dict[str, Value], module: CallerModule, guard: str | None,
-              record: bool = True) -> Value:
+    def _eval(
+        self, node: ast.expr, scope: dict[str, Value], module: CallerModule, guard: str | None, record: bool = True
+    ) -> Value:
         """What an expression refers to; records every call into the library met on the way."""
         if isinstance(node, ast.Name):
             return scope.get(node.id)
@@ -339,7 +384,9 @@ class Analyzer:
                 self._eval(child.value, scope, module, guard, record)
         return None
 
-    def _call(self, node: ast.Call, scope: dict[str, Value], module: CallerModule, guard: str | None, record: bool) -> Value:
+    def _call(
+        self, node: ast.Call, scope: dict[str, Value], module: CallerModule, guard: str | None, record: bool
+    ) -> Value:
         for argument in node.args:
             self._eval(argument.value if isinstance(argument, ast.Starred) else argument, scope, module, guard, record)
         for keyword in node.keywords:
@@ -353,10 +400,12 @@ class Analyzer:
                 return Untyped("dynamic getattr")
             return None
         callee = self._eval(node.func, scope, module, guard, record)
-        shape = dict(positional=sum(1 for a in node.args if not isinstance(a, ast.Starred)),
-                     keywords=tuple(k.arg for k in node.keywords if k.arg is not None),
-                     star=any(isinstance(a, ast.Starred) for a in node.args),
-                     double_star=any(k.arg is None for k in node.keywords))
+        shape = dict(
+            positional=sum(1 for a in node.args if not isinstance(a, ast.Starred)),
+            keywords=tuple(k.arg for k in node.keywords if k.arg is not None),
+            star=any(isinstance(a, ast.Starred) for a in node.args),
+            double_star=any(k.arg is None for k in node.keywords),
+        )
         if isinstance(callee, CallerClass):
             library_bases = self._library_bases(callee)
             if library_bases and not self._caller_defines(callee, "__init__") and record:
@@ -372,7 +421,9 @@ class Analyzer:
             return self.returns_of(callee.path)
         if isinstance(callee, _Bound):
             if record:
-                self._site("call", module, node, Ref(callee.class_path), guard, receiver="bound", member=callee.member, **shape)
+                self._site(
+                    "call", module, node, Ref(callee.class_path), guard, receiver="bound", member=callee.member, **shape
+                )
             return self.returns_of(f"{callee.class_path}.{callee.member}")
         return None
 
@@ -392,22 +443,46 @@ class Analyzer:
                 return any(isinstance(i, (ast.FunctionDef, ast.AsyncFunctionDef)) and i.name == name for i in node.body)
         return False
 
-    def _site(self, kind: str, module: CallerModule, node: ast.AST, callee: Value, guard: str | None,
-              receiver: str = "function", member: str | None = None, unverified: str | None = None, **shape) -> None:
+    def _site(
+        self,
+        kind: str,
+        module: CallerModule,
+        node: ast.AST,
+        callee: Value,
+        guard: str | None,
+        receiver: str = "function",
+        member: str | None = None,
+        unverified: str | None = None,
+        **shape,
+    ) -> None:
         text = ast.get_source_segment(module.source, node) or ""
-        self.sites.append(Site(kind, module.path, node.lineno, callee, receiver, member, guard=guard,
-                               text=text.splitlines()[0][:120] if text else "", unverified=unverified, **shape))
+        self.sites.append(
+            Site(
+                kind,
+                module.path,
+                node.lineno,
+                callee,
+                receiver,
+                member,
+                guard=guard,
+                text=text.splitlines()[0][:120] if text else "",
+                unverified=unverified,
+                **shape,
+            )
+        )
 
 
 @dataclass(frozen=True)
 class _Super:
     """``super()`` inside a method of a caller class."""
+
     cls: CallerClass
 
 
 @dataclass(frozen=True)
 class _Bound:
     """``instance.member`` where the instance's class is a library class."""
+
     class_path: str
     member: str
 

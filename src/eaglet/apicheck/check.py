@@ -60,16 +60,27 @@ class Report:
         return [f for f in self.findings if f.level == "warning"]
 
     def as_json(self) -> dict[str, Any]:
-        return {"package": self.package, "version": self.version, "source": self.source, "call_sites": self.call_sites,
-                "imports": self.imports, "errors": len(self.errors), "warnings": len(self.warnings),
-                "findings": [asdict(f) for f in self.findings],
-                "unverified": {"total": sum(self.unverified.values()), "by_reason": dict(self.unverified),
-                               "examples": self.unverified_examples},
-                "seconds": round(self.seconds, 3)}
+        return {
+            "package": self.package,
+            "version": self.version,
+            "source": self.source,
+            "call_sites": self.call_sites,
+            "imports": self.imports,
+            "errors": len(self.errors),
+            "warnings": len(self.warnings),
+            "findings": [asdict(f) for f in self.findings],
+            "unverified": {
+                "total": sum(self.unverified.values()),
+                "by_reason": dict(self.unverified),
+                "examples": self.unverified_examples,
+            },
+            "seconds": round(self.seconds, 3),
+        }
 
 
-def library_roots(package: str, site_packages: Path | None = None, wheel: Path | None = None,
-                  scratch: Path | None = None) -> tuple[list[Path], str]:
+def library_roots(
+    package: str, site_packages: Path | None = None, wheel: Path | None = None, scratch: Path | None = None
+) -> tuple[list[Path], str]:
     """Where the library's sources are: an unpacked wheel, a given directory, or this interpreter's site."""
     if wheel is not None:
         if not wheel.is_file():
@@ -83,9 +94,15 @@ def library_roots(package: str, site_packages: Path | None = None, wheel: Path |
         return [target], str(wheel)
     if site_packages is not None:
         if not site_packages.is_dir():
-            raise EagletError(f"{site_packages}: not a directory; pass the site-packages (or source) directory holding {package}")
+            raise EagletError(
+                f"{site_packages}: not a directory; pass the site-packages (or source) directory holding {package}"
+            )
         return [site_packages], str(site_packages)
-    roots = [Path(p) for p in dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *sys.path]) if p and Path(p).is_dir()]
+    roots = [
+        Path(p)
+        for p in dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *sys.path])
+        if p and Path(p).is_dir()
+    ]
     return roots, "installed"
 
 
@@ -97,7 +114,9 @@ def check_calls(paths: list[Path], package: str, roots: list[Path], source: str)
     library = Library(package, roots)
     if library.module(package) is None:
         raise EagletError(f"{package}: not found in {source}; install it, or pass --site-packages DIR or --wheel FILE")
-    analyzer = Analyzer(package, discover(paths), lambda module: _exports(library, module), lambda path: _returns(library, path))
+    analyzer = Analyzer(
+        package, discover(paths), lambda module: _exports(library, module), lambda path: _returns(library, path)
+    )
     sites = analyzer.run()
     report = Report(package, library.version, source)
     for site in sites:
@@ -115,9 +134,17 @@ def check_calls(paths: list[Path], package: str, roots: list[Path], source: str)
 def upgrade_report(old: Report, new: Report) -> Report:
     """Only what the upgrade changes: findings of the new version that the old one did not have."""
     before = {(f.path, f.line, f.target, f.level) for f in old.findings}
-    changed = Report(new.package, f"{old.version} -> {new.version}", f"{old.source} -> {new.source}",
-                     [f for f in new.findings if (f.path, f.line, f.target, f.level) not in before],
-                     new.call_sites, new.imports, new.unverified, new.unverified_examples, old.seconds + new.seconds)
+    changed = Report(
+        new.package,
+        f"{old.version} -> {new.version}",
+        f"{old.source} -> {new.source}",
+        [f for f in new.findings if (f.path, f.line, f.target, f.level) not in before],
+        new.call_sites,
+        new.imports,
+        new.unverified,
+        new.unverified_examples,
+        old.seconds + new.seconds,
+    )
     return changed
 
 
@@ -163,8 +190,13 @@ def _location(resolved: Resolved) -> str:
 
 def _add(report: Report, site: Site, level: str, target: str, message: str, defined_at: str = "") -> None:
     if level == "error" and site.guard:
-        level, message = "warning", f"{message} (guarded by {'an ' + site.guard if site.guard.startswith('Import') else 'a ' + site.guard})"
-    report.findings.append(Finding(level, str(site.path), site.line, target, message, defined_at, report.version, site.text))
+        level, message = (
+            "warning",
+            f"{message} (guarded by {'an ' + site.guard if site.guard.startswith('Import') else 'a ' + site.guard})",
+        )
+    report.findings.append(
+        Finding(level, str(site.path), site.line, target, message, defined_at, report.version, site.text)
+    )
 
 
 def _unverified(report: Report, site: Site, reason: str) -> None:
@@ -179,7 +211,13 @@ def _check_import(library: Library, site: Site, report: Report) -> None:
     assert isinstance(site.callee, Ref)
     resolved = library.resolve(site.callee.path)
     if resolved.status == "missing":
-        _add(report, site, "error", site.callee.path, f"import of a name {library.package} {report.version} no longer has: {resolved.reason}")
+        _add(
+            report,
+            site,
+            "error",
+            site.callee.path,
+            f"import of a name {library.package} {report.version} no longer has: {resolved.reason}",
+        )
     elif resolved.status == "unverified":
         _unverified(report, site, resolved.reason)
 
@@ -194,7 +232,13 @@ def _check_call(library: Library, site: Site, report: Report) -> None:
     path = site.callee.path if site.receiver != "bound" else f"{site.callee.path}.{site.member}"
     resolved = library.resolve(path)
     if resolved.status == "missing":
-        _add(report, site, "error", path, f"{path} does not exist in {library.package} {report.version}: {resolved.reason}")
+        _add(
+            report,
+            site,
+            "error",
+            path,
+            f"{path} does not exist in {library.package} {report.version}: {resolved.reason}",
+        )
         return
     if resolved.status == "unverified":
         _unverified(report, site, resolved.reason)

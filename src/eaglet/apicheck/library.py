@@ -23,10 +23,26 @@ MAX_ALIAS_HOPS = 40  # re-export chains longer than this are treated as cycles
 DATACLASS_DECORATORS = {"dataclasses.dataclass"}
 PYDANTIC_DATACLASS_DECORATORS = {"pydantic.dataclasses.dataclass"}
 # decorators known to hand back the class they decorate (a library's own are read: see _returns_its_argument)
-TRANSPARENT_DECORATORS = {"functools.total_ordering", "typing.final", "typing_extensions.final", "typing.runtime_checkable",
-                          "typing_extensions.runtime_checkable", "enum.unique", "typing.no_type_check"}
-ATTRS_DECORATORS = {"attr.s", "attr.attrs", "attr.define", "attr.frozen", "attr.mutable", "attr.dataclass",
-                    "attrs.define", "attrs.frozen", "attrs.mutable"}
+TRANSPARENT_DECORATORS = {
+    "functools.total_ordering",
+    "typing.final",
+    "typing_extensions.final",
+    "typing.runtime_checkable",
+    "typing_extensions.runtime_checkable",
+    "enum.unique",
+    "typing.no_type_check",
+}
+ATTRS_DECORATORS = {
+    "attr.s",
+    "attr.attrs",
+    "attr.define",
+    "attr.frozen",
+    "attr.mutable",
+    "attr.dataclass",
+    "attrs.define",
+    "attrs.frozen",
+    "attrs.mutable",
+}
 ATTRS_FIELD_CALLS = {"attr.ib", "attr.attrib", "attr.field", "attrs.field"}
 DATACLASS_TRANSFORM = {"typing.dataclass_transform", "typing_extensions.dataclass_transform"}
 PYDANTIC_BASES = {"pydantic.BaseModel", "pydantic.main.BaseModel"}
@@ -93,11 +109,17 @@ class Library:
         relative = Path(*name.split("."))
         for root in self.roots:
             base = root / relative
-            for candidate in (base / "__init__.pyi", base / "__init__.py", base.with_suffix(".pyi"), base.with_suffix(".py")):
+            for candidate in (
+                base / "__init__.pyi",
+                base / "__init__.py",
+                base.with_suffix(".pyi"),
+                base.with_suffix(".py"),
+            ):
                 if candidate.is_file():
                     return candidate
-            if base.parent.is_dir() and any(p.name.startswith(base.name + ".") and p.suffix in COMPILED_SUFFIXES
-                                            for p in base.parent.iterdir()):
+            if base.parent.is_dir() and any(
+                p.name.startswith(base.name + ".") and p.suffix in COMPILED_SUFFIXES for p in base.parent.iterdir()
+            ):
                 return "compiled"
         return None
 
@@ -138,7 +160,7 @@ class Library:
         for index, part in enumerate(parts[1:], start=1):
             if current == "compiled":
                 return Resolved("unverified", path, reason=f"compiled module '{current_path}' without stubs")
-            rest = ".".join(parts[index + 1:])
+            rest = ".".join(parts[index + 1 :])
             step = self._member(current, current_path, part, hops)
             if step.status == "missing":
                 return Resolved("missing", path, reason=step.reason)
@@ -179,8 +201,14 @@ class Library:
             if member is not None:
                 return Resolved("found", f"{owner_path}.{name}", member)
             if "__getattr__" in owner.members:
-                return Resolved("unverified", f"{owner_path}.{name}", reason=f"module '{owner_path}' defines __getattr__ (dynamic names)")
-            return Resolved("missing", f"{owner_path}.{name}", reason=f"module '{owner_path}' has no attribute '{name}'")
+                return Resolved(
+                    "unverified",
+                    f"{owner_path}.{name}",
+                    reason=f"module '{owner_path}' defines __getattr__ (dynamic names)",
+                )
+            return Resolved(
+                "missing", f"{owner_path}.{name}", reason=f"module '{owner_path}' has no attribute '{name}'"
+            )
         if isinstance(owner, griffe.Class):
             found = self.class_member(owner, owner_path, name)
             if found is not None:
@@ -295,14 +323,20 @@ class Library:
         if found is None and name != "__getattr__":
             dynamic = next((p for p, c in mro if c is not None and "__getattr__" in c.members), None)
             if dynamic is not None:
-                return Resolved("unverified", f"{path}.{name}", reason=f"class '{dynamic}' defines __getattr__ (dynamic attributes)")
+                return Resolved(
+                    "unverified", f"{path}.{name}", reason=f"class '{dynamic}' defines __getattr__ (dynamic attributes)"
+                )
         return found
 
     def _class_member(self, mro: list[tuple[str, Any]], path: str, name: str) -> Resolved | None:
         for owner_path, owner in mro:
             if owner is None:
                 if owner_path not in ("object", "builtins.object", "typing.Generic", "typing.Protocol", "abc.ABC"):
-                    return Resolved("unverified", f"{path}.{name}", reason=f"may come from base '{owner_path}' outside {self.package}")
+                    return Resolved(
+                        "unverified",
+                        f"{path}.{name}",
+                        reason=f"may come from base '{owner_path}' outside {self.package}",
+                    )
                 continue
             member = _member_or_stub_overload(owner, name)
             if member is not None:
@@ -319,12 +353,17 @@ class Library:
                     break  # the generated __init__ of the first class below it, built from fields
                 if owner_path in ("object", "builtins.object", "typing.Generic", "abc.ABC", "typing.Protocol"):
                     continue
-                return Resolved("unverified", path, reason=f"constructor may come from base '{owner_path}' outside {self.package}")
+                return Resolved(
+                    "unverified", path, reason=f"constructor may come from base '{owner_path}' outside {self.package}"
+                )
             for special in ("__init__", "__new__"):
                 member = _member_or_stub_overload(owner, special)
                 if isinstance(member, griffe.Function):
-                    return Constructor([s.drop_first() for s in self.function_signatures(member)],
-                                       f"{owner.filepath}:{member.lineno}", f"{owner_path}.{special}")
+                    return Constructor(
+                        [s.drop_first() for s in self.function_signatures(member)],
+                        f"{owner.filepath}:{member.lineno}",
+                        f"{owner_path}.{special}",
+                    )
             generated = self.generated_init(owner, owner_path)
             if generated is not None:
                 return generated
@@ -345,8 +384,10 @@ class Library:
             siblings = getattr(function.parent, "overloads", {}).get(function.name) or []
             overloads = siblings if function in siblings else []
         functions = overloads or [function]
-        return [Signature(tuple(Param(p.name, Kind(p.kind.value), p.default is not None) for p in f.parameters))
-                for f in functions]
+        return [
+            Signature(tuple(Param(p.name, Kind(p.kind.value), p.default is not None) for p in f.parameters))
+            for f in functions
+        ]
 
     def generated_init(self, cls: Any, path: str) -> Constructor | Resolved | None:
         """The ``__init__`` a dataclass-like decorator or base generates from the class's fields (unverified when a
@@ -420,7 +461,9 @@ class Library:
                 return None
             if call is not None and call_path.endswith("Field"):
                 positional = [a for a in call.arguments if not isinstance(a, griffe.ExprKeyword)]
-                has_default = (bool(positional) and str(positional[0]) != "...") or bool({"default", "default_factory"} & set(keywords))
+                has_default = (bool(positional) and str(positional[0]) != "...") or bool(
+                    {"default", "default_factory"} & set(keywords)
+                )
                 name = keywords.get("alias", repr(name)).strip("'\"")
             else:
                 has_default = value is not None
@@ -438,8 +481,11 @@ class Library:
             call = expr if isinstance(expr, griffe.ExprCall) else None
             target = call.function if call is not None else expr
             target_path = getattr(target, "canonical_path", str(target))
-            keywords = {a.name: str(a.value) == "True" if str(a.value) in ("True", "False") else str(a.value)
-                        for a in (call.arguments if call else []) if isinstance(a, griffe.ExprKeyword)}
+            keywords = {
+                a.name: str(a.value) == "True" if str(a.value) in ("True", "False") else str(a.value)
+                for a in (call.arguments if call else [])
+                if isinstance(a, griffe.ExprKeyword)
+            }
             if target_path in DATACLASS_DECORATORS:
                 family, options = "dataclass", keywords
             elif target_path in PYDANTIC_DATACLASS_DECORATORS:
@@ -513,8 +559,11 @@ def _transform_keywords(obj: Any) -> dict[str, str] | None:
         expr = decorator.value
         target = expr.function if isinstance(expr, griffe.ExprCall) else expr
         if getattr(target, "canonical_path", "") in DATACLASS_TRANSFORM:
-            return {a.name: str(a.value) for a in (expr.arguments if isinstance(expr, griffe.ExprCall) else [])
-                    if isinstance(a, griffe.ExprKeyword)}
+            return {
+                a.name: str(a.value)
+                for a in (expr.arguments if isinstance(expr, griffe.ExprCall) else [])
+                if isinstance(a, griffe.ExprKeyword)
+            }
     return None
 
 

@@ -63,8 +63,13 @@ def bind(signature: Signature, call: CallShape) -> list[Problem]:
     filled: set[str] = set()
     if not call.star:
         if call.positional > len(positional_slots) and not var_positional:
-            problems.append(Problem("error", f"takes {len(positional_slots)} positional argument"
-                                    f"{'' if len(positional_slots) == 1 else 's'} but {call.positional} were given"))
+            problems.append(
+                Problem(
+                    "error",
+                    f"takes {len(positional_slots)} positional argument"
+                    f"{'' if len(positional_slots) == 1 else 's'} but {call.positional} were given",
+                )
+            )
         filled.update(p.name for p in positional_slots[: call.positional])
     by_name = {p.name: p for p in params if p.kind in (Kind.POSITIONAL_OR_KEYWORD, Kind.KEYWORD_ONLY)}
     for keyword in call.keywords:
@@ -82,14 +87,31 @@ def bind(signature: Signature, call: CallShape) -> list[Problem]:
             problems.append(Problem("error", f"got multiple values for argument '{keyword}'"))
         filled.add(keyword)
     if not call.star and not call.double_star:
-        missing = [p.name for p in params if not p.has_default and p.name not in filled
-                   and p.kind in (Kind.POSITIONAL_ONLY, Kind.POSITIONAL_OR_KEYWORD, Kind.KEYWORD_ONLY)]
+        missing = [
+            p.name
+            for p in params
+            if not p.has_default
+            and p.name not in filled
+            and p.kind in (Kind.POSITIONAL_ONLY, Kind.POSITIONAL_OR_KEYWORD, Kind.KEYWORD_ONLY)
+        ]
         if missing:
-            problems.append(Problem("error", "missing required argument" + ("s " if len(missing) > 1 else " ")
-                                    + ", ".join(f"'{m}'" for m in missing)))
+            problems.append(
+                Problem(
+                    "error",
+                    "missing required argument"
+                    + ("s " if len(missing) > 1 else " ")
+                    + ", ".join(f"'{m}'" for m in missing),
+                )
+            )
     elif call.star and not call.double_star:  # positionals unknown: only keyword-only requirements are certain
         missing = [p.name for p in params if p.kind is Kind.KEYWORD_ONLY and not p.has_default and p.name not in filled]
         if missing:
-            problems.append(Problem("error", "missing required keyword-only argument" + ("s " if len(missing) > 1 else " ")
-                                    + ", ".join(f"'{m}'" for m in missing)))
+            problems.append(
+                Problem(
+                    "error",
+                    "missing required keyword-only argument"
+                    + ("s " if len(missing) > 1 else " ")
+                    + ", ".join(f"'{m}'" for m in missing),
+                )
+            )
     return problems

@@ -57,7 +57,7 @@ def target_info_cmd(
     trust_remote_code: bool = typer.Option(False, help="allow the model's own Python code (off by default)"),
 ) -> None:
     """Describe a target without loading its weights: architecture, sizes, template, aux layer ids."""
-    from ..target import resolve_target, target_info
+    from ..model.target import resolve_target, target_info
 
     info = target_info(resolve_target(target, trust_remote_code))
     if as_json:
@@ -133,12 +133,16 @@ def regenerate(options: StageOptions) -> None:
 @stage_command(app, ExtractConfig, "extract", short={"prepared": "-p", "out": "-o", "target": "-t"})
 def extract(options: StageOptions) -> None:
     """Target hidden states (aux layers + final-normed last) for a prepared set, into a crash-safe store."""
-    from ..extract import run_extract
+    from ..extract.extractor import run_extract
 
     cfg = options.build()
     result = run_extract(cfg, err_console)
     totals = result.manifest["totals"]
-    rate = f"{result.tokens_computed / result.seconds:,.0f} tok/s" if result.seconds > 0 and result.tokens_computed else "-"
+    rate = (
+        f"{result.tokens_computed / result.seconds:,.0f} tok/s"
+        if result.seconds > 0 and result.tokens_computed
+        else "-"
+    )
     out_console.print(
         f"store {result.out}: {len(result.manifest['shards'])}/{result.manifest['num_shards']} shards, "
         f"{totals['samples']:,} samples, {totals['tokens']:,} tokens, {totals['bytes'] / 1e6:,.1f} MB; "
@@ -156,18 +160,25 @@ def store_verify(
     store: Path = typer.Argument(..., help="store directory"),
     repair: bool = typer.Option(False, "--repair", help="re-extract only the bad shards"),
     no_prepared: bool = typer.Option(False, "--no-prepared", help="skip the token check against the prepared set"),
-    target: Optional[str] = typer.Option(None, "--target", "-t", help="--repair: the target to re-extract with "
-                                         "(default: the one the store records; it must be the one extracted from)"),
-    trust_remote_code: bool = typer.Option(False, help="--repair: allow the target's own Python code (never taken "
-                                           "from the store)"),
+    target: Optional[str] = typer.Option(
+        None,
+        "--target",
+        "-t",
+        help="--repair: the target to re-extract with "
+        "(default: the one the store records; it must be the one extracted from)",
+    ),
+    trust_remote_code: bool = typer.Option(
+        False, help="--repair: allow the target's own Python code (never taken from the store)"
+    ),
 ) -> None:
     """Check checksums, shapes, dtypes, finite values and token ids of every shard; name each bad one."""
-    from ..store_check import repair_store, verify_store
+    from ..extract.store_verify import repair_store, verify_store
 
     problems = verify_store(store, check_prepared=not no_prepared, console=err_console)
     for problem in problems:
-        err_console.print(f"[red]bad shard[/] {escape(str(store / problem.file))}: {escape(problem.reason)}",
-                          highlight=False)
+        err_console.print(
+            f"[red]bad shard[/] {escape(str(store / problem.file))}: {escape(problem.reason)}", highlight=False
+        )
     if problems and repair:
         repair_store(store, problems, err_console, target, trust_remote_code)
         problems = verify_store(store, check_prepared=not no_prepared, console=err_console)
@@ -185,7 +196,7 @@ def store_info(
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
     """Summarise a store: target, aux layers, dtype, shards, samples, tokens, size."""
-    from ..store_check import store_summary
+    from ..extract.store_verify import store_summary
 
     summary = store_summary(store)
     if as_json:
@@ -193,7 +204,9 @@ def store_info(
         return
     table = Table(title=f"store {store}", show_header=False)
     for key, value in summary.items():
-        table.add_row(key, escape(f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)))
+        table.add_row(
+            key, escape(f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value))
+        )
     out_console.print(table)
 
 
@@ -210,8 +223,10 @@ def train(options: StageOptions) -> None:
     result = run_train(cfg, err_console)
     evaluation = result.final_eval
     if evaluation.get("tau") is not None:
-        tau = (f", held-out simulated acceptance {evaluation['tau']:.2f} draft tokens per forward "
-               f"(accuracy by step {evaluation['acc']})")
+        tau = (
+            f", held-out simulated acceptance {evaluation['tau']:.2f} draft tokens per forward "
+            f"(accuracy by step {evaluation['acc']})"
+        )
     elif evaluation:
         tau = ", no held-out samples to evaluate (use --eval-store, or more data)"
     else:
@@ -223,12 +238,18 @@ def train(options: StageOptions) -> None:
 # export and eval
 
 
-@stage_command(app, ExportConfig, "export", short={"draft": "-d", "format": "-f", "out": "-o", "target": "-t"},
-               renamed={"engines": "--engine"})
+@stage_command(
+    app,
+    ExportConfig,
+    "export",
+    short={"draft": "-d", "format": "-f", "out": "-o", "target": "-t"},
+    renamed={"engines": "--engine"},
+)
 def export(
     options: StageOptions,
-    check: Optional[Path] = typer.Option(None, "--check", help="check an export directory against each engine's "
-                                         "released loader instead of writing one"),
+    check: Optional[Path] = typer.Option(
+        None, "--check", help="check an export directory against each engine's released loader instead of writing one"
+    ),
     as_json: bool = typer.Option(False, "--json", help="with --check: print JSON"),
 ) -> None:
     """Write a draft as the directory vLLM, SGLang or speculators load (config.json + model.safetensors + README)."""
@@ -238,15 +259,18 @@ def export(
     from ..export.write import export_draft
 
     cfg = options.build()
-    path = export_draft(cfg.draft, cfg.format, cfg.out, cfg.verifier, cfg.speculative_tokens, cfg.report, cfg.overwrite,
-                        cfg.target)
-    out_console.print(f"exported {cfg.draft} as {cfg.format} -> {path} (serve it as its README.md shows; "
-                      f"`eaglet export --check {path}` checks it against each engine)")
+    path = export_draft(
+        cfg.draft, cfg.format, cfg.out, cfg.verifier, cfg.speculative_tokens, cfg.report, cfg.overwrite, cfg.target
+    )
+    out_console.print(
+        f"exported {cfg.draft} as {cfg.format} -> {path} (serve it as its README.md shows; "
+        f"`eaglet export --check {path}` checks it against each engine)"
+    )
 
 
 def _export_check(directory: Path, as_json: bool) -> None:
     """Each consumer's verdict on an export directory: a table (or JSON); exit 2 when one fails."""
-    from ..consumers.check import FAIL, check_export
+    from ..consumers.export_check import FAIL, check_export
 
     results = check_export(directory)
     if as_json:
@@ -257,8 +281,9 @@ def _export_check(directory: Path, as_json: bool) -> None:
         for column in ("consumer", "status", "findings"):
             table.add_column(column)
         for result in results:
-            table.add_row(result.consumer, f"[{styles[result.status]}]{result.status}[/]",
-                          escape("\n".join(result.findings)))
+            table.add_row(
+                result.consumer, f"[{styles[result.status]}]{result.status}[/]", escape("\n".join(result.findings))
+            )
         out_console.print(table)
     failed = [r for r in results if r.status == FAIL]
     if failed:
@@ -285,7 +310,9 @@ def eval_cmd(options: StageOptions) -> None:
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def preflight(
     ctx: typer.Context,
-    stage: str = typer.Argument(..., help="prepare, regenerate, extract, train, export, eval; calls (API check of your code); self"),
+    stage: str = typer.Argument(
+        ..., help="prepare, regenerate, extract, train, export, eval; calls (API check of your code); self"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
     strict: bool = typer.Option(False, "--strict", help="exit 1 on warnings"),
 ) -> None:
@@ -296,8 +323,11 @@ def preflight(
 
     if stage in ("calls", "self"):
         command = typer.main.get_command(app).commands[f"preflight-{stage}"]
-        sub_context = command.make_context(f"preflight {stage}", list(ctx.args) + (["--json"] if as_json else [])
-                                           + (["--strict"] if strict else []), parent=ctx)
+        sub_context = command.make_context(
+            f"preflight {stage}",
+            list(ctx.args) + (["--json"] if as_json else []) + (["--strict"] if strict else []),
+            parent=ctx,
+        )
         command.invoke(sub_context)
         return
     if stage not in STAGE_CHECKS:
@@ -320,7 +350,9 @@ def _calls_report(paths: list[Path], against: str, site_packages: Optional[Path]
     roots, source = library_roots(package, site_packages, wheel)
     report = check_calls(paths, package, roots, source)
     if wanted and report.version not in (wanted, "unknown"):
-        raise EagletError(f"--against {against}: {source} holds {package} {report.version}; point --site-packages/--wheel at {wanted}")
+        raise EagletError(
+            f"--against {against}: {source} holds {package} {report.version}; point --site-packages/--wheel at {wanted}"
+        )
     return report
 
 
@@ -339,11 +371,15 @@ def _print_calls(report, output_format: str, strict: bool) -> None:
 @app.command("preflight-calls", hidden=True)
 def preflight_calls(
     paths: List[Path] = typer.Argument(..., help="files or directories of the calling code"),
-    against: str = typer.Option(..., "--against", help="the library: PKG or PKG==VERSION (the old one in upgrade mode)"),
+    against: str = typer.Option(
+        ..., "--against", help="the library: PKG or PKG==VERSION (the old one in upgrade mode)"
+    ),
     site_packages: Optional[Path] = typer.Option(None, "--site-packages", help="read PKG from this directory"),
     wheel: Optional[Path] = typer.Option(None, "--wheel", help="read PKG from this wheel"),
     to: Optional[str] = typer.Option(None, "--to", help="upgrade mode: PKG==VERSION to compare with --against"),
-    to_site_packages: Optional[Path] = typer.Option(None, "--to-site-packages", help="upgrade mode: the new version's directory"),
+    to_site_packages: Optional[Path] = typer.Option(
+        None, "--to-site-packages", help="upgrade mode: the new version's directory"
+    ),
     to_wheel: Optional[Path] = typer.Option(None, "--to-wheel", help="upgrade mode: the new version's wheel"),
     output_format: str = typer.Option("text", "--format", help="text, json or sarif"),
     as_json: bool = typer.Option(False, "--json", help="same as --format json"),
@@ -358,7 +394,9 @@ def preflight_calls(
     report = _calls_report(paths, against, site_packages, wheel)
     if to is not None:
         if _split_spec(to)[0] != _split_spec(against)[0]:
-            raise EagletError(f"--to {to}: upgrade mode compares two versions of one package ({_split_spec(against)[0]})")
+            raise EagletError(
+                f"--to {to}: upgrade mode compares two versions of one package ({_split_spec(against)[0]})"
+            )
         if to_site_packages is None and to_wheel is None:
             raise EagletError("--to needs --to-site-packages DIR or --to-wheel FILE holding the new version")
         report = upgrade_report(report, _calls_report(paths, to, to_site_packages, to_wheel))
@@ -398,11 +436,16 @@ def _plan_table(plans: list, out: Path) -> Table:
     table = Table(title="eaglet run --plan (nothing runs)", caption=caption)
     placed = any(plan.memory for plan in plans)  # GPU plans: where the target goes, per GPU
     for column in ("stage", "action", "why", "disk (est.)", "time (est.)") + (
-            ("target per GPU: weights + activations",) if placed else ()):
+        ("target per GPU: weights + activations",) if placed else ()
+    ):
         table.add_column(column)
     for plan in plans:
         disk = _human_bytes(plan.disk_bytes) if plan.action == "run" and plan.disk_bytes else "-"
-        seconds = "-" if plan.action != "run" or plan.seconds != plan.seconds or not plan.seconds else f"{plan.seconds / 60:.1f} min"
+        seconds = (
+            "-"
+            if plan.action != "run" or plan.seconds != plan.seconds or not plan.seconds
+            else f"{plan.seconds / 60:.1f} min"
+        )
         memory = (f"[bold red]{escape(plan.memory)}: does not fit[/]" if plan.refusal else escape(plan.memory)) or "-"
         table.add_row(plan.name, plan.action, plan.reason, disk, seconds, *((memory,) if placed else ()))
     return table
@@ -414,17 +457,24 @@ def _run_summary(result) -> None:
     for column, justify in (("stage", "left"), ("status", "left"), ("seconds", "right"), ("result", "left")):
         table.add_column(column, justify=justify)
     for outcome in result.outcomes:
-        table.add_row(outcome.name, outcome.status, f"{outcome.seconds:.1f}" if outcome.status == "ran" else "-",
-                      escape(outcome.result))
+        table.add_row(
+            outcome.name,
+            outcome.status,
+            f"{outcome.seconds:.1f}" if outcome.status == "ran" else "-",
+            escape(outcome.result),
+        )
     out_console.print(table)
     for fmt, command in result.serve.items():
-        out_console.print(f"# {fmt}: {result.out / 'export' / fmt} (model card: README.md there)\n{command}", highlight=False)
+        out_console.print(
+            f"# {fmt}: {result.out / 'export' / fmt} (model card: README.md there)\n{command}", highlight=False
+        )
     if result.report is not None:
         report = result.report
         out_console.print(
             f"τ {report['acceptance_length']:.2f} tokens per target forward, speedup {report['speedup']:.2f}x over the "
             f"same engine without a draft, lossless {report['lossless']} (report: {result.out / 'eval' / 'report.md'})",
-            highlight=False)
+            highlight=False,
+        )
 
 
 @app.command()
@@ -439,7 +489,7 @@ def run(
 
     Stages whose output is complete and made from the same settings and inputs are skipped; a killed
     run resumes with the same command."""
-    from ..pipeline import Pipeline, load_run_config
+    from ..run import Pipeline, load_run_config
 
     cfg = load_run_config(config, {"out": out} if out else None)
     pipeline = Pipeline(cfg, config, err_console)
@@ -456,12 +506,14 @@ def run(
 @app.command()
 def demo(
     out: Path = typer.Option(Path("eaglet-demo"), "--out", "-o", help="run directory"),
-    scale: str = typer.Option("auto", help="cpu (a laptop, ~8 min), gpu (one H200, ~10 min) or auto (gpu when CUDA is there)"),
+    scale: str = typer.Option(
+        "auto", help="cpu (a laptop, ~8 min), gpu (one H200, ~10 min) or auto (gpu when CUDA is there)"
+    ),
     plan: bool = typer.Option(False, "--plan", help="print what would run; run nothing"),
 ) -> None:
     """`eaglet run` with a built-in config on the embedded target and the shipped demo prompts."""
-    from ..pipeline import Pipeline, load_run_config
     from ..resources import demo_config_path
+    from ..run import Pipeline, load_run_config
 
     if scale not in ("auto", "cpu", "gpu"):
         raise EagletError(f"--scale {scale}: choose cpu, gpu or auto")
@@ -496,4 +548,3 @@ def main() -> None:
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted[/]")
         sys.exit(130)
-

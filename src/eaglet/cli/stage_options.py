@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Callable, List, Literal, Optional, Union, get_args, get_origin
 
 import typer
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ConfigDict, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 from rich.markup import escape
 from rich.table import Table
@@ -41,10 +41,10 @@ def _parse_sequence(option: str, text: str) -> Any:
 
 
 def _parse_mapping(option: str, text: str) -> dict[str, str]:
-    """``cuda:0=60GiB,cpu=200GiB`` as a mapping."""
+    """``cuda:0=60GiB,cpu=200GiB`` as a mapping (--max-memory is the one mapping option)."""
     pairs = [item.split("=", 1) for item in text.split(",") if item.strip()]
     if any(len(pair) != 2 for pair in pairs):
-        raise EagletError(f"{option} {text!r}: expected KEY=VALUE pairs, e.g. cuda:0=60GiB,cpu=200GiB")
+        raise EagletError(f"{option} {text!r}: expected DEVICE=SIZE pairs, e.g. cuda:0=60GiB,cpu=200GiB")
     return {key.strip(): value.strip() for key, value in pairs}
 
 
@@ -110,15 +110,19 @@ def _own_fields_first(config_class: type[StrictModel]) -> list[tuple[str, FieldI
 
 
 def option_value(option: str, text: Any, field: FieldInfo, parse: Parser | None) -> Any:
-    """An option's value as its field holds it, refused in one line naming the option as typed."""
-    value = parse(option, text) if parse is not None else text
+    """An option's value as its field holds it. A value read from text (a list, a mapping) that its field refuses
+    is named as typed (``--layers '1,x,3'``); a plain value is validated with the rest of the config."""
+    if parse is None:
+        return text
+    value = parse(option, text)
     try:
-        TypeAdapter(Annotated[field.annotation, field]).validate_python(value)
+        TypeAdapter(Annotated[field.annotation, field], config=ConfigDict(allow_inf_nan=False)).validate_python(value)
     except ValidationError as exc:
         first = exc.errors()[0]
         item = f" (item {first['loc'][0] + 1})" if first["loc"] and isinstance(first["loc"][0], int) else ""
-        raise EagletError(f"{option} {shown(text if not isinstance(text, list) else ' '.join(text))}: "
-                          f"{first['msg']}{item}") from None
+        raise EagletError(
+            f"{option} {shown(text if not isinstance(text, list) else ' '.join(text))}: {first['msg']}{item}"
+        ) from None
     return value
 
 
@@ -167,20 +171,36 @@ def stage_command(
                 default = typer.Argument(None, help=option_help(field), show_default=False)
             else:
                 default = typer.Option(None, *names, help=option_help(field), show_default=False)
-            generated.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                                               annotation=annotation))
+            generated.append(
+                inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+            )
         common = [
             inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context),
-            inspect.Parameter("skip_preflight", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
-                              default=typer.Option(False, "--skip-preflight", help=SKIP_HELP)),
-            inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
-                              default=typer.Option(None, "--config", "-c", help=CONFIG_HELP)),
-            inspect.Parameter("overrides", inspect.Parameter.KEYWORD_ONLY, annotation=List[str],
-                              default=typer.Option([], "--set", help=SET_HELP)),
+            inspect.Parameter(
+                "skip_preflight",
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=bool,
+                default=typer.Option(False, "--skip-preflight", help=SKIP_HELP),
+            ),
+            inspect.Parameter(
+                "config",
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=Optional[Path],
+                default=typer.Option(None, "--config", "-c", help=CONFIG_HELP),
+            ),
+            inspect.Parameter(
+                "overrides",
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=List[str],
+                default=typer.Option([], "--set", help=SET_HELP),
+            ),
         ]
-        ordered = ([p for p in generated if p.name in arguments]
-                   + [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
-                   + [p for p in generated if p.name not in arguments] + common)
+        ordered = (
+            [p for p in generated if p.name in arguments]
+            + [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
+            + [p for p in generated if p.name not in arguments]
+            + common
+        )
 
         def command(**given: Any) -> None:
             values = {}
@@ -191,8 +211,15 @@ def stage_command(
                     option = option_names(name, field, renamed, {})[0].split("/")[0]
                     value = option_value(option, value, field, parse)
                 values[name] = value
-            options = StageOptions(given.pop("ctx"), stage, config_class, values, given.pop("config"),
-                                   given.pop("overrides"), given.pop("skip_preflight"))
+            options = StageOptions(
+                given.pop("ctx"),
+                stage,
+                config_class,
+                values,
+                given.pop("config"),
+                given.pop("overrides"),
+                given.pop("skip_preflight"),
+            )
             body(options, **given)
 
         command.__signature__ = inspect.Signature(ordered)  # type: ignore[attr-defined]
@@ -209,8 +236,10 @@ def run_preflight(ctx: typer.Context, stage: str, cfg: object, skip: bool) -> No
 
     mode = ctx.obj if isinstance(ctx.obj, dict) else {}
     if skip and not mode.get("only"):
-        err_console.print(f"[bold yellow]PREFLIGHT SKIPPED for {stage} (--skip-preflight): anything wrong surfaces "
-                          "only after the expensive part starts[/]")
+        err_console.print(
+            f"[bold yellow]PREFLIGHT SKIPPED for {stage} (--skip-preflight): anything wrong surfaces "
+            "only after the expensive part starts[/]"
+        )
         return
     started = time.perf_counter()
     checks = run_checks(stage, cfg)
@@ -218,15 +247,24 @@ def run_preflight(ctx: typer.Context, stage: str, cfg: object, skip: bool) -> No
     seconds = time.perf_counter() - started
     if mode.get("only"):
         if mode.get("json"):
-            out_console.print_json(json.dumps({"stage": stage, "status": status, "seconds": round(seconds, 3),
-                                               "checks": [c.as_dict() for c in checks]}))
+            out_console.print_json(
+                json.dumps(
+                    {
+                        "stage": stage,
+                        "status": status,
+                        "seconds": round(seconds, 3),
+                        "checks": [c.as_dict() for c in checks],
+                    }
+                )
+            )
         else:
             out_console.print(_checks_table(stage, checks, seconds))
         raise typer.Exit(2 if status == FAIL else 1 if status == WARN and mode.get("strict") else 0)
     if status == FAIL:  # one line: the first failed check and its fix (`eaglet preflight STAGE ...` lists them all)
         first = next(c for c in checks if c.status == FAIL)
-        raise EagletError(f"preflight failed for {stage}: {first.name}: {first.detail}"
-                          + (f" ({first.fix})" if first.fix else ""))
+        raise EagletError(
+            f"preflight failed for {stage}: {first.name}: {first.detail}" + (f" ({first.fix})" if first.fix else "")
+        )
     for check in checks:
         if check.status == WARN:
             err_console.print(f"[yellow]preflight warning[/] {check.name}: {check.detail}", highlight=False)

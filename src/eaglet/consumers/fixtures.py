@@ -37,7 +37,9 @@ def fixtures(engine: str) -> tuple[Fixture, ...]:
     for file in _fixture_files():
         data = json.loads(file.read_text(encoding="utf-8"))
         if data["consumer"] == engine:
-            found.append(Fixture(data["consumer"], data["version"], data["wheel"], data["wheel_sha256"], data["sources"]))
+            found.append(
+                Fixture(data["consumer"], data["version"], data["wheel"], data["wheel_sha256"], data["sources"])
+            )
     return tuple(sorted(found, key=lambda f: _version_key(f.version)))
 
 

@@ -15,8 +15,14 @@ from typing import Any, Callable
 
 from .pysubset import Interpreter, Namespace, NotCovered, Unknown
 
-LINEAR_LAYERS = ("QKVParallelLinear", "MergedColumnParallelLinear", "RowParallelLinear", "ColumnParallelLinear",
-                 "ReplicatedLinear", "Linear")
+LINEAR_LAYERS = (
+    "QKVParallelLinear",
+    "MergedColumnParallelLinear",
+    "RowParallelLinear",
+    "ColumnParallelLinear",
+    "ReplicatedLinear",
+    "Linear",
+)
 WEIGHT_LAYERS = ("RMSNorm", "LayerNorm", "VocabParallelEmbedding", "ParallelLMHead", "Embedding")
 LINEAR_BIAS_DEFAULT = True  # torch.nn.Linear and the engines' parallel linear layers add a bias unless told not to
 MODULE_LIST = ("ModuleList",)
@@ -92,8 +98,12 @@ def index_module(path: str, text: str) -> SourceModule:
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     module.symbols[alias.asname or alias.name.split(".")[0]] = ("import", alias.name)
-            elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
-                    and isinstance(node.value, ast.Name):
+            elif (
+                isinstance(node, ast.Assign)
+                and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+                and isinstance(node.value, ast.Name)
+            ):
                 module.symbols[node.targets[0].id] = node.value.id
             elif isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
                 visit(node.orelse)
@@ -116,8 +126,9 @@ class ModelBuilder:
 
     # ------------------------------------------------------------------ names
 
-    def resolve(self, module: SourceModule, name: str, hops: int = 0,
-                scope: dict[str, Any] | None = None) -> tuple[SourceModule, ast.AST] | str:
+    def resolve(
+        self, module: SourceModule, name: str, hops: int = 0, scope: dict[str, Any] | None = None
+    ) -> tuple[SourceModule, ast.AST] | str:
         """A name used in ``module`` (``scope``: the names in effect there, the module's by default): (the
         module defining it, its class/function node), or the dotted name of something outside the excerpts."""
         if hops > 20:
@@ -135,7 +146,9 @@ class ModelBuilder:
             return dotted
         return name
 
-    def resolve_base(self, module: SourceModule, node: ast.ClassDef, base: ast.expr) -> tuple[SourceModule, ast.AST] | str:
+    def resolve_base(
+        self, module: SourceModule, node: ast.ClassDef, base: ast.expr
+    ) -> tuple[SourceModule, ast.AST] | str:
         return self.resolve(module, ast.unparse(base), scope=module.base_scopes.get(id(node)))
 
     def class_node(self, module: SourceModule, name: str) -> tuple[SourceModule, ast.ClassDef]:
@@ -183,8 +196,14 @@ class ModelBuilder:
                 return module, node, function
         return None
 
-    def call_method(self, instance: Instance, name: str, calls: dict[str, Callable[..., Any]] | None = None,
-                    trace: Callable | None = None, **kwargs: Any) -> Any:
+    def call_method(
+        self,
+        instance: Instance,
+        name: str,
+        calls: dict[str, Callable[..., Any]] | None = None,
+        trace: Callable | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """Run ``instance.name(**kwargs)`` with ``calls`` giving meaning to the engine functions it uses."""
         found = self.method(instance, name)
         if found is None:
@@ -226,7 +245,7 @@ class ModelBuilder:
                 if text in builder.facts:
                     return builder.facts[text]
                 if text.startswith("self."):
-                    return lambda *a, **k: builder._self_call(instance, text[len("self."):], a, k)
+                    return lambda *a, **k: builder._self_call(instance, text[len("self.") :], a, k)
                 return lambda *a, **k: builder._construct(module, text, a, k)
 
         def module_global(name: str) -> Any:
@@ -240,7 +259,9 @@ class ModelBuilder:
 
         return Interpreter(calls=ClassCalls(), globals=module_global)
 
-    def _super_init(self, module: SourceModule, node: ast.ClassDef, instance: Instance, args: tuple, kwargs: dict) -> None:
+    def _super_init(
+        self, module: SourceModule, node: ast.ClassDef, instance: Instance, args: tuple, kwargs: dict
+    ) -> None:
         for base in node.bases:
             found = self.resolve_base(module, node, base)
             if isinstance(found, str):

@@ -66,17 +66,48 @@ class _Return(Exception):
         self.value = value
 
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
-           ast.Mod: operator.mod, ast.Div: operator.truediv, ast.Pow: operator.pow, ast.BitOr: operator.or_,
-           ast.BitAnd: operator.and_}
-_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
-            ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Is: operator.is_, ast.IsNot: operator.is_not,
-            ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Div: operator.truediv,
+    ast.Pow: operator.pow,
+    ast.BitOr: operator.or_,
+    ast.BitAnd: operator.and_,
+}
+_COMPARE = {
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+    ast.Is: operator.is_,
+    ast.IsNot: operator.is_not,
+    ast.In: lambda a, b: a in b,
+    ast.NotIn: lambda a, b: a not in b,
+}
 _STR_METHODS = {"replace", "startswith", "endswith", "split", "rsplit", "join", "strip", "format", "lower"}
 _DICT_METHODS = {"get", "items", "keys", "values"}
-_BUILTINS: dict[str, Callable] = {"len": len, "bool": bool, "int": int, "str": str, "range": range, "list": list,
-                                  "tuple": tuple, "dict": dict, "isinstance": lambda v, t: isinstance(v, t),
-                                  "sorted": sorted, "set": set, "max": max, "min": min, "any": any, "all": all}
+_BUILTINS: dict[str, Callable] = {
+    "len": len,
+    "bool": bool,
+    "int": int,
+    "str": str,
+    "range": range,
+    "list": list,
+    "tuple": tuple,
+    "dict": dict,
+    "isinstance": lambda v, t: isinstance(v, t),
+    "sorted": sorted,
+    "set": set,
+    "max": max,
+    "min": min,
+    "any": any,
+    "all": all,
+}
 _TYPES = {"dict": dict, "list": list, "tuple": tuple, "str": str, "int": int}
 
 
@@ -180,8 +211,14 @@ class Interpreter:
             self.run_block(node.body, env)
         except PYTHON_ERRORS as error:
             for handler in node.handlers:
-                names = [] if handler.type is None else [ast.unparse(t) for t in (
-                    handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type])]
+                names = (
+                    []
+                    if handler.type is None
+                    else [
+                        ast.unparse(t)
+                        for t in (handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type])
+                    ]
+                )
                 if not names or any(n in ("Exception", "BaseException", type(error).__name__) for n in names):
                     self.run_block(handler.body, env)
                     break
@@ -256,8 +293,9 @@ class Interpreter:
         if isinstance(node, ast.Attribute):
             return _getattr(self.evaluate(node.value, env), node.attr)
         if isinstance(node, ast.JoinedStr):
-            return "".join(str(self.evaluate(v.value, env)) if isinstance(v, ast.FormattedValue) else v.value
-                           for v in node.values)
+            return "".join(
+                str(self.evaluate(v.value, env)) if isinstance(v, ast.FormattedValue) else v.value for v in node.values
+            )
         if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
             items = [self.evaluate(e, env) for e in node.elts]
             return tuple(items) if isinstance(node, ast.Tuple) else set(items) if isinstance(node, ast.Set) else items

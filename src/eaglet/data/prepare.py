@@ -21,11 +21,10 @@ from .. import __version__
 from ..config import PrepareConfig
 from ..errors import EagletError
 from ..formats.files import MANIFEST_FILE, PREPARED_SCHEMA, SAMPLES_FILE, VOCAB_FILE
-from ..fsio import (atomic_directory, check_output_apart, check_output_dir, sha256_file, sha256_json,
-                    write_json_atomic)
-from ..progress import progress_bar
 from ..formats.target_record import target_source
-from ..target import hub_id_of, load_tokenizer, resolve_target, target_info
+from ..fsio import atomic_directory, check_output_apart, check_output_dir, sha256_file, sha256_json, write_json_atomic
+from ..model.target import hub_id_of, load_tokenizer, resolve_target, target_info
+from ..progress import progress_bar
 from .readers import BadRow, Conversation, fail_on_bad_rows, read_conversations
 from .render import ChatRenderer, Rendered
 from .vocab import build_draft_vocab, default_draft_vocab_size
@@ -65,7 +64,9 @@ def _collect(config: PrepareConfig) -> tuple[list[Conversation], list[BadRow]]:
         if isinstance(item, BadRow):
             bad.append(item)
         elif not item.has_assistant:
-            bad.append(BadRow(item.source, "no assistant turn (prompt-only rows need answers: run `eaglet regenerate` first)"))
+            bad.append(
+                BadRow(item.source, "no assistant turn (prompt-only rows need answers: run `eaglet regenerate` first)")
+            )
         else:
             conversations.append(item)
     return conversations, bad
@@ -101,8 +102,10 @@ def run_prepare(config: PrepareConfig, console: Console | None = None) -> Prepar
     if not conversations:
         raise EagletError(f"{', '.join(config.inputs)}: no usable conversations (all {len(bad)} rows were bad)")
     if not any(m["role"] == "assistant" and m["content"].strip() for c in conversations for m in c.messages):
-        raise EagletError(f"{', '.join(config.inputs)}: no assistant answer to train on; run `eaglet regenerate` "
-                          "to have the target write them")
+        raise EagletError(
+            f"{', '.join(config.inputs)}: no assistant answer to train on; run `eaglet regenerate` "
+            "to have the target write them"
+        )
 
     with atomic_directory(out, overwrite=config.overwrite) as tmp:
         tally = _write_samples(conversations, renderer, vocab_size, tmp / SAMPLES_FILE, console)
@@ -112,8 +115,10 @@ def run_prepare(config: PrepareConfig, console: Console | None = None) -> Prepar
         if not tally.lengths:
             raise EagletError(f"no usable samples: every conversation was dropped ({tally.dropped[0]})")
         if tally.assistant_tokens == 0:
-            raise EagletError(f"{', '.join(config.inputs)}: no trainable token (no assistant token within --max-len "
-                              f"{config.max_len}); raise --max-len or add answers")
+            raise EagletError(
+                f"{', '.join(config.inputs)}: no trainable token (no assistant token within --max-len "
+                f"{config.max_len}); raise --max-len or add answers"
+            )
         draft_vocab_size = config.draft_vocab or default_draft_vocab_size(vocab_size)
         if draft_vocab_size > vocab_size:
             raise EagletError(f"--draft-vocab {draft_vocab_size} exceeds the target vocabulary ({vocab_size})")
@@ -175,8 +180,9 @@ class _Tally:
     dropped: list[BadRow] = field(default_factory=list)  # conversations rendering refused
 
 
-def _write_samples(conversations: list[Conversation], renderer: ChatRenderer, vocab_size: int, path: Path,
-                   console: Console) -> _Tally:
+def _write_samples(
+    conversations: list[Conversation], renderer: ChatRenderer, vocab_size: int, path: Path, console: Console
+) -> _Tally:
     """Render in batches and stream the samples to parquet, counting assistant tokens on the way."""
     tally = _Tally(np.zeros(vocab_size, dtype=np.int64))
     writer = pq.ParquetWriter(path, PARQUET_SCHEMA, compression="zstd")

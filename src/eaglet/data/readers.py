@@ -99,8 +99,10 @@ def _encodable(text: str, where: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise RowError(f"{where}: a lone surrogate ({text[exc.start]!a}) at character {exc.start}, not valid "
-                       "Unicode; fix the escape in the file") from None
+        raise RowError(
+            f"{where}: a lone surrogate ({text[exc.start]!a}) at character {exc.start}, not valid "
+            "Unicode; fix the escape in the file"
+        ) from None
     return text
 
 
@@ -169,7 +171,9 @@ def parse_row(row: Any, source: str, default_id: str) -> Conversation:
         raise RowError(f"'id' must be a non-empty string or an integer, got {shown(raw_id)}")
     if isinstance(raw_id, str):
         _encodable(raw_id, "'id'")
-    meta: dict[str, Any] = {k: _encodable(row[k], f"'{k}'") for k in ("category", "split") if isinstance(row.get(k), str)}
+    meta: dict[str, Any] = {
+        k: _encodable(row[k], f"'{k}'") for k in ("category", "split") if isinstance(row.get(k), str)
+    }
     provenance = row.get("provenance")
     if isinstance(provenance, dict) and provenance.get("finish_reason") == "length":
         meta["last_answer_truncated"] = True  # written by `eaglet regenerate` and cut at max_new_tokens
@@ -228,7 +232,7 @@ def _json_rows(path: Path) -> Iterator[tuple[str, Any | BadRow]]:
     if isinstance(data, dict) and isinstance(data.get("data"), list):
         data = data["data"]
     if not isinstance(data, list):
-        raise EagletError(f"{path}: a .json file must hold a list of rows (or {{\"data\": [...]}})")
+        raise EagletError(f'{path}: a .json file must hold a list of rows (or {{"data": [...]}})')
     for index, row in enumerate(data):
         yield f"{path}:[{index}]", row
 

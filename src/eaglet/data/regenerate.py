@@ -24,13 +24,19 @@ from .. import __version__
 from ..config import CPU_GENERATE_BATCH, GPU_GENERATE_BATCH, RegenerateConfig
 from ..errors import EagletError
 from ..formats.files import answers_manifest
-from ..fsio import (append_lines_durable, check_output_apart, check_output_dir, output_lock, sha256_file,
-                    write_bytes_atomic, write_json_atomic)
+from ..fsio import (
+    append_lines_durable,
+    check_output_apart,
+    check_output_dir,
+    output_lock,
+    sha256_file,
+    write_bytes_atomic,
+    write_json_atomic,
+)
+from ..model.target import decoding_attention
 from ..progress import progress_bar
 from ..resources import resolve_input
-from ..target import decoding_attention
 from .readers import BadRow, fail_on_bad_rows, read_conversations
-
 
 
 @dataclass(frozen=True)
@@ -126,8 +132,10 @@ def load_done(out: Path, settings: dict[str, Any]) -> dict[tuple[str, int], str]
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise EagletError(f"{out}: not UTF-8 text (byte {exc.start}): not written by `eaglet regenerate`; use another "
-                          "--out or delete the file") from None
+        raise EagletError(
+            f"{out}: not UTF-8 text (byte {exc.start}): not written by `eaglet regenerate`; use another "
+            "--out or delete the file"
+        ) from None
     for number, line in enumerate(text.splitlines(), start=1):
         try:
             row = json.loads(line)
@@ -172,9 +180,9 @@ class HFBackend:
     def __init__(self, config: RegenerateConfig):
         import torch
 
-        from ..distributed import init_distributed
-        from ..placement import input_device
-        from ..target import load_model, load_tokenizer, resolve_target
+        from ..model.distributed import init_distributed
+        from ..model.placement import input_device
+        from ..model.target import load_model, load_tokenizer, resolve_target
 
         self.config = config
         resolved = resolve_target(config.target, config.trust_remote_code)
@@ -370,7 +378,11 @@ def _regenerate(config: RegenerateConfig, out: Path, console: Console) -> Regene
                 new_tokens = _run_batches(
                     pending,
                     lambda i, b: backend.generate(b, encoded, config.seed * 1_000_003 + i),
-                    settings, out, done, advance, backend.writes,
+                    settings,
+                    out,
+                    done,
+                    advance,
+                    backend.writes,
                 )
             else:
                 client = OpenAIBackend(config)

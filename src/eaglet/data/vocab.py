@@ -28,10 +28,16 @@ class DraftVocab:
         return len(self.d2t)
 
     def save(self, path: str | Path) -> None:
-        from ..store import write_safetensors
+        from ..model.shards import write_safetensors
 
-        write_safetensors(Path(path), {"d2t": torch.from_numpy(self.d2t), "t2d": torch.from_numpy(self.t2d),
-                                       "counts": torch.from_numpy(self.counts)})
+        write_safetensors(
+            Path(path),
+            {
+                "d2t": torch.from_numpy(self.d2t),
+                "t2d": torch.from_numpy(self.t2d),
+                "counts": torch.from_numpy(self.counts),
+            },
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> "DraftVocab":
@@ -51,8 +57,12 @@ class DraftVocab:
             raise EagletError(f"{path}: needs tensors d2t, t2d and counts, has {sorted(tensors)}; {fix}")
         d2t, t2d, counts = tensors["d2t"].numpy(), tensors["t2d"].numpy().astype(bool), tensors["counts"].numpy()
         used = np.arange(len(d2t)) + d2t
-        if len(t2d) != len(counts) or int(t2d.sum()) != len(d2t) or len(used) and (
-                used.min() < 0 or used.max() >= len(t2d) or not t2d[used].all()):
+        if (
+            len(t2d) != len(counts)
+            or int(t2d.sum()) != len(d2t)
+            or len(used)
+            and (used.min() < 0 or used.max() >= len(t2d) or not t2d[used].all())
+        ):
             raise EagletError(f"{path}: d2t and t2d do not describe the same {len(d2t)}-token vocabulary; {fix}")
         return cls(d2t, t2d, counts, coverage_of(counts, t2d))
 

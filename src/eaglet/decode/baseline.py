@@ -14,8 +14,14 @@ from .sampling import Sampling
 from .static import RoundGraph, Rounds, StaticTarget, check_room
 
 
-def target_only_decode(target: TargetRunner, prompt: list[int], max_new: int, sampling: Sampling,
-                       stop_ids: set[int], generator: torch.Generator | None = None) -> DecodeResult:
+def target_only_decode(
+    target: TargetRunner,
+    prompt: list[int],
+    max_new: int,
+    sampling: Sampling,
+    stop_ids: set[int],
+    generator: torch.Generator | None = None,
+) -> DecodeResult:
     """The baseline: the same engine, one target forward per token, no draft."""
     sync(target.device)
     started = time.perf_counter()
@@ -27,6 +33,7 @@ def target_only_decode(target: TargetRunner, prompt: list[int], max_new: int, sa
         out.append(sampling.pick(logits[-1], generator))
     sync(target.device)
     return DecodeResult(finish(out, stop_ids, max_new)[0], seconds=time.perf_counter() - started)
+
 
 class GreedyTargetSteps(Rounds):
     """The baseline's step: one forward of the newest token, its argmax becomes the next input."""
@@ -45,8 +52,10 @@ class GreedyTargetSteps(Rounds):
         self.target_length.add_(1)
         return self.token
 
-def static_target_decode(target: StaticTarget, prompt: list[int], max_new: int, stop_ids: set[int],
-                         steps: GreedyTargetSteps | None = None) -> DecodeResult:
+
+def static_target_decode(
+    target: StaticTarget, prompt: list[int], max_new: int, stop_ids: set[int], steps: GreedyTargetSteps | None = None
+) -> DecodeResult:
     """The greedy baseline on the same engine: one graph (forward, argmax, next input) and one read per token."""
     steps = steps or GreedyTargetSteps(target)
     sync(target.device)

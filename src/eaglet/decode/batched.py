@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..capture import FeatureCapture
-from ..draft import Eagle3Draft
+from ..model.capture import FeatureCapture
+from ..model.draft import Eagle3Draft
 from .common import DecodeResult, cache_kwarg, decode_step, draft_rope, draft_target_ids, finish, sync
 
 
@@ -55,8 +55,13 @@ class BatchTarget:
         mask = torch.cat([self.valid[:, None, :].expand(rows, width, -1), block], dim=2)[:, None]  # [B, 1, q, S+q]
         captured: dict[int, torch.Tensor] = {}
         with self.capture.hooks(captured):
-            out = self.model(input_ids=ids, position_ids=positions.clamp_min(0), attention_mask=mask, use_cache=True,
-                             **{self.cache_kwarg: self.cache})
+            out = self.model(
+                input_ids=ids,
+                position_ids=positions.clamp_min(0),
+                attention_mask=mask,
+                use_cache=True,
+                **{self.cache_kwarg: self.cache},
+            )
         self.valid = torch.cat([self.valid, real], dim=1)
         self.lengths = self.lengths + real.sum(1)
         aux = torch.stack([captured[slot] for slot in range(len(self.capture.layer_ids))], dim=2)
@@ -97,8 +102,9 @@ class BatchDraft:
         self.lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
         self.spec_steps = 0  # chain steps since the last extend
 
-    def _run(self, tokens: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-             real: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(
+        self, tokens: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, real: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step over flat queries (their row and RoPE position); real queries may see real
         entries of their row at positions <= theirs, speculative ones all real entries of their row and
         the speculation's earlier entries."""
@@ -115,24 +121,31 @@ class BatchDraft:
         same_row = rows[:, None] == self.entry_rows[None, :]  # [T, N]
         index = torch.arange(len(self.entry_rows), device=self.device)
         if real:
-            mask = same_row & (self.entry_positions[None, :] <= positions[:, None]) & (index[None, :] < self.real_entries)
+            mask = (
+                same_row & (self.entry_positions[None, :] <= positions[:, None]) & (index[None, :] < self.real_entries)
+            )
         else:  # this step's own entry is at before + i
             earlier = index[None, :] < before
-            mask = same_row & (earlier | (index[None, :] == before + torch.arange(len(rows), device=self.device)[:, None]))
+            mask = same_row & (
+                earlier | (index[None, :] == before + torch.arange(len(rows), device=self.device)[:, None])
+            )
         cos, sin = draft_rope(self.draft, positions)
 
         def attend_with(layer: _FlatCache):
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 layer.keys, layer.values = torch.cat([layer.keys, k], 1), torch.cat([layer.values, v], 1)
-                return F.scaled_dot_product_attention(q, layer.keys, layer.values, attn_mask=mask,
-                                                      enable_gqa=q.shape[0] != k.shape[0])
+                return F.scaled_dot_product_attention(
+                    q, layer.keys, layer.values, attn_mask=mask, enable_gqa=q.shape[0] != k.shape[0]
+                )
 
             return attend
 
         return self.draft.step(tokens, hidden, cos, sin, [attend_with(layer) for layer in self.layers])
 
     @decode_step
-    def extend(self, tokens: torch.Tensor, aux: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def extend(
+        self, tokens: torch.Tensor, aux: torch.Tensor, counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Row b's next ``counts[b]`` real positions: ``tokens`` [B, q] and target features ``aux`` [B, q, 3, H]
         (the first counts[b] of each row are used). Returns each row's last hidden [B, H] and logits [B, Vd]."""
         width = tokens.shape[1]
@@ -171,8 +184,9 @@ def _prefill(target: BatchTarget, prompts: list[list[int]]) -> tuple[torch.Tenso
     return first, aux, lengths
 
 
-def batched_target_only_decode(target: BatchTarget, prompts: list[list[int]], max_new: int,
-                               stop_ids: set[int]) -> list[DecodeResult]:
+def batched_target_only_decode(
+    target: BatchTarget, prompts: list[list[int]], max_new: int, stop_ids: set[int]
+) -> list[DecodeResult]:
     """The baseline: the same batched engine, one target forward per token, no draft (greedy)."""
     sync(target.device)
     started = time.perf_counter()
@@ -189,8 +203,9 @@ def batched_target_only_decode(target: BatchTarget, prompts: list[list[int]], ma
     return [DecodeResult(finish(out, stop_ids, max_new)[0], seconds=seconds / len(prompts)) for out in outputs]
 
 
-def batched_speculative_decode(target: BatchTarget, draft: BatchDraft, prompts: list[list[int]], max_new: int,
-                               depth: int, stop_ids: set[int]) -> list[DecodeResult]:
+def batched_speculative_decode(
+    target: BatchTarget, draft: BatchDraft, prompts: list[list[int]], max_new: int, depth: int, stop_ids: set[int]
+) -> list[DecodeResult]:
     """Greedy chain speculative decoding of every prompt at once; each row's output is the target's own
     greedy decoding of that prompt (rows that finish keep running until all have, their extra tokens dropped)."""
     device = target.device
@@ -236,5 +251,7 @@ def batched_speculative_decode(target: BatchTarget, draft: BatchDraft, prompts: 
             done[row] = finish(outputs[row], stop_ids, max_new)[1]
     sync(device)
     seconds = time.perf_counter() - started
-    return [DecodeResult(finish(out, stop_ids, max_new)[0], counts, seconds / rows)
-            for out, counts in zip(outputs, accepted_counts)]
+    return [
+        DecodeResult(finish(out, stop_ids, max_new)[0], counts, seconds / rows)
+        for out, counts in zip(outputs, accepted_counts)
+    ]

@@ -24,15 +24,16 @@ import time
 
 import torch
 
-from ..draft import Eagle3Draft
+from ..model.draft import Eagle3Draft
 from .common import DecodeResult, draft_rope, finish, sync
 from .runners import DraftRunner, TargetRunner
 from .sampling import Sampling, accept_or_resample
 from .static import RoundGraph, Rounds, StaticDraft, StaticTarget, decode_in_rounds
 
 
-def _greedy_chain_round(target: TargetRunner, draft: DraftRunner, last: int, hidden: torch.Tensor,
-                        draft_logits: torch.Tensor, depth: int) -> tuple[list[int], int, int, torch.Tensor]:
+def _greedy_chain_round(
+    target: TargetRunner, draft: DraftRunner, last: int, hidden: torch.Tensor, draft_logits: torch.Tensor, depth: int
+) -> tuple[list[int], int, int, torch.Tensor]:
     """Draft d_1..d_D and verify them, keeping every token on the device until one host read at the end
     (a 135M target is launch-bound: each host sync would stall the queue). Returns (proposals,
     accepted count, the target's correction or bonus token, the verify pass's aux features)."""
@@ -47,11 +48,20 @@ def _greedy_chain_round(target: TargetRunner, draft: DraftRunner, last: int, hid
     accepted = (choices[:depth] == drafted).int().cumprod(0).sum()
     host = torch.cat([choices, accepted[None], drafted]).tolist()
     accepted = host[depth + 1]
-    return host[depth + 2:], accepted, host[accepted], verify_aux
+    return host[depth + 2 :], accepted, host[accepted], verify_aux
 
-def _sampled_chain_round(target: TargetRunner, draft: DraftRunner, last: int, hidden: torch.Tensor,
-                         draft_logits: torch.Tensor, depth: int, vocab: int, sampling: Sampling,
-                         generator: torch.Generator | None) -> tuple[list[int], int, int, torch.Tensor]:
+
+def _sampled_chain_round(
+    target: TargetRunner,
+    draft: DraftRunner,
+    last: int,
+    hidden: torch.Tensor,
+    draft_logits: torch.Tensor,
+    depth: int,
+    vocab: int,
+    sampling: Sampling,
+    generator: torch.Generator | None,
+) -> tuple[list[int], int, int, torch.Tensor]:
     """The same round with rejection sampling: each draft token drawn from the draft's distribution,
     accepted with min(1, p/q), the first rejection resampled from the residual."""
     proposals, proposal_probs = [], []
@@ -73,15 +83,27 @@ def _sampled_chain_round(target: TargetRunner, draft: DraftRunner, last: int, hi
         correction = sampling.pick(verify_logits[depth], generator)
     return proposals, accepted, correction, verify_aux
 
-def speculative_decode(target: TargetRunner, draft: DraftRunner, prompt: list[int], max_new: int, depth: int,
-                       sampling: Sampling, stop_ids: set[int], generator: torch.Generator | None = None) -> DecodeResult:
+
+def speculative_decode(
+    target: TargetRunner,
+    draft: DraftRunner,
+    prompt: list[int],
+    max_new: int,
+    depth: int,
+    sampling: Sampling,
+    stop_ids: set[int],
+    generator: torch.Generator | None = None,
+) -> DecodeResult:
     """Chain speculative decoding on dynamic caches (see the module docstring)."""
     sync(target.device)
     started = time.perf_counter()
     target.reset()
     draft.reset()
-    vocab = target.model.config.get_text_config().vocab_size if hasattr(target.model.config, "get_text_config") \
+    vocab = (
+        target.model.config.get_text_config().vocab_size
+        if hasattr(target.model.config, "get_text_config")
         else target.model.config.vocab_size
+    )
     logits, aux = target.forward(prompt)
     out = [sampling.pick(logits[-1], generator)]
     hidden, draft_logits = draft.extend(prompt[1:] + [out[-1]], aux)
@@ -89,12 +111,13 @@ def speculative_decode(target: TargetRunner, draft: DraftRunner, prompt: list[in
     while not finish(out, stop_ids, max_new)[1]:
         base = target.length  # position of out[-1]
         if sampling.greedy:
-            proposals, accepted, correction, verify_aux = _greedy_chain_round(target, draft, out[-1], hidden,
-                                                                              draft_logits, depth)
+            proposals, accepted, correction, verify_aux = _greedy_chain_round(
+                target, draft, out[-1], hidden, draft_logits, depth
+            )
         else:
-            proposals, accepted, correction, verify_aux = _sampled_chain_round(target, draft, out[-1], hidden,
-                                                                               draft_logits, depth, vocab, sampling,
-                                                                               generator)
+            proposals, accepted, correction, verify_aux = _sampled_chain_round(
+                target, draft, out[-1], hidden, draft_logits, depth, vocab, sampling, generator
+            )
         new_tokens = proposals[:accepted] + [correction]
         accepted_counts.append(accepted)
         out.extend(new_tokens)
@@ -104,10 +127,13 @@ def speculative_decode(target: TargetRunner, draft: DraftRunner, prompt: list[in
     sync(target.device)
     return DecodeResult(finish(out, stop_ids, max_new)[0], accepted_counts, time.perf_counter() - started)
 
+
 class StaticChainDraft(StaticDraft):
     """The draft on a static cache whose round is: extend, then propose a chain of D tokens."""
 
-    def __init__(self, draft: Eagle3Draft, max_len: int, depth: int, graphs: bool | None = None, compiled: bool = False):
+    def __init__(
+        self, draft: Eagle3Draft, max_len: int, depth: int, graphs: bool | None = None, compiled: bool = False
+    ):
         super().__init__(draft, max_len, depth, spec_slots=depth, graphs=graphs, compiled=compiled)
 
     def _round(self) -> tuple[torch.Tensor, ...]:
@@ -120,7 +146,9 @@ class StaticChainDraft(StaticDraft):
             cos, sin = draft_rope(self.draft, (end - 1 + step).view(1))  # step j: the last real position + j
             spec_slot = self.max_len + step - 1
             mask = (real | ((self._slot >= self.max_len) & (self._slot <= spec_slot)))[None]  # [1, slots]
-            hidden, logits = self.draft.step(token, hidden, cos, sin, self._attends(self._slot[spec_slot:spec_slot + 1], mask))
+            hidden, logits = self.draft.step(
+                token, hidden, cos, sin, self._attends(self._slot[spec_slot : spec_slot + 1], mask)
+            )
             token = self.used[logits.argmax(-1)]
             drafted.append(token)
         return (torch.cat(drafted),)
@@ -128,6 +156,7 @@ class StaticChainDraft(StaticDraft):
     def round(self, tokens: torch.Tensor, aux: torch.Tensor, real_rows: torch.Tensor) -> torch.Tensor:
         """As ``StaticDraft.round``: the proposals [D]."""
         return self._run_round(tokens, aux, real_rows)[0]
+
 
 class ChainRounds(Rounds):
     """Draft a chain of D, verify [x, d_1..d_D], keep the agreeing prefix and the target's next token."""
@@ -157,8 +186,15 @@ class ChainRounds(Rounds):
         draft.in_real_rows.copy_(accepted + 1)
         return torch.cat([accepted.view(1), new_tokens])
 
-def static_chain_decode(target: StaticTarget, draft: StaticChainDraft, prompt: list[int], max_new: int,
-                        stop_ids: set[int], rounds: ChainRounds | None = None) -> DecodeResult:
+
+def static_chain_decode(
+    target: StaticTarget,
+    draft: StaticChainDraft,
+    prompt: list[int],
+    max_new: int,
+    stop_ids: set[int],
+    rounds: ChainRounds | None = None,
+) -> DecodeResult:
     """Greedy chain speculative decoding (``speculative_decode``'s tokens and acceptance), each round
     one graph and one host read. Pass the same ``rounds`` (``ChainRounds(target, draft)``) for every prompt so
     its graph is captured once."""

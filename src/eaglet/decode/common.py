@@ -9,8 +9,8 @@ from typing import Iterable, Protocol
 
 import torch
 
-from ..draft import Eagle3Draft
-from ..target import decoding_attention
+from ..model.draft import Eagle3Draft
+from ..model.target import decoding_attention
 
 
 class Verified(Protocol):
@@ -57,10 +57,12 @@ def sync(device: torch.device) -> None:
 
 def decode_step(method):
     """Run a decoding method under inference mode with the decode attention backends."""
+
     @functools.wraps(method)
     def run(*args, **kwargs):
         with torch.inference_mode(), decoding_attention():
             return method(*args, **kwargs)
+
     return run
 
 
@@ -79,3 +81,30 @@ def draft_rope(draft: Eagle3Draft, positions: torch.Tensor) -> tuple[torch.Tenso
     cos, sin = draft.rope(positions)
     dtype = draft.fc.weight.dtype
     return cos.to(dtype), sin.to(dtype)
+
+
+@dataclass
+class Tree:
+    """Draft tokens as a tree: index 0 is the root (the newest real token), parents come before children."""
+
+    tokens: list[int]
+    parents: list[int]  # -1 for the root
+    depths: list[int]  # 0 for the root
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[N, N] bool: j is i or an ancestor of i (what node i may attend to inside the tree)."""
+        size = len(self.tokens)
+        mask = torch.eye(size, dtype=torch.bool)
+        for node in range(1, size):
+            mask[node] |= mask[self.parents[node]]
+        return mask
+
+    def children(self, node: int) -> list[int]:
+        """Node indices whose parent is ``node``, best draft score first (the tree's order)."""
+        return [index for index in range(node + 1, len(self.tokens)) if self.parents[index] == node]
+
+    def child(self, node: int, token: int) -> int | None:
+        for index in range(node + 1, len(self.tokens)):
+            if self.parents[index] == node and self.tokens[index] == token:
+                return index
+        return None

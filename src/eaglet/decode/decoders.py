@@ -11,9 +11,9 @@ import torch
 from rich.console import Console
 
 from ..config import EvalConfig
-from ..draft import Eagle3Draft
 from ..errors import EagletError
-from ..support import compiles_draft_round, draft_compile_problem, uses_static_cache
+from ..model.draft import Eagle3Draft
+from ..model.support import compiles_draft_round, draft_compile_problem, uses_static_cache
 from .baseline import GreedyTargetSteps, static_target_decode, target_only_decode
 from .batched import BatchDraft, BatchTarget, batched_speculative_decode, batched_target_only_decode
 from .chain import ChainRounds, StaticChainDraft, speculative_decode, static_chain_decode
@@ -58,8 +58,16 @@ def check_settings(config: EvalConfig) -> None:
         raise EagletError(problem)
 
 
-def make_decoders(config: EvalConfig, model: torch.nn.Module, draft: Eagle3Draft, layer_ids: tuple[int, ...],
-                  stop: set[int], longest_prompt: int, device: str, console: Console) -> Decoders:
+def make_decoders(
+    config: EvalConfig,
+    model: torch.nn.Module,
+    draft: Eagle3Draft,
+    layer_ids: tuple[int, ...],
+    stop: set[int],
+    longest_prompt: int,
+    device: str,
+    console: Console,
+) -> Decoders:
     check_settings(config)
     if config.batch_size > 1:
         return _batched(config, model, draft, layer_ids, stop)
@@ -69,7 +77,9 @@ def make_decoders(config: EvalConfig, model: torch.nn.Module, draft: Eagle3Draft
     target: TargetRunner | StaticTarget = TargetRunner(model, layer_ids)
     if static:
         try:  # greedy rounds verify inside their own graph; sampled ones verify through a bucket of this size
-            target = StaticTarget(model, layer_ids, cache_length, verify_tokens=1 if sampling.greedy else verify_tokens(config))
+            target = StaticTarget(
+                model, layer_ids, cache_length, verify_tokens=1 if sampling.greedy else verify_tokens(config)
+            )
         except EagletError as error:
             if config.cuda_graphs == "on":
                 raise
@@ -82,12 +92,21 @@ def make_decoders(config: EvalConfig, model: torch.nn.Module, draft: Eagle3Draft
     if problem:
         console.print(f"eaglet eval: the draft's rounds run uncompiled: {problem}")
         compiled = False
-    settings = {"static_cache": static, "cuda_graphs": static and device.startswith("cuda"),
-                "static_draft": static and sampling.greedy, "compiled_draft": compiled}
+    settings = {
+        "static_cache": static,
+        "cuda_graphs": static and device.startswith("cuda"),
+        "static_draft": static and sampling.greedy,
+        "compiled_draft": compiled,
+    }
     speculate, baseline = (_graphed if static and sampling.greedy else _dynamic)(
-        config, target, draft, stop, sampling, cache_length, compiled)
-    decoders = Decoders(lambda prompts, max_new, seed: [speculate(prompts[0], max_new, seed)],
-                        lambda prompts, max_new, seed: [baseline(prompts[0], max_new, seed)], 1, settings)
+        config, target, draft, stop, sampling, cache_length, compiled
+    )
+    decoders = Decoders(
+        lambda prompts, max_new, seed: [speculate(prompts[0], max_new, seed)],
+        lambda prompts, max_new, seed: [baseline(prompts[0], max_new, seed)],
+        1,
+        settings,
+    )
     if isinstance(target, StaticTarget):
         capture_all, warm = target.capture_all, decoders.warm_up
 
@@ -99,8 +118,15 @@ def make_decoders(config: EvalConfig, model: torch.nn.Module, draft: Eagle3Draft
     return decoders
 
 
-def _graphed(config: EvalConfig, target: StaticTarget, draft: Eagle3Draft, stop: set[int], sampling: Sampling,
-             cache_length: int, compiled: bool) -> tuple[Callable, Callable]:
+def _graphed(
+    config: EvalConfig,
+    target: StaticTarget,
+    draft: Eagle3Draft,
+    stop: set[int],
+    sampling: Sampling,
+    cache_length: int,
+    compiled: bool,
+) -> tuple[Callable, Callable]:
     """Greedy decoding with each round (and each baseline step) one CUDA graph on GPU."""
     steps = GreedyTargetSteps(target)
     if config.mode == "chain":
@@ -122,16 +148,24 @@ def _graphed(config: EvalConfig, target: StaticTarget, draft: Eagle3Draft, stop:
     return speculate, baseline
 
 
-def _dynamic(config: EvalConfig, target: TargetRunner | StaticTarget, draft: Eagle3Draft, stop: set[int],
-             sampling: Sampling, cache_length: int, compiled: bool) -> tuple[Callable, Callable]:
+def _dynamic(
+    config: EvalConfig,
+    target: TargetRunner | StaticTarget,
+    draft: Eagle3Draft,
+    stop: set[int],
+    sampling: Sampling,
+    cache_length: int,
+    compiled: bool,
+) -> tuple[Callable, Callable]:
     """The draft on dynamic caches, eagerly (sampling, or no static cache); the target on either."""
     runner = DraftRunner(draft)
 
     def speculate(ids: list[int], max_new: int, seed: int) -> DecodeResult:
         generator = torch.Generator().manual_seed(seed)
         if config.mode == "tree":
-            return tree_decode(target, runner, ids, max_new, config.depth, config.topk, config.budget, stop, sampling,
-                               generator)
+            return tree_decode(
+                target, runner, ids, max_new, config.depth, config.topk, config.budget, stop, sampling, generator
+            )
         return speculative_decode(target, runner, ids, max_new, config.depth, sampling, stop, generator)
 
     def baseline(ids: list[int], max_new: int, seed: int) -> DecodeResult:
@@ -140,11 +174,16 @@ def _dynamic(config: EvalConfig, target: TargetRunner | StaticTarget, draft: Eag
     return speculate, baseline
 
 
-def _batched(config: EvalConfig, model: torch.nn.Module, draft: Eagle3Draft, layer_ids: tuple[int, ...],
-             stop: set[int]) -> Decoders:
+def _batched(
+    config: EvalConfig, model: torch.nn.Module, draft: Eagle3Draft, layer_ids: tuple[int, ...], stop: set[int]
+) -> Decoders:
     """Greedy chains for ``batch_size`` prompts at once; a group's wall time is shared evenly by its rows."""
     target, batch_draft = BatchTarget(model, layer_ids), BatchDraft(draft)
     return Decoders(
-        lambda prompts, max_new, seed: batched_speculative_decode(target, batch_draft, prompts, max_new, config.depth, stop),
+        lambda prompts, max_new, seed: batched_speculative_decode(
+            target, batch_draft, prompts, max_new, config.depth, stop
+        ),
         lambda prompts, max_new, seed: batched_target_only_decode(target, prompts, max_new, stop),
-        config.batch_size, {"static_cache": False, "cuda_graphs": False, "static_draft": False, "compiled_draft": False})
+        config.batch_size,
+        {"static_cache": False, "cuda_graphs": False, "static_draft": False, "compiled_draft": False},
+    )

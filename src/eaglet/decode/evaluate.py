@@ -16,20 +16,20 @@ from rich.console import Console
 from .. import __version__
 from ..config import EvalConfig
 from ..data.readers import BadRow, read_conversations
-from ..draft import load_draft
 from ..errors import EagletError
 from ..formats.files import REPORT_FILE, REPORT_MARKDOWN_FILE
 from ..formats.target_record import require_same_target, stage_target
 from ..fsio import check_output_apart, check_output_dir, write_json_atomic
+from ..model.distributed import from_main, init_distributed
+from ..model.draft import load_draft
+from ..model.placement import input_device, output_device
+from ..model.target import load_head_weights, load_model, load_tokenizer, resolve_target, target_info
 from ..progress import progress_bar
 from ..resources import resolve_input
-from ..distributed import from_main, init_distributed
-from ..placement import input_device, output_device
-from ..target import load_head_weights, load_model, load_tokenizer, resolve_target, target_info
 from .common import acceptance_length
 from .decoders import check_settings, make_decoders
-from .tune import tune_tree
 from .runners import TargetRunner
+from .tune import tune_tree
 
 
 @dataclass
@@ -45,8 +45,9 @@ class PromptResult:
     divergence: dict[str, Any] | None = None  # where a greedy output left the target's own (``_divergence``)
 
 
-def _divergence(model: Any, layer_ids: tuple[int, ...], prompt: list[int], expected: list[int],
-                got: list[int]) -> dict[str, Any]:
+def _divergence(
+    model: Any, layer_ids: tuple[int, ...], prompt: list[int], expected: list[int], got: list[int]
+) -> dict[str, Any]:
     """Where the speculative output first left the target's own greedy decoding, and how much the target
     preferred its own token there: the logit gap, also in units of the dtype's rounding at that logit
     (eps * |logit|). A gap of a few units is a near-tie that a k-token verification's different rounding
@@ -61,8 +62,12 @@ def _divergence(model: Any, layer_ids: tuple[int, ...], prompt: list[int], expec
         chosen = float(logits[expected[position]])
         gap = chosen - float(logits[got[position]])
         unit = torch.finfo(next(model.parameters()).dtype).eps * max(abs(chosen), 1.0)
-        record.update(target_token=expected[position], speculative_token=got[position], logit_gap=round(gap, 5),
-                      rounding_units=round(gap / unit, 2))
+        record.update(
+            target_token=expected[position],
+            speculative_token=got[position],
+            logit_gap=round(gap, 5),
+            rounding_units=round(gap / unit, 2),
+        )
     return record
 
 
@@ -81,8 +86,9 @@ def _prompts(config: EvalConfig, tokenizer: Any) -> list[tuple[str, str, list[in
     return _spread(rows, config.max_prompts) if config.max_prompts else rows
 
 
-def _tuning_prompts(config: EvalConfig, tokenizer: Any,
-                    evaluated: list[tuple[str, str, list[int]]]) -> tuple[list[tuple[str, str, list[int]]], str]:
+def _tuning_prompts(
+    config: EvalConfig, tokenizer: Any, evaluated: list[tuple[str, str, list[int]]]
+) -> tuple[list[tuple[str, str, list[int]]], str]:
     """Prompts to time tree shapes on: the train split's when held-out prompts are evaluated (the shape is not
     chosen on the prompts it is judged on), else the first evaluated ones."""
     if config.split == "heldout":
@@ -94,8 +100,9 @@ def _tuning_prompts(config: EvalConfig, tokenizer: Any,
     return evaluated[: config.tune_prompts], "evaluated prompts"
 
 
-def _tuned(config: EvalConfig, build: Any, prompts: list[list[int]], tuned_on: str, dist: Any,
-           device: str) -> tuple[EvalConfig, dict[str, Any]]:
+def _tuned(
+    config: EvalConfig, build: Any, prompts: list[list[int]], tuned_on: str, dist: Any, device: str
+) -> tuple[EvalConfig, dict[str, Any]]:
     """The config with the tree shape ``tune_tree`` found fastest (rank 0's under torchrun: ranks time apart but
     must decode alike), and the report's record of the tuning."""
     fastest, trees = tune_tree(config, build, prompts)
@@ -120,8 +127,13 @@ def _hf_generate_tokens_per_s(model: Any, prompts: list[list[int]], max_new: int
     tokens, started = 0, time.perf_counter()
     for ids in prompts:
         with torch.inference_mode():
-            out = model.generate(torch.tensor([ids], device=device), max_new_tokens=max_new, do_sample=False,
-                                 eos_token_id=stop, pad_token_id=stop[0])
+            out = model.generate(
+                torch.tensor([ids], device=device),
+                max_new_tokens=max_new,
+                do_sample=False,
+                eos_token_id=stop,
+                pad_token_id=stop[0],
+            )
         tokens += out.shape[1] - len(ids)
     return tokens / (time.perf_counter() - started)
 
@@ -135,8 +147,9 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     tokenizer = load_tokenizer(resolved.path, config.trust_remote_code)
     info = target_info(resolved, tokenizer)
     draft = load_draft(config.draft, embed=load_head_weights(resolved.path).embed.float())
-    require_same_target(info.identity, draft.config.target, str(config.draft), "trained for",
-                        "pass the matching --target")
+    require_same_target(
+        info.identity, draft.config.target, str(config.draft), "trained for", "pass the matching --target"
+    )
     layer_ids = tuple(draft.config.eagle_aux_hidden_state_layer_ids)
     dist = init_distributed()  # --placement tp: every rank runs the same decoding; rank 0 reports
     device = dist.device(config.device)
@@ -144,20 +157,41 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     device = str(output_device(model))  # the draft runs where the target's logits and features come out
     draft = draft.to(device=device, dtype=next(model.parameters()).dtype).eval()
     greedy = config.temperature <= 0
-    stop = sorted({i for i in [tokenizer.eos_token_id, *(model.generation_config.eos_token_id
-                   if isinstance(model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])] if i is not None})
+    stop = sorted(
+        {
+            i
+            for i in [
+                tokenizer.eos_token_id,
+                *(
+                    model.generation_config.eos_token_id
+                    if isinstance(model.generation_config.eos_token_id, list)
+                    else [model.generation_config.eos_token_id]
+                ),
+            ]
+            if i is not None
+        }
+    )
     prompts = _prompts(config, tokenizer)
     tuning = None
     if config.tune:
         tune_rows, tuned_on = _tuning_prompts(config, tokenizer, prompts)
         longest = max(len(row[2]) for row in prompts + tune_rows)
-        config, tuning = _tuned(config, lambda shaped: make_decoders(shaped, model, draft, layer_ids, set(stop), longest,
-                                                                     device, console),
-                                [row[2] for row in tune_rows], tuned_on, dist, device)
-        console.print(f"eaglet eval --tune: tree {'/'.join(map(str, tuning['chosen']))} (" + ", ".join(
-            f"{'/'.join(map(str, t['tree']))}: {t['tokens_per_s']:.1f} tok/s" for t in tuning["trees"]) + ")")
-    decoders = make_decoders(config, model, draft, layer_ids, set(stop), max(len(p[2]) for p in prompts), device,
-                             console)
+        config, tuning = _tuned(
+            config,
+            lambda shaped: make_decoders(shaped, model, draft, layer_ids, set(stop), longest, device, console),
+            [row[2] for row in tune_rows],
+            tuned_on,
+            dist,
+            device,
+        )
+        console.print(
+            f"eaglet eval --tune: tree {'/'.join(map(str, tuning['chosen']))} ("
+            + ", ".join(f"{'/'.join(map(str, t['tree']))}: {t['tokens_per_s']:.1f} tok/s" for t in tuning["trees"])
+            + ")"
+        )
+    decoders = make_decoders(
+        config, model, draft, layer_ids, set(stop), max(len(p[2]) for p in prompts), device, console
+    )
     decoders.warm_up([row[2] for row in prompts[: decoders.group_size]])
     results = []
     with progress_bar("prompts", console) as progress:
@@ -169,9 +203,22 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
             spec = decoders.speculative(ids, config.max_new_tokens, config.seed + start)
             for (prompt_id, category, prompt), plain, drafted in zip(group, base, spec):
                 lossless = (drafted.tokens == plain.tokens) if greedy else None
-                divergence = _divergence(model, layer_ids, prompt, plain.tokens, drafted.tokens) if lossless is False else None
-                results.append(PromptResult(prompt_id, category, len(drafted.tokens), drafted.forwards, drafted.accepted,
-                                            drafted.seconds, plain.seconds, lossless, divergence))
+                divergence = (
+                    _divergence(model, layer_ids, prompt, plain.tokens, drafted.tokens) if lossless is False else None
+                )
+                results.append(
+                    PromptResult(
+                        prompt_id,
+                        category,
+                        len(drafted.tokens),
+                        drafted.forwards,
+                        drafted.accepted,
+                        drafted.seconds,
+                        plain.seconds,
+                        lossless,
+                        divergence,
+                    )
+                )
             progress.advance(task, len(group))
     report = _report(config, results, info.name, str(device))
     report["settings"].update(decoders.settings)
@@ -179,7 +226,8 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
         report["tuning"] = tuning
     if config.hf_generate_baseline:
         report["hf_generate_tokens_per_s"] = round(
-            _hf_generate_tokens_per_s(model, [p[2] for p in prompts], config.max_new_tokens, stop), 2)
+            _hf_generate_tokens_per_s(model, [p[2] for p in prompts], config.max_new_tokens, stop), 2
+        )
     if dist.is_main:
         out = Path(config.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -204,23 +252,44 @@ def _report(config: EvalConfig, results: list[PromptResult], target_name: str, d
     lossless = [r.lossless for r in results if r.lossless is not None]
     return {
         "acceptance_length": tau(results),
-        "acceptance_by_position": [round(sum(a > i for a in rounds) / max(1, len(rounds)), 4) for i in range(config.depth)],
+        "acceptance_by_position": [
+            round(sum(a > i for a in rounds) / max(1, len(rounds)), 4) for i in range(config.depth)
+        ],
         "tokens_per_s": round(tokens / spec_s, 2) if spec_s else None,
         "baseline_tokens_per_s": round(sum(r.tokens for r in results) / base_s, 2) if base_s else None,
         "speedup": round(base_s / spec_s, 4) if spec_s else None,
         "lossless": all(lossless) if lossless else None,
         "lossless_failures": [r.id for r in results if r.lossless is False],
         "divergences": {r.id: r.divergence for r in results if r.divergence is not None},
-        "per_category": {name: {"prompts": len(items), "acceptance_length": tau(items)} for name, items in sorted(by_category.items())},
-        "prompts": len(results), "generated_tokens": tokens, "target_forwards": forwards,
-        "settings": {"target": target_name, "draft": config.draft, "mode": config.mode, "depth": config.depth,
-                     "topk": config.topk if config.mode == "tree" else None,
-                     "budget": config.budget if config.mode == "tree" else None,
-                     "temperature": config.temperature, "top_p": config.top_p, "max_new_tokens": config.max_new_tokens,
-                     "batch_size": config.batch_size,
-                     "split": config.split, "device": device, "dtype": config.dtype, "seed": config.seed},
-        "versions": {"eaglet": __version__, "torch": torch.__version__, "python": platform.python_version(),
-                     "transformers": __import__("transformers").__version__},
+        "per_category": {
+            name: {"prompts": len(items), "acceptance_length": tau(items)}
+            for name, items in sorted(by_category.items())
+        },
+        "prompts": len(results),
+        "generated_tokens": tokens,
+        "target_forwards": forwards,
+        "settings": {
+            "target": target_name,
+            "draft": config.draft,
+            "mode": config.mode,
+            "depth": config.depth,
+            "topk": config.topk if config.mode == "tree" else None,
+            "budget": config.budget if config.mode == "tree" else None,
+            "temperature": config.temperature,
+            "top_p": config.top_p,
+            "max_new_tokens": config.max_new_tokens,
+            "batch_size": config.batch_size,
+            "split": config.split,
+            "device": device,
+            "dtype": config.dtype,
+            "seed": config.seed,
+        },
+        "versions": {
+            "eaglet": __version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "transformers": __import__("transformers").__version__,
+        },
     }
 
 
@@ -228,8 +297,11 @@ def _engine_words(settings: dict[str, Any]) -> str:
     if not settings.get("static_cache"):
         return "dynamic KV caches, eager kernels"
     graphs = "replayed as CUDA graphs" if settings.get("cuda_graphs") else "run eagerly (no GPU)"
-    drafted = ("each round (draft, verification, acceptance) one replay, the baseline's step one replay"
-               if settings.get("static_draft") else "the draft eager (sampling)")
+    drafted = (
+        "each round (draft, verification, acceptance) one replay, the baseline's step one replay"
+        if settings.get("static_draft")
+        else "the draft eager (sampling)"
+    )
     return f"static KV caches, the target's forwards {graphs}; {drafted}"
 
 
@@ -238,9 +310,11 @@ def _divergence_lines(report: dict[str, Any]) -> list[str]:
     if not gaps:
         return []
     widest = max(gaps, key=lambda d: d["logit_gap"])
-    return [f"- {len(report['lossless_failures'])} prompts diverged; where they did, the target preferred its own token "
-            f"by at most {widest['logit_gap']:.4g} logits ({widest['rounding_units']:.3g}× its dtype's rounding at that "
-            "logit): per prompt in report.json `divergences`"]
+    return [
+        f"- {len(report['lossless_failures'])} prompts diverged; where they did, the target preferred its own token "
+        f"by at most {widest['logit_gap']:.4g} logits ({widest['rounding_units']:.3g}× its dtype's rounding at that "
+        "logit): per prompt in report.json `divergences`"
+    ]
 
 
 def _markdown(report: dict[str, Any]) -> str:
@@ -253,15 +327,22 @@ def _markdown(report: dict[str, Any]) -> str:
         f"- speed: {report['tokens_per_s']} tok/s vs {report['baseline_tokens_per_s']} tok/s without the draft "
         f"(same engine, same process): **{report['speedup']:.2f}×**",
         f"- lossless (greedy outputs identical to the target's own): {report['lossless']}"
-        + (f" (in {settings['dtype']}: a k-token verify rounds differently from a 1-token step, so near-tied tokens can "
-           "flip; `--dtype float32` checks exactly)" if report["lossless"] is False and settings["dtype"] != "float32" else ""),
+        + (
+            f" (in {settings['dtype']}: a k-token verify rounds differently from a 1-token step, so near-tied tokens can "
+            "flip; `--dtype float32` checks exactly)"
+            if report["lossless"] is False and settings["dtype"] != "float32"
+            else ""
+        ),
         *_divergence_lines(report),
         f"- {report['prompts']} prompts ({settings['split']} split), {report['generated_tokens']} tokens, device {settings['device']}",
         f"- engine: {_engine_words(settings)}",
         "",
         "| category | prompts | τ |",
         "|---|---|---|",
-        *[f"| {name} | {row['prompts']} | {row['acceptance_length']:.2f} |" for name, row in report["per_category"].items()],
+        *[
+            f"| {name} | {row['prompts']} | {row['acceptance_length']:.2f} |"
+            for name, row in report["per_category"].items()
+        ],
         "",
         "Acceptance by draft position: " + ", ".join(f"{p:.2f}" for p in report["acceptance_by_position"]),
         "",
@@ -275,10 +356,18 @@ def _markdown(report: dict[str, Any]) -> str:
 def _tuning_lines(tuning: dict[str, Any] | None) -> list[str]:
     if not tuning:
         return []
-    return [f"Tree shape chosen by timing ({tuning['prompts']} prompts, {tuning['prompts_from']}):", "",
-            "| depth/top-k/budget | tok/s | τ |", "|---|---|---|",
-            *[f"| {'/'.join(map(str, t['tree']))}{' (chosen)' if t['tree'] == tuning['chosen'] else ''} | "
-              f"{t['tokens_per_s']:.1f} | {t['acceptance_length']:.2f} |" for t in tuning["trees"]], ""]
+    return [
+        f"Tree shape chosen by timing ({tuning['prompts']} prompts, {tuning['prompts_from']}):",
+        "",
+        "| depth/top-k/budget | tok/s | τ |",
+        "|---|---|---|",
+        *[
+            f"| {'/'.join(map(str, t['tree']))}{' (chosen)' if t['tree'] == tuning['chosen'] else ''} | "
+            f"{t['tokens_per_s']:.1f} | {t['acceptance_length']:.2f} |"
+            for t in tuning["trees"]
+        ],
+        "",
+    ]
 
 
 def _plots(report: dict[str, Any], out: Path) -> None:

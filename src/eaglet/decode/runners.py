@@ -10,19 +10,15 @@ drops the speculation when real positions are added.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from ..capture import FeatureCapture
-from ..placement import full
-from ..draft import Eagle3Draft
 from ..errors import EagletError
-from .common import cache_kwarg, decode_step, draft_rope, draft_target_ids
-
-if TYPE_CHECKING:
-    from .tree import Tree
+from ..model.capture import FeatureCapture
+from ..model.draft import Eagle3Draft
+from ..model.placement import full
+from .common import Tree, cache_kwarg, decode_step, draft_rope, draft_target_ids
 
 
 class TargetRunner:
@@ -45,12 +41,18 @@ class TargetRunner:
         return self.cache.get_seq_length() if self.cache is not None else 0
 
     @decode_step
-    def forward(self, tokens: list[int] | torch.Tensor, tree: "Tree | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, tokens: list[int] | torch.Tensor, tree: "Tree | None" = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``tokens`` (a list, or a device tensor [n] so drafting need not wait for the host); return
         logits [n, V] (float32) and aux features [n, 3, H]. With ``tree``, the tokens are a tree (root
         first) and each one attends only to the cache and its ancestors."""
         start = self.length
-        ids = tokens[None].to(self.device) if isinstance(tokens, torch.Tensor) else torch.tensor([tokens], device=self.device)
+        ids = (
+            tokens[None].to(self.device)
+            if isinstance(tokens, torch.Tensor)
+            else torch.tensor([tokens], device=self.device)
+        )
         extra: dict = {}
         if tree is None:
             positions = torch.arange(start, start + len(tokens), device=self.device)[None]
@@ -61,11 +63,13 @@ class TargetRunner:
             extra["attention_mask"] = mask
         captured: dict[int, torch.Tensor] = {}
         with self.capture.hooks(captured):
-            out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **{self.cache_kwarg: self.cache},
-                             **extra)
+            out = self.model(
+                input_ids=ids, position_ids=positions, use_cache=True, **{self.cache_kwarg: self.cache}, **extra
+            )
         logits = full(out.logits[0]).float()  # [n, V]
-        aux = torch.stack([full(captured[slot]).to(logits.device) for slot in range(len(self.capture.layer_ids))],
-                          dim=2)[0]  # [n, 3, H]
+        aux = torch.stack(
+            [full(captured[slot]).to(logits.device) for slot in range(len(self.capture.layer_ids))], dim=2
+        )[0]  # [n, 3, H]
         return logits, aux
 
     def crop(self, length: int) -> None:
@@ -169,7 +173,9 @@ class DraftRunner:
         positions = torch.arange(start, start + len(tokens), device=self.device)
         cos, sin = self._rope(positions)
         hidden = self.draft.fuse(aux.to(self.dtype))
-        hidden, logits = self.draft.step(torch.tensor(tokens, device=self.device), hidden, cos, sin, self._attends("extend"))
+        hidden, logits = self.draft.step(
+            torch.tensor(tokens, device=self.device), hidden, cos, sin, self._attends("extend")
+        )
         return hidden[-1], logits[-1].float()
 
     @decode_step
@@ -183,8 +189,9 @@ class DraftRunner:
         return out[0], logits[0].float()
 
     @decode_step
-    def tree_level(self, level: int, tokens: torch.Tensor, inputs: torch.Tensor, own: torch.Tensor,
-                   visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def tree_level(
+        self, level: int, tokens: torch.Tensor, inputs: torch.Tensor, own: torch.Tensor, visible: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """A tree level's k rows (``tree.grow_tree``'s step): tokens [k], input hiddens [k, H], each row seeing the
         speculative entries ``visible`` [k, all levels' entries] allows; its entries go after the previous
         levels' (``own`` [k] says where: they are appended in that order). Level L runs at RoPE position
@@ -192,8 +199,9 @@ class DraftRunner:
         rows = len(tokens)
         cos, sin = self._rope(torch.tensor([self.length - 1 + level - 1], device=self.device))
         entries = (level - 1) * rows  # every level so far, this one's included
-        out, logits = self.draft.step(tokens, inputs, cos.expand(rows, -1), sin.expand(rows, -1),
-                                      self._attends("masked", visible[:, :entries]))
+        out, logits = self.draft.step(
+            tokens, inputs, cos.expand(rows, -1), sin.expand(rows, -1), self._attends("masked", visible[:, :entries])
+        )
         return out, logits.float()
 
     def crop(self, length: int) -> None:

@@ -33,7 +33,9 @@ class Sampling:
         return int(torch.multinomial(self.probs(logits), 1, generator=generator))
 
 
-def accept_or_resample(p: torch.Tensor, q: torch.Tensor, token: int, generator: torch.Generator | None) -> tuple[bool, int]:
+def accept_or_resample(
+    p: torch.Tensor, q: torch.Tensor, token: int, generator: torch.Generator | None
+) -> tuple[bool, int]:
     """Speculative sampling's acceptance test for a draft ``token`` drawn from ``q``, target ``p`` [V].
 
     Accept with probability min(1, p/q); otherwise draw from normalize(max(0, p - q)). The emitted
@@ -47,7 +49,9 @@ def accept_or_resample(p: torch.Tensor, q: torch.Tensor, token: int, generator: 
     return False, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
 
 
-def walk_candidates(p: torch.Tensor, candidates: list[int], generator: torch.Generator | None) -> tuple[int | None, int]:
+def walk_candidates(
+    p: torch.Tensor, candidates: list[int], generator: torch.Generator | None
+) -> tuple[int | None, int]:
     """Lossless choice among distinct, deterministically proposed tokens (a tree node's children), target ``p`` [V].
 
     Recursive rejection sampling with point-mass proposals: candidate ``x`` is accepted with probability

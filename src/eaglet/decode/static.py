@@ -24,20 +24,16 @@ with the dynamic engine (``runners.py``).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import Callable, TypeVar
 
 import torch
 import torch.nn.functional as F
 
-from ..capture import FeatureCapture
-from ..draft import Eagle3Draft
 from ..errors import EagletError
-from ..support import static_cache_problem
-from .common import DecodeResult, cache_kwarg, draft_rope, draft_target_ids, finish, sync
-
-if TYPE_CHECKING:
-    from .tree import Tree
-
+from ..model.capture import FeatureCapture
+from ..model.draft import Eagle3Draft
+from ..model.support import static_cache_problem
+from .common import DecodeResult, Tree, cache_kwarg, draft_rope, draft_target_ids, finish, sync
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # token counts captured as graphs; longer forwards (prompts) run eagerly
 WARMUP_RUNS = 2  # eager runs on a side stream before capture (cuBLAS/allocator set-up must not be captured)
@@ -58,8 +54,9 @@ def capture(device: torch.device, body: Callable[[], T]) -> tuple[torch.cuda.CUD
         with torch.cuda.graph(graph):
             outputs = body()
     except RuntimeError as error:  # an op that syncs with the host, or one graphs do not support
-        raise EagletError(f"CUDA graph capture failed ({str(error).splitlines()[0]}); run eval with "
-                          "--cuda-graphs off") from None
+        raise EagletError(
+            f"CUDA graph capture failed ({str(error).splitlines()[0]}); run eval with --cuda-graphs off"
+        ) from None
     return graph, outputs
 
 
@@ -76,8 +73,10 @@ def buckets_for(verify_tokens: int) -> tuple[int, ...]:
 
 
 def cache_too_short(holds: int, needs: int) -> EagletError:
-    return EagletError(f"the static cache holds {holds} positions; this forward needs {needs} "
-                       "(raise max_len: prompt + max new tokens + the largest verification)")
+    return EagletError(
+        f"the static cache holds {holds} positions; this forward needs {needs} "
+        "(raise max_len: prompt + max new tokens + the largest verification)"
+    )
 
 
 class _Graph:
@@ -98,8 +97,14 @@ class StaticTarget:
     """Target runner over a preallocated cache of ``max_len`` positions; CUDA graphs when ``graphs``.
     ``verify_tokens``: the largest forward decoding repeats (a tree's budget + 1), given its own bucket."""
 
-    def __init__(self, model: torch.nn.Module, layer_ids: tuple[int, ...], max_len: int, graphs: bool | None = None,
-                 verify_tokens: int = 1):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        layer_ids: tuple[int, ...],
+        max_len: int,
+        graphs: bool | None = None,
+        verify_tokens: int = 1,
+    ):
         from transformers import StaticCache
 
         self.model = model
@@ -129,8 +134,9 @@ class StaticTarget:
         None where the layers' shapes differ (then ``move_entries`` goes layer by layer)."""
         if not hasattr(self.cache, "early_initialization"):
             return None
-        config = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") \
-            else self.model.config
+        config = (
+            self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        )
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         dtype = self.model.dtype  # the activations' dtype (what the keys are computed in)
@@ -152,17 +158,23 @@ class StaticTarget:
     def length(self) -> int:
         return self._length
 
-    def forward(self, tokens: list[int] | torch.Tensor, tree: "Tree | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, tokens: list[int] | torch.Tensor, tree: "Tree | None" = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``tokens`` at ``length``; logits [n, V] float32 and aux features [n, layers, H]."""
         if tree is not None:
             return self.forward_tree(tokens, torch.tensor(tree.depths), tree.ancestor_mask())
         count = len(tokens)  # a chain: made on the device (a host-built mask would be a synchronising copy)
-        return self.forward_tree(tokens, torch.arange(count, device=self.device),
-                                 torch.ones(count, count, dtype=torch.bool, device=self.device).tril())
+        return self.forward_tree(
+            tokens,
+            torch.arange(count, device=self.device),
+            torch.ones(count, count, dtype=torch.bool, device=self.device).tril(),
+        )
 
     @torch.inference_mode()
-    def forward_tree(self, tokens: list[int] | torch.Tensor, depths: torch.Tensor,
-                     block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_tree(
+        self, tokens: list[int] | torch.Tensor, depths: torch.Tensor, block: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` with the tree given as tensors (host or device): depths [n] (RoPE offsets from
         ``length``) and block [n, n] (which new token sees which); a tree drafted on the device stays there."""
         count = len(tokens)
@@ -171,8 +183,12 @@ class StaticTarget:
             raise cache_too_short(self.max_len, start + count)
         size = bucket_for(count, self.buckets)
         if size is None or start + size > self.max_len:  # no bucket, or its padding would run past the cache
-            logits, aux = self._run(self._as_ids(tokens)[None], (start + depths.to(self.device))[None],
-                                    torch.tensor(start, device=self.device), block.to(self.device))
+            logits, aux = self._run(
+                self._as_ids(tokens)[None],
+                (start + depths.to(self.device))[None],
+                torch.tensor(start, device=self.device),
+                block.to(self.device),
+            )
         else:
             logits, aux = self._replay(size, tokens, depths, start, block)
         self._length = start + count
@@ -190,8 +206,9 @@ class StaticTarget:
         """Where the cache ends after rounds that kept their count on the device (``rounds.py``)."""
         self._length = length
 
-    def run_block(self, ids: torch.Tensor, depths: torch.Tensor, block: torch.Tensor,
-                  start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_block(
+        self, ids: torch.Tensor, depths: torch.Tensor, block: torch.Tensor, start: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """A forward whose every input is a device tensor — ids [n], depths [n], block [n, n], start 0-d —
         for a caller capturing it inside a larger graph: logits [n, V], aux [n, layers, H]. ``length`` is
         not moved (the caller keeps it on the device)."""
@@ -231,8 +248,9 @@ class StaticTarget:
     def _as_ids(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
         return tokens.to(self.device) if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, device=self.device)
 
-    def _run(self, ids: torch.Tensor, positions: torch.Tensor, start: torch.Tensor,
-             block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(
+        self, ids: torch.Tensor, positions: torch.Tensor, start: torch.Tensor, block: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """ids/positions [1, n], start 0-d, block [n, n] bool (device tensors) -> logits [n, V], aux [n, L, H].
         Everything position-dependent is computed on the device from these, so the graph can replay it."""
         count = ids.shape[1]
@@ -243,13 +261,19 @@ class StaticTarget:
         mask = (offset < 0)[None, :] | (inside[None, :] & block[:, offset.clamp(0, count - 1)])  # [n, max_len]
         captured: dict[int, torch.Tensor] = {}
         with self.capture.hooks(captured):
-            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask[None, None],
-                             use_cache=True, **{self.cache_kwarg: self.cache})
+            out = self.model(
+                input_ids=ids,
+                position_ids=positions,
+                attention_mask=mask[None, None],
+                use_cache=True,
+                **{self.cache_kwarg: self.cache},
+            )
         aux = torch.stack([captured[slot] for slot in range(len(self.capture.layer_ids))], dim=2)[0]
         return out.logits[0].float(), aux
 
-    def _replay(self, size: int, tokens: list[int] | torch.Tensor, depths: torch.Tensor, start: int,
-                block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replay(
+        self, size: int, tokens: list[int] | torch.Tensor, depths: torch.Tensor, start: int, block: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         graph = self._graphs.get(size)
         if graph is None:
             graph = self._graphs[size] = _Graph(size, self.device)
@@ -273,7 +297,9 @@ class StaticTarget:
         """The warm-up runs write the same entries the replay that follows writes, so capturing mid-decode
         changes nothing."""
         graph.graph, (graph.logits, graph.aux) = capture(
-            self.device, lambda: self._run(graph.ids, graph.positions, graph.start, graph.block))
+            self.device, lambda: self._run(graph.ids, graph.positions, graph.start, graph.block)
+        )
+
 
 # Sorts stay ATen's kernels (the eager rounds' ones): with persistent reductions on, inductor lowers sorts of
 # <= 512 elements to a Triton bitonic network, and on the H200 (torch 2.11) the d10/k10/b96 tree's compiled
@@ -295,8 +321,9 @@ class _StaticAttention:
     draft step on the H200); the folded form takes cuDNN's — for the rounds' fixed shapes only: cuDNN builds a
     plan per new shape, and prompts of new lengths cost ~50 ms each that way (H200)."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, write_at: torch.Tensor, mask: torch.Tensor,
-                 fold: bool):
+    def __init__(
+        self, keys: torch.Tensor, values: torch.Tensor, write_at: torch.Tensor, mask: torch.Tensor, fold: bool
+    ):
         self.keys, self.values, self.write_at, self.mask, self.fold = keys, values, write_at, mask, fold
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -304,14 +331,16 @@ class _StaticAttention:
         self.keys.index_copy_(1, self.write_at, k)
         self.values.index_copy_(1, self.write_at, v)
         if not self.fold:
-            return F.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=self.mask,
-                                                  enable_gqa=q.shape[0] != k.shape[0])
+            return F.scaled_dot_product_attention(
+                q, self.keys, self.values, attn_mask=self.mask, enable_gqa=q.shape[0] != k.shape[0]
+            )
         heads, rows, dim = q.shape
         kv_heads = self.keys.shape[0]
         groups = heads // kv_heads
         mask = self.mask.expand(rows, self.mask.shape[-1]).repeat(groups, 1)  # [G*T, slots]
-        out = F.scaled_dot_product_attention(q.reshape(1, kv_heads, groups * rows, dim), self.keys[None],
-                                             self.values[None], attn_mask=mask[None, None])
+        out = F.scaled_dot_product_attention(
+            q.reshape(1, kv_heads, groups * rows, dim), self.keys[None], self.values[None], attn_mask=mask[None, None]
+        )
         return out.reshape(heads, rows, dim)  # (the memory-efficient kernel's output is laid out [1, G*T, Hkv, d])
 
 
@@ -319,8 +348,15 @@ class StaticDraft:
     """The draft on a static cache: prompts prefilled eagerly, then each round extends by the last round's accepted
     rows and drafts (``_round``, the algorithm's part), as one CUDA graph on GPU (eager elsewhere)."""
 
-    def __init__(self, draft: Eagle3Draft, max_len: int, depth: int, spec_slots: int, graphs: bool | None = None,
-                 compiled: bool = False):
+    def __init__(
+        self,
+        draft: Eagle3Draft,
+        max_len: int,
+        depth: int,
+        spec_slots: int,
+        graphs: bool | None = None,
+        compiled: bool = False,
+    ):
         config = draft.config
         self.draft = draft
         self.compiled = compiled
@@ -354,8 +390,9 @@ class StaticDraft:
     def _attends(self, write_at: torch.Tensor, mask: torch.Tensor, fold: bool = True) -> list[_StaticAttention]:
         return [_StaticAttention(k, v, write_at, mask, fold) for k, v in zip(self.keys, self.values)]
 
-    def _extend(self, tokens: torch.Tensor, aux: torch.Tensor, start: torch.Tensor,
-                fold: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def _extend(
+        self, tokens: torch.Tensor, aux: torch.Tensor, start: torch.Tensor, fold: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows at positions start.. (causal over the real cache): hidden [n, H], logits [n, Vd]."""
         rows = torch.arange(len(tokens), device=self.device) + start  # [n] positions
         cos, sin = draft_rope(self.draft, rows)
@@ -366,8 +403,9 @@ class StaticDraft:
     def prefill(self, tokens: list[int], aux: torch.Tensor) -> None:
         """The prompt's rows (all but the newest), eagerly: their count varies by prompt."""
         if tokens:
-            self._extend(torch.tensor(tokens, device=self.device), aux, torch.tensor(self.length, device=self.device),
-                         fold=False)
+            self._extend(
+                torch.tensor(tokens, device=self.device), aux, torch.tensor(self.length, device=self.device), fold=False
+            )
             self.length += len(tokens)
 
     def _extend_round_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -375,8 +413,12 @@ class StaticDraft:
         token [1], and the draft's length after it (0-d)."""
         hidden, logits = self._extend(self.in_tokens, self.in_aux, self.in_start)
         last = (self.in_real_rows - 1).view(1)
-        return (hidden.index_select(0, last), logits.index_select(0, last), self.in_tokens.index_select(0, last),
-                self.in_start + self.in_real_rows)
+        return (
+            hidden.index_select(0, last),
+            logits.index_select(0, last),
+            self.in_tokens.index_select(0, last),
+            self.in_start + self.in_real_rows,
+        )
 
     def draft_round(self) -> tuple[torch.Tensor, ...]:
         """The draft's part of a round, from the ``in_*`` tensors (what a graph captures)."""
@@ -444,8 +486,9 @@ class RoundGraph:
         return self.output.tolist()
 
 
-def check_room(target: StaticTarget, target_length: int, writes: int, draft: StaticDraft | None = None,
-                draft_length: int = 0) -> None:
+def check_room(
+    target: StaticTarget, target_length: int, writes: int, draft: StaticDraft | None = None, draft_length: int = 0
+) -> None:
     """A round writes ``writes`` target entries at ``target_length`` and the draft's R rows at ``draft_length``;
     inside a graph an index past the cache would be a device-side fault, so the host refuses it first."""
     needed = max(target_length + writes, draft_length + draft.rows if draft is not None else 0)
@@ -473,8 +516,15 @@ def prefill_rounds(target: StaticTarget, draft: StaticDraft, prompt: list[int]) 
     return int(first)
 
 
-def decode_in_rounds(target: StaticTarget, draft: StaticDraft, rounds: "Rounds", prompt: list[int], max_new: int,
-                     stop_ids: set[int], verify_writes: int) -> DecodeResult:
+def decode_in_rounds(
+    target: StaticTarget,
+    draft: StaticDraft,
+    rounds: "Rounds",
+    prompt: list[int],
+    max_new: int,
+    stop_ids: set[int],
+    verify_writes: int,
+) -> DecodeResult:
     """Greedy speculative decoding of one prompt with ``rounds`` (its ``graph`` one round: it returns [D+2], the
     accepted count then the new tokens); ``verify_writes``: the most target entries a round writes."""
     sync(target.device)
@@ -487,7 +537,7 @@ def decode_in_rounds(target: StaticTarget, draft: StaticDraft, rounds: "Rounds",
         check_room(target, target_length, verify_writes, draft, draft.length)
         host = rounds.graph.run()
         count = host[0]
-        out.extend(host[1:count + 2])
+        out.extend(host[1 : count + 2])
         accepted_counts.append(count)
         draft.advance(draft_rows)
         target_length, draft_rows = target_length + count + 1, count + 1

@@ -14,44 +14,15 @@ their ancestors' entries, as in training and as SGLang drafts trees.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from ..draft import Eagle3Draft
-from .common import DecodeResult, draft_rope, finish, sync
+from ..model.draft import Eagle3Draft
+from .common import DecodeResult, Tree, draft_rope, finish, sync
 from .runners import DraftRunner, TargetRunner
 from .sampling import Sampling, walk_candidates
 from .static import RoundGraph, Rounds, StaticDraft, StaticTarget, compile_round_part, decode_in_rounds
-
-
-@dataclass
-class Tree:
-    """Draft tokens as a tree: index 0 is the root (the newest real token), parents come before children."""
-
-    tokens: list[int]
-    parents: list[int]  # -1 for the root
-    depths: list[int]  # 0 for the root
-
-    def ancestor_mask(self) -> torch.Tensor:
-        """[N, N] bool: j is i or an ancestor of i (what node i may attend to inside the tree)."""
-        size = len(self.tokens)
-        mask = torch.eye(size, dtype=torch.bool)
-        for node in range(1, size):
-            mask[node] |= mask[self.parents[node]]
-        return mask
-
-    def children(self, node: int) -> list[int]:
-        """Node indices whose parent is ``node``, best draft score first (the tree's order)."""
-        return [index for index in range(node + 1, len(self.tokens)) if self.parents[index] == node]
-
-    def child(self, node: int, token: int) -> int | None:
-        for index in range(node + 1, len(self.tokens)):
-            if self.parents[index] == node and self.tokens[index] == token:
-                return index
-        return None
-
 
 # step(level, tokens [k], input hiddens [k, H], own speculative slots [k], visible [k, all slots]) -> hidden, logits
 LevelStep = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -63,8 +34,16 @@ def _each_row_k_times(x: torch.Tensor, k: int) -> torch.Tensor:
     return x[:, None].expand(x.shape[0], k, *x.shape[1:]).reshape(x.shape[0] * k, *x.shape[1:])
 
 
-def grow_tree(root_token: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor, used: torch.Tensor, depth: int,
-              width: int, budget: int, step: LevelStep) -> tuple[torch.Tensor, ...]:
+def grow_tree(
+    root_token: torch.Tensor,
+    hidden: torch.Tensor,
+    logits: torch.Tensor,
+    used: torch.Tensor,
+    depth: int,
+    width: int,
+    budget: int,
+    step: LevelStep,
+) -> tuple[torch.Tensor, ...]:
     """The tree from the draft's output at the root (root_token [1], hidden [1, H], logits [1, Vd]); ``step`` runs a
     level's k rows, writing their entries to speculative slots (level - 2) * k + row. -> tokens [N], depths [N],
     parents [N] (root: 0), ancestor mask [N, N]; N = budget + 1 (budget at most the candidate count)."""
@@ -99,30 +78,56 @@ def grow_tree(root_token: torch.Tensor, hidden: torch.Tensor, logits: torch.Tens
     chosen = chosen[torch.sort(depths[chosen], stable=True).indices]  # the tree's order: by depth, then score
     position = torch.zeros(candidates, dtype=torch.long, device=device)
     position[chosen] = torch.arange(1, budget + 1, device=device)
-    tree_parents = torch.cat([torch.zeros(1, dtype=torch.long, device=device),
-                              torch.where(parents[chosen] >= 0, position[parents[chosen].clamp_min(0)], 0)])
+    tree_parents = torch.cat(
+        [
+            torch.zeros(1, dtype=torch.long, device=device),
+            torch.where(parents[chosen] >= 0, position[parents[chosen].clamp_min(0)], 0),
+        ]
+    )
     block = torch.eye(budget + 1, dtype=torch.bool, device=device)
     for _ in range(depth):  # each pass adds one more generation of ancestors
         block = block | block[tree_parents]
-    return (torch.cat([root_token, tokens[chosen]]), torch.cat([depths.new_zeros(1), depths[chosen]]),
-            tree_parents, block)
+    return (
+        torch.cat([root_token, tokens[chosen]]),
+        torch.cat([depths.new_zeros(1), depths[chosen]]),
+        tree_parents,
+        block,
+    )
 
 
-def expand_tree(draft: DraftRunner, root_token: int, hidden: torch.Tensor, logits: torch.Tensor, topk: int,
-                depth: int, budget: int) -> Tree:
+def expand_tree(
+    draft: DraftRunner, root_token: int, hidden: torch.Tensor, logits: torch.Tensor, topk: int, depth: int, budget: int
+) -> Tree:
     """The tree on the draft's dynamic caches (``grow_tree``, one host read at the end)."""
     draft.clear_speculation()
     width = min(topk, logits.shape[-1])
     with torch.inference_mode():
-        tokens, depths, parents, _ = grow_tree(torch.tensor([root_token], device=draft.device), hidden[None],
-                                               logits[None], draft.used, depth, width, budget, draft.tree_level)
+        tokens, depths, parents, _ = grow_tree(
+            torch.tensor([root_token], device=draft.device),
+            hidden[None],
+            logits[None],
+            draft.used,
+            depth,
+            width,
+            budget,
+            draft.tree_level,
+        )
     parents_host = parents.tolist()
     return Tree(tokens.tolist(), [-1] + parents_host[1:], depths.tolist())
 
 
-def tree_decode(target: TargetRunner, draft: DraftRunner, prompt: list[int], max_new: int, depth: int, topk: int,
-                budget: int, stop_ids: set[int], sampling: Sampling = Sampling(),
-                generator: torch.Generator | None = None) -> DecodeResult:
+def tree_decode(
+    target: TargetRunner,
+    draft: DraftRunner,
+    prompt: list[int],
+    max_new: int,
+    depth: int,
+    topk: int,
+    budget: int,
+    stop_ids: set[int],
+    sampling: Sampling = Sampling(),
+    generator: torch.Generator | None = None,
+) -> DecodeResult:
     """Speculative decoding over the tree on dynamic caches, verified in one target forward with a tree attention
     mask; the accepted path's cache entries are kept, the rest dropped. Greedy: follow the target's argmax down
     the tree. Sampling: at each node walk its children with ``walk_candidates`` (lossless for the deterministic
@@ -147,8 +152,9 @@ def tree_decode(target: TargetRunner, draft: DraftRunner, prompt: list[int], max
                 correction = choices[node]
                 chosen = next((c for c in children if tree.tokens[c] == correction), None)
             else:
-                index, correction = walk_candidates(sampling.probs(verify_logits[node]),
-                                                    [tree.tokens[c] for c in children], generator)
+                index, correction = walk_candidates(
+                    sampling.probs(verify_logits[node]), [tree.tokens[c] for c in children], generator
+                )
                 chosen = None if index is None else children[index]
             if chosen is None:
                 break
@@ -168,8 +174,16 @@ def tree_decode(target: TargetRunner, draft: DraftRunner, prompt: list[int], max
 class StaticTreeDraft(StaticDraft):
     """The draft on a static cache whose round is: extend, then grow the whole tree (one graph on GPU)."""
 
-    def __init__(self, draft: Eagle3Draft, max_len: int, depth: int, topk: int, budget: int, graphs: bool | None = None,
-                 compiled: bool = False):
+    def __init__(
+        self,
+        draft: Eagle3Draft,
+        max_len: int,
+        depth: int,
+        topk: int,
+        budget: int,
+        graphs: bool | None = None,
+        compiled: bool = False,
+    ):
         self.width = min(topk, draft.config.draft_vocab_size)  # k: children per node and nodes expanded per level
         super().__init__(draft, max_len, depth, spec_slots=(depth - 1) * self.width, graphs=graphs, compiled=compiled)
         self.budget = min(budget, self.width + (depth - 1) * self.width**2)
@@ -179,8 +193,9 @@ class StaticTreeDraft(StaticDraft):
         hidden, logits, root_token, end = self._extend_round_rows()
         real = (self._slot < end)[: self.max_len]  # [max_len]
 
-        def level_step(level: int, tokens: torch.Tensor, inputs: torch.Tensor, own: torch.Tensor,
-                       visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def level_step(
+            level: int, tokens: torch.Tensor, inputs: torch.Tensor, own: torch.Tensor, visible: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             rows = len(tokens)
             mask = torch.cat([real.expand(rows, -1), visible], dim=1)  # [k, slots]
             cos, sin = (t.expand(rows, -1) for t in draft_rope(self.draft, (end + level - 2).view(1)))  # root + L - 1
@@ -204,8 +219,9 @@ class TreeRounds(Rounds):
         self._accept = compile_round_part(self._walk, draft.compiled)
         self.graph = RoundGraph(device, target.graphs, self._body, [self.target_length, *draft.round_state()])
 
-    def _walk(self, tokens: torch.Tensor, depths: torch.Tensor, parents: torch.Tensor,
-              logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _walk(
+        self, tokens: torch.Tensor, depths: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Follow the target's argmax down the tree: (accepted count 0-d, nodes [D+1]: root then the path, 0 past
         its end; new tokens [D+1]: the path's, then the correction, padded with it)."""
         choices = logits.argmax(-1)  # [N]: the target's token after each node
@@ -236,8 +252,14 @@ class TreeRounds(Rounds):
         return torch.cat([count.view(1), new_tokens])
 
 
-def static_tree_decode(target: StaticTarget, draft: StaticTreeDraft, prompt: list[int], max_new: int,
-                       stop_ids: set[int], rounds: TreeRounds | None = None) -> DecodeResult:
+def static_tree_decode(
+    target: StaticTarget,
+    draft: StaticTreeDraft,
+    prompt: list[int],
+    max_new: int,
+    stop_ids: set[int],
+    rounds: TreeRounds | None = None,
+) -> DecodeResult:
     """Greedy tree speculative decoding (``tree_decode``'s tokens and acceptance), each round one graph
     and one host read."""
     rounds = rounds or TreeRounds(target, draft)

@@ -15,8 +15,9 @@ from .common import acceptance_length
 from .decoders import Decoders
 
 
-def tune_tree(config: EvalConfig, build: Callable[[EvalConfig], Decoders],
-              prompts: list[list[int]]) -> tuple[list[int], list[dict[str, Any]]]:
+def tune_tree(
+    config: EvalConfig, build: Callable[[EvalConfig], Decoders], prompts: list[list[int]]
+) -> tuple[list[int], list[dict[str, Any]]]:
     """Time each of ``config.tune_trees`` decoding ``prompts`` (after a warm-up: compiles and graph captures are not
     counted) -> (the fastest shape as [depth, top-k, budget], each shape's tokens/s and τ)."""
     timings = []
@@ -24,11 +25,17 @@ def tune_tree(config: EvalConfig, build: Callable[[EvalConfig], Decoders],
         shaped = config.model_copy(update={"depth": depth, "topk": topk, "budget": budget})
         decoders = build(shaped)
         decoders.warm_up(prompts[: decoders.group_size])
-        results = [result for ids in prompts for result in decoders.speculative([ids], config.max_new_tokens, config.seed)]
+        results = [
+            result for ids in prompts for result in decoders.speculative([ids], config.max_new_tokens, config.seed)
+        ]
         seconds = sum(result.seconds for result in results)
-        timings.append({"tree": [depth, topk, budget],
-                        "tokens_per_s": round(sum(len(result.tokens) for result in results) / max(seconds, 1e-9), 2),
-                        "acceptance_length": round(acceptance_length(results), 4)})
+        timings.append(
+            {
+                "tree": [depth, topk, budget],
+                "tokens_per_s": round(sum(len(result.tokens) for result in results) / max(seconds, 1e-9), 2),
+                "acceptance_length": round(acceptance_length(results), 4),
+            }
+        )
         del decoders, results  # a shape's static caches and graphs go before the next one's are made
         gc.collect()
         if torch.cuda.is_available():

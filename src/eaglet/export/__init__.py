@@ -37,6 +37,8 @@ def verifier_reference(config: dict[str, Any], override: str | None = None) -> t
     if target.get("hub_id"):
         return target["hub_id"], "the target's hub id"
     if target.get("path"):
-        return target["path"], ("a local path: this export is not portable; re-export with --verifier ORG/NAME "
-                                "(the hub id) to serve it elsewhere")
+        return target["path"], (
+            "a local path: this export is not portable; re-export with --verifier ORG/NAME "
+            "(the hub id) to serve it elsewhere"
+        )
     return target.get("name") or "TARGET", "the target's name (no hub id or path recorded)"

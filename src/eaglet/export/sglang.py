@@ -7,9 +7,11 @@ from .spec import ExportFormat, llama_eagle3_config
 
 
 def serve_command(verifier: str, speculative_tokens: int, path: str) -> str:
-    return (f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm EAGLE3 \\\n"
-            f"  --speculative-draft-model-path {path} --speculative-num-steps {speculative_tokens} \\\n"
-            f"  --speculative-eagle-topk 1 --speculative-num-draft-tokens {speculative_tokens + 1}")
+    return (
+        f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm EAGLE3 \\\n"
+        f"  --speculative-draft-model-path {path} --speculative-num-steps {speculative_tokens} \\\n"
+        f"  --speculative-eagle-topk 1 --speculative-num-draft-tokens {speculative_tokens + 1}"
+    )
 
 
 FORMAT = ExportFormat(

@@ -26,13 +26,13 @@ class ExportFormat:
     def serving_name(self, name: str, eaglet_prefix: str) -> str:
         """eaglet's tensor name -> this format's (only the first layer's prefix differs between formats)."""
         if name.startswith(eaglet_prefix):
-            return self.first_layer_prefix + name[len(eaglet_prefix):]
+            return self.first_layer_prefix + name[len(eaglet_prefix) :]
         return name
 
     def eaglet_name(self, name: str, eaglet_prefix: str) -> str:
         """This format's tensor name -> eaglet's: ``serving_name`` undone."""
         if name.startswith(self.first_layer_prefix):
-            return eaglet_prefix + name[len(self.first_layer_prefix):]
+            return eaglet_prefix + name[len(self.first_layer_prefix) :]
         return name
 
 
@@ -73,7 +73,13 @@ def llama_eagle3_config(config: dict[str, Any], verifier: str, speculative_token
     ``eagle_config``) as the inputs of those layers, SGLang takes only ``eagle_config``'s and adds one. The
     directory carries both, so either engine captures the layers the draft was trained on."""
     ids = list(config["eagle_aux_hidden_state_layer_ids"])
-    return {"architectures": ["LlamaForCausalLMEagle3"], **llama_fields(config), **eagle3_fields(config),
-            "eagle_aux_hidden_state_layer_ids": ids,  # vLLM reads this first (input of layer i)
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(to_sglang_layer_ids(tuple(ids))),
-                             "use_aux_hidden_state": True}}  # SGLang reads only this, and adds one
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **llama_fields(config),
+        **eagle3_fields(config),
+        "eagle_aux_hidden_state_layer_ids": ids,  # vLLM reads this first (input of layer i)
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(to_sglang_layer_ids(tuple(ids))),
+            "use_aux_hidden_state": True,
+        },
+    }  # SGLang reads only this, and adds one

@@ -23,8 +23,14 @@ def serving_config(config: dict[str, Any], verifier: str, speculative_tokens: in
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": speculative_tokens,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
             "verifier": {"name_or_path": verifier, "architectures": config.get("target", {}).get("architectures", [])},
         },
     }

@@ -7,8 +7,10 @@ from .spec import ExportFormat, llama_eagle3_config
 
 
 def serve_command(verifier: str, speculative_tokens: int, path: str) -> str:
-    return (f"vllm serve {verifier} \\\n  --speculative-config '{{\"method\": \"eagle3\", \"model\": \"{path}\", "
-            f"\"num_speculative_tokens\": {speculative_tokens}}}'")
+    return (
+        f'vllm serve {verifier} \\\n  --speculative-config \'{{"method": "eagle3", "model": "{path}", '
+        f'"num_speculative_tokens": {speculative_tokens}}}\''
+    )
 
 
 FORMAT = ExportFormat(

@@ -15,30 +15,33 @@ from typing import Any
 
 import torch
 
-from ..draft import read_draft_weights
 from ..errors import EagletError
-from ..formats.draft import FIRST_LAYER_PREFIX, read_draft_config
-from ..formats.target_record import require_same_target
+from ..formats.draft_config import FIRST_LAYER_PREFIX, read_draft_config
 from ..formats.files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, EXPORTED_DRAFT_CONFIG_FILE, MODEL_CARD_FILE
+from ..formats.target_record import require_same_target
 from ..fsio import atomic_directory, check_output_apart, check_output_dir, load_json_file, write_json_atomic
+from ..model.draft import read_draft_weights
 from . import FORMATS, export_format, verifier_reference
-from .speculators import EMBEDDING_NAME
 from .spec import ExportFormat
+from .speculators import EMBEDDING_NAME
 
 SERVING_DTYPE = torch.bfloat16
 DEFAULT_SPECULATIVE_TOKENS = 3
 VOCAB_MAPPINGS = ("d2t", "t2d")
 
 
-def serving_weights(weights: dict[str, torch.Tensor], config: dict[str, Any], fmt: ExportFormat,
-                    embedding: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def serving_weights(
+    weights: dict[str, torch.Tensor], config: dict[str, Any], fmt: ExportFormat, embedding: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """The draft's tensors under the names ``fmt``'s consumer loads, floating point in bf16."""
     mapped = int(config["draft_vocab_size"]) != int(config["vocab_size"])  # DraftConfig.uses_vocab_mapping
     out: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
         if name in VOCAB_MAPPINGS and not mapped:
             continue
-        out[fmt.serving_name(name, FIRST_LAYER_PREFIX)] = tensor.to(SERVING_DTYPE) if tensor.is_floating_point() else tensor
+        out[fmt.serving_name(name, FIRST_LAYER_PREFIX)] = (
+            tensor.to(SERVING_DTYPE) if tensor.is_floating_point() else tensor
+        )
     if fmt.carries_embedding:
         if embedding is None:
             raise EagletError(f"the {fmt.name} format carries the target's embedding: the target is needed (--target)")
@@ -46,25 +49,31 @@ def serving_weights(weights: dict[str, torch.Tensor], config: dict[str, Any], fm
     return out
 
 
-def model_card(fmt: ExportFormat, config: dict[str, Any], verifier: tuple[str, str], speculative_tokens: int,
-               report: dict | None) -> str:
+def model_card(
+    fmt: ExportFormat, config: dict[str, Any], verifier: tuple[str, str], speculative_tokens: int, report: dict | None
+) -> str:
     measured = "not measured yet (run `eaglet eval`)"
     if report:
-        measured = (f"τ = {report['acceptance_length']:.2f} accepted tokens per target forward, speedup "
-                    f"{report['speedup']:.2f}× ({report['settings']['mode']}, measured by `eaglet eval` on "
-                    f"{report['settings']['device']})")
+        measured = (
+            f"τ = {report['acceptance_length']:.2f} accepted tokens per target forward, speedup "
+            f"{report['speedup']:.2f}× ({report['settings']['mode']}, measured by `eaglet eval` on "
+            f"{report['settings']['device']})"
+        )
     name, how = verifier
     serve = fmt.serve_command(name, speculative_tokens, "PATH/TO/THIS/DIR")
     ids = config["eagle_aux_hidden_state_layer_ids"]
-    embedding = ("\nIt carries the target's embedding (`embed_tokens.weight`), which the speculators model needs.\n"
-                 if fmt.carries_embedding else "")
+    embedding = (
+        "\nIt carries the target's embedding (`embed_tokens.weight`), which the speculators model needs.\n"
+        if fmt.carries_embedding
+        else ""
+    )
     source = config.get("target", {}).get("source")
     trained_on = f"\nTrained on the features of {source}.\n" if source else ""
     return f"""# EAGLE-3 draft for {name} ({fmt.name} format)
 
 Trained with eaglet. One Llama-style decoder layer over the target's aux hidden states
 (eaglet/vLLM layer ids {ids}: the inputs of those decoder layers), draft vocabulary of
-{config['draft_vocab_size']:,} of the target's {config['vocab_size']:,} tokens.
+{config["draft_vocab_size"]:,} of the target's {config["vocab_size"]:,} tokens.
 {embedding}{trained_on}
 Verifier: `{name}` ({how}).
 
@@ -82,24 +91,33 @@ Acceptance: {measured}.
 
 def _target_embedding(config: dict[str, Any], target: str | None) -> torch.Tensor:
     """The target's input embedding, from ``target`` or the target the draft recorded, checked to be that one."""
-    from ..target import load_head_weights, load_tokenizer, resolve_target, target_info
+    from ..model.target import load_head_weights, load_tokenizer, resolve_target, target_info
 
     recorded = config.get("target", {})
     spec = target or recorded.get("spec")
     if not spec:
-        raise EagletError("this format carries the target's embedding and the draft does not record its target: "
-                          "pass --target")
+        raise EagletError(
+            "this format carries the target's embedding and the draft does not record its target: pass --target"
+        )
     resolved = resolve_target(spec)
     identity = target_info(resolved, load_tokenizer(resolved.path)).identity
-    require_same_target(identity, recorded, f"--target {spec}", "the draft was trained for",
-                        "pass the target it was trained for")
+    require_same_target(
+        identity, recorded, f"--target {spec}", "the draft was trained for", "pass the target it was trained for"
+    )
     return load_head_weights(resolved.path).embed
 
 
-def export_draft(draft_dir: str | Path, format_name: str, out: str | Path, verifier: str | None = None,
-                 speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS, report_path: str | Path | None = None,
-                 overwrite: bool = False, target: str | None = None) -> Path:
-    from ..store import write_safetensors
+def export_draft(
+    draft_dir: str | Path,
+    format_name: str,
+    out: str | Path,
+    verifier: str | None = None,
+    speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS,
+    report_path: str | Path | None = None,
+    overwrite: bool = False,
+    target: str | None = None,
+) -> Path:
+    from ..model.shards import write_safetensors
 
     draft_dir, out = Path(draft_dir), Path(out)
     fmt = export_format(format_name)
@@ -113,8 +131,10 @@ def export_draft(draft_dir: str | Path, format_name: str, out: str | Path, verif
     if fmt.max_draft_layers is not None and layers > fmt.max_draft_layers:
         others = " or ".join(f.name for f in FORMATS.values() if f.max_draft_layers is None)
         allowed = "one decoder layer" if fmt.max_draft_layers == 1 else f"{fmt.max_draft_layers} decoder layers"
-        raise EagletError(f"{draft_dir}: a {layers}-layer draft; the {fmt.name} engine loads {allowed} only: export "
-                          f"--format {others}, or train with --draft-layers {fmt.max_draft_layers}")
+        raise EagletError(
+            f"{draft_dir}: a {layers}-layer draft; the {fmt.name} engine loads {allowed} only: export "
+            f"--format {others}, or train with --draft-layers {fmt.max_draft_layers}"
+        )
     reference = verifier_reference(config, verifier)
     report = load_json_file(report_path, "pass an `eaglet eval` report.json") if report_path else None
     embedding = _target_embedding(config, target) if fmt.carries_embedding else None
@@ -122,6 +142,8 @@ def export_draft(draft_dir: str | Path, format_name: str, out: str | Path, verif
     with atomic_directory(out, overwrite=overwrite) as tmp:
         write_safetensors(tmp / DRAFT_WEIGHTS_FILE, weights, metadata={"format": "pt"})
         write_json_atomic(tmp / DRAFT_CONFIG_FILE, fmt.serving_config(config, reference[0], speculative_tokens))
-        (tmp / MODEL_CARD_FILE).write_text(model_card(fmt, config, reference, speculative_tokens, report), encoding="utf-8")
+        (tmp / MODEL_CARD_FILE).write_text(
+            model_card(fmt, config, reference, speculative_tokens, report), encoding="utf-8"
+        )
         write_json_atomic(tmp / EXPORTED_DRAFT_CONFIG_FILE, config | {"export_format": fmt.name})  # for round trips
     return out

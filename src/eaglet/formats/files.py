@@ -12,7 +12,7 @@ SAMPLES_FILE = "samples.parquet"
 VOCAB_FILE = "vocab.safetensors"
 
 # hidden-state store (`eaglet extract`)
-STORE_SCHEMA = "eaglet.store/2"
+STORE_SCHEMA = "eaglet.model.shards/2"
 
 
 def shard_name(index: int) -> str:
@@ -55,6 +55,7 @@ ANSWERS_MANIFEST_SUFFIX = ".manifest.json"
 def answers_manifest(answers: Path) -> Path:
     """The manifest written beside a regenerated answers file."""
     return answers.with_name(answers.name + ANSWERS_MANIFEST_SUFFIX)
+
 
 # a run directory (`eaglet run`)
 RUN_FILE = "run.json"

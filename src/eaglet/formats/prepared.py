@@ -14,7 +14,6 @@ from typing import Any, Literal
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-
 from pydantic import Field
 
 from ..errors import EagletError, shown
@@ -105,8 +104,9 @@ def _check_rows(samples: Path, table: pa.Table, vocab_size: int) -> tuple[np.nda
         if name not in table.column_names:
             raise EagletError(f"{samples}: no '{name}' column (not written by `eaglet prepare`); {PREPARE_AGAIN}")
         if table.schema.field(name).type != kind:
-            raise EagletError(f"{samples}: column '{name}' is {table.schema.field(name).type}, expected {kind}; "
-                              f"{PREPARE_AGAIN}")
+            raise EagletError(
+                f"{samples}: column '{name}' is {table.schema.field(name).type}, expected {kind}; {PREPARE_AGAIN}"
+            )
     ids_column = table.column("input_ids").combine_chunks()
     mask_column = table.column("loss_mask").combine_chunks()
     if ids_column.null_count or mask_column.null_count:
@@ -117,23 +117,29 @@ def _check_rows(samples: Path, table: pa.Table, vocab_size: int) -> tuple[np.nda
     offsets, mask_offsets = offsets - offsets[0], mask_offsets - mask_offsets[0]
     if not np.array_equal(offsets, mask_offsets):
         row = int(np.flatnonzero(np.diff(offsets) != np.diff(mask_offsets))[0])
-        raise EagletError(f"{samples}: row {row}: loss_mask has {int(mask_offsets[row + 1] - mask_offsets[row])} entries "
-                          f"for {int(offsets[row + 1] - offsets[row])} tokens; {PREPARE_AGAIN}")
+        raise EagletError(
+            f"{samples}: row {row}: loss_mask has {int(mask_offsets[row + 1] - mask_offsets[row])} entries "
+            f"for {int(offsets[row + 1] - offsets[row])} tokens; {PREPARE_AGAIN}"
+        )
     tokens = np.asarray(ids_column.flatten(), dtype=np.int32)
     mask = np.asarray(mask_column.flatten(), dtype=np.uint8)
     bad = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))
     if len(bad):
         row = int(np.searchsorted(offsets, bad[0], side="right")) - 1
-        raise EagletError(f"{samples}: row {row}: token id {int(tokens[bad[0]])} outside the target's vocabulary "
-                          f"(0..{vocab_size - 1}); {PREPARE_AGAIN}")
+        raise EagletError(
+            f"{samples}: row {row}: token id {int(tokens[bad[0]])} outside the target's vocabulary "
+            f"(0..{vocab_size - 1}); {PREPARE_AGAIN}"
+        )
     if len(mask) and int(mask.max()) > 1:
         row = int(np.searchsorted(offsets, int(np.argmax(mask > 1)), side="right")) - 1
         raise EagletError(f"{samples}: row {row}: loss mask values other than 0 and 1; {PREPARE_AGAIN}")
     if len(offsets) < 2:
         raise EagletError(f"{samples}: no samples; {PREPARE_AGAIN}")
     if not mask.any():
-        raise EagletError(f"{samples}: no trainable token (every loss mask is 0: no assistant tokens); "
-                          f"{PREPARE_AGAIN} from conversations with assistant answers")
+        raise EagletError(
+            f"{samples}: no trainable token (every loss mask is 0: no assistant tokens); "
+            f"{PREPARE_AGAIN} from conversations with assistant answers"
+        )
     return tokens, mask, offsets
 
 
@@ -147,15 +153,18 @@ def load_prepared(path: str | Path, max_samples: int | None = None) -> PreparedS
     if recorded is None:
         raise EagletError(f"{path / MANIFEST_FILE}: records no sha256 of {SAMPLES_FILE}; {PREPARE_AGAIN}")
     if sha256_file(samples) != recorded:
-        raise EagletError(f"{samples}: changed since `eaglet prepare` wrote it (sha256 differs from the manifest's); "
-                          f"{PREPARE_AGAIN}")
+        raise EagletError(
+            f"{samples}: changed since `eaglet prepare` wrote it (sha256 differs from the manifest's); {PREPARE_AGAIN}"
+        )
     try:
         table = pq.read_table(samples)
     except Exception as exc:  # pyarrow's errors for a damaged file
         raise EagletError(f"{samples}: unreadable ({str(exc).splitlines()[0]}); {PREPARE_AGAIN}") from None
     if table.num_rows != manifest["counts"]["samples"]:
-        raise EagletError(f"{samples}: {table.num_rows:,} rows, its manifest counts {manifest['counts']['samples']:,}; "
-                          f"{PREPARE_AGAIN}")
+        raise EagletError(
+            f"{samples}: {table.num_rows:,} rows, its manifest counts {manifest['counts']['samples']:,}; "
+            f"{PREPARE_AGAIN}"
+        )
     if max_samples is not None:
         table = table.slice(0, max_samples)
     tokens, mask, offsets = _check_rows(samples, table, manifest["target"]["vocab_size"])

@@ -1,7 +1,7 @@
 """Which target a prepared set, store or draft was made with: its identity, and how to find it again.
 
 ``TargetIdentity`` is what decides an artifact's tokens and features (the model's config identity, the tokenizer,
-the sizes). It is built once, from the loaded target (``eaglet.target.TargetInfo.identity``), written into every
+the sizes). It is built once, from the loaded target (``eaglet.model.target.TargetInfo.identity``), written into every
 artifact's metadata (``to_record``) and compared in one place (``mismatches``): stages raise on the findings,
 preflight lists them.
 
@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EagletError
-from .draft import read_draft_config
-from .records import Positive, Record
+from .draft_config import read_draft_config
 from .prepared import read_prepared_manifest
-from .store import prepared_path, read_manifest
+from .records import Positive, Record
+from .store_manifest import prepared_path, read_manifest
 
 EMBEDDED_SPEC = "embedded"
 SOURCE_KEYS = ("spec", "path", "hub_id")  # what a record keeps to find its target
@@ -29,7 +29,9 @@ class TargetIdentity(Record):
     """The target an artifact was made from (the ``target`` object of every manifest and draft config)."""
 
     name: str
-    config_hash: str  # of what the model computes (``eaglet.target.config_identity``), not of the whole config.json
+    config_hash: (
+        str  # of what the model computes (``eaglet.model.target.config_identity``), not of the whole config.json
+    )
     tokenizer_hash: str
     vocab_size: Positive
     num_layers: Positive
@@ -38,8 +40,9 @@ class TargetIdentity(Record):
     def to_record(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in IDENTITY_KEYS}
 
-    def mismatches(self, recorded: dict[str, Any] | None, made: str = "made with", *,
-                   tokenizer_only: bool = False) -> list[str]:
+    def mismatches(
+        self, recorded: dict[str, Any] | None, made: str = "made with", *, tokenizer_only: bool = False
+    ) -> list[str]:
         """How the target an artifact recorded (its ``target`` object) differs from this one; [] when it is this.
         ``made`` says how the artifact came from it ("extracted from"); ``tokenizer_only``: token ids are all that is
         compared (a prepared set serves any target of its tokenizer)."""
@@ -49,16 +52,25 @@ class TargetIdentity(Record):
         for key in keys:
             if recorded.get(key) != getattr(self, key):
                 what = "tokenizer" if key == "tokenizer_hash" else "target"
-                findings.append(f"{made} {what} {recorded.get('name', '?')} ({key} {str(recorded.get(key))[:12]}), "
-                                f"but this run uses {self.name} ({getattr(self, key)[:12]})")
+                findings.append(
+                    f"{made} {what} {recorded.get('name', '?')} ({key} {str(recorded.get(key))[:12]}), "
+                    f"but this run uses {self.name} ({getattr(self, key)[:12]})"
+                )
         return findings
 
 
 IDENTITY_KEYS = tuple(TargetIdentity.model_fields)
 
 
-def require_same_target(identity: TargetIdentity, recorded: dict[str, Any] | None, where: str, made: str, fix: str,
-                        *, tokenizer_only: bool = False) -> None:
+def require_same_target(
+    identity: TargetIdentity,
+    recorded: dict[str, Any] | None,
+    where: str,
+    made: str,
+    fix: str,
+    *,
+    tokenizer_only: bool = False,
+) -> None:
     """Refuse, in one line naming ``where`` and ``fix``, an artifact made from another target."""
     findings = identity.mismatches(recorded, made, tokenizer_only=tokenizer_only)
     if findings:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 
 from ..errors import EagletError
 from ..fsio import free_disk_bytes
-from ..sizing import GIB
+from ..model.sizing import GIB
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 DATA_ROWS_CHECKED = 100
@@ -61,7 +61,7 @@ def available_memory(device: str) -> tuple[int, str]:
 
 
 def weights_bytes(target_path: Path, dtype_bytes: int) -> int:
-    from ..target import count_parameters
+    from ..model.target import count_parameters
 
     return count_parameters(target_path) * dtype_bytes
 
@@ -72,19 +72,32 @@ def weights_bytes(target_path: Path, dtype_bytes: int) -> int:
 
 def check_target(spec: str, need_template: bool, trust_remote_code: bool = False) -> tuple[list[Check], Any]:
     """Target resolves, its config and tokenizer read, a chat template exists when the stage needs one."""
-    from ..target import load_tokenizer, resolve_target, target_info
+    from ..model.target import load_tokenizer, resolve_target, target_info
 
     try:
         resolved = resolve_target(spec, trust_remote_code)
         info = target_info(resolved, load_tokenizer(resolved.path, trust_remote_code))
     except EagletError as exc:
         return [Check("target", FAIL, exc.message)], None
-    checks = [Check("target", PASS, f"{info.name}: {info.architecture}, {info.num_layers} layers, hidden {info.hidden_size}, "
-                                    f"vocab {info.vocab_size:,}, {info.num_parameters:,} parameters")]
+    checks = [
+        Check(
+            "target",
+            PASS,
+            f"{info.name}: {info.architecture}, {info.num_layers} layers, hidden {info.hidden_size}, "
+            f"vocab {info.vocab_size:,}, {info.num_parameters:,} parameters",
+        )
+    ]
     if need_template:
-        checks.append(Check("chat template", PASS, "present") if info.has_chat_template else
-                      Check("chat template", FAIL, "the target has no chat template",
-                            "pass --chat-template FILE.jinja with the template it is served with"))
+        checks.append(
+            Check("chat template", PASS, "present")
+            if info.has_chat_template
+            else Check(
+                "chat template",
+                FAIL,
+                "the target has no chat template",
+                "pass --chat-template FILE.jinja with the template it is served with",
+            )
+        )
     return checks, (resolved, info)
 
 
@@ -102,16 +115,17 @@ def check_stage_target(cfg: Any, need_template: bool) -> tuple[list[Check], Any]
     return checks, found
 
 
-def check_fit(target_path: Path, cfg: Any, device: str, dtype_bytes: int, forward_tokens: int,
-              cached_tokens: int = 0) -> list[Check]:
+def check_fit(
+    target_path: Path, cfg: Any, device: str, dtype_bytes: int, forward_tokens: int, cached_tokens: int = 0
+) -> list[Check]:
     """From config.json, before any weight loads: the quantization format is one this transformers reads here, the
     architecture has a tensor-parallel plan when asked for one, and the placement fits the GPUs (weights per GPU +
     activations at ``forward_tokens`` + KV cache of ``cached_tokens``); a failure names what to change."""
     import os
 
-    from ..placement import check_tp_plan, device_key
-    from ..sizing import describe_weights, fit_advice, layout, this_machine, weights_of
-    from ..target import check_quantization, read_config
+    from ..model.placement import check_tp_plan, device_key
+    from ..model.sizing import describe_weights, fit_advice, layout, this_machine, weights_of
+    from ..model.target import check_quantization, read_config
 
     config = read_config(target_path)
     checks = []
@@ -126,30 +140,45 @@ def check_fit(target_path: Path, cfg: Any, device: str, dtype_bytes: int, forwar
     if placement == "tp":
         try:
             if world < 2:
-                raise EagletError("--placement tp runs under torchrun with 2 or more processes "
-                                  "(torchrun --nproc-per-node N -m eaglet.cli ...)")
+                raise EagletError(
+                    "--placement tp runs under torchrun with 2 or more processes "
+                    "(torchrun --nproc-per-node N -m eaglet.cli ...)"
+                )
             check_tp_plan(config, world)
         except EagletError as exc:
             return checks + [Check("tensor parallel", FAIL, exc.message)]
     machine = this_machine()
     if machine.gpus == 0 or (not device.startswith("cuda") and placement == "one"):
         return checks  # the CPU's memory: check_memory covers it
-    gpus = {"tp": world, "one": 1}.get(placement) or sum(
-        isinstance(device_key(name), int) for name in (getattr(cfg, "max_memory", None) or {})) or machine.gpus
+    gpus = (
+        {"tp": world, "one": 1}.get(placement)
+        or sum(isinstance(device_key(name), int) for name in (getattr(cfg, "max_memory", None) or {}))
+        or machine.gpus
+    )
     weights = weights_of(config, dtype_bytes)
     plan = layout(config, weights, machine, placement, forward_tokens, gpus, cached_tokens)
-    detail = (f"{placement} over {plan.gpus} x {machine.name}: {plan.weights_per_gpu / GIB:.1f} GiB weights + "
-              f"{plan.activations_per_gpu / GIB:.1f} GiB activations per GPU of "
-              f"{plan.capacity_per_gpu / GIB:.1f} GiB usable; {describe_weights(weights)}")
-    checks.append(Check("layout", PASS if plan.fits else FAIL, detail, "" if plan.fits else
-                        "use " + fit_advice(config, weights, machine, plan, forward_tokens, cached_tokens,
-                                            type(cfg).FORWARD_OPTION)))
+    detail = (
+        f"{placement} over {plan.gpus} x {machine.name}: {plan.weights_per_gpu / GIB:.1f} GiB weights + "
+        f"{plan.activations_per_gpu / GIB:.1f} GiB activations per GPU of "
+        f"{plan.capacity_per_gpu / GIB:.1f} GiB usable; {describe_weights(weights)}"
+    )
+    checks.append(
+        Check(
+            "layout",
+            PASS if plan.fits else FAIL,
+            detail,
+            ""
+            if plan.fits
+            else "use "
+            + fit_advice(config, weights, machine, plan, forward_tokens, cached_tokens, type(cfg).FORWARD_OPTION),
+        )
+    )
     return checks
 
 
 def check_device(requested: str) -> Check:
     """The device exists for this torch (a CPU build has no cuda; tpu is not one eaglet runs on)."""
-    from ..target import pick_device
+    from ..model.target import pick_device
 
     try:
         return Check("device", PASS, pick_device(requested))
@@ -173,8 +202,11 @@ def check_rows(paths: Iterable[str], need_assistant: bool, skip_bad: bool = Fals
     checked = 0
     try:
         for item in read_conversations(list(paths)):
-            problem = str(item) if isinstance(item, BadRow) else (
-                f"{item.source}: no assistant turn" if need_assistant and not item.has_assistant else None)
+            problem = (
+                str(item)
+                if isinstance(item, BadRow)
+                else (f"{item.source}: no assistant turn" if need_assistant and not item.has_assistant else None)
+            )
             if problem and skip_bad:
                 return Check("data", WARN, problem + " (skipped: --on-bad-row skip)", "")
             if problem:
@@ -211,16 +243,28 @@ def _capacity(name: str, needed: int, available: int, detail: str, warn_share: f
 
 def check_disk(out: Path, needed: int, what: str) -> Check:
     free = free_disk_bytes(out)
-    return _capacity("disk", needed, free, f"{what}: ~{needed / GIB:.2f} GiB needed, {free / GIB:.1f} GiB free",
-                     DISK_WARN_SHARE, "free space, choose another --out, or shrink the run",
-                     "the disk will be nearly full afterwards")
+    return _capacity(
+        "disk",
+        needed,
+        free,
+        f"{what}: ~{needed / GIB:.2f} GiB needed, {free / GIB:.1f} GiB free",
+        DISK_WARN_SHARE,
+        "free space, choose another --out, or shrink the run",
+        "the disk will be nearly full afterwards",
+    )
 
 
 def check_memory(device: str, needed: int, what: str) -> Check:
     available, measured = available_memory(device)
-    return _capacity("memory", needed, available,
-                     f"{what}: ~{needed / GIB:.2f} GiB needed, {available / GIB:.1f} GiB {measured}", MEMORY_WARN_SHARE,
-                     "use a bigger device, fewer --batch-tokens / --token-budget, or fp8", "little headroom left")
+    return _capacity(
+        "memory",
+        needed,
+        available,
+        f"{what}: ~{needed / GIB:.2f} GiB needed, {available / GIB:.1f} GiB {measured}",
+        MEMORY_WARN_SHARE,
+        "use a bigger device, fewer --batch-tokens / --token-budget, or fp8",
+        "little headroom left",
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -237,8 +281,16 @@ def check_library_api(package: str = "transformers") -> Check:
     report = check_calls([Path(__file__).parent.parent], package, roots, source)
     if report.errors:
         first = report.errors[0]
-        return Check(name, FAIL, f"{len(report.errors)} of eaglet's calls break on {package} {report.version}: "
-                     f"{Path(first.path).name}:{first.line} {first.target}: {first.message}",
-                     f"install the {package} version eaglet supports (pyproject.toml), or report it")
-    return Check(name, PASS, f"{report.call_sites} calls bind to {package} {report.version} "
-                 f"({sum(report.unverified.values())} not statically checkable)")
+        return Check(
+            name,
+            FAIL,
+            f"{len(report.errors)} of eaglet's calls break on {package} {report.version}: "
+            f"{Path(first.path).name}:{first.line} {first.target}: {first.message}",
+            f"install the {package} version eaglet supports (pyproject.toml), or report it",
+        )
+    return Check(
+        name,
+        PASS,
+        f"{report.call_sites} calls bind to {package} {report.version} "
+        f"({sum(report.unverified.values())} not statically checkable)",
+    )

@@ -9,25 +9,25 @@ from typing import Any, Callable
 from ..config import DEFAULT_DRAFT_VOCAB_CAP
 from ..errors import EagletError
 from ..export import FORMATS
-from ..formats.draft import DraftConfig, read_draft_config
+from ..formats.draft_config import DraftConfig, read_draft_config
 from ..formats.files import MANIFEST_FILE, VOCAB_FILE
 from ..formats.layers import default_aux_layer_ids
-from ..formats.store import prepared_path, read_manifest
-from ..sizing import draft_parameters, train_step_bytes
-from ..support import compiles_draft_round, draft_compile_problem, static_cache_problem, uses_static_cache
+from ..formats.store_manifest import prepared_path, read_manifest
+from ..model.sizing import draft_parameters, train_step_bytes
+from ..model.support import compiles_draft_round, draft_compile_problem, static_cache_problem, uses_static_cache
 from .checks import (
+    ACTIVATION_FACTOR,
     FAIL,
     GIB,
     OPTIMIZER_COPIES,
     PASS,
     WARN,
-    ACTIVATION_FACTOR,
     Check,
     check_device,
     check_disk,
     check_fit,
-    check_library_api,
     check_layers,
+    check_library_api,
     check_memory,
     check_output_dir,
     check_rows,
@@ -58,10 +58,18 @@ def check_server(base_url: str) -> Check:
     try:
         response = httpx.get(base_url.rstrip("/") + "/models", timeout=SERVER_PROBE_TIMEOUT_S)
     except httpx.HTTPError as exc:
-        return Check("server", FAIL, f"{base_url}: not reachable ({type(exc).__name__})",
-                     "start the server (vLLM, SGLang, llama.cpp) or fix --base-url")
-    return Check("server", PASS if response.status_code == 200 else WARN, f"{base_url}/models: HTTP {response.status_code}",
-                 "" if response.status_code == 200 else "the server does not list models; requests may still work")
+        return Check(
+            "server",
+            FAIL,
+            f"{base_url}: not reachable ({type(exc).__name__})",
+            "start the server (vLLM, SGLang, llama.cpp) or fix --base-url",
+        )
+    return Check(
+        "server",
+        PASS if response.status_code == 200 else WARN,
+        f"{base_url}/models: HTTP {response.status_code}",
+        "" if response.status_code == 200 else "the server does not list models; requests may still work",
+    )
 
 
 BYTES_PER_DTYPE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -69,7 +77,7 @@ BYTES_PER_DTYPE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def _device_bytes(device: str, dtype: str = "auto") -> tuple[str, int]:
     """The device a stage will use and the bytes per weight it loads the target with (as ``pick_dtype``)."""
-    from ..target import pick_device
+    from ..model.target import pick_device
 
     resolved = pick_device(device)
     if dtype in BYTES_PER_DTYPE:
@@ -79,12 +87,20 @@ def _device_bytes(device: str, dtype: str = "auto") -> tuple[str, int]:
 
 def prepare_checks(cfg: Any) -> list[Check]:
     checks = [Check("config", PASS, "valid")]
-    target_checks, found = check_target(cfg.target, need_template=cfg.chat_template is None, trust_remote_code=cfg.trust_remote_code)
+    target_checks, found = check_target(
+        cfg.target, need_template=cfg.chat_template is None, trust_remote_code=cfg.trust_remote_code
+    )
     checks += target_checks
     if cfg.chat_template is not None:
         exists = Path(cfg.chat_template).is_file()
-        checks.append(Check("chat template", PASS if exists else FAIL, cfg.chat_template,
-                            "" if exists else "the --chat-template file does not exist"))
+        checks.append(
+            Check(
+                "chat template",
+                PASS if exists else FAIL,
+                cfg.chat_template,
+                "" if exists else "the --chat-template file does not exist",
+            )
+        )
     checks.append(check_rows(cfg.inputs, need_assistant=True, skip_bad=cfg.on_bad_row == "skip"))
     checks.append(check_output_dir(Path(cfg.out), cfg.overwrite, resumable=False))
     size = sum(Path(p).stat().st_size for p in cfg.inputs if Path(p).is_file())
@@ -100,8 +116,11 @@ def regenerate_checks(cfg: Any) -> list[Check]:
     prompts = [resolve_input(p) for p in cfg.prompts]
     checks.append(check_rows(prompts, need_assistant=False, skip_bad=cfg.on_bad_row == "skip"))
     out = Path(cfg.out)
-    checks.append(Check("output", PASS, f"{out}: {'exists, finished prompts are skipped' if out.exists() else 'will be created'}")
-                  if out.suffix == ".jsonl" else Check("output", FAIL, f"{out} is not a .jsonl file", "--out must end in .jsonl"))
+    checks.append(
+        Check("output", PASS, f"{out}: {'exists, finished prompts are skipped' if out.exists() else 'will be created'}")
+        if out.suffix == ".jsonl"
+        else Check("output", FAIL, f"{out} is not a .jsonl file", "--out must end in .jsonl")
+    )
     if cfg.backend == "openai":
         checks.append(check_server(cfg.base_url))
     if cfg.backend == "hf":
@@ -114,20 +133,26 @@ def regenerate_checks(cfg: Any) -> list[Check]:
             checks.append(check_library_api())
             device, dtype_bytes = _device_bytes(cfg.device, cfg.dtype)
             batch = cfg.batch_size or (GPU_GENERATE_BATCH if device.startswith("cuda") else CPU_GENERATE_BATCH)
-            checks += check_fit(found[0].path, cfg, device, dtype_bytes, batch,
-                                batch * (PROMPT_TOKENS_GUESS + cfg.max_new_tokens))
+            checks += check_fit(
+                found[0].path, cfg, device, dtype_bytes, batch, batch * (PROMPT_TOKENS_GUESS + cfg.max_new_tokens)
+            )
             if not device.startswith("cuda"):
                 checks.append(check_memory(device, weights_bytes(found[0].path, dtype_bytes), "target weights"))
     rows = cfg.max_prompts or 1000
-    checks.append(check_disk(out.parent if out.parent.exists() else Path("."), rows * cfg.n * cfg.max_new_tokens *
-                             BYTES_PER_GENERATED_TOKEN, "answers"))
+    checks.append(
+        check_disk(
+            out.parent if out.parent.exists() else Path("."),
+            rows * cfg.n * cfg.max_new_tokens * BYTES_PER_GENERATED_TOKEN,
+            "answers",
+        )
+    )
     return checks
 
 
 def extract_checks(cfg: Any) -> list[Check]:
     from ..config import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS
     from ..formats.prepared import load_prepared
-    from ..formats.store import bytes_per_token
+    from ..formats.store_manifest import bytes_per_token
 
     checks = [Check("config", PASS, "valid"), check_device(cfg.device)]
     if checks[-1].status == FAIL:
@@ -143,20 +168,37 @@ def extract_checks(cfg: Any) -> list[Check]:
         return checks
     resolved, info = found
     checks.append(check_library_api())
-    checks.append(_target_check("tokenizer", info, prepared.manifest["target"], "prepared with",
-                                f"prepared with {prepared.manifest['target']['name']}'s tokenizer",
-                                "prepare again with this --target", tokenizer_only=True))
+    checks.append(
+        _target_check(
+            "tokenizer",
+            info,
+            prepared.manifest["target"],
+            "prepared with",
+            f"prepared with {prepared.manifest['target']['name']}'s tokenizer",
+            "prepare again with this --target",
+            tokenizer_only=True,
+        )
+    )
     checks.append(check_layers(cfg.layers, info.num_layers))
     store = Path(cfg.out)
     if (store / MANIFEST_FILE).is_file():
         existing = read_manifest(store, check_shards=False)
-        mismatch = [k for k, v in (("aux_layer_ids", cfg.layers), ("storage_dtype", cfg.storage_dtype))
-                    if v is not None and existing.get(k) != v]
+        mismatch = [
+            k
+            for k, v in (("aux_layer_ids", cfg.layers), ("storage_dtype", cfg.storage_dtype))
+            if v is not None and existing.get(k) != v
+        ]
         if info.identity.mismatches(existing.get("target")):
             mismatch.append("target")
-        checks.append(Check("output", FAIL if mismatch else PASS,
-                            f"{store} exists" + (f" with a different {', '.join(mismatch)}" if mismatch else "; missing shards are computed"),
-                            "use another --out or delete it" if mismatch else ""))
+        checks.append(
+            Check(
+                "output",
+                FAIL if mismatch else PASS,
+                f"{store} exists"
+                + (f" with a different {', '.join(mismatch)}" if mismatch else "; missing shards are computed"),
+                "use another --out or delete it" if mismatch else "",
+            )
+        )
     else:
         checks.append(check_output_dir(store, overwrite=False, resumable=True))
     needed = int(prepared.lengths.sum()) * bytes_per_token(info.hidden_size, cfg.storage_dtype)
@@ -166,13 +208,19 @@ def extract_checks(cfg: Any) -> list[Check]:
     checks += check_fit(resolved.path, cfg, device, dtype_bytes, batch_tokens)
     if not device.startswith("cuda"):
         activations = batch_tokens * info.hidden_size * ACTIVATION_FACTOR * 4  # + the three captured inputs
-        checks.append(check_memory(device, weights_bytes(resolved.path, dtype_bytes) + activations,
-                                   f"target weights + a {batch_tokens:,}-token batch"))
+        checks.append(
+            check_memory(
+                device,
+                weights_bytes(resolved.path, dtype_bytes) + activations,
+                f"target weights + a {batch_tokens:,}-token batch",
+            )
+        )
     return checks
 
 
-def _target_check(name: str, info: Any, recorded: dict[str, Any], made: str, detail: str, fix: str,
-                  *, tokenizer_only: bool = False) -> Check:
+def _target_check(
+    name: str, info: Any, recorded: dict[str, Any], made: str, detail: str, fix: str, *, tokenizer_only: bool = False
+) -> Check:
     """An input's recorded target against the stage's (``TargetIdentity.mismatches``), as one check."""
     findings = info.identity.mismatches(recorded, made, tokenizer_only=tokenizer_only)
     if findings:
@@ -181,14 +229,16 @@ def _target_check(name: str, info: Any, recorded: dict[str, Any], made: str, det
 
 
 def train_checks(cfg: Any) -> list[Check]:
-    from ..target import read_config
     from ..formats.prepared import load_prepared
+    from ..model.target import read_config
 
     checks = [Check("config", PASS, "valid"), check_device(cfg.device)]
     if checks[-1].status == FAIL:
         return checks
     if (cfg.store is None) == (cfg.prepared is None):
-        return checks + [Check("input", FAIL, "needs exactly one of --store and --prepared", "offline: --store; online: --prepared")]
+        return checks + [
+            Check("input", FAIL, "needs exactly one of --store and --prepared", "offline: --store; online: --prepared")
+        ]
     target_checks, found = check_stage_target(cfg, need_template=False)
     checks += target_checks
     if not found:
@@ -201,53 +251,94 @@ def train_checks(cfg: Any) -> list[Check]:
             return checks + [Check("store", FAIL, exc.message)]
         findings = info.identity.mismatches(manifest["target"], "extracted from")
         complete = manifest["complete"]
-        checks.append(Check("store", PASS if complete and not findings else FAIL,
-                            f"{manifest['totals']['tokens']:,} tokens from {manifest['target']['name']}, layers "
-                            f"{manifest['aux_layer_ids']} ({manifest['aux_convention']})"
-                            + "".join(f"; {finding}" for finding in findings)
-                            + ("" if complete else ", extraction incomplete"),
-                            "extract with this --target" if findings else
-                            "" if complete else "rerun the same `eaglet extract` to finish it"))
+        checks.append(
+            Check(
+                "store",
+                PASS if complete and not findings else FAIL,
+                f"{manifest['totals']['tokens']:,} tokens from {manifest['target']['name']}, layers "
+                f"{manifest['aux_layer_ids']} ({manifest['aux_convention']})"
+                + "".join(f"; {finding}" for finding in findings)
+                + ("" if complete else ", extraction incomplete"),
+                "extract with this --target"
+                if findings
+                else ""
+                if complete
+                else "rerun the same `eaglet extract` to finish it",
+            )
+        )
         if cfg.layers and list(cfg.layers) != list(manifest["aux_layer_ids"]):
-            checks.append(Check("aux layer ids", FAIL, f"--layers {cfg.layers}, the store holds {manifest['aux_layer_ids']}",
-                                "drop --layers (training uses the store's), or extract again with --layers"))
+            checks.append(
+                Check(
+                    "aux layer ids",
+                    FAIL,
+                    f"--layers {cfg.layers}, the store holds {manifest['aux_layer_ids']}",
+                    "drop --layers (training uses the store's), or extract again with --layers",
+                )
+            )
         prepared_dir = prepared_path(Path(cfg.store), manifest)
     else:
         try:
             prepared = load_prepared(cfg.prepared)
         except EagletError as exc:
             return checks + [Check("prepared set", FAIL, exc.message)]
-        checks.append(_target_check("prepared set", info, prepared.manifest["target"], "prepared with",
-                                    f"{len(prepared):,} samples", "prepare again with this --target",
-                                    tokenizer_only=True))
+        checks.append(
+            _target_check(
+                "prepared set",
+                info,
+                prepared.manifest["target"],
+                "prepared with",
+                f"{len(prepared):,} samples",
+                "prepare again with this --target",
+                tokenizer_only=True,
+            )
+        )
         checks.append(check_layers(cfg.layers, info.num_layers))
         checks.append(check_library_api())  # online: the target is loaded and driven through transformers
         if cfg.placement == "tp":
-            checks.append(Check("placement", FAIL, "online training cannot run a tensor-parallel target",
-                                "extract a store under torchrun with --placement tp and train on it, or use "
-                                "--placement split"))
+            checks.append(
+                Check(
+                    "placement",
+                    FAIL,
+                    "online training cannot run a tensor-parallel target",
+                    "extract a store under torchrun with --placement tp and train on it, or use --placement split",
+                )
+            )
         else:
             online_device, online_bytes = _device_bytes(cfg.device)
             checks += check_fit(resolved.path, cfg, online_device, online_bytes, cfg.online_forward_tokens)
         prepared_dir = Path(cfg.prepared)
     vocab_file = Path(cfg.draft_vocab_file or prepared_dir / VOCAB_FILE)
-    checks.append(Check("draft vocab", PASS, str(vocab_file)) if vocab_file.is_file() else Check(
-        "draft vocab", FAIL, f"{vocab_file}: no draft vocabulary here",
-        "prepare again (or pass --set draft_vocab_file=PATH when the prepared set moved)"))
+    checks.append(
+        Check("draft vocab", PASS, str(vocab_file))
+        if vocab_file.is_file()
+        else Check(
+            "draft vocab",
+            FAIL,
+            f"{vocab_file}: no draft vocabulary here",
+            "prepare again (or pass --set draft_vocab_file=PATH when the prepared set moved)",
+        )
+    )
     checks.append(check_output_dir(Path(cfg.out), overwrite=False, resumable=True))
     # sized for this target (a vocabulary of another target's is refused above; it must not break the sizing)
-    draft = DraftConfig.from_target(read_config(resolved.path), min(_draft_vocab_size(vocab_file, info.vocab_size),
-                                                                    info.vocab_size),
-                                    default_aux_layer_ids(info.num_layers), num_layers=cfg.draft_layers)
+    draft = DraftConfig.from_target(
+        read_config(resolved.path),
+        min(_draft_vocab_size(vocab_file, info.vocab_size), info.vocab_size),
+        default_aux_layer_ids(info.num_layers),
+        num_layers=cfg.draft_layers,
+    )
     draft_params = draft_parameters(info.hidden_size, draft.draft_vocab_size)
     checks.append(check_disk(Path(cfg.out), draft_params * 4 * (1 + 3 * (cfg.keep_last + 1)), "draft + checkpoints"))
     device, dtype_bytes = _device_bytes(cfg.device)
     teacher = info.vocab_size * info.hidden_size * dtype_bytes
     step = train_step_bytes(draft, cfg.token_budget, cfg.ttt_steps, dense_attention=not device.startswith("cuda"))
     online = weights_bytes(resolved.path, dtype_bytes) if cfg.prepared else 0
-    checks.append(check_memory(device, draft_params * 4 * OPTIMIZER_COPIES + teacher + step + online,
-                               f"draft + optimizer + teacher head + a {cfg.token_budget:,}-token step"
-                               + (" + target" if online else "")))
+    checks.append(
+        check_memory(
+            device,
+            draft_params * 4 * OPTIMIZER_COPIES + teacher + step + online,
+            f"draft + optimizer + teacher head + a {cfg.token_budget:,}-token step" + (" + target" if online else ""),
+        )
+    )
     if not device.startswith("cuda"):
         checks.append(_cpu_step_time(cfg, draft, info))
     return checks
@@ -266,12 +357,13 @@ def _draft_vocab_size(vocab_file: Path, target_vocab: int) -> int:
 
 def _cpu_step_time(cfg: Any, draft: Any, info: Any) -> Check:
     """On a CPU a step's FLOPs decide everything: the estimate from this CPU's measured rate, and what cuts it."""
-    from ..sizing import draft_train_flops_per_token, measured_cpu_flops
+    from ..model.sizing import draft_train_flops_per_token, measured_cpu_flops
 
     def seconds(tokens: int, vocab: int) -> float:
         config = dataclasses.replace(draft, draft_vocab_size=vocab)
-        flops = tokens * (draft_train_flops_per_token(config, cfg.ttt_steps, tokens / 2)
-                          + 2 * info.hidden_size * info.vocab_size)  # + the teacher head
+        flops = tokens * (
+            draft_train_flops_per_token(config, cfg.ttt_steps, tokens / 2) + 2 * info.hidden_size * info.vocab_size
+        )  # + the teacher head
         return flops / (rate * CPU_TRAIN_EFFICIENCY)
 
     rate = measured_cpu_flops()
@@ -282,8 +374,13 @@ def _cpu_step_time(cfg: Any, draft: Any, info: Any) -> Check:
     if step <= CPU_STEP_WARN_S:
         return Check("step time", PASS, detail)
     small = seconds(min(cfg.token_budget, CPU_TOKEN_BUDGET), min(draft.draft_vocab_size, CPU_DRAFT_VOCAB))
-    return Check("step time", WARN, detail, f"--token-budget {CPU_TOKEN_BUDGET} and `eaglet prepare --draft-vocab "
-                 f"{CPU_DRAFT_VOCAB}` (the CPU demo's): ~{small:,.1f} s per step; or a GPU")
+    return Check(
+        "step time",
+        WARN,
+        detail,
+        f"--token-budget {CPU_TOKEN_BUDGET} and `eaglet prepare --draft-vocab "
+        f"{CPU_DRAFT_VOCAB}` (the CPU demo's): ~{small:,.1f} s per step; or a GPU",
+    )
 
 
 def eval_checks(cfg: Any) -> list[Check]:
@@ -302,20 +399,29 @@ def eval_checks(cfg: Any) -> list[Check]:
         stored = None
     if stored is not None and found:
         recorded = stored.config.target or {}
-        checks.append(_target_check("draft", found[1], recorded, "trained for",
-                                    f"trained for {recorded.get('name', '?')}, layers "
-                                    f"{stored.config.eagle_aux_hidden_state_layer_ids}", "pass the draft's --target"))
+        checks.append(
+            _target_check(
+                "draft",
+                found[1],
+                recorded,
+                "trained for",
+                f"trained for {recorded.get('name', '?')}, layers {stored.config.eagle_aux_hidden_state_layer_ids}",
+                "pass the draft's --target",
+            )
+        )
     checks.append(check_rows([resolve_input(p) for p in cfg.prompts], need_assistant=False))
     if found:
         checks.append(check_library_api())
         device, dtype_bytes = _device_bytes(cfg.device, cfg.dtype)
-        checks += check_fit(found[0].path, cfg, device, dtype_bytes, EVAL_FORWARD_TOKENS,
-                            PROMPT_TOKENS_GUESS + cfg.max_new_tokens)
+        checks += check_fit(
+            found[0].path, cfg, device, dtype_bytes, EVAL_FORWARD_TOKENS, PROMPT_TOKENS_GUESS + cfg.max_new_tokens
+        )
         if not device.startswith("cuda"):
             checks.append(check_memory(device, weights_bytes(found[0].path, dtype_bytes), "target weights"))
         if cfg.placement == "one" and uses_static_cache(cfg.cuda_graphs, cfg.batch_size, device):
-            checks.append(check_static_cache(found[0].path, cfg.cuda_graphs, device.startswith("cuda"),
-                                             cfg.trust_remote_code))
+            checks.append(
+                check_static_cache(found[0].path, cfg.cuda_graphs, device.startswith("cuda"), cfg.trust_remote_code)
+            )
             if compiles_draft_round(cfg.compile_draft, True, cfg.temperature == 0, device):
                 checks.append(check_draft_compile(cfg.compile_draft, device))
     return checks
@@ -357,8 +463,14 @@ def check_engine_coverage(fmt: str, declared: list[str]) -> list[Check]:
     for spec in declared:
         engine, _, version = spec.partition("==")
         if engine not in ENGINES or not version:
-            return [Check("engines", FAIL, f"--engine {spec!r}: expected ENGINE==VERSION with ENGINE one of "
-                          f"{', '.join(ENGINES)}", "e.g. --engine vllm==0.33.0")]
+            return [
+                Check(
+                    "engines",
+                    FAIL,
+                    f"--engine {spec!r}: expected ENGINE==VERSION with ENGINE one of {', '.join(ENGINES)}",
+                    "e.g. --engine vllm==0.33.0",
+                )
+            ]
         wanted.setdefault(engine, set()).add(version)
     for engine in engines:
         try:
@@ -372,13 +484,26 @@ def check_engine_coverage(fmt: str, declared: list[str]) -> list[Check]:
             if version in covered:
                 checks.append(Check("engines", PASS, f"{engine} {version}: its loader is one eaglet reads"))
             else:
-                fix = (f"run scripts/refresh_consumer_fixtures.py --{engine} {version}, then `eaglet export --check`"
-                       if engine != "speculators" else f"check the export with speculators {version} (eaglet's test "
-                       "extra pins the release it was checked against)")
-                checks.append(Check("engines", WARN, f"{engine} {version}: eaglet's readers cover "
-                                    f"{', '.join(covered)} only", fix))
-    return checks or [Check("engines", PASS, "covered: " + "; ".join(
-        f"{e} {', '.join([SPECULATORS_VERSION] if e == 'speculators' else covered_versions(e))}" for e in engines))]
+                fix = (
+                    f"run scripts/refresh_consumer_fixtures.py --{engine} {version}, then `eaglet export --check`"
+                    if engine != "speculators"
+                    else f"check the export with speculators {version} (eaglet's test "
+                    "extra pins the release it was checked against)"
+                )
+                checks.append(
+                    Check("engines", WARN, f"{engine} {version}: eaglet's readers cover {', '.join(covered)} only", fix)
+                )
+    return checks or [
+        Check(
+            "engines",
+            PASS,
+            "covered: "
+            + "; ".join(
+                f"{e} {', '.join([SPECULATORS_VERSION] if e == 'speculators' else covered_versions(e))}"
+                for e in engines
+            ),
+        )
+    ]
 
 
 def export_checks(cfg: Any) -> list[Check]:
@@ -391,8 +516,14 @@ def export_checks(cfg: Any) -> list[Check]:
     if FORMATS[cfg.format].carries_embedding:
         spec = cfg.target or recorded.get("spec")
         if not spec:
-            checks.append(Check("target", FAIL, "the speculators format carries the target's embedding; this draft "
-                                "does not record its target", "pass --target"))
+            checks.append(
+                Check(
+                    "target",
+                    FAIL,
+                    "the speculators format carries the target's embedding; this draft does not record its target",
+                    "pass --target",
+                )
+            )
         else:
             target_checks, _ = check_target(spec, need_template=False)
             checks += target_checks

@@ -15,12 +15,17 @@ from typing import Any
 import torch
 
 from ..errors import EagletError
-from ..formats.files import (CHECKPOINT_WEIGHTS_FILE, CHECKPOINTS_DIR, OPTIMIZER_FILE, RNG_FILE, TRAINER_STATE_FILE,
-                            checkpoint_dir_name)
+from ..formats.files import (
+    CHECKPOINT_WEIGHTS_FILE,
+    CHECKPOINTS_DIR,
+    OPTIMIZER_FILE,
+    RNG_FILE,
+    TRAINER_STATE_FILE,
+    checkpoint_dir_name,
+)
 from ..formats.records import Count, Record, parse_record
-from ..store import write_safetensors
 from ..fsio import atomic_directory, load_json_file, write_json_atomic
-
+from ..model.shards import write_safetensors
 
 
 @dataclass
@@ -73,16 +78,25 @@ def _torch_save(obj: Any, path: Path) -> None:
             raise
 
 
-def save_checkpoint(run: Path, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any],
-                    scheduler: Any, state: TrainerState, identity: dict[str, Any], keep_last: int) -> Path:
+def save_checkpoint(
+    run: Path,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+    scheduler: Any,
+    state: TrainerState,
+    identity: dict[str, Any],
+    keep_last: int,
+) -> Path:
     """``model_state``/``optimizer_state``: full (unsharded) state dicts, see ``Parallel.full_state``."""
     final = run / CHECKPOINTS_DIR / checkpoint_dir_name(state.step)
     with atomic_directory(final, overwrite=True) as tmp:
         write_safetensors(tmp / CHECKPOINT_WEIGHTS_FILE, model_state)
         _torch_save(optimizer_state, tmp / OPTIMIZER_FILE)
         write_safetensors(tmp / RNG_FILE, _rng_state())
-        write_json_atomic(tmp / TRAINER_STATE_FILE, {"state": state.as_dict(), "scheduler": scheduler.state_dict(),
-                                             "identity": identity})
+        write_json_atomic(
+            tmp / TRAINER_STATE_FILE,
+            {"state": state.as_dict(), "scheduler": scheduler.state_dict(), "identity": identity},
+        )
     checkpoints = sorted((run / CHECKPOINTS_DIR).glob("step-*"))
     for old in checkpoints[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
@@ -111,8 +125,10 @@ class TrainerRecord(Record):
 
 def damaged_checkpoint(path: Path, what: str) -> EagletError:
     """The one-line refusal of a checkpoint that cannot be resumed, with the fix."""
-    return EagletError(f"{path}: a damaged checkpoint ({what}); delete {path} to resume from the checkpoint before "
-                       "it, or train into another --out")
+    return EagletError(
+        f"{path}: a damaged checkpoint ({what}); delete {path} to resume from the checkpoint before "
+        "it, or train into another --out"
+    )
 
 
 def load_checkpoint(path: Path, expected_keys: set[str], scheduler: Any, identity: dict[str, Any]) -> LoadedCheckpoint:
@@ -138,12 +154,16 @@ def load_checkpoint(path: Path, expected_keys: set[str], scheduler: Any, identit
     except Exception as exc:  # safetensors' errors for a missing, cut or foreign file
         raise damaged_checkpoint(path, str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
     if set(model_state) != expected_keys:
-        raise EagletError(f"{path}: checkpoint weights do not match the draft "
-                          f"(missing {sorted(expected_keys - set(model_state))}, unexpected {sorted(set(model_state) - expected_keys)})")
+        raise EagletError(
+            f"{path}: checkpoint weights do not match the draft "
+            f"(missing {sorted(expected_keys - set(model_state))}, unexpected {sorted(set(model_state) - expected_keys)})"
+        )
     try:
         optimizer_state = torch.load(path / OPTIMIZER_FILE, weights_only=True, map_location="cpu")
     except Exception as exc:  # a cut zip, or a pickle with anything but tensors and plain containers
-        raise damaged_checkpoint(path, f"{OPTIMIZER_FILE}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        raise damaged_checkpoint(
+            path, f"{OPTIMIZER_FILE}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        ) from None
     try:
         scheduler.load_state_dict(saved.scheduler)
         torch.set_rng_state(rng["cpu"])

@@ -18,12 +18,12 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from ..capture import FeatureCapture, batches_by_length
 from ..errors import EagletError
 from ..formats.prepared import PreparedSet
-from ..formats.store import ShardPlan, plan_shards, read_manifest
+from ..formats.store_manifest import ShardPlan, plan_shards, read_manifest
 from ..formats.target_record import TargetIdentity, require_same_target
-from ..store import ShardError, StoreReader, decode_features
+from ..model.capture import FeatureCapture, batches_by_length
+from ..model.shards import ShardError, StoreReader, decode_features
 from .prefetch import prefetched
 
 PREFETCH_SHARDS = 2  # shards read (and checksummed) ahead of the batch being trained on
@@ -118,11 +118,13 @@ def pad_to_budget(batch: FeatureBatch, budget: int, pin: bool = False) -> Featur
     def padded(tensor: torch.Tensor) -> torch.Tensor:  # [tokens, ...] -> [max(budget, tokens), ...], zeros after
         out = torch.empty((max(budget, len(tensor)), *tensor.shape[1:]), dtype=tensor.dtype, pin_memory=pin)
         out[: len(tensor)] = tensor
-        out[len(tensor):] = 0
+        out[len(tensor) :] = 0
         return out
 
     return FeatureBatch(
-        input_ids=padded(batch.input_ids), loss_mask=padded(batch.loss_mask), aux=padded(batch.aux),
+        input_ids=padded(batch.input_ids),
+        loss_mask=padded(batch.loss_mask),
+        aux=padded(batch.aux),
         last=padded(batch.last),
         doc_offsets=torch.cat([batch.doc_offsets, torch.tensor([budget])]) if missing > 0 else batch.doc_offsets,
         sample_index=batch.sample_index,
@@ -164,15 +166,28 @@ class StoreSource(FeatureSource):
     (headers and two small tensors: seconds), each shard's sha256 and content as it is read, before anything of it
     is trained on. With its ``prepared`` set, shards must hold exactly their planned samples, ids and masks."""
 
-    def __init__(self, store: str | Path, token_budget: int, seed: int = 0, expect_target: TargetIdentity | None = None,
-                 prepared: PreparedSet | None = None):
+    def __init__(
+        self,
+        store: str | Path,
+        token_budget: int,
+        seed: int = 0,
+        expect_target: TargetIdentity | None = None,
+        prepared: PreparedSet | None = None,
+    ):
         self.store = Path(store)
         self.manifest = read_manifest(self.store)
         if not self.manifest["complete"]:
-            raise EagletError(f"{store}: extraction incomplete; run the same `eaglet extract` command again to finish it")
+            raise EagletError(
+                f"{store}: extraction incomplete; run the same `eaglet extract` command again to finish it"
+            )
         if expect_target is not None:
-            require_same_target(expect_target, self.manifest["target"], f"store {store}", "extracted from",
-                                "use the matching target or re-extract")
+            require_same_target(
+                expect_target,
+                self.manifest["target"],
+                f"store {store}",
+                "extracted from",
+                "use the matching target or re-extract",
+            )
         self.prepared = prepared
         self.reader = StoreReader(self.store, self.manifest, prepared)
         self.hidden_size = self.manifest["hidden_size"]
@@ -213,13 +228,19 @@ class StoreSource(FeatureSource):
             tensors = self.reader.read(entry)
         except ShardError as exc:
             raise self._damaged(entry, str(exc)) from None
-        aux, last = decode_features(tensors, torch.bfloat16 if tensors["aux"].dtype == torch.bfloat16 else torch.float32)
+        aux, last = decode_features(
+            tensors, torch.bfloat16 if tensors["aux"].dtype == torch.bfloat16 else torch.float32
+        )
         offsets = tensors["offsets"].tolist()
         samples = {}
         for row, sample in enumerate(tensors["sample_index"].tolist()):
             begin, end = offsets[row], offsets[row + 1]
-            samples[sample] = {"input_ids": tensors["input_ids"][begin:end], "loss_mask": tensors["loss_mask"][begin:end],
-                               "aux": aux[begin:end], "last": last[begin:end]}
+            samples[sample] = {
+                "input_ids": tensors["input_ids"][begin:end],
+                "loss_mask": tensors["loss_mask"][begin:end],
+                "aux": aux[begin:end],
+                "last": last[begin:end],
+            }
         return samples
 
     def fetch(self, groups: list[list[int]]) -> Iterator[FeatureBatch]:
@@ -262,8 +283,17 @@ class LiveSource(FeatureSource):
     """The target computes the features of each planned micro-batch, the same batches a store would give; each
     sample's features are computed once and kept (``FeatureCache``) while they fit."""
 
-    def __init__(self, prepared: PreparedSet, model: torch.nn.Module, layer_ids: tuple[int, ...], token_budget: int,
-                 tokens_per_shard: int, seed: int = 0, forward_tokens: int = 4096, cache_bytes: int = 0):
+    def __init__(
+        self,
+        prepared: PreparedSet,
+        model: torch.nn.Module,
+        layer_ids: tuple[int, ...],
+        token_budget: int,
+        tokens_per_shard: int,
+        seed: int = 0,
+        forward_tokens: int = 4096,
+        cache_bytes: int = 0,
+    ):
         self.prepared = prepared
         self.capture = FeatureCapture(model, layer_ids)
         self.plans = plan_shards(prepared.lengths, tokens_per_shard)
@@ -292,8 +322,9 @@ class LiveSource(FeatureSource):
                 self.computed += len(computed)
                 for sample, features in computed.items():
                     self.cache.put(sample, features)
-            yield assemble([(sample, computed.get(sample) or self.cache.get(sample)) for sample in group],
-                           self.token_budget)
+            yield assemble(
+                [(sample, computed.get(sample) or self.cache.get(sample)) for sample in group], self.token_budget
+            )
 
     def _features_many(self, samples: list[int]) -> list[dict[str, torch.Tensor]]:
         """The samples' features on the host in the store's dtype, from length-bucketed target forwards."""
@@ -309,7 +340,10 @@ class LiveSource(FeatureSource):
             for row, position in enumerate(batch.tolist()):
                 length = int(lengths[position])
                 ids, mask = self.prepared.sample(samples[position])
-                out[position] = {"input_ids": torch.from_numpy(ids[:length].astype(np.int64)),
-                                 "loss_mask": torch.from_numpy(mask[:length].astype(np.uint8)),
-                                 "aux": aux[row, :length].clone(), "last": last[row, :length].clone()}
+                out[position] = {
+                    "input_ids": torch.from_numpy(ids[:length].astype(np.int64)),
+                    "loss_mask": torch.from_numpy(mask[:length].astype(np.uint8)),
+                    "aux": aux[row, :length].clone(),
+                    "last": last[row, :length].clone(),
+                }
         return out  # type: ignore[return-value]

@@ -21,16 +21,16 @@ from rich.console import Console
 
 from .. import __version__
 from ..config import TrainConfig
-from ..distributed import Dist, all_reduce_sum, any_rank, init_distributed
 from ..errors import EagletError
-from ..draft import FROZEN_PREFIX, save_draft
 from ..formats.files import TRAIN_CONFIG_FILE
 from ..fsio import check_output_apart, check_output_dir, output_lock, write_json_atomic
+from ..model.distributed import Dist, all_reduce_sum, any_rank, init_distributed
+from ..model.draft import FROZEN_PREFIX, save_draft
+from ..model.sizing import draft_train_flops_per_token
 from ..progress import progress_bar
 from .checkpoint import TrainerState, damaged_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import FeatureBatch, kept_length, non_finite_samples, pad_to_budget
-from .evaluate import evaluate
-from ..sizing import draft_train_flops_per_token
+from .heldout import evaluate
 from .metrics import H200_BF16_DENSE_FLOPS, MetricsLog, plot_run
 from .prefetch import prefetched
 from .setup import Model, Setup, build_model, build_setup, lr_schedule, total_steps
@@ -91,12 +91,20 @@ def _train(config: TrainConfig, console: Console, dist: Dist, run: Path) -> Trai
     resumed_from = state.step
     run.mkdir(parents=True, exist_ok=True)
     if dist.is_main:
-        write_json_atomic(run / TRAIN_CONFIG_FILE, {"config": config.model_dump(), "identity": setup.identity,
-                                                   "total_steps": steps, "eaglet_version": __version__})
+        write_json_atomic(
+            run / TRAIN_CONFIG_FILE,
+            {
+                "config": config.model_dump(),
+                "identity": setup.identity,
+                "total_steps": steps,
+                "eaglet_version": __version__,
+            },
+        )
     metrics = MetricsLog(run, dist.is_main, resumed_step=state.step)
     mean_context = float(np.mean([kept_length(n, config.token_budget) for n in setup.lengths])) / 2
-    flops_per_token = draft_train_flops_per_token(model.draft.config, config.ttt_steps, mean_context,
-                                                  head_trainable=not config.freeze_lm_head)
+    flops_per_token = draft_train_flops_per_token(
+        model.draft.config, config.ttt_steps, mean_context, head_trainable=not config.freeze_lm_head
+    )
     deadline = time.monotonic() + config.max_minutes * 60 if config.max_minutes else None
     pin = device.type == "cuda"
 
@@ -115,7 +123,7 @@ def _train(config: TrainConfig, console: Console, dist: Dist, run: Path) -> Trai
             task = progress.add_task("train", total=steps, completed=state.step)
             while state.step < steps and not stop.requested:
                 plan = setup.source.plan(state.epoch, select)
-                remaining = setup.source.fetch(plan[state.micro_in_epoch:])
+                remaining = setup.source.fetch(plan[state.micro_in_epoch :])
                 groups = prefetched(_in_groups(remaining, per_step), host_ready, PREFETCH_STEPS)
                 for mine, group_size, group_tokens in groups:
                     try:
@@ -131,12 +139,21 @@ def _train(config: TrainConfig, console: Console, dist: Dist, run: Path) -> Trai
                     progress.advance(task)
                     if state.step % config.log_every == 0 or state.step == steps:
                         elapsed = time.perf_counter() - window_started
-                        metrics.log(_train_record(state, scheduler, stats, dist, window_tokens / max(elapsed, 1e-9),
-                                                  flops_per_token if device.type == "cuda" else None))
+                        metrics.log(
+                            _train_record(
+                                state,
+                                scheduler,
+                                stats,
+                                dist,
+                                window_tokens / max(elapsed, 1e-9),
+                                flops_per_token if device.type == "cuda" else None,
+                            )
+                        )
                         window_tokens, window_started = 0, time.perf_counter()
                     out_of_time = deadline is not None and time.monotonic() > deadline
-                    if setup.evaluates(config) and (state.step % config.eval_every == 0 or state.step == steps
-                                                    or out_of_time):
+                    if setup.evaluates(config) and (
+                        state.step % config.eval_every == 0 or state.step == steps or out_of_time
+                    ):
                         final_eval = evaluate(model, setup, config, device, dist)
                         metrics.log({"kind": "eval", "step": state.step, "tokens": state.tokens, **final_eval})
                     stop.requested = any_rank(stop.requested or out_of_time, dist, device)
@@ -152,8 +169,10 @@ def _train(config: TrainConfig, console: Console, dist: Dist, run: Path) -> Trai
         stop.restore()
         metrics.close()
     if stop.requested and state.step < steps:
-        console.print(f"[yellow]stopped at step {state.step} (SIGTERM or --max-minutes); checkpoint saved, "
-                      "rerun the same command to resume[/]")
+        console.print(
+            f"[yellow]stopped at step {state.step} (SIGTERM or --max-minutes); checkpoint saved, "
+            "rerun the same command to resume[/]"
+        )
     if dist.is_main:
         plot_run(run)
     return TrainResult(run, state.step, final_eval, time.perf_counter() - started, resumed_from)
@@ -169,10 +188,9 @@ def _non_finite_error(error: NonFiniteStep, step: int, setup: Setup, run: Path) 
     kept = latest_checkpoint(run)
     keeps = f"the run keeps its last good checkpoint {kept}" if kept else "no checkpoint was written"
     if bad:
-        cause = (f"non-finite {error.what} from non-finite features of {named}{more}; "
-                 f"{setup.source.repair_hint()}")
+        cause = f"non-finite {error.what} from non-finite features of {named}{more}; {setup.source.repair_hint()}"
     else:
-        cause = (f"non-finite {error.what} on finite features ({named}{more}); lower --lr or --clip")
+        cause = f"non-finite {error.what} on finite features ({named}{more}); lower --lr or --clip"
     return EagletError(f"step {step}: {cause}; the step was not applied and {keeps}")
 
 
@@ -186,17 +204,23 @@ def _in_groups(batches: Iterator[FeatureBatch], size: int) -> Iterator[list[Feat
             group = []
 
 
-def _train_record(state: TrainerState, scheduler, stats: StepStats, dist: Dist, tokens_per_s: float,
-                  flops_per_token: float | None) -> dict[str, Any]:
+def _train_record(
+    state: TrainerState, scheduler, stats: StepStats, dist: Dist, tokens_per_s: float, flops_per_token: float | None
+) -> dict[str, Any]:
     """The metrics.jsonl row of a logged step (sums all-reduced over the ranks); MFU on GPU only."""
     loss, losses, correct, counts = all_reduce_sum(stats.tensors(), dist)
     return {
-        "kind": "train", "step": state.step, "epoch": state.epoch, "tokens": state.tokens,
-        "lr": scheduler.get_last_lr()[0], "loss": round(float(loss) / dist.world, 6),
+        "kind": "train",
+        "step": state.step,
+        "epoch": state.epoch,
+        "tokens": state.tokens,
+        "lr": scheduler.get_last_lr()[0],
+        "loss": round(float(loss) / dist.world, 6),
         "loss_k": [round(v, 5) for v in (losses / counts.clamp_min(1)).tolist()],
         "acc_k": [round(v, 5) for v in (correct / counts.clamp_min(1)).tolist()],
         "tokens_per_s": round(tokens_per_s, 1),
-        "mfu": None if flops_per_token is None
+        "mfu": None
+        if flops_per_token is None
         else round(tokens_per_s * flops_per_token / (H200_BF16_DENSE_FLOPS * dist.world), 5),
     }
 
@@ -213,16 +237,18 @@ def _resume(run: Path, model: Model, scheduler, setup: Setup, console: Console) 
         return TrainerState()
     loaded = load_checkpoint(checkpoint, _checkpoint_keys(model), scheduler, setup.identity)
     try:
-        model.parallel.load_state(model.module, model.optimizer, model.draft, loaded.model_state,
-                                  loaded.optimizer_state)
+        model.parallel.load_state(
+            model.module, model.optimizer, model.draft, loaded.model_state, loaded.optimizer_state
+        )
     except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # shapes or optimizer entries of another draft
         raise damaged_checkpoint(checkpoint, str(exc).splitlines()[0]) from None
     console.print(f"resuming from {checkpoint} (step {loaded.state.step})")
     return loaded.state
 
 
-def _save(run: Path, model: Model, scheduler, state: TrainerState, setup: Setup, config: TrainConfig,
-          dist: Dist) -> None:
+def _save(
+    run: Path, model: Model, scheduler, state: TrainerState, setup: Setup, config: TrainConfig, dist: Dist
+) -> None:
     """A checkpoint and the draft directory (rank 0 writes; gathering the full state is collective)."""
     full_model, full_optimizer = model.parallel.full_state(model.module, model.optimizer, model.draft)
     if dist.is_main:

@@ -21,8 +21,11 @@ class MetricsLog:
         self.enabled = enabled
         self.writer = None
         if enabled and self.path.is_file():
-            kept = [line for line in self.path.read_text(encoding="utf-8").splitlines()
-                    if line.strip() and _step_of(line) <= resumed_step]
+            kept = [
+                line
+                for line in self.path.read_text(encoding="utf-8").splitlines()
+                if line.strip() and _step_of(line) <= resumed_step
+            ]
             write_bytes_atomic(self.path, "".join(line + "\n" for line in kept).encode("utf-8"))
         if enabled and tensorboard:
             try:
@@ -96,14 +99,30 @@ def plot_run(run: Path) -> list[Path]:
     evals = [r for r in records if r.get("kind") == "eval" and r.get("tau") is not None]
     written = []
     if train:
-        written.append(_line_plot(run / "loss.png", {"total (Σ decay^k loss_k)": ([r["step"] for r in train], [r["loss"] for r in train])},
-                                  "optimizer step", "loss", "training loss"))
+        written.append(
+            _line_plot(
+                run / "loss.png",
+                {"total (Σ decay^k loss_k)": ([r["step"] for r in train], [r["loss"] for r in train])},
+                "optimizer step",
+                "loss",
+                "training loss",
+            )
+        )
     if evals:
         steps = [r["step"] for r in evals]
         accuracy = {f"step {k}": (steps, [r["acc"][k] for r in evals]) for k in range(len(evals[-1]["acc"]))}
-        written.append(_line_plot(run / "accuracy.png", accuracy, "optimizer step", "held-out top-1 accuracy",
-                                  "accuracy per TTT step"))
-        written.append(_line_plot(run / "tau.png", {"": ([r["tokens"] for r in evals], [r["tau"] for r in evals])},
-                                  "training tokens", "simulated accepted draft tokens per forward",
-                                  "simulated chain acceptance on held-out samples"))
+        written.append(
+            _line_plot(
+                run / "accuracy.png", accuracy, "optimizer step", "held-out top-1 accuracy", "accuracy per TTT step"
+            )
+        )
+        written.append(
+            _line_plot(
+                run / "tau.png",
+                {"": ([r["tokens"] for r in evals], [r["tau"] for r in evals])},
+                "training tokens",
+                "simulated accepted draft tokens per forward",
+                "simulated chain acceptance on held-out samples",
+            )
+        )
     return written

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..distributed import Dist
+from ..model.distributed import Dist
 
 
 class Parallel:
@@ -38,7 +38,9 @@ class Parallel:
         if self.strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
-            return DistributedDataParallel(module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            return DistributedDataParallel(
+                module, device_ids=[self.device.index] if self.device.type == "cuda" else None
+            )
         return module
 
     @contextmanager
@@ -54,19 +56,36 @@ class Parallel:
             with nullcontext():
                 yield
 
-    def full_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def full_state(
+        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, model: torch.nn.Module
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Unsharded CPU state dicts of ``model`` (a submodule of ``module``) and of the optimizer (keyed by
         parameter names relative to ``module``); empty on ranks other than 0 under FSDP2."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(model, options=options), get_optimizer_state_dict(module, optimizer, options=options)
+        return get_model_state_dict(model, options=options), get_optimizer_state_dict(
+            module, optimizer, options=options
+        )
 
-    def load_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
-                   model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
+    def load_state(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module,
+        model_state: dict[str, torch.Tensor],
+        optimizer_state: dict[str, Any],
+    ) -> None:
         """Every rank passes the full state dicts (read from the checkpoint); each keeps its shard."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         options = StateDictOptions(full_state_dict=True, strict=False)
         set_model_state_dict(model, model_state, options=options)

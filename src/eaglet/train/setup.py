@@ -15,22 +15,28 @@ import torch
 
 from ..config import TrainConfig
 from ..data.vocab import DraftVocab
-from ..distributed import Dist
-from ..draft import Eagle3Draft
 from ..errors import EagletError
-from ..sizing import GIB
-from ..formats.draft import DraftConfig
+from ..formats.draft_config import DraftConfig
 from ..formats.layers import resolve_aux_layer_ids
 from ..formats.prepared import PreparedSet, load_prepared
+from ..formats.store_manifest import ShardPlan, check_store_counts, prepared_path, read_manifest
 from ..formats.target_record import TargetIdentity, require_same_target, stage_target
-from ..formats.store import ShardPlan, check_store_counts, prepared_path, read_manifest
-from ..loss import TeacherHead
-from ..target import (load_head_weights, load_model, load_tokenizer, read_config, resolve_target, target_info,
-                      target_record)
-from ..ttt import TTTModule
+from ..model.distributed import Dist
+from ..model.draft import Eagle3Draft
+from ..model.sizing import GIB
+from ..model.target import (
+    load_head_weights,
+    load_model,
+    load_tokenizer,
+    read_config,
+    resolve_target,
+    target_info,
+    target_record,
+)
 from .data import FeatureSource, LiveSource, StoreSource, held_out, kept_length
+from .loss import TeacherHead
 from .parallel import Parallel
-
+from .ttt import TTTModule
 
 
 @dataclass
@@ -66,44 +72,82 @@ def build_setup(config: TrainConfig, device: str) -> Setup:
         vocab = DraftVocab.load(config.draft_vocab_file or prepared.vocab_path)
         layer_ids = source.layer_ids
         if config.layers and tuple(config.layers) != layer_ids:
-            raise EagletError(f"{config.store}: extracted with aux layers {list(layer_ids)}, --layers asks for "
-                              f"{config.layers}; drop --layers or extract again with --layers")
+            raise EagletError(
+                f"{config.store}: extracted with aux layers {list(layer_ids)}, --layers asks for "
+                f"{config.layers}; drop --layers or extract again with --layers"
+            )
     else:
         prepared = load_prepared(config.prepared)
-        require_same_target(identity, prepared.manifest["target"], str(config.prepared), "prepared with",
-                            f"prepare again with --target {target}", tokenizer_only=True)
+        require_same_target(
+            identity,
+            prepared.manifest["target"],
+            str(config.prepared),
+            "prepared with",
+            f"prepare again with --target {target}",
+            tokenizer_only=True,
+        )
         vocab = DraftVocab.load(config.draft_vocab_file or prepared.vocab_path)  # before the target loads
         layer_ids = resolve_aux_layer_ids(config.layers, info.num_layers)
         if config.placement == "tp":
-            raise EagletError("online training runs the target in the training processes, which cannot also be its "
-                              "tensor-parallel group; extract a store with `torchrun ... eaglet extract --placement tp`"
-                              " and train on it, or use --placement split")
+            raise EagletError(
+                "online training runs the target in the training processes, which cannot also be its "
+                "tensor-parallel group; extract a store with `torchrun ... eaglet extract --placement tp`"
+                " and train on it, or use --placement split"
+            )
         check_trainable(prepared, config)
         model = load_model(resolved.path, device, "auto", config.trust_remote_code, config)
-        source = LiveSource(prepared, model, layer_ids, config.token_budget, config.online_chunk_tokens, config.seed,
-                            config.online_forward_tokens, int(config.online_cache_gb * GIB))
+        source = LiveSource(
+            prepared,
+            model,
+            layer_ids,
+            config.token_budget,
+            config.online_chunk_tokens,
+            config.seed,
+            config.online_forward_tokens,
+            int(config.online_cache_gb * GIB),
+        )
     eval_source = None
     if config.eval_store is not None:
         eval_source, _ = open_store(Path(config.eval_store), identity, config, "eval store")
         if eval_source.layer_ids != layer_ids:
-            raise EagletError(f"eval store {config.eval_store}: aux layers {list(eval_source.layer_ids)}, training "
-                              f"uses {list(layer_ids)}")
-    run_identity = {"target": identity.to_record(), "layer_ids": list(layer_ids), "draft_vocab_size": vocab.size,
-                "draft_layers": config.draft_layers,
-                "ttt_steps": config.ttt_steps, "token_budget": config.token_budget, "seed": config.seed,
-                "input": "store" if config.store else "online", "eval_fraction": config.eval_fraction}
-    return Setup(source, source.plans, prepared.lengths, vocab, layer_ids, run_identity,
-                 identity.to_record() | target_record(resolved, info),
-                 resolved.path, read_config(resolved.path), eval_source)
+            raise EagletError(
+                f"eval store {config.eval_store}: aux layers {list(eval_source.layer_ids)}, training "
+                f"uses {list(layer_ids)}"
+            )
+    run_identity = {
+        "target": identity.to_record(),
+        "layer_ids": list(layer_ids),
+        "draft_vocab_size": vocab.size,
+        "draft_layers": config.draft_layers,
+        "ttt_steps": config.ttt_steps,
+        "token_budget": config.token_budget,
+        "seed": config.seed,
+        "input": "store" if config.store else "online",
+        "eval_fraction": config.eval_fraction,
+    }
+    return Setup(
+        source,
+        source.plans,
+        prepared.lengths,
+        vocab,
+        layer_ids,
+        run_identity,
+        identity.to_record() | target_record(resolved, info),
+        resolved.path,
+        read_config(resolved.path),
+        eval_source,
+    )
 
 
-def open_store(store: Path, identity: TargetIdentity, config: TrainConfig,
-               what: str) -> tuple[StoreSource, PreparedSet]:
+def open_store(
+    store: Path, identity: TargetIdentity, config: TrainConfig, what: str
+) -> tuple[StoreSource, PreparedSet]:
     """A complete store of this target with its prepared set (unchanged since extraction, the same samples), as a
     source whose every shard read is checked against that set."""
     manifest = read_manifest(store)
-    require_same_target(identity, manifest["target"], f"{what} {store}", "extracted from",
-                        "use the matching target or re-extract")
+    require_same_target(
+        identity, manifest["target"], f"{what} {store}", "extracted from", "use the matching target or re-extract"
+    )
     if not manifest["complete"]:
         raise EagletError(f"{store}: extraction incomplete; run the same `eaglet extract` again to finish it")
     prepared = load_prepared(prepared_path(store, manifest))
@@ -130,8 +174,10 @@ def check_trainable(prepared: PreparedSet, config: TrainConfig, samples: int | N
     for sample in range(count):
         if (select is None or select(sample)) and prepared.sample(sample)[1].any():
             return
-    raise EagletError(f"{prepared.path}: none of its {count:,} training samples has a trainable token (every loss "
-                      "mask is 0); prepare conversations with assistant answers")
+    raise EagletError(
+        f"{prepared.path}: none of its {count:,} training samples has a trainable token (every loss "
+        "mask is 0); prepare conversations with assistant answers"
+    )
 
 
 @dataclass
@@ -152,21 +198,25 @@ def build_model(config: TrainConfig, setup: Setup, device: torch.device, dist: D
     """The draft initialised from the target (embedding, LM-head rows, final norm), wrapped and with its optimizer."""
     use_bf16 = config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda")
     head = load_head_weights(setup.target_path)
-    draft_config = DraftConfig.from_target(setup.target_config, setup.vocab.size, setup.layer_ids, setup.target_record,
-                                           num_layers=config.draft_layers)
+    draft_config = DraftConfig.from_target(
+        setup.target_config, setup.vocab.size, setup.layer_ids, setup.target_record, num_layers=config.draft_layers
+    )
     torch.manual_seed(config.seed)
     draft = Eagle3Draft(draft_config)
     d2t, t2d = torch.from_numpy(setup.vocab.d2t), torch.from_numpy(setup.vocab.t2d)
-    draft.init_from_target(head.embed.float(), head.lm_head.float(), d2t, t2d,
-                           None if head.final_norm is None else head.final_norm.float())
+    draft.init_from_target(
+        head.embed.float(), head.lm_head.float(), d2t, t2d, None if head.final_norm is None else head.final_norm.float()
+    )
     draft.lm_head.weight.requires_grad_(not config.freeze_lm_head)
     draft.to(device)
     if config.compile_pointwise and device.type == "cuda":  # CPU: eager (compiling needs a C++ toolchain at run time)
         draft.compile_pointwise()
-    teacher = TeacherHead(head.lm_head.to(device, torch.bfloat16 if use_bf16 else torch.float32), d2t.to(device),
-                          head.softcap)
-    module = TTTModule(draft, config.ttt_steps, config.loss_decay, config.feature_noise_std,
-                       config.attention_kernels).to(device)
+    teacher = TeacherHead(
+        head.lm_head.to(device, torch.bfloat16 if use_bf16 else torch.float32), d2t.to(device), head.softcap
+    )
+    module = TTTModule(
+        draft, config.ttt_steps, config.loss_decay, config.feature_noise_std, config.attention_kernels
+    ).to(device)
     parallel = Parallel(config.parallel, dist, device)
     wrapped = parallel.wrap(module)
     parameters = [p for p in module.parameters() if p.requires_grad]
@@ -193,6 +243,7 @@ def total_steps(config: TrainConfig, per_step: int, epoch_plan: list[list[int]],
 
 def lr_schedule(config: TrainConfig, steps: int) -> Callable[[int], float]:
     """The learning-rate factor per step: linear warm-up, then cosine, linear or constant to min_lr_ratio."""
+
     def factor(step: int) -> float:
         if step < config.warmup_steps:
             return (step + 1) / (config.warmup_steps + 1)

@@ -6,15 +6,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..loss import TeacherHead
-from ..transfer import to_device
-from ..ttt import TTTInputs, documents
 from .data import FeatureBatch, pad_to_budget
+from .loss import TeacherHead
 from .setup import Model
+from .transfer import to_device
+from .ttt import TTTInputs, documents
 
 
-def device_inputs(batch: FeatureBatch, teacher: TeacherHead, device: torch.device, dtype: torch.dtype,
-                  budget: int | None = None) -> TTTInputs:
+def device_inputs(
+    batch: FeatureBatch, teacher: TeacherHead, device: torch.device, dtype: torch.dtype, budget: int | None = None
+) -> TTTInputs:
     """A packed batch on the device with its document layout and the teacher's logits (``budget``: padded first)."""
     if budget is not None:
         batch = pad_to_budget(batch, budget)
@@ -24,8 +25,11 @@ def device_inputs(batch: FeatureBatch, teacher: TeacherHead, device: torch.devic
         input_ids=to_device(batch.input_ids, device),
         aux=to_device(batch.aux, device, dtype),
         loss_mask=to_device(batch.loss_mask, device).bool(),
-        doc_ids=doc_ids, positions=positions, doc_end=doc_end,
-        teacher_logits=teacher_logits, teacher_in_vocab=in_vocab,
+        doc_ids=doc_ids,
+        positions=positions,
+        doc_end=doc_end,
+        teacher_logits=teacher_logits,
+        teacher_in_vocab=in_vocab,
     )
 
 
@@ -62,8 +66,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def train_step(model: Model, batches: list[FeatureBatch], device: torch.device, ttt_steps: int,
-               clip: float) -> StepStats:
+def train_step(
+    model: Model, batches: list[FeatureBatch], device: torch.device, ttt_steps: int, clip: float
+) -> StepStats:
     """Forward and backward each micro-batch (gradient sync only on the last), then clip and step; a non-finite
     loss or gradient raises ``NonFiniteStep`` instead of being applied."""
     stats = StepStats(torch.zeros((), device=device), *(torch.zeros(ttt_steps, device=device) for _ in range(3)))

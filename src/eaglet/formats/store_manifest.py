@@ -107,8 +107,10 @@ class ShardEntry(Record):
     @model_validator(mode="after")
     def _own_file(self) -> "ShardEntry":
         if self.file != shard_name(self.index):
-            raise ValueError(f"shard {self.index} is listed as {shown(self.file)}, not {shard_name(self.index)!r} "
-                             "(shards are plain file names inside the store)")
+            raise ValueError(
+                f"shard {self.index} is listed as {shown(self.file)}, not {shard_name(self.index)!r} "
+                "(shards are plain file names inside the store)"
+            )
         if self.tokens < self.num_samples:
             raise ValueError(f"shard {self.index} holds {self.tokens} tokens for {self.num_samples} samples")
         return self
@@ -166,8 +168,9 @@ class StoreManifest(Record):
         except EagletError as exc:
             raise ValueError(f"aux_layer_ids: {exc}") from None
         if self.num_shards > self.prepared.samples:
-            raise ValueError(f"num_shards {self.num_shards:,} for {self.prepared.samples:,} samples (a shard holds "
-                             "at least one)")
+            raise ValueError(
+                f"num_shards {self.num_shards:,} for {self.prepared.samples:,} samples (a shard holds at least one)"
+            )
         seen: set[int] = set()
         for entry in self.shards:
             if entry.index in seen or entry.index >= self.num_shards:
@@ -228,8 +231,10 @@ def check_store_counts(store: Path, manifest: dict[str, Any], prepared: Any) -> 
     expected = {"samples": samples, "tokens": int(prepared.lengths[:samples].sum())}
     for key, value in expected.items():
         if manifest["totals"][key] != value:
-            raise EagletError(f"{store / MANIFEST_FILE}: holds {manifest['totals'][key]:,} {key}, its prepared set "
-                              f"{prepared.path} has {value:,}; the store does not match its prepared set: re-extract it")
+            raise EagletError(
+                f"{store / MANIFEST_FILE}: holds {manifest['totals'][key]:,} {key}, its prepared set "
+                f"{prepared.path} has {value:,}; the store does not match its prepared set: re-extract it"
+            )
 
 
 def prepared_path(store: Path, manifest: dict[str, Any]) -> Path:
@@ -237,6 +242,10 @@ def prepared_path(store: Path, manifest: dict[str, Any]) -> Path:
     moved together (a run directory moved or copied to another machine), the same place relative to the store."""
     recorded = Path(manifest["prepared"]["path"])
     relative = manifest.get("prepared_relative")
-    if not (recorded / MANIFEST_FILE).is_file() and relative is not None and (store / relative / MANIFEST_FILE).is_file():
+    if (
+        not (recorded / MANIFEST_FILE).is_file()
+        and relative is not None
+        and (store / relative / MANIFEST_FILE).is_file()
+    ):
         return (store / relative).resolve()
     return recorded

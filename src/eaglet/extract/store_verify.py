@@ -6,17 +6,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
 from rich.console import Console
 
-from pydantic import ValidationError
-
-from .config import ExtractConfig, describe_validation_error
-from .errors import EagletError
-from .formats.files import MANIFEST_FILE, record_name, shard_name
-from .formats.prepared import load_prepared
-from .formats.store import prepared_path, read_manifest
-from .progress import progress_bar
-from .store import StoreReader
+from ..config import ExtractConfig, describe_validation_error
+from ..errors import EagletError
+from ..formats.files import MANIFEST_FILE, record_name, shard_name
+from ..formats.prepared import load_prepared
+from ..formats.store_manifest import prepared_path, read_manifest
+from ..model.shards import StoreReader
+from ..progress import progress_bar
 
 
 @dataclass
@@ -65,17 +64,25 @@ def verify_store(store: Path, check_prepared: bool = True, console: Console | No
 REPAIR_SETTINGS_FROM_FLAGS = ("trust_remote_code", "placement", "max_memory", "offload_dir", "replica")
 
 
-def repair_store(store: Path, problems: list[ShardProblem], console: Console | None = None,
-                 target: str | None = None, trust_remote_code: bool = False) -> Any:
+def repair_store(
+    store: Path,
+    problems: list[ShardProblem],
+    console: Console | None = None,
+    target: str | None = None,
+    trust_remote_code: bool = False,
+) -> Any:
     """Re-extract only the bad shards with the settings the manifest records, the target given here (default: the
     one recorded), loaded without remote code unless ``trust_remote_code``; the loaded target must be the one the
     store was extracted from (extraction's own resume check)."""
-    from .extract import run_extract
+    from .extractor import run_extract
 
     manifest = read_manifest(store)
     settings = {key: value for key, value in manifest["config"].items() if key not in REPAIR_SETTINGS_FROM_FLAGS}
-    settings |= {"out": str(store), "prepared": str(prepared_path(store, manifest)),
-                 "trust_remote_code": trust_remote_code}
+    settings |= {
+        "out": str(store),
+        "prepared": str(prepared_path(store, manifest)),
+        "trust_remote_code": trust_remote_code,
+    }
     if target is not None:
         settings["target"] = target
     try:

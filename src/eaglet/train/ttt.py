@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .draft import Eagle3Draft
+from ..model.draft import Eagle3Draft
 from .loss import soft_cross_entropy
 from .transfer import to_device
+
 
 @dataclass
 class TTTInputs:
@@ -119,9 +120,16 @@ class TTTAttention:
         return torch.softmax(scores, dim=-1).to(v0.dtype) @ v0
 
 
-def unroll(draft: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, doc_ids: torch.Tensor,
-           positions: torch.Tensor, doc_end: torch.Tensor, steps: int,
-           attention_factory=TTTAttention) -> Iterator[torch.Tensor]:
+def unroll(
+    draft: Eagle3Draft,
+    input_ids: torch.Tensor,
+    aux: torch.Tensor,
+    doc_ids: torch.Tensor,
+    positions: torch.Tensor,
+    doc_end: torch.Tensor,
+    steps: int,
+    attention_factory=TTTAttention,
+) -> Iterator[torch.Tensor]:
     """The draft's logits [T, Vd] of each TTT step in turn (the module docstring says what step k sees)."""
     attends = [attention_factory(doc_ids, steps) for _ in range(draft.config.num_hidden_layers)]  # key caches per layer
     hidden = draft.fuse(aux.to(draft.fc.weight.dtype))
@@ -135,8 +143,14 @@ def unroll(draft: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, doc_i
         yield logits
 
 
-def ttt_forward(draft: Eagle3Draft, inputs: TTTInputs, steps: int, decay: float = 0.8,
-                attention_factory=TTTAttention, feature_noise_std: float = 0.0) -> TTTOutput:
+def ttt_forward(
+    draft: Eagle3Draft,
+    inputs: TTTInputs,
+    steps: int,
+    decay: float = 0.8,
+    attention_factory=TTTAttention,
+    feature_noise_std: float = 0.0,
+) -> TTTOutput:
     """Unroll ``steps`` draft steps and return the weighted loss plus per-step statistics."""
     aux = inputs.aux
     if feature_noise_std > 0:
@@ -150,11 +164,15 @@ def ttt_forward(draft: Eagle3Draft, inputs: TTTInputs, steps: int, decay: float 
     teacher_top = torch.cat([teacher.argmax(-1), teacher.new_full((steps,), -1, dtype=torch.long)])  # [T+K]
     total = torch.zeros((), device=aux.device)
     step_losses, step_correct, step_counts = [], [], []
-    step_logits = unroll(draft, inputs.input_ids, aux, inputs.doc_ids, inputs.positions, inputs.doc_end, steps,
-                         attention_factory)
+    step_logits = unroll(
+        draft, inputs.input_ids, aux, inputs.doc_ids, inputs.positions, inputs.doc_end, steps, attention_factory
+    )
     for k, logits in enumerate(step_logits):
-        mask = ((index + 2 + k < inputs.doc_end) & shift(inputs.loss_mask, 2 + k, False)
-                & shift(inputs.teacher_in_vocab, 1 + k, False))
+        mask = (
+            (index + 2 + k < inputs.doc_end)
+            & shift(inputs.loss_mask, 2 + k, False)
+            & shift(inputs.teacher_in_vocab, 1 + k, False)
+        )
         count = mask.sum()
         weights = mask.to(teacher_probs.dtype) / count.clamp_min(1)
         # teacher at t+1+k: the target's distribution over x[t+2+k], what step k predicts
@@ -179,8 +197,14 @@ class TTTModule(torch.nn.Module):
         return attention_for(device, self.draft.config.head_dim, self.attention_kernels)
 
     def forward(self, inputs: TTTInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        out = ttt_forward(self.draft, inputs, self.steps, self.decay, self.attention(inputs.input_ids.device),
-                          self.noise_std if self.training else 0.0)
+        out = ttt_forward(
+            self.draft,
+            inputs,
+            self.steps,
+            self.decay,
+            self.attention(inputs.input_ids.device),
+            self.noise_std if self.training else 0.0,
+        )
         return out.loss, torch.stack(out.step_losses), torch.stack(out.step_correct), torch.stack(out.step_counts)
 
 
@@ -218,8 +242,15 @@ def ttt_block_mask(doc_ids: torch.Tensor, filled_steps: int, key_steps: int, mas
 
     tokens = len(doc_ids)
     if tokens % FLEX_BLOCK:
-        return create_block_mask(mask_mod, None, None, tokens, tokens * key_steps, device=doc_ids.device,
-                                 _compile=doc_ids.device.type == "cuda")
+        return create_block_mask(
+            mask_mod,
+            None,
+            None,
+            tokens,
+            tokens * key_steps,
+            device=doc_ids.device,
+            _compile=doc_ids.device.type == "cuda",
+        )
     blocks = tokens // FLEX_BLOCK
     device = doc_ids.device
     query_block = torch.arange(blocks, device=device)[:, None]  # [QB, 1]
@@ -231,8 +262,13 @@ def ttt_block_mask(doc_ids: torch.Tensor, filled_steps: int, key_steps: int, mas
     causal = step0 & (key_block >= first_start // FLEX_BLOCK) & (key_block <= query_block)
     full = step0 & (key_block < query_block) & (key_block * FLEX_BLOCK >= last_start)
     diagonal = ~step0 & (key_block % blocks == query_block) & (key_block < filled_steps * blocks)
-    return BlockMask.from_kv_blocks(*_ordered((causal & ~full) | diagonal), *_ordered(full), BLOCK_SIZE=FLEX_BLOCK,
-                                    mask_mod=mask_mod, seq_lengths=(tokens, tokens * key_steps))
+    return BlockMask.from_kv_blocks(
+        *_ordered((causal & ~full) | diagonal),
+        *_ordered(full),
+        BLOCK_SIZE=FLEX_BLOCK,
+        mask_mod=mask_mod,
+        seq_lengths=(tokens, tokens * key_steps),
+    )
 
 
 class FlexTTTAttention:
@@ -309,8 +345,13 @@ class FlexTTTAttention:
         self.keys.append(k)
         self.values.append(v)
         kernel = self._kernel(q.device)
-        out = kernel(q[None], self._all_steps(self.keys), self._all_steps(self.values),
-                     block_mask=self._block_mask(len(self.keys)), enable_gqa=q.shape[0] != k.shape[0])
+        out = kernel(
+            q[None],
+            self._all_steps(self.keys),
+            self._all_steps(self.values),
+            block_mask=self._block_mask(len(self.keys)),
+            enable_gqa=q.shape[0] != k.shape[0],
+        )
         return out[0]
 
 

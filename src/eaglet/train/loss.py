@@ -33,8 +33,9 @@ class TeacherHead:
         return torch.cat(draft_logits), torch.cat(in_vocab)
 
 
-def _soft_cross_entropy_rows(logits: torch.Tensor, teacher_probs: torch.Tensor,
-                             weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _soft_cross_entropy_rows(
+    logits: torch.Tensor, teacher_probs: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [T, Vd], teacher_probs [T, Vd] (rows summing to 1, or 0 where weights are 0), weights [T] ->
     (Σ_t w_t · H(p_t, softmax(z_t)), its gradient dLoss/dz [T, Vd] in the logits' dtype, argmax z [T]).
     H(p, softmax(z)) = logsumexp(z) - p·z, so its gradient is softmax(z) - p: computed here, in one pass."""
@@ -70,8 +71,9 @@ def _compiled_row_math():
     return torch.compile(_soft_cross_entropy_rows)
 
 
-def soft_cross_entropy(logits: torch.Tensor, teacher_probs: torch.Tensor, weights: torch.Tensor,
-                       compiled: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def soft_cross_entropy(
+    logits: torch.Tensor, teacher_probs: torch.Tensor, weights: torch.Tensor, compiled: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ_t w_t · H(p_t, softmax(z_t)) (differentiable in the logits) and argmax z [T]. The row math is
     compiled on GPU by default (one compile: batches are padded to the token budget); eager on CPU, where
     compiling needs a C++ toolchain at run time."""

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import EagletError
+from ..errors import EagletError
 
 GIB = 1 << 30
 BF16_BYTES = 2
@@ -63,11 +63,15 @@ def meta_parameters(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config)
     except (ValueError, KeyError, TypeError) as exc:
-        raise EagletError(f"target architecture {model_type!r}: transformers cannot build it from config.json "
-                          f"({str(exc).splitlines()[0]})") from None
+        raise EagletError(
+            f"target architecture {model_type!r}: transformers cannot build it from config.json "
+            f"({str(exc).splitlines()[0]})"
+        ) from None
     linear_weights = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
-    return [(name, tuple(parameter.shape), name in linear_weights or _is_experts(name, parameter.ndim))
-            for name, parameter in model.named_parameters()]
+    return [
+        (name, tuple(parameter.shape), name in linear_weights or _is_experts(name, parameter.ndim))
+        for name, parameter in model.named_parameters()
+    ]
 
 
 def _is_experts(name: str, ndim: int) -> bool:
@@ -93,8 +97,9 @@ def _matches(patterns: list[str], name: str) -> bool:
     return False
 
 
-def _bytes_per_parameter(quantization: dict[str, Any] | None, name: str, is_linear: bool,
-                         dense_bytes: int) -> tuple[str, float]:
+def _bytes_per_parameter(
+    quantization: dict[str, Any] | None, name: str, is_linear: bool, dense_bytes: int
+) -> tuple[str, float]:
     """(format, bytes per parameter) of one parameter under the checkpoint's quantization."""
     dense = ("bf16" if dense_bytes == BF16_BYTES else f"{dense_bytes * 8}-bit float", float(dense_bytes))
     if not quantization or not is_linear:
@@ -136,8 +141,9 @@ def weights_of(config: dict[str, Any], dtype_bytes: int | None = None) -> Weight
     """Parameters and their bytes as loaded; ``dtype_bytes``: the compute dtype of unquantized weights (default:
     the checkpoint's ``torch_dtype``)."""
     text = text_config(config)
-    dense_bytes = dtype_bytes or DTYPE_BYTES.get(str(text.get("torch_dtype") or text.get("dtype") or "bfloat16"),
-                                                 BF16_BYTES)
+    dense_bytes = dtype_bytes or DTYPE_BYTES.get(
+        str(text.get("torch_dtype") or text.get("dtype") or "bfloat16"), BF16_BYTES
+    )
     quantization = text.get("quantization_config")
     experts = int(text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts") or 0)
     top_k = int(text.get("num_experts_per_tok") or 0)
@@ -209,16 +215,24 @@ def kv_bytes_per_token(config: dict[str, Any], tp_size: int = 1, dtype_bytes: in
     text = text_config(config)
     heads = int(text["num_attention_heads"])
     if text.get("kv_lora_rank"):
-        width = heads * (int(text.get("qk_nope_head_dim", 0)) + int(text.get("qk_rope_head_dim", 0))
-                         + int(text.get("v_head_dim", 0)))
+        width = heads * (
+            int(text.get("qk_nope_head_dim", 0)) + int(text.get("qk_rope_head_dim", 0)) + int(text.get("v_head_dim", 0))
+        )
     else:
         head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
         width = 2 * int(text.get("num_key_value_heads") or heads) * head_dim
     return dtype_bytes * int(text["num_hidden_layers"]) * width // tp_size
 
 
-def layout(config: dict[str, Any], weights: Weights, machine: Machine, placement: str, forward_tokens: int,
-           gpus: int | None = None, cached_tokens: int = 0) -> Layout:
+def layout(
+    config: dict[str, Any],
+    weights: Weights,
+    machine: Machine,
+    placement: str,
+    forward_tokens: int,
+    gpus: int | None = None,
+    cached_tokens: int = 0,
+) -> Layout:
     """Per-GPU memory of a target placed ``one`` (one GPU), ``split`` (weights spread over ``gpus``, the forward
     on one at a time) or ``tp`` (weights and the layer's width split over ``gpus``), running forwards of
     ``forward_tokens`` tokens with ``cached_tokens`` tokens in its KV cache (decoding)."""
@@ -226,14 +240,20 @@ def layout(config: dict[str, Any], weights: Weights, machine: Machine, placement
     tp = used if placement == "tp" else 1
     live = activation_bytes_per_token(config, tp) * forward_tokens
     cache = kv_bytes_per_token(config, tp) * cached_tokens // (1 if placement != "split" else used)
-    return Layout(placement, used, -(-weights.bytes // used), live + cache,
-                  max(0, machine.gpu_memory - CUDA_CONTEXT_BYTES))
+    return Layout(
+        placement, used, -(-weights.bytes // used), live + cache, max(0, machine.gpu_memory - CUDA_CONTEXT_BYTES)
+    )
 
 
 MAX_GPUS_ADVISED = 1024
 # config.json sizes a tensor-parallel plan splits across ranks (heads, MLP width, vocabulary)
-TP_SPLIT_SIZES = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
-                  "vocab_size")
+TP_SPLIT_SIZES = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "vocab_size",
+)
 
 
 def tp_divides(config: dict[str, Any], tp_size: int) -> str | None:
@@ -242,8 +262,15 @@ def tp_divides(config: dict[str, Any], tp_size: int) -> str | None:
     return next((key for key in TP_SPLIT_SIZES if isinstance(text.get(key), int) and text[key] % tp_size), None)
 
 
-def fit_advice(config: dict[str, Any], weights: Weights, machine: Machine, chosen: Layout, batch_tokens: int,
-               cached_tokens: int = 0, forward_option: tuple[str, int] | None = ("--batch-tokens {}", 256)) -> str:
+def fit_advice(
+    config: dict[str, Any],
+    weights: Weights,
+    machine: Machine,
+    chosen: Layout,
+    batch_tokens: int,
+    cached_tokens: int = 0,
+    forward_option: tuple[str, int] | None = ("--batch-tokens {}", 256),
+) -> str:
     """What to change when ``chosen`` does not fit: the fewest GPUs that hold it, a smaller forward that fits
     (``forward_option``: the stage's option, as a format and the step its value is rounded down to), or both."""
     capacity = max(1, chosen.capacity_per_gpu)
@@ -266,10 +293,14 @@ def fit_advice(config: dict[str, Any], weights: Weights, machine: Machine, chose
 
 
 def describe_weights(weights: Weights) -> str:
-    formats = ", ".join(f"{kind} {size / GIB:,.1f} GiB" for kind, size in
-                        sorted(weights.bytes_by_format.items(), key=lambda item: -item[1]))
-    return (f"{weights.parameters / 1e9:,.1f} B parameters ({weights.active_parameters / 1e9:,.1f} B active per token)"
-            f", {weights.bytes / GIB:,.1f} GiB as loaded ({formats})")
+    formats = ", ".join(
+        f"{kind} {size / GIB:,.1f} GiB"
+        for kind, size in sorted(weights.bytes_by_format.items(), key=lambda item: -item[1])
+    )
+    return (
+        f"{weights.parameters / 1e9:,.1f} B parameters ({weights.active_parameters / 1e9:,.1f} B active per token)"
+        f", {weights.bytes / GIB:,.1f} GiB as loaded ({formats})"
+    )
 
 
 def this_machine() -> Machine:
@@ -290,8 +321,9 @@ STORE_WRITE_BYTES_PER_S = 1.0e9  # that run was disk-bound at ~1 GB/s of shards 
 
 
 def peak_flops(machine: Machine) -> float:
-    return next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in machine.name.upper()),
-                DEFAULT_PEAK_BF16_FLOPS)
+    return next(
+        (flops for name, flops in PEAK_BF16_FLOPS.items() if name in machine.name.upper()), DEFAULT_PEAK_BF16_FLOPS
+    )
 
 
 def extract_tokens_per_s(weights: Weights, machine: Machine, gpus: int, store_bytes_per_token: int) -> float:
@@ -311,12 +343,14 @@ def load_seconds(weights: Weights) -> float:
     return weights.bytes / WEIGHT_LOAD_BYTES_PER_S
 
 
-def decode_seconds_per_token(weights: Weights, machine: Machine, gpus: int, measured_step_s: float,
-                             measured_layers: int, layers: int) -> float:
+def decode_seconds_per_token(
+    weights: Weights, machine: Machine, gpus: int, measured_step_s: float, measured_layers: int, layers: int
+) -> float:
     """A batch-1 decoding step: the measured step of a small target scaled by depth (the per-layer launch cost),
     plus reading this target's active weights on ``gpus`` GPUs at DECODE_HBM_SHARE of their bandwidth."""
-    bandwidth = next((rate for name, rate in HBM_BYTES_PER_S.items() if name in machine.name.upper()),
-                     DEFAULT_HBM_BYTES_PER_S)
+    bandwidth = next(
+        (rate for name, rate in HBM_BYTES_PER_S.items() if name in machine.name.upper()), DEFAULT_HBM_BYTES_PER_S
+    )
     active_bytes = weights.bytes * weights.active_parameters / max(1, weights.parameters)
     return measured_step_s * layers / measured_layers + active_bytes / (gpus * bandwidth * DECODE_HBM_SHARE)
 
@@ -332,7 +366,12 @@ def draft_parameters(hidden: int, draft_vocab: int) -> int:
 def draft_train_flops_per_token(config: Any, steps: int, mean_context: float, head_trainable: bool = True) -> float:
     """Forward + backward (3x forward) FLOPs per token for a TTT unroll of ``steps``; a frozen head
     skips its weight gradient (one forward's worth)."""
-    hidden, heads, kv_heads, head_dim = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    hidden, heads, kv_heads, head_dim = (
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+    )
     projections = 2 * hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
     mlp = 3 * hidden * config.intermediate_size
     head = hidden * config.draft_vocab_size

@@ -18,14 +18,14 @@ from pydantic import ValidationError
 from ..errors import EagletError
 from ..export import format_of_directory
 from ..export.spec import ExportFormat
-from ..formats.draft import FIRST_LAYER_PREFIX, DraftConfig, read_draft_config, weight_problems
+from ..formats.draft_config import FIRST_LAYER_PREFIX, DraftConfig, read_draft_config, weight_problems
 from ..formats.files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, EXPORTED_DRAFT_CONFIG_FILE
 from ..formats.records import validation_line
 from ..fsio import load_json_file
 from .fixtures import VerifierFacts, fixtures
 from .pysubset import EngineRaises, NotCovered
-from .sglang import SglangReader
-from .vllm import VllmReader
+from .sglang_loader import SglangReader
+from .vllm_loader import VllmReader
 
 PASS, FAIL, UNVERIFIED = "pass", "fail", "unverified"
 LAYOUT = "layout"  # the directory checked against itself and the target, before any engine's loader
@@ -64,7 +64,9 @@ def read_export(directory: Path) -> ExportFacts:
     config_file, weights_file = directory / DRAFT_CONFIG_FILE, directory / DRAFT_WEIGHTS_FILE
     for needed in (config_file, weights_file):
         if not needed.is_file():
-            raise EagletError(f"{directory}: not an export directory (no {needed.name}); pass a directory `eaglet export` wrote")
+            raise EagletError(
+                f"{directory}: not an export directory (no {needed.name}); pass a directory `eaglet export` wrote"
+            )
     config = load_json_file(config_file, EXPORT_AGAIN)
     if not isinstance(config, dict):
         raise EagletError(f"{config_file}: not a config (a JSON object); {EXPORT_AGAIN}")
@@ -80,11 +82,18 @@ def read_export(directory: Path) -> ExportFacts:
     layer_config = config.get("transformer_layer_config", config)
     if not isinstance(layer_config, dict):
         raise EagletError(f"{config_file}: 'transformer_layer_config' is not an object; {EXPORT_AGAIN}")
-    verifier = VerifierFacts(target.get("vocab_size") or _int_or_none(layer_config.get("vocab_size")),
-                             target.get("num_layers"))
+    verifier = VerifierFacts(
+        target.get("vocab_size") or _int_or_none(layer_config.get("vocab_size")), target.get("num_layers")
+    )
     ids = meant.get("eagle_aux_hidden_state_layer_ids")
-    return ExportFacts(config, tensors, tuple(ids) if ids else None, meant.get("norm_before_residual"), verifier,
-                       format_of_directory(config))
+    return ExportFacts(
+        config,
+        tensors,
+        tuple(ids) if ids else None,
+        meant.get("norm_before_residual"),
+        verifier,
+        format_of_directory(config),
+    )
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -114,8 +123,9 @@ def _serving_fields(config: dict[str, Any]) -> dict[str, Any]:
     fields = {key: layer[key] for key in REQUIRED_SIZES}
     fields |= {
         "num_key_value_heads": layer.get("num_key_value_heads", heads),
-        "head_dim": layer["head_dim"] if "head_dim" in layer else (
-            hidden // heads if type(hidden) is int and type(heads) is int and heads > 0 else None),
+        "head_dim": layer["head_dim"]
+        if "head_dim" in layer
+        else (hidden // heads if type(hidden) is int and type(heads) is int and heads > 0 else None),
         "max_position_embeddings": layer.get("max_position_embeddings", 4096),
         "rms_norm_eps": layer.get("rms_norm_eps", 1e-6),
         "draft_vocab_size": config.get("draft_vocab_size", layer["vocab_size"]),
@@ -143,8 +153,14 @@ def _layout_check(facts: ExportFacts) -> ConsumerResult:
         findings.append(f"vocab_size {config.vocab_size}, the target's is {facts.verifier.vocab_size}")
     if findings:
         return ConsumerResult(LAYOUT, FAIL, findings)
-    return ConsumerResult(LAYOUT, PASS, [f"{len(facts.tensors)} tensors in the shapes config.json implies; aux layers "
-                                         f"{config.eagle_aux_hidden_state_layer_ids} inside the target"])
+    return ConsumerResult(
+        LAYOUT,
+        PASS,
+        [
+            f"{len(facts.tensors)} tensors in the shapes config.json implies; aux layers "
+            f"{config.eagle_aux_hidden_state_layer_ids} inside the target"
+        ],
+    )
 
 
 def _engine_check(reader: Any, facts: ExportFacts) -> ConsumerResult:
@@ -157,19 +173,29 @@ def _engine_check(reader: Any, facts: ExportFacts) -> ConsumerResult:
         findings += load.errors
         findings += [f"{param}: no exported tensor fills it (left at its initial value)" for param in load.unfilled]
         vocab, draft_vocab = hf_config.get("vocab_size"), hf_config.get("draft_vocab_size")
-        if draft_vocab is not None and vocab is not None and draft_vocab < vocab and "d2t" not in {
-                **load.loaded, **load.consumed}:
-            findings.append(f"a {draft_vocab:,}-token draft vocabulary of {vocab:,} without d2t reaching the engine: "
-                            "draft ids would be read as target ids")
+        if (
+            draft_vocab is not None
+            and vocab is not None
+            and draft_vocab < vocab
+            and "d2t" not in {**load.loaded, **load.consumed}
+        ):
+            findings.append(
+                f"a {draft_vocab:,}-token draft vocabulary of {vocab:,} without d2t reaching the engine: "
+                "draft ids would be read as target ids"
+            )
         ids = reader.aux_layer_ids(hf_config, facts.verifier)
         if facts.aux_layer_ids is not None and ids is not None and tuple(ids) != facts.aux_layer_ids:
-            findings.append(f"captures the inputs of layers {list(ids)}; the draft was trained on {list(facts.aux_layer_ids)}")
+            findings.append(
+                f"captures the inputs of layers {list(ids)}; the draft was trained on {list(facts.aux_layer_ids)}"
+            )
         elif ids is None:
             findings.append("reads no aux layer ids from this config (it would use its defaults)")
         residual = reader.norm_before_residual(hf_config)
         if facts.norm_before_residual is not None and residual != facts.norm_before_residual:
-            findings.append(f"runs the first layer with norm_before_residual={residual}; the draft was trained with "
-                            f"{facts.norm_before_residual}")
+            findings.append(
+                f"runs the first layer with norm_before_residual={residual}; the draft was trained with "
+                f"{facts.norm_before_residual}"
+            )
     except NotCovered as exc:
         return ConsumerResult(label, UNVERIFIED, [f"eaglet's reader does not follow this release's code: {exc}"])
     except EngineRaises as exc:
@@ -178,21 +204,29 @@ def _engine_check(reader: Any, facts: ExportFacts) -> ConsumerResult:
         # the engine's own code, run on this config, fails the way Python would fail it in the engine
         return ConsumerResult(label, FAIL, [f"the engine's loader fails on this config ({type(exc).__name__}: {exc})"])
     if not findings:
-        findings = [f"{len(load.loaded)} tensors load into {len(set(load.loaded.values()))} parameters"
-                    + (f", {', '.join(f'{k} -> {v}' for k, v in load.consumed.items())}" if load.consumed else "")
-                    + (f"; skipped by the engine's own rules: {', '.join(load.skipped)}" if load.skipped else "")
-                    + (f"; aux layers {list(ids)} (inputs of those layers)" if ids else "")]
+        findings = [
+            f"{len(load.loaded)} tensors load into {len(set(load.loaded.values()))} parameters"
+            + (f", {', '.join(f'{k} -> {v}' for k, v in load.consumed.items())}" if load.consumed else "")
+            + (f"; skipped by the engine's own rules: {', '.join(load.skipped)}" if load.skipped else "")
+            + (f"; aux layers {list(ids)} (inputs of those layers)" if ids else "")
+        ]
         return ConsumerResult(label, PASS, findings)
     return ConsumerResult(label, FAIL, findings)
 
 
 def _speculators_check(directory: Path, facts: ExportFacts) -> ConsumerResult:
-    from . import speculators
+    from . import speculators_library as speculators
 
     version = speculators.installed_version()
     if version is None:
-        return ConsumerResult("speculators", UNVERIFIED, ["not installed here; `pip install --no-deps speculators==0.9.0` "
-                                                          "(as scripts/dev.sh does) loads the directory with its own model class"])
+        return ConsumerResult(
+            "speculators",
+            UNVERIFIED,
+            [
+                "not installed here; `pip install --no-deps speculators==0.9.0` "
+                "(as scripts/dev.sh does) loads the directory with its own model class"
+            ],
+        )
     label = f"speculators {version}"
     try:
         _, load = speculators.load(directory)
@@ -209,8 +243,14 @@ def _speculators_check(directory: Path, facts: ExportFacts) -> ConsumerResult:
     differences = speculators.compare_logits(directory)
     worst = max(differences)
     status = PASS if worst <= CONFORMANCE_TOLERANCE else FAIL
-    return ConsumerResult(label, status, [f"loads every tensor; logits vs eaglet's draft per TTT step: max |Δ| "
-                                          f"{', '.join(f'{d:.1e}' for d in differences)} (tolerance {CONFORMANCE_TOLERANCE:g})"])
+    return ConsumerResult(
+        label,
+        status,
+        [
+            f"loads every tensor; logits vs eaglet's draft per TTT step: max |Δ| "
+            f"{', '.join(f'{d:.1e}' for d in differences)} (tolerance {CONFORMANCE_TOLERANCE:g})"
+        ],
+    )
 
 
 def check_export(directory: str | Path) -> list[ConsumerResult]:

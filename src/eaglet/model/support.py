@@ -26,16 +26,22 @@ def static_cache_problem(config: Any, graphs: bool, cache: Any = None) -> str | 
 
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if graphs and any(getattr(text_config, key, None) for key in EXPERT_COUNT_KEYS):
-        return (f"{type(config).__name__} is a mixture of experts: transformers routes tokens with host-side "
-                "reads (nonzero), which a CUDA graph cannot capture")
+        return (
+            f"{type(config).__name__} is a mixture of experts: transformers routes tokens with host-side "
+            "reads (nonzero), which a CUDA graph cannot capture"
+        )
     cache = cache if cache is not None else StaticCache(config=config, max_cache_len=STATIC_CACHE_PROBE_LENGTH)
     layers = getattr(cache, "layers", None)
     if not layers or not all(hasattr(layer, "cumulative_length") for layer in layers):
-        return (f"transformers {transformers.__version__}'s StaticCache keeps no per-layer `cumulative_length`; "
-                "static-cache decoding cannot position it")
+        return (
+            f"transformers {transformers.__version__}'s StaticCache keeps no per-layer `cumulative_length`; "
+            "static-cache decoding cannot position it"
+        )
     if any(getattr(layer, "is_sliding", False) for layer in layers):
-        return (f"{type(config).__name__} has sliding-window attention layers (a rolling cache that positions cannot "
-                "be moved back in); static-cache decoding covers full-attention targets")
+        return (
+            f"{type(config).__name__} has sliding-window attention layers (a rolling cache that positions cannot "
+            "be moved back in); static-cache decoding covers full-attention targets"
+        )
     return None
 
 
@@ -52,4 +58,6 @@ def draft_compile_problem(device: str) -> str | None:
 
         return None if has_triton() else "torch.compile on GPU needs Triton, which this Python environment lacks"
     compiler = os.environ.get("CXX", "g++")  # what inductor's C++ backend calls
-    return None if shutil.which(compiler) else f"torch.compile on CPU needs a C++ compiler ({compiler!r} is not on PATH)"
+    return (
+        None if shutil.which(compiler) else f"torch.compile on CPU needs a C++ compiler ({compiler!r} is not on PATH)"
+    )

@@ -7,11 +7,11 @@ from typing import Any
 import torch
 
 from ..config import TrainConfig
-from ..distributed import Dist, all_reduce_sum
-from ..ttt import FlexTTTAttention, simulated_acceptance
+from ..model.distributed import Dist, all_reduce_sum
 from .data import FeatureBatch, held_out
 from .setup import Model, Setup
 from .step import device_inputs
+from .ttt import FlexTTTAttention, simulated_acceptance
 
 
 def evaluate(model: Model, setup: Setup, config: TrainConfig, device: torch.device, dist: Dist) -> dict[str, Any]:
@@ -31,12 +31,17 @@ def evaluate(model: Model, setup: Setup, config: TrainConfig, device: torch.devi
     if int(counts[0]) == 0:  # nothing held out (a tiny set): report that rather than a fake zero
         return {"acc": [], "tau": None, "eval_loss": [], "eval_tokens": 0}
     accuracy = (correct / counts.clamp_min(1)).tolist()
-    return {"acc": [round(a, 5) for a in accuracy], "tau": round(simulated_acceptance(accuracy), 4),
-            "eval_loss": [round(v, 5) for v in (losses / counts.clamp_min(1)).tolist()], "eval_tokens": int(counts[0])}
+    return {
+        "acc": [round(a, 5) for a in accuracy],
+        "tau": round(simulated_acceptance(accuracy), 4),
+        "eval_loss": [round(v, 5) for v in (losses / counts.clamp_min(1)).tolist()],
+        "eval_tokens": int(counts[0]),
+    }
 
 
-def _sums(model: Model, setup: Setup, config: TrainConfig, device: torch.device,
-          dist: Dist) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _sums(
+    model: Model, setup: Setup, config: TrainConfig, device: torch.device, dist: Dist
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     correct, counts, losses = (torch.zeros(config.ttt_steps, device=device) for _ in range(3))
     if setup.eval_source is not None:
         batches = setup.eval_source.batches(0)

@@ -20,12 +20,21 @@ from typing import Any
 
 import torch
 
-from .errors import EagletError
+from ..errors import EagletError
 from .sizing import text_config, tp_divides
 
 MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*$", re.IGNORECASE)
-MEMORY_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+MEMORY_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_memory(text: str, where: str = "--max-memory") -> int:
@@ -75,8 +84,10 @@ def topology(config: Any, rank: int, world: int) -> Topology:
     replica, replicas = parse_replica(config.replica)
     if config.placement != "tp":
         if replicas != 1:
-            raise EagletError("--replica is for tensor-parallel groups (--placement tp); without it, torchrun's "
-                              "ranks already split the work")
+            raise EagletError(
+                "--replica is for tensor-parallel groups (--placement tp); without it, torchrun's "
+                "ranks already split the work"
+            )
         return Topology(rank, world, 0, 1)
     return Topology(replica, replicas, rank, world)
 
@@ -90,17 +101,23 @@ def check_tp_plan(target_config: dict[str, Any], tp_size: int) -> None:
     try:
         config_class = type(AutoConfig.for_model(model_type))
     except ValueError:
-        raise EagletError(f"target architecture {model_type!r}: transformers has no config class for it, so no "
-                          "tensor-parallel plan; use --placement split") from None
+        raise EagletError(
+            f"target architecture {model_type!r}: transformers has no config class for it, so no "
+            "tensor-parallel plan; use --placement split"
+        ) from None
     if not getattr(config_class, "base_model_tp_plan", None):
-        raise EagletError(f"target architecture {model_type!r} has no tensor-parallel plan in transformers; use "
-                          "--placement split (layers over the GPUs in one process)")
+        raise EagletError(
+            f"target architecture {model_type!r} has no tensor-parallel plan in transformers; use "
+            "--placement split (layers over the GPUs in one process)"
+        )
     key = tp_divides(target_config, tp_size)
     if key is not None:
         choices = [n for n in range(2, 65) if tp_divides(target_config, n) is None][:6]
-        raise EagletError(f"--placement tp over {tp_size} ranks: the target's {key} ({text[key]}) does not divide by "
-                          f"{tp_size}; run torchrun with {' or '.join(map(str, choices)) or 'another number of'} "
-                          "processes, or use --placement split")
+        raise EagletError(
+            f"--placement tp over {tp_size} ranks: the target's {key} ({text[key]}) does not divide by "
+            f"{tp_size}; run torchrun with {' or '.join(map(str, choices)) or 'another number of'} "
+            "processes, or use --placement split"
+        )
 
 
 def load_kwargs(config: Any, world: int) -> dict[str, Any]:

@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import EagletError, shown
-from .fsio import atomic_file, write_json_atomic
-from .formats.files import record_name, shard_name
-from .formats.store import STORAGE_FORMATS, ShardPlan, plan_shards
+from ..errors import EagletError, shown
+from ..formats.files import record_name, shard_name
+from ..formats.store_manifest import STORAGE_FORMATS, ShardPlan, plan_shards
+from ..fsio import atomic_file, write_json_atomic
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_MIN_SCALE = 1e-12
@@ -50,7 +50,9 @@ def _decode(tensors: dict[str, torch.Tensor], name: str, dtype: torch.dtype) -> 
     return (stored.float() * scale.unsqueeze(-1) if scale is not None else stored).to(dtype)
 
 
-def decode_features(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_features(
+    tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The stored tensors of a shard -> aux [T,3,H], last [T,H] in ``dtype``."""
     return _decode(tensors, "aux", dtype), _decode(tensors, "last", dtype)
 
@@ -60,16 +62,28 @@ def decode_features(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch
 
 
 SAFETENSORS_DTYPES = {
-    torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.float64: "F64", torch.int64: "I64",
-    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 SAFETENSORS_HEADER_ALIGN = 8
 WRITE_CHUNK_BYTES = 64 << 20
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
-                      ) -> tuple[int, str]:
+def write_safetensors(
+    path: Path,
+    tensors: dict[str, torch.Tensor],
+    metadata: dict[str, str] | None = None,
+) -> tuple[int, str]:
     """Write a safetensors file straight from the tensors' memory, hashing as it goes: every safetensors file eaglet
     writes (shards, drafts, checkpoints, exports), so a full disk or a file-size limit is the OSError it is.
 
@@ -87,8 +101,11 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     for name in names:
         tensor = tensors[name].detach().cpu().contiguous()
         data = tensor.view(torch.uint8).reshape(-1).numpy() if tensor.numel() else np.empty(0, np.uint8)
-        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + data.nbytes]}
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + data.nbytes],
+        }
         offset += data.nbytes
         views.append(data)
     head = _json.dumps(header, separators=(",", ":")).encode()
@@ -193,7 +210,9 @@ def read_tensor(path: Path, name: str) -> torch.Tensor:
         handle.seek(data_start + begin)
         data = bytearray(handle.read(end - begin))
     dtype = SAFETENSORS_TORCH_DTYPES[header[name]["dtype"]]
-    return torch.frombuffer(data, dtype=dtype).view(tuple(header[name]["shape"])) if data else torch.empty(0, dtype=dtype)
+    return (
+        torch.frombuffer(data, dtype=dtype).view(tuple(header[name]["shape"])) if data else torch.empty(0, dtype=dtype)
+    )
 
 
 READ_CHUNK_BYTES = 4 << 20
@@ -242,8 +261,11 @@ def read_shard(store: Path, entry: dict[str, Any]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def expected_tensors(entry: dict[str, Any], hidden_size: int, storage_dtype: str,
-                     ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def expected_tensors(
+    entry: dict[str, Any],
+    hidden_size: int,
+    storage_dtype: str,
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """What a shard holding ``entry``'s tokens and samples in ``storage_dtype`` contains: every tensor's shape
     and dtype (an fp8 feature adds its float32 ``<name>_scale``, one per vector)."""
     tokens, samples = entry["tokens"], entry["num_samples"]
@@ -262,8 +284,9 @@ def expected_tensors(entry: dict[str, Any], hidden_size: int, storage_dtype: str
     return expected
 
 
-def check_layout(found: dict[str, tuple[torch.dtype, tuple[int, ...]]], entry: dict[str, Any], hidden_size: int,
-                 storage_dtype: str) -> None:
+def check_layout(
+    found: dict[str, tuple[torch.dtype, tuple[int, ...]]], entry: dict[str, Any], hidden_size: int, storage_dtype: str
+) -> None:
     """The shard holds exactly the tensors its manifest entry and storage format say, in their shapes and dtypes."""
     expected = expected_tensors(entry, hidden_size, storage_dtype)
     for key, (shape, dtype) in expected.items():
@@ -297,12 +320,16 @@ class StoreReader:
         self.plans: dict[int, ShardPlan] | None = None
         if prepared is not None:  # the samples each shard must hold, planned again from the lengths
             lengths = prepared.lengths[: self.num_samples]
-            self.plans = {plan.index: plan for plan in plan_shards(lengths, manifest["tokens_per_shard"],
-                                                                   manifest["sort_window_shards"])}
+            self.plans = {
+                plan.index: plan
+                for plan in plan_shards(lengths, manifest["tokens_per_shard"], manifest["sort_window_shards"])
+            }
             if len(self.plans) != manifest["num_shards"]:
-                raise EagletError(f"{self.store}: plans {manifest['num_shards']} shards, its prepared set "
-                                  f"{prepared.path} makes {len(self.plans)}; the store does not match its prepared "
-                                  "set: extract it again")
+                raise EagletError(
+                    f"{self.store}: plans {manifest['num_shards']} shards, its prepared set "
+                    f"{prepared.path} makes {len(self.plans)}; the store does not match its prepared "
+                    "set: extract it again"
+                )
 
     def open(self, entry: dict[str, Any]) -> tuple[list[int], list[int]]:
         """A shard's (samples, offsets) from its header and two small tensors, checked (size, layout, samples):
@@ -320,8 +347,9 @@ class StoreReader:
     def read(self, entry: dict[str, Any]) -> dict[str, torch.Tensor]:
         """A shard's tensors, checksummed as they are read and their content checked."""
         tensors = read_shard(self.store, entry)
-        check_layout({k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}, entry, self.hidden_size,
-                     self.storage_dtype)
+        check_layout(
+            {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}, entry, self.hidden_size, self.storage_dtype
+        )
         self._check_packing(entry, tensors["offsets"], tensors["sample_index"])
         self._check_tokens(tensors)
         return tensors

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .errors import EagletError
+from ..errors import EagletError
 from .placement import full, input_device
 
 LAST = -1  # where the base model's output is kept among the captured tensors
@@ -75,6 +75,7 @@ class FeatureCapture:
     def hooks(self, captured: dict[int, torch.Tensor]) -> Iterator[None]:
         """While active, every forward of the model leaves the aux layers' inputs in ``captured[slot]``; holds the
         capture's lock, so one forward at a time fills one dict."""
+
         def grab(slot: int):
             def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
                 captured[slot] = args[0] if args else kwargs["hidden_states"]
@@ -104,8 +105,12 @@ class FeatureCapture:
         with self.hooks(captured):
             handle = self.base.register_forward_hook(base_output)
             try:
-                self.model(input_ids=input_ids.to(self.input_device), attention_mask=attention_mask, use_cache=False,
-                           **self.head_kwargs)
+                self.model(
+                    input_ids=input_ids.to(self.input_device),
+                    attention_mask=attention_mask,
+                    use_cache=False,
+                    **self.head_kwargs,
+                )
             finally:
                 handle.remove()
         last = full(captured[LAST])  # [B, S, H]

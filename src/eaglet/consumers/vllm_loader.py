@@ -17,10 +17,10 @@ from __future__ import annotations
 import ast
 from typing import Any
 
+from .findings import LoadReport, Weight, capture_offset, skip_tracer
 from .fixtures import Fixture, VerifierFacts
 from .modules import Instance, ModelBuilder, named_parameters
 from .pysubset import ConfigObject, Interpreter, Namespace, NotCovered, Unknown
-from .report import LoadReport, Weight, capture_offset, skip_tracer
 
 EAGLE3_MODULE = "vllm.model_executor.models.llama_eagle3"
 MODELS_MODULE = "vllm.model_executor.models.llama"
@@ -30,7 +30,6 @@ REGISTRY_MODULE = "vllm.model_executor.models.registry"
 CONFIG_MODULE = "vllm.transformers_utils.config"
 SPECULATORS_BASE_MODULE = "vllm.transformers_utils.configs.speculators.base"
 SPECULATORS_ALGOS_MODULE = "vllm.transformers_utils.configs.speculators.algos"
-
 
 
 class VllmReader:
@@ -63,8 +62,13 @@ class VllmReader:
         env: dict[str, Any] = {"config_dict": dict(config), "model_type": None}
         interpreter = Interpreter()
         for statement in parse.body:
-            assigned = {t.id for n in ast.walk(statement) if isinstance(n, ast.Assign) for t in n.targets
-                        if isinstance(t, ast.Name)}
+            assigned = {
+                t.id
+                for n in ast.walk(statement)
+                if isinstance(n, ast.Assign)
+                for t in n.targets
+                if isinstance(t, ast.Name)
+            }
             if "model_type" not in assigned:
                 continue
             if "hf_overrides" in ast.unparse(statement):  # a user override: eaglet's commands pass none
@@ -82,15 +86,25 @@ class VllmReader:
         registry = {"eagle3": lambda **kw: interpreter.call_function(update, kw)}
         extract = self._function(SPECULATORS_BASE_MODULE, "SpeculatorsConfig.extract_transformers_pre_trained_config")
         runner = Interpreter(calls={"SUPPORTED_SPECULATORS_TYPES": registry})
-        result = runner.call_function(extract, {"cls": Namespace("SpeculatorsConfig"), "config_dict": dict(config),
-                                                "SUPPORTED_SPECULATORS_TYPES": registry})
+        result = runner.call_function(
+            extract,
+            {
+                "cls": Namespace("SpeculatorsConfig"),
+                "config_dict": dict(config),
+                "SUPPORTED_SPECULATORS_TYPES": registry,
+            },
+        )
         return dict(result)
 
     def draft_class(self, hf_config: dict[str, Any]) -> str:
         """The class vLLM's registry runs for the draft's architecture (``module.Class``)."""
         registry = self.builder.modules[REGISTRY_MODULE]
-        node = next(n for n in registry.tree.body if isinstance(n, ast.Assign)
-                    and any(isinstance(t, ast.Name) and t.id == "_SPECULATIVE_DECODING_MODELS" for t in n.targets))
+        node = next(
+            n
+            for n in registry.tree.body
+            if isinstance(n, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "_SPECULATIVE_DECODING_MODELS" for t in n.targets)
+        )
         table = Interpreter().evaluate(node.value, {})
         architecture = (hf_config.get("architectures") or ["?"])[0]
         if architecture not in table:
@@ -103,14 +117,32 @@ class VllmReader:
     def _vllm_config(self, hf_config: dict[str, Any], verifier: VerifierFacts) -> Namespace:
         hf = ConfigObject(hf_config)
         known = lambda value, what: (lambda: value) if value is not None else (lambda: Unknown(what))  # noqa: E731
-        model_config = Namespace("model_config", {
-            "get_vocab_size": known(verifier.vocab_size, "the verifier's vocabulary"),
-            "get_total_num_hidden_layers": known(verifier.num_layers, "the verifier's layer count"),
-            "hf_config": hf, "dtype": Unknown("dtype")})
-        speculative = Namespace("speculative_config", {"draft_model_config": Namespace("draft_model_config", {"hf_config": hf}),
-                                                       "parallel_drafting": False, "method": "eagle3"})
-        return Namespace("vllm_config", {"speculative_config": speculative, "model_config": model_config,
-                                         "cache_config": None, "quant_config": None})
+        model_config = Namespace(
+            "model_config",
+            {
+                "get_vocab_size": known(verifier.vocab_size, "the verifier's vocabulary"),
+                "get_total_num_hidden_layers": known(verifier.num_layers, "the verifier's layer count"),
+                "hf_config": hf,
+                "dtype": Unknown("dtype"),
+            },
+        )
+        speculative = Namespace(
+            "speculative_config",
+            {
+                "draft_model_config": Namespace("draft_model_config", {"hf_config": hf}),
+                "parallel_drafting": False,
+                "method": "eagle3",
+            },
+        )
+        return Namespace(
+            "vllm_config",
+            {
+                "speculative_config": speculative,
+                "model_config": model_config,
+                "cache_config": None,
+                "quant_config": None,
+            },
+        )
 
     def build(self, hf_config: dict[str, Any], verifier: VerifierFacts) -> Instance:
         dotted = self.draft_class(hf_config)
@@ -118,10 +150,12 @@ class VllmReader:
         if module not in self.builder.modules:
             raise NotCovered(f"{dotted} is not in the excerpts of {self.fixture.label}")
         vllm_config = self._vllm_config(hf_config, verifier)
-        self.builder.facts = {"get_current_vllm_config": lambda: vllm_config,
-                              "get_draft_quant_config": lambda *a, **k: None,
-                              "get_tensor_model_parallel_world_size": lambda: 1,
-                              "WeightsMapper": lambda **fields: self.mapper(fields)}
+        self.builder.facts = {
+            "get_current_vllm_config": lambda: vllm_config,
+            "get_draft_quant_config": lambda *a, **k: None,
+            "get_tensor_model_parallel_world_size": lambda: 1,
+            "WeightsMapper": lambda **fields: self.mapper(fields),
+        }
         return self.builder.build(module, cls, vllm_config=vllm_config, prefix="")
 
     # ------------------------------------------------------------------ loading
@@ -129,8 +163,14 @@ class VllmReader:
     def mapper(self, fields: dict[str, Any]) -> Namespace:
         """A WeightsMapper whose ``map`` runs vLLM's own ``_map_name_with_shard``."""
         function = self._function(UTILS_MODULE, "WeightsMapper._map_name_with_shard")
-        defaults = {"orig_to_new_renaming": [], "orig_to_new_regex": {}, "orig_to_new_substr": {},
-                    "orig_to_new_stacked": {}, "orig_to_new_prefix": {}, "orig_to_new_suffix": {}}
+        defaults = {
+            "orig_to_new_renaming": [],
+            "orig_to_new_regex": {},
+            "orig_to_new_substr": {},
+            "orig_to_new_stacked": {},
+            "orig_to_new_prefix": {},
+            "orig_to_new_suffix": {},
+        }
         state = Namespace("WeightsMapper", defaults | fields)
         interpreter = Interpreter(calls={"logger.warning_once": lambda *a, **k: None})
         state.map = lambda name: interpreter.call_function(function, {"self": state, "key": name})
@@ -143,6 +183,7 @@ class VllmReader:
 
         def auto_loader(module: Instance, prefix: str):
             """vLLM's AutoWeightsLoader over ``module`` (parameters named relative to it, under ``prefix``)."""
+
             def load_weights(weights, mapper=None):
                 loaded = []
                 for name, weight in weights:
@@ -152,6 +193,7 @@ class VllmReader:
                         continue
                     loaded += route(module, prefix, mapped[0], weight)
                 return set(loaded)
+
             return Namespace("AutoWeightsLoader", {"load_weights": load_weights})
 
         def route(module: Instance, prefix: str, name: str, weight: Weight) -> list[str]:
@@ -167,21 +209,33 @@ class VllmReader:
             if name.endswith(".bias"):  # AutoWeightsLoader ignores unexpected biases
                 report.skipped[weight.source] = "unexpected bias, ignored by AutoWeightsLoader"
                 return []
-            report.errors.append(f"{weight.source}: vLLM raises 'There is no module or parameter named "
-                                 f"{qualified!r}' (loaded as {qualified})")
+            report.errors.append(
+                f"{weight.source}: vLLM raises 'There is no module or parameter named "
+                f"{qualified!r}' (loaded as {qualified})"
+            )
             return []
 
         def call_load(module: Instance, prefix: str, weights: list[tuple[str, Weight]]) -> list[str]:
-            calls = {"AutoWeightsLoader": lambda target, **k: auto_loader(target, prefix),
-                     "process_eagle_weight": lambda *a: None, "logger.warning": lambda *a, **k: None}
+            calls = {
+                "AutoWeightsLoader": lambda target, **k: auto_loader(target, prefix),
+                "process_eagle_weight": lambda *a: None,
+                "logger.warning": lambda *a, **k: None,
+            }
             self.builder.call_method(module, "load_weights", calls=calls, weights=weights)
             return []
 
         items = [(name, Weight(name)) for name in names]
-        self.builder.call_method(model, "load_weights", calls={
-            "AutoWeightsLoader": lambda target, **k: auto_loader(target, ""),
-            "process_eagle_weight": lambda *a: None, "logger.warning": lambda *a, **k: None,
-        }, weights=items, trace=skip_tracer(report))
+        self.builder.call_method(
+            model,
+            "load_weights",
+            calls={
+                "AutoWeightsLoader": lambda target, **k: auto_loader(target, ""),
+                "process_eagle_weight": lambda *a: None,
+                "logger.warning": lambda *a, **k: None,
+            },
+            weights=items,
+            trace=skip_tracer(report),
+        )
         for name in names:
             if name not in report.loaded and name not in report.skipped and not any(name in e for e in report.errors):
                 report.skipped[name] = "skipped by load_weights"
@@ -195,8 +249,15 @@ class VllmReader:
         """The aux layers vLLM captures, in eaglet's convention (input of decoder layer i); None: the config
         names none (vLLM would ask the target model for its defaults)."""
         function = self._function(RUNNER_MODULE, "GPUModelRunner._get_eagle3_aux_layers_from_config")
-        runner = Namespace("GPUModelRunner", {"speculative_config": Namespace("speculative_config", {
-            "draft_model_config": Namespace("draft_model_config", {"hf_config": ConfigObject(hf_config)})})})
+        runner = Namespace(
+            "GPUModelRunner",
+            {
+                "speculative_config": Namespace(
+                    "speculative_config",
+                    {"draft_model_config": Namespace("draft_model_config", {"hf_config": ConfigObject(hf_config)})},
+                )
+            },
+        )
         ids = Interpreter().call_function(function, {"self": runner})
         if ids is None:
             return None
@@ -207,9 +268,10 @@ class VllmReader:
         """Whether vLLM's first draft layer takes its residual after ``hidden_norm`` (the test its decoder layer
         chooses the residual path by, evaluated on the config)."""
         init = self._function(EAGLE3_MODULE, "LlamaDecoderLayer.__init__")
-        test = next((n.test for n in ast.walk(init) if isinstance(n, ast.If) and "norm_before_residual" in ast.unparse(n.test)),
-                    None)
+        test = next(
+            (n.test for n in ast.walk(init) if isinstance(n, ast.If) and "norm_before_residual" in ast.unparse(n.test)),
+            None,
+        )
         if test is None:
             raise NotCovered(f"how {self.fixture.label} reads norm_before_residual")
         return bool(Interpreter().evaluate(test, {"config": ConfigObject(hf_config)}))
-

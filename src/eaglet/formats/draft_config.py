@@ -50,17 +50,22 @@ class DraftConfig:
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads {self.num_key_value_heads}")
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} exceeds vocab_size {self.vocab_size}")
         if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
             raise ValueError("rms_norm_eps and rope_theta must be positive")
         target_layers = self.target.get("num_layers")
         try:
-            validate_aux_layer_ids(self.eagle_aux_hidden_state_layer_ids,
-                                   target_layers if isinstance(target_layers, int) and target_layers > 0
-                                   else max(self.eagle_aux_hidden_state_layer_ids + [0]) + 1)
+            validate_aux_layer_ids(
+                self.eagle_aux_hidden_state_layer_ids,
+                target_layers
+                if isinstance(target_layers, int) and target_layers > 0
+                else max(self.eagle_aux_hidden_state_layer_ids + [0]) + 1,
+            )
         except EagletError as exc:
             raise ValueError(f"eagle_aux_hidden_state_layer_ids: {exc}") from None
 
@@ -70,8 +75,14 @@ class DraftConfig:
         return self.draft_vocab_size != self.vocab_size
 
     @classmethod
-    def from_target(cls, target_config: dict[str, Any], draft_vocab_size: int, layer_ids: tuple[int, ...],
-                    target_identity: dict[str, Any] | None = None, num_layers: int = 1) -> "DraftConfig":
+    def from_target(
+        cls,
+        target_config: dict[str, Any],
+        draft_vocab_size: int,
+        layer_ids: tuple[int, ...],
+        target_identity: dict[str, Any] | None = None,
+        num_layers: int = 1,
+    ) -> "DraftConfig":
         heads = int(target_config["num_attention_heads"])
         hidden = int(target_config["hidden_size"])
         rope = target_config.get("rope_parameters") or {}  # transformers 5's form: theta and scaling in one dict
@@ -88,8 +99,8 @@ class DraftConfig:
             eagle_aux_hidden_state_layer_ids=list(layer_ids),
             rms_norm_eps=float(target_config.get("rms_norm_eps", 1e-6)),
             rope_theta=float(target_config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-            rope_scaling=dict(target_config.get("rope_scaling") or {}) or (
-                {k: v for k, v in rope.items() if k != "rope_theta"} if scaled else None),
+            rope_scaling=dict(target_config.get("rope_scaling") or {})
+            or ({k: v for k, v in rope.items() if k != "rope_theta"} if scaled else None),
             max_position_embeddings=int(target_config.get("max_position_embeddings", 4096)),
             num_hidden_layers=num_layers,
             target=dict(target_identity or {}),
@@ -105,17 +116,26 @@ VOCAB_MAPPING_TENSORS = ("d2t", "t2d")
 
 def draft_weight_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a draft directory may hold under eaglet's names, with its shape."""
-    hidden, heads, kv, head_dim = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    hidden, heads, kv, head_dim = (
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+    )
     inner = config.intermediate_size
 
     def layer(prefix: str, attention_input: int, hidden_norm: bool) -> dict[str, tuple[int, ...]]:
-        shapes = {f"{prefix}input_layernorm.weight": (hidden,), f"{prefix}post_attention_layernorm.weight": (hidden,),
-                  f"{prefix}self_attn.q_proj.weight": (heads * head_dim, attention_input),
-                  f"{prefix}self_attn.k_proj.weight": (kv * head_dim, attention_input),
-                  f"{prefix}self_attn.v_proj.weight": (kv * head_dim, attention_input),
-                  f"{prefix}self_attn.o_proj.weight": (hidden, heads * head_dim),
-                  f"{prefix}mlp.gate_proj.weight": (inner, hidden), f"{prefix}mlp.up_proj.weight": (inner, hidden),
-                  f"{prefix}mlp.down_proj.weight": (hidden, inner)}
+        shapes = {
+            f"{prefix}input_layernorm.weight": (hidden,),
+            f"{prefix}post_attention_layernorm.weight": (hidden,),
+            f"{prefix}self_attn.q_proj.weight": (heads * head_dim, attention_input),
+            f"{prefix}self_attn.k_proj.weight": (kv * head_dim, attention_input),
+            f"{prefix}self_attn.v_proj.weight": (kv * head_dim, attention_input),
+            f"{prefix}self_attn.o_proj.weight": (hidden, heads * head_dim),
+            f"{prefix}mlp.gate_proj.weight": (inner, hidden),
+            f"{prefix}mlp.up_proj.weight": (inner, hidden),
+            f"{prefix}mlp.down_proj.weight": (hidden, inner),
+        }
         if hidden_norm:
             shapes[f"{prefix}hidden_norm.weight"] = (hidden,)
         return shapes
@@ -123,9 +143,13 @@ def draft_weight_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"fc.weight": (hidden, 3 * config.target_hidden_size), **layer(FIRST_LAYER_PREFIX, 2 * hidden, True)}
     for index in range(1, config.num_hidden_layers):
         shapes |= layer(f"layers.{index}.", hidden, False)
-    return shapes | {"norm.weight": (hidden,), "lm_head.weight": (config.draft_vocab_size, hidden),
-                     "d2t": (config.draft_vocab_size,), "t2d": (config.vocab_size,),
-                     EMBEDDING_TENSOR: (config.vocab_size, hidden)}
+    return shapes | {
+        "norm.weight": (hidden,),
+        "lm_head.weight": (config.draft_vocab_size, hidden),
+        "d2t": (config.draft_vocab_size,),
+        "t2d": (config.vocab_size,),
+        EMBEDDING_TENSOR: (config.vocab_size, hidden),
+    }
 
 
 def weight_problems(config: DraftConfig, found: dict[str, tuple[int, ...]]) -> list[str]:
@@ -135,8 +159,11 @@ def weight_problems(config: DraftConfig, found: dict[str, tuple[int, ...]]) -> l
     expected = draft_weight_shapes(config)
     may_lack = {EMBEDDING_TENSOR, *(() if config.uses_vocab_mapping else VOCAB_MAPPING_TENSORS)}
     problems = [f"{name}: missing" for name in expected if name not in found and name not in may_lack]
-    problems += [f"{name}: shape {list(found[name])}, the config needs {list(shape)}"
-                 for name, shape in expected.items() if name in found and tuple(found[name]) != shape]
+    problems += [
+        f"{name}: shape {list(found[name])}, the config needs {list(shape)}"
+        for name, shape in expected.items()
+        if name in found and tuple(found[name]) != shape
+    ]
     problems += [f"{name}: not a tensor of this draft" for name in found if name not in expected]
     return problems
 
@@ -156,8 +183,10 @@ def read_draft_config(directory: str | Path) -> StoredDraft:
     if not config_file.is_file():
         config_file = directory / DRAFT_CONFIG_FILE
     if not config_file.is_file() or not (directory / DRAFT_WEIGHTS_FILE).is_file():
-        raise EagletError(f"{directory}: not a draft (needs {DRAFT_CONFIG_FILE} and {DRAFT_WEIGHTS_FILE}); run "
-                          "`eaglet train`, or pass its --out")
+        raise EagletError(
+            f"{directory}: not a draft (needs {DRAFT_CONFIG_FILE} and {DRAFT_WEIGHTS_FILE}); run "
+            "`eaglet train`, or pass its --out"
+        )
     fields = load_json_file(config_file, "train (or export) again")
     if not isinstance(fields, dict):
         raise EagletError(f"{config_file}: not an eaglet draft config; train again")
@@ -167,7 +196,9 @@ def read_draft_config(directory: str | Path) -> StoredDraft:
     try:
         config = DraftConfig(**{k: v for k, v in fields.items() if k not in EXPORT_ONLY_KEYS})
     except ValidationError as exc:
-        raise EagletError(f"{config_file}: not a valid eaglet draft config ({validation_line(exc)}); train again") from None
+        raise EagletError(
+            f"{config_file}: not a valid eaglet draft config ({validation_line(exc)}); train again"
+        ) from None
     except TypeError as exc:
         raise EagletError(f"{config_file}: not an eaglet draft config ({exc}); train again") from None
     return StoredDraft(config, export_format, config_file)

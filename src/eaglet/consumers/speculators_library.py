@@ -50,13 +50,18 @@ def load(directory: Path, attention: str = "eager"):
     with safe_open(str(directory / "model.safetensors"), framework="pt") as handle:
         stored = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
     state = model.state_dict()
-    report = SpeculatorsLoad(installed_version() or "?",
-                             missing=sorted(set(state) - set(stored) - set(VERIFIER_TENSORS)),
-                             unexpected=sorted(set(stored) - set(state)),
-                             mismatched=sorted(n for n in set(stored) & set(state) if stored[n] != tuple(state[n].shape)))
+    report = SpeculatorsLoad(
+        installed_version() or "?",
+        missing=sorted(set(state) - set(stored) - set(VERIFIER_TENSORS)),
+        unexpected=sorted(set(stored) - set(state)),
+        mismatched=sorted(n for n in set(stored) & set(state) if stored[n] != tuple(state[n].shape)),
+    )
     # speculators fills its embedding and heads with NaN so that a tensor the checkpoint does not fill shows
-    report.unset = [name for name, tensor in state.items()
-                    if name not in VERIFIER_TENSORS and tensor.is_floating_point() and bool(torch.isnan(tensor).any())]
+    report.unset = [
+        name
+        for name, tensor in state.items()
+        if name not in VERIFIER_TENSORS and tensor.is_floating_point() and bool(torch.isnan(tensor).any())
+    ]
     return model.eval(), report
 
 
@@ -64,8 +69,8 @@ def load(directory: Path, attention: str = "eager"):
 def compare_logits(directory: Path, steps: int = 3, seed: int = 0) -> list[float]:
     """Largest |logit difference| between speculators' model and eaglet's draft, both loaded from the export,
     at each TTT step, over the positions where training counts them (a step's input token inside its document)."""
-    from ..draft import load_draft
-    from ..ttt import TTTAttention, documents, unroll
+    from ..model.draft import load_draft
+    from ..train.ttt import TTTAttention, documents, unroll
 
     speculators_model, report = load(directory)
     if report.missing or report.unexpected or report.mismatched or report.unset:
@@ -83,8 +88,13 @@ def compare_logits(directory: Path, steps: int = 3, seed: int = 0) -> list[float
     theirs: list[torch.Tensor] = []
     handle = speculators_model.lm_head.register_forward_hook(lambda module, args, out: theirs.append(out[0]))
     try:  # step 0 reads the token after t (eaglet's x[t+1]); later steps shift it themselves
-        speculators_model(hidden_states=aux.flatten(1)[None], input_ids=torch.cat([input_ids[1:], input_ids[:1] * 0])[None],
-                          document_ids=doc_ids[None], position_ids=positions[None], ttt_steps=steps)
+        speculators_model(
+            hidden_states=aux.flatten(1)[None],
+            input_ids=torch.cat([input_ids[1:], input_ids[:1] * 0])[None],
+            document_ids=doc_ids[None],
+            position_ids=positions[None],
+            ttt_steps=steps,
+        )
     finally:
         handle.remove()
     index = torch.arange(tokens)

@@ -23,10 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import EagletError
-from .export import export_format
-from .formats.draft import FIRST_LAYER_PREFIX, DraftConfig, StoredDraft, read_draft_config, weight_problems
-from .formats.files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE
+from ..errors import EagletError
+from ..export import export_format
+from ..formats.draft_config import FIRST_LAYER_PREFIX, DraftConfig, StoredDraft, read_draft_config, weight_problems
+from ..formats.files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's RMSNorm: normalised in float32, cast back to x's dtype, then scaled."""
@@ -54,18 +55,25 @@ def rope_frequencies(config: DraftConfig, device: torch.device) -> tuple[torch.T
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type == "default":
         exponents = torch.arange(0, config.head_dim, 2, device=device, dtype=torch.float32) / config.head_dim
-        return 1.0 / (config.rope_theta ** exponents), 1.0
+        return 1.0 / (config.rope_theta**exponents), 1.0
     import transformers
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise EagletError(f"the target's RoPE type {rope_type!r} is not one transformers {transformers.__version__} "
-                          f"computes ({', '.join(sorted(ROPE_INIT_FUNCTIONS))}); upgrade transformers")
-    llama = LlamaConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
-                        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                        max_position_embeddings=config.max_position_embeddings, rope_theta=config.rope_theta,
-                        rope_scaling=scaling)
+        raise EagletError(
+            f"the target's RoPE type {rope_type!r} is not one transformers {transformers.__version__} "
+            f"computes ({', '.join(sorted(ROPE_INIT_FUNCTIONS))}); upgrade transformers"
+        )
+    llama = LlamaConfig(
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_theta=config.rope_theta,
+        rope_scaling=scaling,
+    )
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](llama, device)
     return inv_freq.to(device, torch.float32), float(attention_scaling)
 
@@ -110,20 +118,30 @@ def _cast(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 # The draft layer's elementwise work between its matmuls, as pure functions: eager by default, compiled (each
 # into a few fused kernels, backward included) by ``Eagle3Draft.compile_pointwise``. Matmuls stay outside, so
 # autocast casts each weight once per training step, not once per call of a compiled region.
-def _input_mix(embeds: torch.Tensor, hidden: torch.Tensor, embed_norm: torch.Tensor, hidden_norm: torch.Tensor,
-               eps: float, norm_before_residual: bool, cast: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _input_mix(
+    embeds: torch.Tensor,
+    hidden: torch.Tensor,
+    embed_norm: torch.Tensor,
+    hidden_norm: torch.Tensor,
+    eps: float,
+    norm_before_residual: bool,
+    cast: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """embeds [T, H], hidden [T, H] -> (cat(norm(embeds), norm(hidden)) [T, 2H], the residual [T, H])."""
     normed_hidden = rms_norm(hidden, hidden_norm, eps)
     residual = normed_hidden if norm_before_residual else hidden
     return _cast(torch.cat([rms_norm(embeds, embed_norm, eps), normed_hidden], dim=-1), cast), residual
 
 
-def _rope_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_pair(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
-def _residual_norm(residual: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float,
-                   cast: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _residual_norm(
+    residual: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float, cast: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(h = residual + update, norm(h)): the attention's residual and the MLP's input."""
     h = residual + update
     return h, _cast(rms_norm(h, weight, eps), cast)
@@ -161,14 +179,24 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 class DraftAttention(nn.Module):
     def __init__(self, config: DraftConfig, input_size: int):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
         self.q_proj = nn.Linear(input_size, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(input_size, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(input_size, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttentionFn,
-                pointwise: Pointwise = EAGER_POINTWISE) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: AttentionFn,
+        pointwise: Pointwise = EAGER_POINTWISE,
+    ) -> torch.Tensor:
         tokens = x.shape[0]
         q = self.q_proj(x).view(tokens, self.heads, self.head_dim).transpose(0, 1)  # [Hq, T, d]
         k = self.k_proj(x).view(tokens, self.kv_heads, self.head_dim).transpose(0, 1)  # [Hkv, T, d]
@@ -202,13 +230,16 @@ class DraftLayer(nn.Module):
         self.norm_before_residual = config.norm_before_residual
         self.pointwise = EAGER_POINTWISE
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attend: AttentionFn) -> torch.Tensor:
+    def forward(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttentionFn
+    ) -> torch.Tensor:
         cast, eps, fns = autocast_dtype(hidden.device.type), self.hidden_norm.eps, self.pointwise
-        x, residual = fns.input_mix(embeds, hidden, self.input_layernorm.weight, self.hidden_norm.weight, eps,
-                                    self.norm_before_residual, cast)  # x [T, 2H]; the residual is the un-normed h
-        h, normed = fns.residual_norm(residual, self.self_attn(x, cos, sin, attend, fns),
-                                      self.post_attention_layernorm.weight, eps, cast)
+        x, residual = fns.input_mix(
+            embeds, hidden, self.input_layernorm.weight, self.hidden_norm.weight, eps, self.norm_before_residual, cast
+        )  # x [T, 2H]; the residual is the un-normed h
+        h, normed = fns.residual_norm(
+            residual, self.self_attn(x, cos, sin, attend, fns), self.post_attention_layernorm.weight, eps, cast
+        )
         return h + self.mlp(normed, fns)
 
 
@@ -227,8 +258,9 @@ class DraftStackLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttentionFn) -> torch.Tensor:
         cast, eps, fns = autocast_dtype(hidden.device.type), self.input_layernorm.eps, self.pointwise
         x = fns.norm(hidden, self.input_layernorm.weight, eps, cast)
-        h, normed = fns.residual_norm(hidden, self.self_attn(x, cos, sin, attend, fns),
-                                      self.post_attention_layernorm.weight, eps, cast)
+        h, normed = fns.residual_norm(
+            hidden, self.self_attn(x, cos, sin, attend, fns), self.post_attention_layernorm.weight, eps, cast
+        )
         return h + self.mlp(normed, fns)
 
 
@@ -257,8 +289,14 @@ class Eagle3Draft(nn.Module):
         """aux [T, 3, H_target] -> [T, H]."""
         return self.fc(aux.flatten(1))
 
-    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             attends: Sequence[AttentionFn]) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attends: Sequence[AttentionFn],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step: (new hidden [T, H], draft-vocab logits [T, Vd]); ``attends``: one per layer,
         each keeping that layer's keys across steps."""
         hidden = self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, attends[0])
@@ -275,8 +313,14 @@ class Eagle3Draft(nn.Module):
         for layer in [self.midlayer, *self.layers.values()]:
             layer.pointwise = fns
 
-    def init_from_target(self, embed: torch.Tensor, lm_head: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor,
-                         final_norm: torch.Tensor | None = None) -> None:
+    def init_from_target(
+        self,
+        embed: torch.Tensor,
+        lm_head: torch.Tensor,
+        d2t: torch.Tensor,
+        t2d: torch.Tensor,
+        final_norm: torch.Tensor | None = None,
+    ) -> None:
         """Copy the target's embedding, its lm_head rows for the draft vocabulary and (when given) its
         final norm: the draft's output starts in the geometry the target's head reads."""
         with torch.no_grad():
@@ -296,8 +340,8 @@ class Eagle3Draft(nn.Module):
 def save_draft(config: DraftConfig, weights: dict[str, torch.Tensor], directory: str | Path) -> None:
     """The draft as serving engines and ``load_draft`` read it: ``weights`` is ``serving_state_dict()``
     (or the same gathered from sharded training)."""
-    from .fsio import atomic_file, write_json_atomic
-    from .store import write_safetensors
+    from ..fsio import atomic_file, write_json_atomic
+    from .shards import write_safetensors
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -327,8 +371,9 @@ def read_draft_weights(directory: str | Path, stored: StoredDraft | None = None)
     try:
         raw = load_file(str(weights_file))
     except (SafetensorError, OSError, ValueError) as exc:
-        raise EagletError(f"{weights_file}: unreadable safetensors ({str(exc).splitlines()[0]}); train (or export) "
-                          "again") from None
+        raise EagletError(
+            f"{weights_file}: unreadable safetensors ({str(exc).splitlines()[0]}); train (or export) again"
+        ) from None
     state = _eaglet_names(raw, stored)
     problems = weight_problems(stored.config, {name: tuple(tensor.shape) for name, tensor in state.items()})
     if not problems and "d2t" in state and len(state["d2t"]):  # of the config's shape: its values next
@@ -336,9 +381,11 @@ def read_draft_weights(directory: str | Path, stored: StoredDraft | None = None)
         if int(used.min()) < 0 or int(used.max()) >= stored.config.vocab_size or state["d2t"].is_floating_point():
             problems.append("d2t: maps draft ids outside the target's vocabulary (or is not integer)")
     if problems:
-        raise EagletError(f"{weights_file}: does not hold the draft {stored.config_file.name} describes "
-                          f"({problems[0]}{f'; {len(problems) - 1} more' if len(problems) > 1 else ''}); train "
-                          "(or export) again")
+        raise EagletError(
+            f"{weights_file}: does not hold the draft {stored.config_file.name} describes "
+            f"({problems[0]}{f'; {len(problems) - 1} more' if len(problems) > 1 else ''}); train "
+            "(or export) again"
+        )
     return state
 
 

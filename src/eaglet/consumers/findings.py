@@ -46,7 +46,9 @@ def skip_tracer(report: LoadReport, name_variable: str = "name", weight_variable
         return found
 
     def trace(node: ast.stmt, env: dict) -> None:
-        if isinstance(node, ast.For) and weight_variable in {n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)}:
+        if isinstance(node, ast.For) and weight_variable in {
+            n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)
+        }:
             outer_continues.update(own_continues(node.body))
         weight = env.get(weight_variable)
         source = getattr(weight, "source", None)
@@ -56,17 +58,28 @@ def skip_tracer(report: LoadReport, name_variable: str = "name", weight_variable
             last_test[0] = ast.unparse(node.test)
         elif isinstance(node, ast.Continue) and id(node) in outer_continues and source not in report.loaded:
             report.skipped.setdefault(source, f"`if {last_test[0]}: continue`")
-        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and ast.unparse(t).startswith("self.")
-                                                  for t in node.targets) \
-                and any(isinstance(n, ast.Name) and n.id == weight_variable for n in ast.walk(node.value)):
+        elif (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Attribute) and ast.unparse(t).startswith("self.") for t in node.targets)
+            and any(isinstance(n, ast.Name) and n.id == weight_variable for n in ast.walk(node.value))
+        ):
             report.consumed[source] = ast.unparse(node).splitlines()[0]
 
     return trace
 
 
 def _calls_named(node: ast.AST, name: str) -> list[ast.Call]:
-    return [n for n in ast.walk(node) if isinstance(n, ast.Call)
-            and (isinstance(n.func, ast.Attribute) and n.func.attr == name or isinstance(n.func, ast.Name) and n.func.id == name)]
+    return [
+        n
+        for n in ast.walk(node)
+        if isinstance(n, ast.Call)
+        and (
+            isinstance(n.func, ast.Attribute)
+            and n.func.attr == name
+            or isinstance(n.func, ast.Name)
+            and n.func.id == name
+        )
+    ]
 
 
 def capture_offset(forward: ast.FunctionDef, hook: str) -> int:
@@ -74,14 +87,19 @@ def capture_offset(forward: ast.FunctionDef, hook: str) -> int:
     of decoder layer i). Read from the layer loop: a record made after ``layer(...)`` under ``idx + c`` holds the
     output of layer ``idx`` (= the input of ``idx + 1``); one made before it, the input of layer ``idx``."""
     for loop in [n for n in ast.walk(forward) if isinstance(n, ast.For)]:
-        if not (isinstance(loop.target, ast.Tuple) and len(loop.target.elts) == 2
-                and all(isinstance(e, ast.Name) for e in loop.target.elts)):
+        if not (
+            isinstance(loop.target, ast.Tuple)
+            and len(loop.target.elts) == 2
+            and all(isinstance(e, ast.Name) for e in loop.target.elts)
+        ):
             continue
         index, layer = (e.id for e in loop.target.elts)  # type: ignore[union-attr]
         layer_at = hook_at = None
         label = None
         for position, statement in enumerate(loop.body):
-            if layer_at is None and any(isinstance(c.func, ast.Name) and c.func.id == layer for c in _calls_named(statement, layer)):
+            if layer_at is None and any(
+                isinstance(c.func, ast.Name) and c.func.id == layer for c in _calls_named(statement, layer)
+            ):
                 layer_at = position
             for call in _calls_named(statement, hook):
                 if len(call.args) >= 2:
@@ -90,8 +108,13 @@ def capture_offset(forward: ast.FunctionDef, hook: str) -> int:
             continue
         if isinstance(label, ast.Name) and label.id == index:
             shift = 0
-        elif isinstance(label, ast.BinOp) and isinstance(label.op, ast.Add) and isinstance(label.left, ast.Name) \
-                and label.left.id == index and isinstance(label.right, ast.Constant):
+        elif (
+            isinstance(label, ast.BinOp)
+            and isinstance(label.op, ast.Add)
+            and isinstance(label.left, ast.Name)
+            and label.left.id == index
+            and isinstance(label.right, ast.Constant)
+        ):
             shift = int(label.right.value)
         else:
             raise NotCovered(f"aux capture labelled `{ast.unparse(label)}`")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-
 import queue
 import threading
 import time
@@ -23,22 +22,29 @@ import numpy as np
 import torch
 from rich.console import Console
 
-from . import __version__
-from .capture import FeatureCapture, batches_by_length
-from .placement import describe, output_device, topology
-from .config import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, ExtractConfig
-from .formats.prepared import PreparedSet, load_prepared
-from .distributed import init_distributed
-from .errors import EagletError
-from .sizing import GIB
-from .fsio import check_output_apart, check_output_dir, free_disk_bytes, output_lock, write_json_atomic
-from .formats.layers import AUX_CONVENTION, resolve_aux_layer_ids
-from .progress import progress_bar
-from .formats.files import MANIFEST_FILE, STORE_SCHEMA
-from .formats.target_record import require_same_target, stage_target, target_source
-from .formats.store import SORT_WINDOW_SHARDS, ShardPlan, bytes_per_token, plan_shards, read_manifest, read_record
-from .store import encode_features, write_shard
-from .target import hub_id_of, load_model, load_tokenizer, pick_dtype, resolve_target, target_info
+from .. import __version__
+from ..config import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, ExtractConfig
+from ..errors import EagletError
+from ..formats.files import MANIFEST_FILE, STORE_SCHEMA
+from ..formats.layers import AUX_CONVENTION, resolve_aux_layer_ids
+from ..formats.prepared import PreparedSet, load_prepared
+from ..formats.store_manifest import (
+    SORT_WINDOW_SHARDS,
+    ShardPlan,
+    bytes_per_token,
+    plan_shards,
+    read_manifest,
+    read_record,
+)
+from ..formats.target_record import require_same_target, stage_target, target_source
+from ..fsio import check_output_apart, check_output_dir, free_disk_bytes, output_lock, write_json_atomic
+from ..model.capture import FeatureCapture, batches_by_length
+from ..model.distributed import init_distributed
+from ..model.placement import describe, output_device, topology
+from ..model.shards import encode_features, write_shard
+from ..model.sizing import GIB
+from ..model.target import hub_id_of, load_model, load_tokenizer, pick_dtype, resolve_target, target_info
+from ..progress import progress_bar
 
 WRITE_QUEUE_DEPTH = 3  # finished shards waiting for a writer while the next one computes
 WRITER_THREADS = 4  # shards written (hashed, written, fsynced) in parallel: one stream does not fill the disk
@@ -77,8 +83,14 @@ class ExtractedShard:
 class ShardExtractor:
     """One shard's stored tensors from the target: ids, mask, offsets, sample index and features."""
 
-    def __init__(self, model: torch.nn.Module, layer_ids: tuple[int, ...], storage_dtype: str, batch_tokens: int,
-                 max_shard_tokens: int):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        layer_ids: tuple[int, ...],
+        storage_dtype: str,
+        batch_tokens: int,
+        max_shard_tokens: int,
+    ):
         self.capture = FeatureCapture(model, layer_ids)
         self.device = output_device(model)  # where the features come out, are encoded and copied from
         self.cuda = self.device.type == "cuda"
@@ -94,8 +106,10 @@ class ShardExtractor:
         try:
             return self.free_buffers.get_nowait()
         except queue.Empty:
-            return {k: torch.empty((self.max_shard_tokens, *v.shape[1:]), dtype=v.dtype, pin_memory=self.cuda)
-                    for k, v in template.items()}
+            return {
+                k: torch.empty((self.max_shard_tokens, *v.shape[1:]), dtype=v.dtype, pin_memory=self.cuda)
+                for k, v in template.items()
+            }
 
     def release(self, buffers: dict[str, torch.Tensor]) -> None:
         """The writer is done with a shard: its feature buffers can take the next one."""
@@ -149,9 +163,15 @@ class ShardExtractor:
             offsets=torch.from_numpy(offsets),
             sample_index=torch.from_numpy(samples.astype(np.int64)),
         )
-        return ExtractedShard(plan, tensors, pooled, copied, first_bad,
-                              np.array([int(lengths[b].sum()) for b in batches]),
-                              [prepared.ids[int(s)] for s in samples])
+        return ExtractedShard(
+            plan,
+            tensors,
+            pooled,
+            copied,
+            first_bad,
+            np.array([int(lengths[b].sum()) for b in batches]),
+            [prepared.ids[int(s)] for s in samples],
+        )
 
     def _copy(self, sources: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], position: int) -> None:
         """``targets[k][position:] = sources[k]``; on the GPU asynchronously on the copy stream."""
@@ -177,8 +197,10 @@ class ShardWriter:
         self.error: BaseException | None = None
         self.stall_s = 0.0  # the compute loop blocked because every writer was busy (disk-bound)
         self.lock = threading.Lock()  # manifest refreshes happen one at a time
-        self.threads = [threading.Thread(target=self._run, name=f"eaglet-shard-writer-{i}", daemon=True)
-                        for i in range(WRITER_THREADS)]
+        self.threads = [
+            threading.Thread(target=self._run, name=f"eaglet-shard-writer-{i}", daemon=True)
+            for i in range(WRITER_THREADS)
+        ]
         for thread in self.threads:
             thread.start()
 
@@ -246,8 +268,14 @@ class ExtractResult:
     writer_stall_s: float = 0.0  # compute waiting on the disk: the share of `seconds` the disk cost
 
 
-def store_identity(config: ExtractConfig, info: Any, layers: tuple[int, ...], prepared: PreparedSet,
-                   tokens_per_shard: int, model_dtype: str) -> dict[str, Any]:
+def store_identity(
+    config: ExtractConfig,
+    info: Any,
+    layers: tuple[int, ...],
+    prepared: PreparedSet,
+    tokens_per_shard: int,
+    model_dtype: str,
+) -> dict[str, Any]:
     """Everything that decides the store's bytes; a resumed run must match it exactly."""
     return {
         "schema": STORE_SCHEMA,
@@ -280,8 +308,9 @@ def _check_resume(store: Path, identity: dict[str, Any]) -> None:
             )
 
 
-def _manifest(store: Path, identity: dict[str, Any], plans: list[ShardPlan], config: ExtractConfig,
-              source: dict[str, Any]) -> dict[str, Any]:
+def _manifest(
+    store: Path, identity: dict[str, Any], plans: list[ShardPlan], config: ExtractConfig, source: dict[str, Any]
+) -> dict[str, Any]:
     records = [read_record(store, plan.index) for plan in plans]
     done = [r for r in records if r is not None]
     return identity | {
@@ -289,8 +318,11 @@ def _manifest(store: Path, identity: dict[str, Any], plans: list[ShardPlan], con
         "eaglet_version": __version__,
         "complete": len(done) == len(plans),
         "num_shards": len(plans),
-        "totals": {"samples": sum(r["num_samples"] for r in done), "tokens": sum(r["tokens"] for r in done),
-                   "bytes": sum(r["bytes"] for r in done)},
+        "totals": {
+            "samples": sum(r["num_samples"] for r in done),
+            "tokens": sum(r["tokens"] for r in done),
+            "bytes": sum(r["bytes"] for r in done),
+        },
         "config": config.model_dump(exclude={"out", "device"}),
         # outside the identity (a resumed store matches on the absolute path): found again after a move
         "prepared_relative": os.path.relpath(identity["prepared"]["path"], store.resolve()),
@@ -298,8 +330,12 @@ def _manifest(store: Path, identity: dict[str, Any], plans: list[ShardPlan], con
     }
 
 
-def run_extract(config: ExtractConfig, console: Console | None = None, model: torch.nn.Module | None = None,
-                only_shards: set[int] | None = None) -> ExtractResult:
+def run_extract(
+    config: ExtractConfig,
+    console: Console | None = None,
+    model: torch.nn.Module | None = None,
+    only_shards: set[int] | None = None,
+) -> ExtractResult:
     """The store ``config.out``: its missing shards computed (``only_shards``: those alone), one writer a replica."""
     dist = init_distributed()
     check_output_dir(config.out)
@@ -310,15 +346,22 @@ def run_extract(config: ExtractConfig, console: Console | None = None, model: to
         return _extract(config, console or Console(stderr=True), model, only_shards, dist)
 
 
-def _extract(config: ExtractConfig, console: Console, model: torch.nn.Module | None, only_shards: set[int] | None,
-             dist: Any) -> ExtractResult:
+def _extract(
+    config: ExtractConfig, console: Console, model: torch.nn.Module | None, only_shards: set[int] | None, dist: Any
+) -> ExtractResult:
     store = Path(config.out)
     prepared = load_prepared(config.prepared, config.max_samples)
     target = stage_target(config)
     resolved = resolve_target(target, config.trust_remote_code)
     info = target_info(resolved, load_tokenizer(resolved.path, config.trust_remote_code))
-    require_same_target(info.identity, prepared.manifest["target"], str(config.prepared), "prepared with",
-                        f"prepare again with --target {target}", tokenizer_only=True)
+    require_same_target(
+        info.identity,
+        prepared.manifest["target"],
+        str(config.prepared),
+        "prepared with",
+        f"prepare again with --target {target}",
+        tokenizer_only=True,
+    )
     layers = resolve_aux_layer_ids(config.layers, info.num_layers)
     place = topology(config, dist.rank, dist.world)
     per_token = bytes_per_token(info.hidden_size, config.storage_dtype)
@@ -331,7 +374,9 @@ def _extract(config: ExtractConfig, console: Console, model: torch.nn.Module | N
 
     if (store / MANIFEST_FILE).is_file():
         _check_resume(store, identity)
-    todo_all = [p for p in plans if read_record(store, p.index) is None and (only_shards is None or p.index in only_shards)]
+    todo_all = [
+        p for p in plans if read_record(store, p.index) is None and (only_shards is None or p.index in only_shards)
+    ]
     mine = [p for p in todo_all if p.index % place.replicas == place.replica]
     _check_disk(store, sum(p.tokens for p in todo_all) * per_token, config.reserve_gb)
     if mine and model is None:  # before the store is created: a target that cannot load leaves nothing behind
@@ -349,6 +394,7 @@ def _extract(config: ExtractConfig, console: Console, model: torch.nn.Module | N
         batch_tokens = config.batch_tokens or (GPU_BATCH_TOKENS if device.startswith("cuda") else CPU_BATCH_TOKENS)
         max_shard_tokens = max(p.tokens for p in mine)
         extractor = ShardExtractor(model, layers, config.storage_dtype, batch_tokens, max_shard_tokens)
+
         def refresh(record: dict[str, Any]) -> None:
             if dist.is_main and place.replicas == 1:
                 write_json_atomic(store / MANIFEST_FILE, _manifest(store, identity, plans, config, source))
@@ -356,8 +402,10 @@ def _extract(config: ExtractConfig, console: Console, model: torch.nn.Module | N
         # a tensor-parallel group computes every shard on every rank; its rank 0 writes
         writer = ShardWriter(store, refresh, extractor.release) if place.writes else ShardDiscarder(extractor.release)
         with progress_bar("tok", console) as progress:
-            task = progress.add_task(f"extract{'' if place.replicas == 1 else f' replica {place.replica}'}",
-                                     total=sum(p.tokens for p in mine))
+            task = progress.add_task(
+                f"extract{'' if place.replicas == 1 else f' replica {place.replica}'}",
+                total=sum(p.tokens for p in mine),
+            )
             try:
                 for plan in mine:
                     writer.submit(extractor(prepared, plan))

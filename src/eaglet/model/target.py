@@ -18,11 +18,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from .errors import EagletError
-from .fsio import atomic_directory, json_error_text, load_json_file, sha256_file, sha256_json, write_json_atomic
-from .formats.files import TARGET_CONFIG_FILE
-from .formats.layers import default_aux_layer_ids
-from .formats.target_record import TargetIdentity
+from ..errors import EagletError
+from ..formats.files import TARGET_CONFIG_FILE
+from ..formats.layers import default_aux_layer_ids
+from ..formats.target_record import TargetIdentity
+from ..fsio import atomic_directory, json_error_text, load_json_file, sha256_file, sha256_json, write_json_atomic
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the embedded GGUF quantizes
@@ -83,7 +83,9 @@ def _download_hub(repo_id: str) -> Path:
         )
     except Exception as exc:  # network or auth problems become one line
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise EagletError(f"target {repo_id}: could not fetch from the hub ({reason}); pass a local directory") from None
+        raise EagletError(
+            f"target {repo_id}: could not fetch from the hub ({reason}); pass a local directory"
+        ) from None
     return Path(local)
 
 
@@ -140,7 +142,9 @@ def _convert_gguf_into(gguf: Path, final: Path, name: str, digest: str) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as exc:
-        raise EagletError(f"target {gguf}: transformers could not read this GGUF ({str(exc).splitlines()[0]})") from None
+        raise EagletError(
+            f"target {gguf}: transformers could not read this GGUF ({str(exc).splitlines()[0]})"
+        ) from None
     # The loaded model carries a GGUF quantization config and refuses to save; rebuild a plain one.
     config_dict = quantized.config.to_dict()
     config_dict.pop("quantization_config", None)
@@ -178,8 +182,8 @@ def hub_id_of(resolved: ResolvedTarget) -> str | None:
     if HUB_ID.fullmatch(resolved.spec) and not Path(resolved.spec).expanduser().exists():
         return resolved.spec
     for part in resolved.path.parts:
-        if part.startswith(HUB_CACHE_PREFIX) and "--" in part[len(HUB_CACHE_PREFIX):]:
-            return part[len(HUB_CACHE_PREFIX):].replace("--", "/", 1)
+        if part.startswith(HUB_CACHE_PREFIX) and "--" in part[len(HUB_CACHE_PREFIX) :]:
+            return part[len(HUB_CACHE_PREFIX) :].replace("--", "/", 1)
     return None
 
 
@@ -190,8 +194,15 @@ def target_record(resolved: ResolvedTarget, info: "TargetInfo") -> dict[str, Any
         source = f"the Q4_1 GGUF of {EMBEDDED_HUB_ID} ({EMBEDDED_WHEEL_REQUIREMENT}), dequantized"
     elif resolved.spec.endswith(".gguf"):
         source = f"{Path(resolved.spec).name} (GGUF), dequantized"
-    return {"spec": resolved.spec, "path": str(resolved.path), "hub_id": hub_id_of(resolved), "source": source,
-            "architectures": [info.architecture], "num_layers": info.num_layers, "vocab_size": info.vocab_size}
+    return {
+        "spec": resolved.spec,
+        "path": str(resolved.path),
+        "hub_id": hub_id_of(resolved),
+        "source": source,
+        "architectures": [info.architecture],
+        "num_layers": info.num_layers,
+        "vocab_size": info.vocab_size,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,8 +232,14 @@ class TargetInfo:
     @property
     def identity(self) -> TargetIdentity:
         """What every artifact made from this target records of it, and is compared on."""
-        return TargetIdentity(name=self.name, config_hash=self.config_hash, tokenizer_hash=self.tokenizer_hash,
-                              vocab_size=self.vocab_size, num_layers=self.num_layers, hidden_size=self.hidden_size)
+        return TargetIdentity(
+            name=self.name,
+            config_hash=self.config_hash,
+            tokenizer_hash=self.tokenizer_hash,
+            vocab_size=self.vocab_size,
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+        )
 
 
 # config.json keys that say how the file was written, not what the model computes: transformers stamps its own
@@ -248,20 +265,29 @@ def read_config(path: Path) -> dict[str, Any]:
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
-        raise EagletError(f"target {file}:{exc.lineno}: not valid JSON ({json_error_text(exc)}); fix the file or "
-                          "fetch the model again") from None
+        raise EagletError(
+            f"target {file}:{exc.lineno}: not valid JSON ({json_error_text(exc)}); fix the file or "
+            "fetch the model again"
+        ) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise EagletError(f"target {file}: unreadable ({exc}); fix the file or fetch the model again") from None
     if not isinstance(config, dict):
         raise EagletError(f"target {file}: holds a {type(config).__name__}, not a model config; fetch the model again")
     text = config.get("text_config", config)  # multimodal wrappers keep the language model's fields here
-    missing = [key for key in REQUIRED_CONFIG_FIELDS if not isinstance(text, dict) or not isinstance(text.get(key), int)]
+    missing = [
+        key for key in REQUIRED_CONFIG_FIELDS if not isinstance(text, dict) or not isinstance(text.get(key), int)
+    ]
     if missing:
-        raise EagletError(f"target {file}: no integer '{missing[0]}' (not a decoder-only model's config); pass an HF "
-                          "causal LM directory")
+        raise EagletError(
+            f"target {file}: no integer '{missing[0]}' (not a decoder-only model's config); pass an HF "
+            "causal LM directory"
+        )
     quantization = config.get("quantization_config") or text.get("quantization_config")
-    return text | {"architectures": config.get("architectures", [])} | (
-        {"quantization_config": quantization} if quantization else {})
+    return (
+        text
+        | {"architectures": config.get("architectures", [])}
+        | ({"quantization_config": quantization} if quantization else {})
+    )
 
 
 @contextlib.contextmanager
@@ -274,8 +300,10 @@ def open_weights(file: Path, target: Path) -> Iterator[Any]:
         handle = safe_open(str(file), framework="pt")
     except Exception as exc:  # SafetensorError, OSError (a directory, no permission, an I/O error)
         said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise EagletError(f"target {target}: {file.name} is unreadable ({said}); its weights are damaged or "
-                          "incomplete: download or convert the target again") from None
+        raise EagletError(
+            f"target {target}: {file.name} is unreadable ({said}); its weights are damaged or "
+            "incomplete: download or convert the target again"
+        ) from None
     with handle:
         yield handle
 
@@ -360,16 +388,21 @@ def pick_device(requested: str = "auto") -> str:
     except (RuntimeError, ValueError):
         raise EagletError(f"--device {requested}: not a device; use auto, cpu, cuda or cuda:N") from None
     if device.type not in SUPPORTED_DEVICE_TYPES:
-        raise EagletError(f"--device {requested}: eaglet runs on {' or '.join(SUPPORTED_DEVICE_TYPES)}; use auto, cpu, "
-                          "cuda or cuda:N")
+        raise EagletError(
+            f"--device {requested}: eaglet runs on {' or '.join(SUPPORTED_DEVICE_TYPES)}; use auto, cpu, cuda or cuda:N"
+        )
     if device.type == "cuda":
         if not torch.cuda.is_available():
             build = "a CPU build of torch" if torch.version.cuda is None else "no visible GPU"
-            raise EagletError(f"--device {requested}: CUDA is not available here ({build} {torch.__version__}); use "
-                              "--device cpu, or install a CUDA build of torch on a GPU machine")
+            raise EagletError(
+                f"--device {requested}: CUDA is not available here ({build} {torch.__version__}); use "
+                "--device cpu, or install a CUDA build of torch on a GPU machine"
+            )
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise EagletError(f"--device {requested}: this machine has {torch.cuda.device_count()} GPU(s) "
-                              f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
+            raise EagletError(
+                f"--device {requested}: this machine has {torch.cuda.device_count()} GPU(s) "
+                f"(cuda:0..cuda:{torch.cuda.device_count() - 1})"
+            )
     return requested
 
 
@@ -410,9 +443,15 @@ def check_quantization(config: dict[str, Any], name: str) -> str | None:
     return method
 
 
-def load_model(path: Path, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False,
-               placement: Any = None, world: int = 1) -> Any:
-    """The target's weights in eval mode: on ``device``, or placed as ``placement`` says (``eaglet.placement``).
+def load_model(
+    path: Path,
+    device: str = "auto",
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    placement: Any = None,
+    world: int = 1,
+) -> Any:
+    """The target's weights in eval mode: on ``device``, or placed as ``placement`` says (``eaglet.model.placement``).
 
     A checkpoint that leaves any of the model's weights unread (a format transformers maps onto this architecture
     only in part) is refused: features from randomly initialised layers would look fine and be worthless."""
@@ -433,24 +472,34 @@ def load_model(path: Path, device: str = "auto", dtype: str = "auto", trust_remo
     hf_logging.set_verbosity_error()  # its load report would print before eaglet's one line on missing weights
     try:
         model, loading = AutoModelForCausalLM.from_pretrained(
-            path, dtype=pick_dtype(dtype, device), trust_remote_code=trust_remote_code, output_loading_info=True,
-            **kwargs)
+            path,
+            dtype=pick_dtype(dtype, device),
+            trust_remote_code=trust_remote_code,
+            output_loading_info=True,
+            **kwargs,
+        )
     except Exception as exc:
         raise EagletError(f"target {path}: weights could not be loaded ({str(exc).splitlines()[0]})") from None
     finally:
         hf_logging.set_verbosity(verbosity)
     missing = sorted(loading.get("missing_keys") or ())
     if missing:
-        raise EagletError(f"target {path}: {len(missing)} of the model's weights are not in the checkpoint as "
-                          f"transformers reads it (first: {missing[0]}); this checkpoint's format is not one "
-                          f"transformers loads fully for {type(model).__name__}")
+        raise EagletError(
+            f"target {path}: {len(missing)} of the model's weights are not in the checkpoint as "
+            f"transformers reads it (first: {missing[0]}); this checkpoint's format is not one "
+            f"transformers loads fully for {type(model).__name__}"
+        )
     return (model.to(device) if mode == "one" else model).eval()
 
 
 # Where architectures keep the final norm (the one before the LM head), and the families whose RMSNorm
 # multiplies by (1 + w) instead of w: their weight cannot seed the draft's plain RMSNorm.
-FINAL_NORM_NAMES = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight",
-                    "model.final_layernorm.weight")
+FINAL_NORM_NAMES = (
+    "model.norm.weight",
+    "model.language_model.norm.weight",
+    "language_model.model.norm.weight",
+    "model.final_layernorm.weight",
+)
 OFFSET_NORM_MODEL_TYPES = ("gemma",)
 
 
@@ -476,9 +525,12 @@ def load_head_weights(path: Path) -> HeadWeights:
     if index_file.is_file():
         weight_map = load_json_file(index_file, "download or convert the target again")
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and "/" not in f for f in weight_map.values()):
-            raise EagletError(f"{index_file}: no 'weight_map' of tensor names to file names; download or convert the "
-                              "target again")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(f, str) and "/" not in f for f in weight_map.values()
+        ):
+            raise EagletError(
+                f"{index_file}: no 'weight_map' of tensor names to file names; download or convert the target again"
+            )
         for key, file in weight_map.items():
             locations[key] = path / file
     else:
@@ -495,8 +547,10 @@ def load_head_weights(path: Path) -> HeadWeights:
             try:
                 return handle.get_tensor(matches[0])
             except Exception as exc:  # the data past the header is cut or unreadable
-                raise EagletError(f"target {path}: {locations[matches[0]].name} is unreadable at {matches[0]} "
-                                  f"({str(exc).splitlines()[0]}); download or convert the target again") from None
+                raise EagletError(
+                    f"target {path}: {locations[matches[0]].name} is unreadable at {matches[0]} "
+                    f"({str(exc).splitlines()[0]}); download or convert the target again"
+                ) from None
 
     embed = read("embed_tokens.weight")
     if embed is None:
@@ -507,4 +561,6 @@ def load_head_weights(path: Path) -> HeadWeights:
     if not str(config.get("model_type", "")).startswith(OFFSET_NORM_MODEL_TYPES):
         name = next((n for n in FINAL_NORM_NAMES if n in locations), None)
         final_norm = read(name) if name is not None else None
-    return HeadWeights(embed, lm_head if lm_head is not None else embed, final_norm, config.get("final_logit_softcapping"))
+    return HeadWeights(
+        embed, lm_head if lm_head is not None else embed, final_norm, config.get("final_logit_softcapping")
+    )

@@ -1,0 +1,259 @@
+"""`eaglet run --plan`: what each stage that will run costs (disk, time, the target's memory per GPU), estimated
+from the settings, the inputs' sizes and the target's config.json, before anything runs."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..config import CPU_BATCH_TOKENS, DEFAULT_DRAFT_VOCAB_CAP, GPU_BATCH_TOKENS, GPU_GENERATE_BATCH
+from ..formats.files import MANIFEST_FILE
+from ..fsio import read_json
+from .run_config import RunConfig
+
+if TYPE_CHECKING:
+    from .pipeline import Pipeline
+
+BYTES_PER_ANSWER_TOKEN = 8  # JSON text
+# Rough rates for --plan's time column (measured: benchmarks/RESULTS.md; CPU = this project's 2-core machine)
+RATES = {
+    "cpu": {"generate_tok_s": 66, "extract_tok_s": 600, "decode_tok_s": 15},
+    "cuda": {"generate_tok_s": 2750, "extract_tok_s": 245_000, "decode_tok_s": 230},
+}  # decode: the H200 demo eval
+# (static caches + CUDA graphs, float32: 32 prompts x 128 tokens, baseline and speculative, 30.6 s with load + capture)
+HELD_OUT_PROMPTS_GUESS = 128  # the demo prompts' held-out split
+FP32_BYTES, BF16_BYTES = 4, 2
+TOKENS_PER_ANSWER_GUESS = 0.7  # answers stop before max_new_tokens on average
+INPUT_BYTES_PER_TOKEN = 4  # conversation JSON, before tokenizing
+TOKENS_PER_SAMPLE_GUESS = 1024  # per-sample store size, before the prepared set gives the real lengths
+PROMPT_TOKENS_GUESS = 512  # KV cache per prompt before prompts are rendered
+EVAL_FORWARD_TOKENS = 128  # eval's largest verification forward
+LOAD_SECONDS_CPU = 20  # loading and converting a CPU-sized target
+MEASURED_DECODE_LAYERS = 30  # RATES' decode rate was measured on the embedded target's 30 layers
+
+
+@dataclass
+class StagePlan:
+    name: str
+    action: str  # "run" or "skip"
+    reason: str
+    disk_bytes: int = 0
+    seconds: float = 0.0
+    memory: str = ""  # where the target goes and what it takes per GPU (stages that run it)
+    refusal: str = ""  # set when the stage's layout does not fit: what to change
+
+
+def planned_machine(config: RunConfig) -> Any:
+    """The machine planned for: the config's `machine` section, else this one."""
+    from ..model.placement import parse_memory
+    from ..model.sizing import Machine, this_machine
+
+    section = config.machine
+    if section is None:
+        return this_machine()
+    return Machine(section.gpus, parse_memory(section.gpu_memory, "machine.gpu_memory"), section.name)
+
+
+def estimate(pipeline: Pipeline, plans: list[StagePlan]) -> list[StagePlan]:
+    """Disk, time and per-GPU memory of each stage that will run, from the settings and config.json alone."""
+    from ..formats.store_manifest import bytes_per_token
+    from ..model.sizing import draft_parameters
+    from ..model.target import read_config, resolve_target
+
+    machine = planned_machine(pipeline.config)
+    rates = RATES["cuda" if machine.gpus else "cpu"]
+    by_name = {s.name: s for s in pipeline.stages}
+    answer_tokens = 0
+    if "regenerate" in by_name:
+        stage = by_name["regenerate"]
+        for config in (stage.config, stage.heldout):  # the training prompts, then the held-out ones
+            if config is not None:
+                prompts = min(config.max_prompts or math.inf, _count_rows(config.prompts, config.split))
+                answer_tokens += int(prompts * config.n * config.max_new_tokens * TOKENS_PER_ANSWER_GUESS)
+    prepared_tokens = (
+        _prepared_tokens(pipeline.out / "prepared")
+        or answer_tokens * 2  # prompt + answer
+        or _input_tokens(by_name["prepare"].config.inputs)
+    )
+    target_config = read_config(resolve_target(pipeline.config.target, pipeline.config.trust_remote_code).path)
+    hidden = int(target_config.get("hidden_size", 4096))
+    draft_vocab = int(
+        by_name["prepare"].config.draft_vocab
+        or min(DEFAULT_DRAFT_VOCAB_CAP, target_config.get("vocab_size", DEFAULT_DRAFT_VOCAB_CAP))
+    )
+    draft_params = draft_parameters(hidden, draft_vocab)
+    sizing = TargetSizing(target_config, machine)
+    for plan in plans:
+        if plan.action != "run":
+            continue
+        stage = by_name[plan.name]
+        if plan.name == "regenerate":
+            plan.disk_bytes = answer_tokens * BYTES_PER_ANSWER_TOKEN
+            rate = (pipeline.config.machine and pipeline.config.machine.generate_tokens_per_s) or rates[
+                "generate_tok_s"
+            ]
+            plan.seconds = answer_tokens / rate
+            if stage.config.backend == "hf":
+                batch = stage.config.batch_size or GPU_GENERATE_BATCH
+                sizing.place(plan, stage.config, batch, batch * (PROMPT_TOKENS_GUESS + stage.config.max_new_tokens))
+        elif plan.name == "prepare":
+            plan.disk_bytes = prepared_tokens * 5
+            plan.seconds = 10 + prepared_tokens / 200_000
+        elif plan.name == "extract":
+            per_token = bytes_per_token(hidden, stage.config.storage_dtype)
+            plan.disk_bytes = prepared_tokens * per_token
+            batch_tokens = stage.config.batch_tokens or (GPU_BATCH_TOKENS if machine.gpus else CPU_BATCH_TOKENS)
+            gpus = sizing.place(plan, stage.config, batch_tokens)
+            stated = pipeline.config.machine and pipeline.config.machine.extract_tokens_per_s
+            rate = stated or (
+                sizing.extract_rate(gpus, stage.config.placement, per_token) if machine.gpus else rates["extract_tok_s"]
+            )
+            plan.seconds = sizing.load_seconds() + prepared_tokens / rate
+            if prepared_tokens:
+                samples = _prepared_samples(pipeline.out / "prepared") or _samples_guess(prepared_tokens)
+                store_line = f"store {per_token * prepared_tokens / samples / 1e6:,.2f} MB per sample"
+                plan.memory = f"{plan.memory}; {store_line}" if plan.memory else store_line
+        elif plan.name == "train":
+            train = stage.config
+            plan.seconds = train.max_minutes * 60 if train.max_minutes else float("nan")
+            # fp32 weights + 2 AdamW moments per checkpoint kept, and the saved draft
+            plan.disk_bytes = draft_params * FP32_BYTES * (1 + 3 * (train.keep_last + 1))
+            if train.prepared is not None:  # online: the target runs in training
+                sizing.place(plan, train, train.online_forward_tokens)
+        elif plan.name == "export":
+            plan.disk_bytes = draft_params * BF16_BYTES * len(pipeline.config.export.formats)
+        elif plan.name == "eval":
+            evaluation = stage.config
+            prompts = evaluation.max_prompts or HELD_OUT_PROMPTS_GUESS
+            gpus = sizing.place(plan, evaluation, EVAL_FORWARD_TOKENS, PROMPT_TOKENS_GUESS + evaluation.max_new_tokens)
+            step = sizing.decode_step(gpus, 1 / rates["decode_tok_s"]) if machine.gpus else 1 / rates["decode_tok_s"]
+            plan.seconds = sizing.load_seconds() + 2 * prompts * evaluation.max_new_tokens * step  # baseline + spec
+            problem = evaluation.decoding_problem()
+            if problem:  # known from the settings: refused before training, not after
+                plan.refusal = plan.refusal or f"eval: {problem}"
+    return plans
+
+
+class TargetSizing:
+    """Per-GPU memory of the target under each stage's placement, from config.json (weights counted once)."""
+
+    def __init__(self, target_config: dict[str, Any], machine: Any):
+        self.target_config = target_config
+        self.machine = machine
+        self._weights = None
+
+    def weights(self) -> Any:
+        from ..model.sizing import weights_of
+
+        if self._weights is None:
+            self._weights = weights_of(self.target_config)
+        return self._weights
+
+    def place(self, plan: StagePlan, config: Any, forward_tokens: int, cached_tokens: int = 0) -> int:
+        """Fill ``plan.memory`` (and ``plan.refusal`` when it does not fit); returns the GPUs the target spans."""
+        from ..model.placement import device_key
+        from ..model.sizing import GIB, fit_advice, layout
+
+        if not self.machine.gpus:
+            return 0
+        gpus = (
+            {"one": 1, "tp": self.machine.gpus}.get(config.placement)
+            or sum(isinstance(device_key(name), int) for name in config.max_memory)
+            or self.machine.gpus
+        )
+        weights = self.weights()
+        chosen = layout(
+            self.target_config, weights, self.machine, config.placement, forward_tokens, gpus, cached_tokens
+        )
+        plan.memory = (
+            f"{config.placement} x{chosen.gpus}: {chosen.weights_per_gpu / GIB:,.1f} + "
+            f"{chosen.activations_per_gpu / GIB:,.1f} GiB of {chosen.capacity_per_gpu / GIB:,.0f}"
+        )
+        if not chosen.fits:
+            cached = f", {cached_tokens:,} in the KV cache" if cached_tokens else ""
+            plan.refusal = (
+                f"{plan.name}: the target needs {chosen.needed_per_gpu / GIB:,.1f} GiB per GPU "
+                f"(--placement {config.placement} over {chosen.gpus} x {self.machine.name}: "
+                f"{chosen.weights_per_gpu / GIB:,.1f} GiB weights + {chosen.activations_per_gpu / GIB:,.1f}"
+                f" GiB at {forward_tokens:,} tokens a forward{cached}) of {chosen.capacity_per_gpu / GIB:,.1f}"
+                " GiB usable; "
+                "use "
+                + fit_advice(
+                    self.target_config,
+                    weights,
+                    self.machine,
+                    chosen,
+                    forward_tokens,
+                    cached_tokens,
+                    type(config).FORWARD_OPTION,
+                )
+            )
+        return chosen.gpus
+
+    def load_seconds(self) -> float:
+        """Reading the weights (GPU plans; a CPU plan's targets load in seconds)."""
+        from ..model.sizing import load_seconds
+
+        return load_seconds(self.weights()) if self.machine.gpus else LOAD_SECONDS_CPU
+
+    def decode_step(self, gpus: int, measured_step_s: float) -> float:
+        from ..model.sizing import decode_seconds_per_token
+
+        return decode_seconds_per_token(
+            self.weights(),
+            self.machine,
+            max(1, gpus),
+            measured_step_s,
+            MEASURED_DECODE_LAYERS,
+            int(self.target_config["num_hidden_layers"]),
+        )
+
+    def extract_rate(self, gpus: int, placement: str, store_bytes_per_token: int) -> float:
+        from ..model.sizing import extract_tokens_per_s
+
+        computing = gpus if placement == "tp" else 1  # a split runs one GPU at a time
+        return extract_tokens_per_s(self.weights(), self.machine, computing, store_bytes_per_token)
+
+
+def _count_rows(files: list[str], split: str = "all") -> int:
+    """Rows of the .jsonl prompt files that `regenerate` would select (rows without `split` count as train)."""
+    from ..resources import resolve_input
+
+    total = 0
+    for name in files:
+        path = Path(resolve_input(name))
+        if path.suffix != ".jsonl":
+            continue
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            try:
+                row_split = json.loads(line).get("split", "train")
+            except (json.JSONDecodeError, AttributeError):
+                continue  # regenerate reports bad rows itself; an estimate skips them
+            total += split == "all" or row_split == split
+    return total
+
+
+def _input_tokens(inputs: list[str]) -> int:
+    """Tokens in conversation files not yet prepared, guessed from their size."""
+    return int(sum(Path(p).stat().st_size for p in inputs if Path(p).is_file()) / INPUT_BYTES_PER_TOKEN)
+
+
+def _samples_guess(tokens: int) -> int:
+    return max(1, tokens // TOKENS_PER_SAMPLE_GUESS)
+
+
+def _prepared_samples(prepared: Path) -> int:
+    manifest = prepared / MANIFEST_FILE
+    return int(read_json(manifest).get("counts", {}).get("samples", 0)) if manifest.is_file() else 0
+
+
+def _prepared_tokens(prepared: Path) -> int:
+    manifest = prepared / MANIFEST_FILE
+    if not manifest.is_file():
+        return 0
+    return int(read_json(manifest).get("tokens", {}).get("total", 0))
