@@ -249,3 +249,9 @@ def prepared_path(store: Path, manifest: dict[str, Any]) -> Path:
     ):
         return (store / relative).resolve()
     return recorded
+
+
+def require_complete(store: Path, manifest: dict[str, Any]) -> None:
+    """Refuse a store whose extraction has not finished (every reader of a store for training asks this)."""
+    if not manifest["complete"]:
+        raise EagletError(f"{store}: extraction incomplete; run the same `eaglet extract` command again to finish it")

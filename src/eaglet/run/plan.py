@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import CPU_BATCH_TOKENS, DEFAULT_DRAFT_VOCAB_CAP, GPU_BATCH_TOKENS, GPU_GENERATE_BATCH
 from ..formats.files import MANIFEST_FILE
-from ..fsio import read_json
+from ..formats.prepared import read_prepared_manifest
 from .run_config import RunConfig
 
 if TYPE_CHECKING:
@@ -248,12 +248,9 @@ def _samples_guess(tokens: int) -> int:
 
 
 def _prepared_samples(prepared: Path) -> int:
-    manifest = prepared / MANIFEST_FILE
-    return int(read_json(manifest).get("counts", {}).get("samples", 0)) if manifest.is_file() else 0
+    """The samples of a prepared set already made (0 before `prepare` ran), from its validated manifest."""
+    return int(read_prepared_manifest(prepared)["counts"]["samples"]) if (prepared / MANIFEST_FILE).is_file() else 0
 
 
 def _prepared_tokens(prepared: Path) -> int:
-    manifest = prepared / MANIFEST_FILE
-    if not manifest.is_file():
-        return 0
-    return int(read_json(manifest).get("tokens", {}).get("total", 0))
+    return int(read_prepared_manifest(prepared)["tokens"]["total"]) if (prepared / MANIFEST_FILE).is_file() else 0

@@ -13,14 +13,14 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
 from ..errors import EagletError
 from ..formats.prepared import PreparedSet
-from ..formats.store_manifest import ShardPlan, plan_shards, read_manifest
+from ..formats.store_manifest import ShardPlan, plan_shards, read_manifest, require_complete
 from ..formats.target_record import TargetIdentity, require_same_target
 from ..model.capture import FeatureCapture, batches_by_length
 from ..model.shards import ShardError, StoreReader, decode_features
@@ -173,13 +173,11 @@ class StoreSource(FeatureSource):
         seed: int = 0,
         expect_target: TargetIdentity | None = None,
         prepared: PreparedSet | None = None,
+        manifest: dict[str, Any] | None = None,  # the store's, when the caller has read it already
     ):
         self.store = Path(store)
-        self.manifest = read_manifest(self.store)
-        if not self.manifest["complete"]:
-            raise EagletError(
-                f"{store}: extraction incomplete; run the same `eaglet extract` command again to finish it"
-            )
+        self.manifest = manifest or read_manifest(self.store)
+        require_complete(self.store, self.manifest)
         if expect_target is not None:
             require_same_target(
                 expect_target,

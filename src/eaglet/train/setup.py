@@ -19,7 +19,7 @@ from ..errors import EagletError
 from ..formats.draft_config import DraftConfig
 from ..formats.layers import resolve_aux_layer_ids
 from ..formats.prepared import PreparedSet, load_prepared
-from ..formats.store_manifest import ShardPlan, check_store_counts, prepared_path, read_manifest
+from ..formats.store_manifest import ShardPlan, check_store_counts, prepared_path, read_manifest, require_complete
 from ..formats.target_record import TargetIdentity, require_same_target, stage_target
 from ..model.distributed import Dist
 from ..model.draft import Eagle3Draft
@@ -144,19 +144,18 @@ def open_store(
 ) -> tuple[StoreSource, PreparedSet]:
     """A complete store of this target with its prepared set (unchanged since extraction, the same samples), as a
     source whose every shard read is checked against that set."""
-    manifest = read_manifest(store)
+    manifest = read_manifest(store)  # read once: the source below takes it
     require_same_target(
         identity, manifest["target"], f"{what} {store}", "extracted from", "use the matching target or re-extract"
     )
-    if not manifest["complete"]:
-        raise EagletError(f"{store}: extraction incomplete; run the same `eaglet extract` again to finish it")
+    require_complete(store, manifest)
     prepared = load_prepared(prepared_path(store, manifest))
     if prepared.manifest_sha256 != manifest["prepared"]["manifest_sha256"]:
         raise EagletError(f"{store}: its prepared set {prepared.path} changed since extraction; re-extract")
     check_store_counts(store, manifest, prepared)
     if what == "store":
         check_trainable(prepared, config, manifest["prepared"]["samples"])
-    return StoreSource(store, config.token_budget, config.seed, prepared=prepared), prepared
+    return StoreSource(store, config.token_budget, config.seed, prepared=prepared, manifest=manifest), prepared
 
 
 def training_samples(config: TrainConfig) -> Callable[[int], bool] | None:
