@@ -119,10 +119,11 @@ def option_value(option: str, text: Any, field: FieldInfo, parse: Parser | None)
         TypeAdapter(Annotated[field.annotation, field], config=ConfigDict(allow_inf_nan=False)).validate_python(value)
     except ValidationError as exc:
         first = exc.errors()[0]
-        item = f" (item {first['loc'][0] + 1})" if first["loc"] and isinstance(first["loc"][0], int) else ""
-        raise EagletError(
-            f"{option} {shown(text if not isinstance(text, list) else ' '.join(text))}: {first['msg']}{item}"
-        ) from None
+        index = first["loc"][0] + 1 if first["loc"] and isinstance(first["loc"][0], int) else None
+        problem = first["msg"] + (f" (item {index})" if index else "")
+        if first["type"] == "missing" and index:
+            problem = f"item {index} is missing"
+        raise EagletError(f"{option} {shown(text)}: {problem}") from None
     return value
 
 

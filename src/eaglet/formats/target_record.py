@@ -19,7 +19,7 @@ from ..errors import EagletError
 from .draft_config import read_draft_config
 from .prepared import read_prepared_manifest
 from .records import Positive, Record
-from .store_manifest import prepared_path, read_manifest
+from .store_manifest import read_manifest
 
 EMBEDDED_SPEC = "embedded"
 SOURCE_KEYS = ("spec", "path", "hub_id")  # what a record keeps to find its target
@@ -94,7 +94,7 @@ def recorded_target(record: dict[str, Any] | None, where: str) -> str:
     if hub_id:
         return str(hub_id)
     if not (spec or path):
-        raise EagletError(f"{where}: records no target (made before eaglet recorded it); pass --target")
+        raise EagletError(f"{where}: records no target; pass --target")
     raise EagletError(f"{where}: made with target {spec or path}, which is not on this machine; pass --target")
 
 
@@ -104,11 +104,8 @@ def target_of_prepared(prepared: str | Path) -> str:
 
 
 def target_of_store(store: str | Path) -> str:
-    """The store's own record, else (stores made before it) its prepared set's."""
     manifest = read_manifest(Path(store), check_shards=False)
-    if manifest.get("target_source"):
-        return recorded_target(manifest["target_source"], f"store {store}")
-    return target_of_prepared(prepared_path(Path(store), manifest))
+    return recorded_target(manifest.get("target_source"), f"store {store}")
 
 
 def target_of_draft(draft: str | Path) -> str:

@@ -1,0 +1,98 @@
+"""One declaration per setting: every stage option is made from its config field, and every list of export formats
+is the registry's."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+import pytest
+import typer
+from conftest import run_cli
+
+from eaglet.cli import app
+from eaglet.cli.stage_options import cli_type, option_value
+from eaglet.config import EvalConfig, ExportConfig, ExtractConfig, PrepareConfig, RegenerateConfig, TrainConfig
+from eaglet.errors import EagletError
+from eaglet.export import ENGINES, FORMAT_NAMES, FORMATS
+from eaglet.run import RunConfig
+
+STAGES = {
+    "prepare": PrepareConfig,
+    "regenerate": RegenerateConfig,
+    "extract": ExtractConfig,
+    "train": TrainConfig,
+    "export": ExportConfig,
+    "eval": EvalConfig,
+}
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_every_config_field_is_an_option_of_its_command(stage):
+    command = typer.main.get_command(app).commands[stage]
+    options = {param.name: param for param in command.params}
+    missing = set(STAGES[stage].model_fields) - set(options)
+    assert not missing, f"{stage}: fields without an option: {sorted(missing)}"
+    for name, field in STAGES[stage].model_fields.items():
+        help_text = options[name].help or ""
+        if field.description:  # the field's description is the help (rich escapes aside)
+            assert field.description.split("[")[0][:30] in help_text, (name, help_text)
+
+
+def test_help_lists_choices_defaults_and_negative_flags():
+    options = {param.name: param for param in typer.main.get_command(app).commands["train"].params}
+    assert options["schedule"].help.endswith("(cosine | linear | constant) (default: cosine)")
+    assert options["ttt_steps"].help == "training-time-test unroll K (default: 7)"
+    assert "--no-compile-pointwise" in options["compile_pointwise"].secondary_opts  # True by default: can be turned off
+    assert options["out"].opts == ["--out", "-o"] and "(required)" in options["out"].help
+
+
+@pytest.mark.parametrize(
+    "config, field, text, expected",
+    [
+        (TrainConfig, "betas", "0.8,0.9", [0.8, 0.9]),
+        (TrainConfig, "layers", "2,15,27", [2, 15, 27]),
+        (EvalConfig, "tune_trees", "[[7,8,56],[8,8,64]]", [[7, 8, 56], [8, 8, 64]]),
+        (ExtractConfig, "max_memory", "cuda:0=60GiB, cpu=200GiB", {"cuda:0": "60GiB", "cpu": "200GiB"}),
+    ],
+)
+def test_text_options_become_the_field_value(config, field, text, expected):
+    info = config.model_fields[field]
+    _, parse = cli_type(info.annotation)
+    assert option_value(f"--{field}", text, info, parse) == expected
+
+
+@pytest.mark.parametrize(
+    "config, field, text, message",
+    [
+        (TrainConfig, "betas", "0.8,1.5", "--betas '0.8,1.5': Input should be less than 1 (item 2)"),
+        (TrainConfig, "betas", "0.8,inf", "--betas '0.8,inf': Input should be a finite number (item 2)"),
+        (TrainConfig, "layers", "2,x", "--layers '2,x': Input should be a valid integer"),
+        (ExtractConfig, "max_memory", "cuda0", "--max_memory 'cuda0': expected DEVICE=SIZE pairs"),
+    ],
+)
+def test_bad_text_options_are_named_as_typed(config, field, text, message):
+    info = config.model_fields[field]
+    _, parse = cli_type(info.annotation)
+    with pytest.raises(EagletError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        option_value(f"--{field}", text, info, parse)
+
+
+def test_a_bad_option_is_one_line_before_anything_runs(tmp_path, capsys):
+    code, _, err = run_cli(["train", "--prepared", tmp_path, "--out", tmp_path / "run", "--betas", "0.9"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "--betas '0.9': item 2 is missing" in err and "Traceback" not in err
+
+
+def test_every_list_of_export_formats_is_the_registry():
+    assert get_args(ExportConfig.model_fields["format"].annotation) == FORMAT_NAMES
+    assert RunConfig().export.formats == list(FORMAT_NAMES)
+    assert set(ENGINES) == {engine for fmt in FORMATS.values() for engine in fmt.engines}
+    from eaglet.consumers.export_check import READERS
+
+    assert {reader for fmt in FORMATS.values() for reader in fmt.readers} <= set(READERS)
+
+
+def test_an_unknown_engine_names_the_registrys(tmp_path, capsys, tiny_draft):
+    code, _, err = run_cli(
+        ["export", "--draft", tiny_draft, "--format", "vllm", "--out", tmp_path / "x", "--engine", "trt==1.0"], capsys
+    )
+    assert code == 2 and f"ENGINE one of {', '.join(ENGINES)}" in err
