@@ -426,14 +426,30 @@ def test_bad_max_memory_is_a_one_line_error(tmp_path, capsys, targets, conversat
 
 
 def test_kimi_k25_weights_from_its_config_alone():
-    """1.03 T parameters (32.9 B active), the routed experts in INT4 groups of 32, the rest bf16: 553 GiB, the size of
-    the published checkpoint (~595 GB)."""
+    """1.03 T parameters (32.9 B active), the routed experts in INT4 groups of 32, the rest bf16: a 553 GiB checkpoint
+    (the published one is ~595 GB), which transformers holds dense: 1.9 TiB. Its tensor-parallel plan splits the
+    MLPs and experts only: MLA attention, embeddings, head and router stay whole on every rank."""
     from eaglet.model.sizing import weights_of
 
     weights = weights_of(json.loads((FIXTURES / "kimi-k2.5" / "config.json").read_text()))
     assert 1.02e12 < weights.parameters < 1.04e12 and 32e9 < weights.active_parameters < 34e9
-    assert set(weights.bytes_by_format) == {"int4 group 32", "bf16"}
-    assert 585e9 < weights.bytes < 600e9
+    assert set(weights.bytes_by_format) == {"int4 group 32 on disk, dense once loaded", "bf16"}
+    assert 585e9 < weights.checkpoint_bytes < 600e9
+    assert weights.bytes == 2 * weights.parameters  # every parameter bf16 once loaded
+    replicated = weights.bytes - weights.tp_sharded_bytes
+    assert 13 * GIB < replicated < 15 * GIB  # attention, embeddings, router, norms: whole on each rank
+    assert weights.per_rank(8) == replicated + -(-weights.tp_sharded_bytes // 8) and weights.per_rank(8) > 250 * GIB
+
+
+def test_a_tensor_parallel_rank_holds_what_its_plan_does_not_split():
+    """Llama's plan splits attention, MLP and the head; the input embedding stays whole on every rank."""
+    from eaglet.model.sizing import weights_of
+
+    config = json.loads((FIXTURES / "llama-3.1-70b" / "config.json").read_text())
+    weights = weights_of(config)
+    embedding = config["vocab_size"] * config["hidden_size"] * 2
+    norms = (2 * config["num_hidden_layers"] + 1) * config["hidden_size"] * 2
+    assert weights.bytes - weights.tp_sharded_bytes == embedding + norms
 
 
 def test_llama_70b_weights_from_its_config_alone():
@@ -447,9 +463,9 @@ def test_llama_70b_weights_from_its_config_alone():
 @pytest.mark.parametrize(
     "fixture, gpus, memory, placement, fits",
     [
-        ("kimi-k2.5", 8, 141, "tp", True),  # 69 GiB of weights per H200
-        ("kimi-k2.5", 4, 141, "tp", False),  # 138 GiB per GPU + activations
-        ("kimi-k2.5", 8, 80, "split", False),  # weights fit, a 32k-token forward on one GPU does not
+        ("kimi-k2.5", 8, 141, "tp", False),  # 251 GiB per H200: transformers holds the INT4 experts dense
+        ("kimi-k2.5", 16, 141, "split", True),  # 120 GiB per GPU
+        ("llama-3.1-70b", 2, 141, "tp", True),
         ("llama-3.1-70b", 1, 141, "one", False),
         ("llama-3.1-70b", 2, 141, "split", True),
     ],
@@ -479,31 +495,55 @@ def write_plan_config(path: Path, out: Path, target: Path, conversations: Path, 
     return path
 
 
-def test_run_plan_for_kimi_on_eight_h200_shows_the_layout_per_gpu(tmp_path, capsys, conversations):
+def test_run_plan_for_kimi_on_eight_h200_refuses_transformers_load_with_every_reason(tmp_path, capsys, conversations):
+    """What the load would say, said by --plan: no causal-LM class for kimi_k25 without its own code, no tensor
+    parallelism for compressed-tensors weights, 251 GiB per GPU once transformers dequantizes the experts."""
     config = write_plan_config(
         tmp_path / "run.yaml", tmp_path / "run", FIXTURES / "kimi-k2.5", conversations, 8, "141GiB"
     )
     code, out, err = run_cli(["run", config, "--plan"], capsys)
-    assert code == 0 and "does not fit" not in out and not (tmp_path / "run").exists(), err
+    assert code == 2 and "refused" in out and not (tmp_path / "run").exists(), err
+    assert "extract (hf backend): model_type 'kimi_k25'" in err and "pass --trust-remote-code" in err
+    assert "cannot shard compressed-tensors weights" in err and "251.2 GiB weights" in err, err
+    assert "--placement split)" in err  # what would fit is counted for the placement that remains
     from rich.console import Console
 
     from eaglet.run import Pipeline, load_run_config
 
     plans = {p.name: p for p in Pipeline(load_run_config(config), config, Console(quiet=True)).plan()}
-    assert plans["extract"].memory.startswith("tp x8: 69.2 + ") and "MB per sample" in plans["extract"].memory
-    assert plans["extract"].seconds > 553 * GIB / 2.0e9  # at least the weights' load at 2 GB/s
-    assert plans["eval"].memory.startswith("tp x8: 69.2 + ") and not plans["eval"].refusal
-
-
-def test_run_plan_refuses_kimi_on_four_h200_naming_what_to_change(tmp_path, capsys, conversations):
-    config = write_plan_config(
-        tmp_path / "run.yaml", tmp_path / "run", FIXTURES / "kimi-k2.5", conversations, 4, "141GiB"
-    )
-    code, out, err = run_cli(["run", config, "--plan"], capsys)
-    assert code == 2 and "does not fit" in out and not (tmp_path / "run").exists()
-    assert "extract: the target needs" in err and "8 GPUs of 141 GiB (torchrun --nproc-per-node 8" in err, err
+    assert plans["extract"].memory.startswith("tp x8: 251.2 + ") and "MB per sample" in plans["extract"].memory
+    assert plans["extract"].seconds > 553 * GIB / 2.0e9  # at least the checkpoint's read at 2 GB/s
+    assert plans["eval"].refusal and plans["train"].refusal == ""  # offline training does not load the target
     code, _, err = run_cli(["run", config], capsys)  # the run itself refuses before any stage
-    assert code == 2 and "8 GPUs of 141 GiB" in err and not (tmp_path / "run").exists()
+    assert code == 2 and "cannot shard compressed-tensors" in err and not (tmp_path / "run").exists()
+
+
+def test_trusting_the_models_code_removes_only_the_loader_reason(tmp_path, conversations):
+    from rich.console import Console
+
+    from eaglet.run import Pipeline, load_run_config
+
+    config = write_plan_config(
+        tmp_path / "run.yaml", tmp_path / "run", FIXTURES / "kimi-k2.5", conversations, 16, "141GiB"
+    )
+    config.write_text(config.read_text().replace('"tp"', '"split"')[:-1] + ', "trust_remote_code": true}')
+    plans = {p.name: p for p in Pipeline(load_run_config(config), config, Console(quiet=True)).plan()}
+    assert plans["extract"].refusal == "" and plans["extract"].memory.startswith("split x16: 119.5 + "), plans
+
+
+def test_tensor_parallel_over_a_compressed_tensors_checkpoint_is_refused_before_loading(
+    tmp_path, capsys, targets, conversations, monkeypatch
+):
+    target = targets("llama-int4")
+    prepared = tmp_path / "prepared"
+    assert run_cli(["prepare", conversations, "--out", prepared, "--target", target], capsys)[0] == 0
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it; preflight refuses before joining any group
+    code, _, err = run_cli(
+        ["extract", "--prepared", prepared, "--out", tmp_path / "store", "--placement", "tp", "--reserve-gb", "0"],
+        capsys,
+    )
+    assert code == 2 and "cannot shard compressed-tensors weights" in err and "--placement split" in err, err
+    assert not (tmp_path / "store").exists()
 
 
 def test_the_advice_names_each_stages_own_forward_option(tmp_path, conversations):
@@ -560,22 +600,12 @@ def test_offline_training_takes_the_stores_target(tmp_path, capsys, targets, con
     assert recorded["path"] == str(target.resolve())
 
 
-def test_the_readme_kimi_example_plans_tp_over_eight_gpus(tmp_path, capsys):
-    """examples/kimi_8xh200.yaml, the README's giant-target plan, stays valid and fits 8 x H200."""
+def test_the_readme_kimi_example_plan_tells_why_transformers_cannot_load_it(tmp_path, capsys):
+    """examples/kimi_8xh200.yaml, the README's giant-target plan, stays valid, and its refusal names each reason."""
     example = Path(__file__).parent.parent / "examples" / "kimi_8xh200.yaml"
     config = tmp_path / "kimi.yaml"
     config.write_text(
         example.read_text().replace("target: tests/fixtures/", f"target: {FIXTURES.parent.parent}/fixtures/")
     )
     code, out, err = run_cli(["run", config, "--plan", "--out", str(tmp_path / "run")], capsys)
-    assert code == 0 and "does not fit" not in out, err
-    from rich.console import Console
-
-    from eaglet.run import Pipeline, load_run_config
-
-    plans = {p.name: p for p in Pipeline(load_run_config(config), config, Console(quiet=True)).plan()}
-    assert plans["extract"].memory.startswith("tp x8: 69.2 + 6.9 GiB of 139")
-    four = tmp_path / "kimi4.yaml"
-    four.write_text(config.read_text().replace("gpus: 8", "gpus: 4"))
-    code, out, err = run_cli(["run", four, "--plan", "--out", str(tmp_path / "run4")], capsys)
-    assert code == 2 and "in the KV cache) of 139.0 GiB usable; use 8 GPUs of 141 GiB" in err, err
+    assert code == 2 and "tp x8: 251.2" in out and "model_type 'kimi_k25'" in err, err

@@ -446,7 +446,7 @@ def _plan_table(plans: list, out: Path) -> Table:
             if plan.action != "run" or plan.seconds != plan.seconds or not plan.seconds
             else f"{plan.seconds / 60:.1f} min"
         )
-        memory = (f"[bold red]{escape(plan.memory)}: does not fit[/]" if plan.refusal else escape(plan.memory)) or "-"
+        memory = (f"[bold red]{escape(plan.memory)}: refused[/]" if plan.refusal else escape(plan.memory)) or "-"
         table.add_row(plan.name, plan.action, plan.reason, disk, seconds, *((memory,) if placed else ()))
     return table
 

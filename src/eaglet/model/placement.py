@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import EagletError
+from ..formats.files import TARGET_CONFIG_FILE
 from .sizing import text_config, tp_divides
 
 MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*$", re.IGNORECASE)
@@ -92,12 +94,55 @@ def topology(config: Any, rank: int, world: int) -> Topology:
     return Topology(replica, replicas, rank, world)
 
 
+def causal_lm_problem(target_path: Path, trust_remote_code: bool) -> str | None:
+    """Why ``AutoModelForCausalLM`` (the only class eaglet loads targets with) would refuse the target's config.json
+    (the whole file: a multimodal wrapper's own model_type decides the class), or None: its model_type has a
+    causal-LM class in this transformers, or the model's own code provides one and is allowed."""
+    import json
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    target_config = json.loads((target_path / TARGET_CONFIG_FILE).read_text(encoding="utf-8"))  # read_config checked it
+    model_type = str(target_config.get("model_type", "?"))
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return None
+    if "AutoModelForCausalLM" in (target_config.get("auto_map") or {}):
+        if trust_remote_code:
+            return None
+        return (
+            f"model_type {model_type!r}: transformers has no causal-LM class for it and its own code (auto_map) is "
+            "not allowed; pass --trust-remote-code if you trust that code"
+        )
+    return f"model_type {model_type!r}: transformers has no causal-LM class for it (AutoModelForCausalLM refuses it)"
+
+
+def tp_plan_problem(target_config: dict[str, Any], tp_size: int) -> str | None:
+    """``check_tp_plan``'s refusal as a finding (None: transformers can shard it over ``tp_size`` ranks)."""
+    try:
+        check_tp_plan(target_config, tp_size)
+    except EagletError as exc:
+        return exc.message
+    return None
+
+
+# quantizers whose layers transformers cannot shard (quantizer_compressed_tensors.py: "TODO: Implement proper TP
+# support for compressed tensors quantization"; a 4-bit MoE under TP over gloo crashed inside transformers)
+NO_TP_QUANTIZATION = ("compressed-tensors",)
+
+
 def check_tp_plan(target_config: dict[str, Any], tp_size: int) -> None:
-    """The architecture has a tensor-parallel plan in this transformers, and every size it splits divides."""
+    """The architecture has a tensor-parallel plan in this transformers, its quantization can be sharded, and every
+    size it splits divides."""
     from transformers import AutoConfig
 
     text = text_config(target_config)
     model_type = str(text.get("model_type", "?"))
+    method = str((text.get("quantization_config") or {}).get("quant_method", ""))
+    if method in NO_TP_QUANTIZATION:
+        raise EagletError(
+            f"--placement tp: transformers cannot shard {method} weights (its quantizer has no tensor-parallel "
+            "support); use --placement split"
+        )
     try:
         config_class = type(AutoConfig.for_model(model_type))
     except ValueError:

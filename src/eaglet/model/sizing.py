@@ -32,14 +32,26 @@ FP8_BLOCK = 128 * 128  # FP8 block quantization: one float32 scale per 128 x 128
 MXFP4_GROUP = 32  # one 8-bit scale per 32 4-bit values
 
 
+# transformers turns compressed-tensors weights back into the compute dtype: at load (``dequantize``, the default)
+# or on the first forward (its quantizer's docstring); either way a forward holds them dense. Measured: a tiny INT4
+# checkpoint of 302 KB occupies 745 KB once loaded.
+HF_DEQUANTIZES = ("compressed-tensors",)
+
+
 @dataclass(frozen=True)
 class Weights:
-    """A target's parameters and what they occupy as loaded."""
+    """A target's parameters, what they occupy as transformers loads them, and what its checkpoint holds."""
 
     parameters: int
     active_parameters: int  # per token: everything but the routed experts, plus top-k of them
-    bytes: int
+    bytes: int  # in memory, as loaded
     bytes_by_format: dict[str, int] = field(default_factory=dict)  # storage format -> bytes
+    tp_sharded_bytes: int = 0  # of ``bytes``, what the architecture's tensor-parallel plan splits over the ranks
+    checkpoint_bytes: int = 0  # on disk (what a load reads)
+
+    def per_rank(self, tp_size: int) -> int:
+        """Bytes one rank holds under tensor parallelism: what the plan splits, over the ranks; the rest whole."""
+        return self.bytes - self.tp_sharded_bytes + -(-self.tp_sharded_bytes // max(1, tp_size))
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -49,9 +61,9 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return text | ({"quantization_config": quantization} if quantization else {})
 
 
-def meta_parameters(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], bool]]:
-    """(name, shape, whether it is a linear layer's weight) for every parameter of the model transformers builds
-    from ``config``, on the meta device."""
+def meta_parameters(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], bool, bool]]:
+    """(name, shape, whether it is a linear layer's weight, whether the tensor-parallel plan splits it) for every
+    parameter of the model transformers builds from ``config``, on the meta device."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -68,10 +80,27 @@ def meta_parameters(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], 
             f"({str(exc).splitlines()[0]})"
         ) from None
     linear_weights = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    plan = [f"{model.base_model_prefix}.{key}" for key in (type(hf_config).base_model_tp_plan or {})]
+    plan += list(getattr(type(model), "_tp_plan", None) or {})  # the head's (lm_head), named from the top
     return [
-        (name, tuple(parameter.shape), name in linear_weights or _is_experts(name, parameter.ndim))
+        (
+            name,
+            tuple(parameter.shape),
+            name in linear_weights or _is_experts(name, parameter.ndim),
+            _in_plan(plan, name),
+        )
         for name, parameter in model.named_parameters()
     ]
+
+
+def _in_plan(plan: list[str], name: str) -> bool:
+    """Whether a parameter lies in a module a tensor-parallel plan names (``layers.*.mlp.gate_proj``: any layer)."""
+    module = name.rsplit(".", 1)[0]
+    for key in plan:
+        pattern = re.escape(key).replace(r"\*", r"\d+")
+        if re.fullmatch(pattern + r"(\..+)?", module) or re.fullmatch(pattern, name):
+            return True
+    return False
 
 
 def _is_experts(name: str, ndim: int) -> bool:
@@ -95,6 +124,16 @@ def _matches(patterns: list[str], name: str) -> bool:
         elif name == pattern or name.endswith("." + pattern):
             return True
     return False
+
+
+def loaded_bytes_per_parameter(
+    quantization: dict[str, Any] | None, name: str, is_linear: bool, dense_bytes: int
+) -> tuple[str, float]:
+    """(format, bytes per parameter) of one parameter once transformers has loaded it."""
+    kind, stored = _bytes_per_parameter(quantization, name, is_linear, dense_bytes)
+    if quantization and str(quantization.get("quant_method")) in HF_DEQUANTIZES and stored != dense_bytes:
+        return f"{kind} on disk, dense once loaded", float(dense_bytes)
+    return kind, stored
 
 
 def _bytes_per_parameter(
@@ -148,19 +187,21 @@ def weights_of(config: dict[str, Any], dtype_bytes: int | None = None) -> Weight
     experts = int(text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts") or 0)
     top_k = int(text.get("num_experts_per_tok") or 0)
     total = active = 0
-    size = 0.0
+    size = sharded = on_disk = 0.0
     by_format: dict[str, int] = {}
-    for name, shape, is_linear in meta_parameters(config):
+    for name, shape, is_linear, in_plan in meta_parameters(config):
         count = 1
         for dim in shape:
             count *= dim
         total += count
         routed = ".experts." in name and experts and len(shape) == 3
         active += count * top_k // experts if routed else count
-        kind, per_parameter = _bytes_per_parameter(quantization, name, is_linear, dense_bytes)
+        kind, per_parameter = loaded_bytes_per_parameter(quantization, name, is_linear, dense_bytes)
         size += count * per_parameter
+        sharded += count * per_parameter if in_plan else 0
+        on_disk += count * _bytes_per_parameter(quantization, name, is_linear, dense_bytes)[1]
         by_format[kind] = by_format.get(kind, 0) + int(count * per_parameter)
-    return Weights(total, active, int(size), by_format)
+    return Weights(total, active, int(size), by_format, int(sharded), int(on_disk))
 
 
 def activation_bytes_per_token(config: dict[str, Any], tp_size: int = 1, dtype_bytes: int = BF16_BYTES) -> int:
@@ -240,9 +281,8 @@ def layout(
     tp = used if placement == "tp" else 1
     live = activation_bytes_per_token(config, tp) * forward_tokens
     cache = kv_bytes_per_token(config, tp) * cached_tokens // (1 if placement != "split" else used)
-    return Layout(
-        placement, used, -(-weights.bytes // used), live + cache, max(0, machine.gpu_memory - CUDA_CONTEXT_BYTES)
-    )
+    per_gpu = weights.per_rank(tp) if placement == "tp" else -(-weights.bytes // used)
+    return Layout(placement, used, per_gpu, live + cache, max(0, machine.gpu_memory - CUDA_CONTEXT_BYTES))
 
 
 MAX_GPUS_ADVISED = 1024
@@ -340,7 +380,7 @@ DEFAULT_HBM_BYTES_PER_S = 3.35e12
 
 
 def load_seconds(weights: Weights) -> float:
-    return weights.bytes / WEIGHT_LOAD_BYTES_PER_S
+    return (weights.checkpoint_bytes or weights.bytes) / WEIGHT_LOAD_BYTES_PER_S
 
 
 def decode_seconds_per_token(

@@ -123,7 +123,7 @@ def check_fit(
     activations at ``forward_tokens`` + KV cache of ``cached_tokens``); a failure names what to change."""
     import os
 
-    from ..model.placement import check_tp_plan, device_key
+    from ..model.placement import causal_lm_problem, check_tp_plan, device_key
     from ..model.sizing import describe_weights, fit_advice, layout, this_machine, weights_of
     from ..model.target import check_quantization, read_config
 
@@ -135,6 +135,9 @@ def check_fit(
         return [Check("quantization", FAIL, exc.message)]
     if method:
         checks.append(Check("quantization", PASS, f"{method}: this transformers reads it here"))
+    loader = causal_lm_problem(target_path, bool(getattr(cfg, "trust_remote_code", False)))
+    if loader:
+        return checks + [Check("loader", FAIL, loader)]
     placement = getattr(cfg, "placement", "one")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if placement == "tp":

@@ -78,14 +78,15 @@ def estimate(pipeline: Pipeline, plans: list[StagePlan]) -> list[StagePlan]:
         or answer_tokens * 2  # prompt + answer
         or _input_tokens(by_name["prepare"].config.inputs)
     )
-    target_config = read_config(resolve_target(pipeline.config.target, pipeline.config.trust_remote_code).path)
+    target_path = resolve_target(pipeline.config.target, pipeline.config.trust_remote_code).path
+    target_config = read_config(target_path)
     hidden = int(target_config.get("hidden_size", 4096))
     draft_vocab = int(
         by_name["prepare"].config.draft_vocab
         or min(DEFAULT_DRAFT_VOCAB_CAP, target_config.get("vocab_size", DEFAULT_DRAFT_VOCAB_CAP))
     )
     draft_params = draft_parameters(hidden, draft_vocab)
-    sizing = TargetSizing(target_config, machine)
+    sizing = TargetSizing(target_path, target_config, machine)
     for plan in plans:
         if plan.action != "run":
             continue
@@ -140,7 +141,8 @@ def estimate(pipeline: Pipeline, plans: list[StagePlan]) -> list[StagePlan]:
 class TargetSizing:
     """Per-GPU memory of the target under each stage's placement, from config.json (weights counted once)."""
 
-    def __init__(self, target_config: dict[str, Any], machine: Any):
+    def __init__(self, target_path: Path, target_config: dict[str, Any], machine: Any):
+        self.target_path = target_path
         self.target_config = target_config
         self.machine = machine
         self._weights = None
@@ -153,8 +155,9 @@ class TargetSizing:
         return self._weights
 
     def place(self, plan: StagePlan, config: Any, forward_tokens: int, cached_tokens: int = 0) -> int:
-        """Fill ``plan.memory`` (and ``plan.refusal`` when it does not fit); returns the GPUs the target spans."""
-        from ..model.placement import device_key
+        """Fill ``plan.memory`` and, when the load would refuse the target or it does not fit, ``plan.refusal``
+        (every reason, with the numbers); returns the GPUs the target spans."""
+        from ..model.placement import causal_lm_problem, device_key, tp_plan_problem
         from ..model.sizing import GIB, fit_advice, layout
 
         if not self.machine.gpus:
@@ -164,6 +167,8 @@ class TargetSizing:
             or sum(isinstance(device_key(name), int) for name in config.max_memory)
             or self.machine.gpus
         )
+        tp_problem = tp_plan_problem(self.target_config, gpus) if config.placement == "tp" else None
+        problems = [p for p in (causal_lm_problem(self.target_path, config.trust_remote_code), tp_problem) if p]
         weights = self.weights()
         chosen = layout(
             self.target_config, weights, self.machine, config.placement, forward_tokens, gpus, cached_tokens
@@ -174,8 +179,8 @@ class TargetSizing:
         )
         if not chosen.fits:
             cached = f", {cached_tokens:,} in the KV cache" if cached_tokens else ""
-            plan.refusal = (
-                f"{plan.name}: the target needs {chosen.needed_per_gpu / GIB:,.1f} GiB per GPU "
+            problems.append(
+                f"the target needs {chosen.needed_per_gpu / GIB:,.1f} GiB per GPU "
                 f"(--placement {config.placement} over {chosen.gpus} x {self.machine.name}: "
                 f"{chosen.weights_per_gpu / GIB:,.1f} GiB weights + {chosen.activations_per_gpu / GIB:,.1f}"
                 f" GiB at {forward_tokens:,} tokens a forward{cached}) of {chosen.capacity_per_gpu / GIB:,.1f}"
@@ -185,12 +190,17 @@ class TargetSizing:
                     self.target_config,
                     weights,
                     self.machine,
-                    chosen,
+                    # tensor parallelism refused: what would fit is counted for the split that remains
+                    layout(self.target_config, weights, self.machine, "split", forward_tokens, gpus, cached_tokens)
+                    if tp_problem
+                    else chosen,
                     forward_tokens,
                     cached_tokens,
                     type(config).FORWARD_OPTION,
                 )
             )
+        if problems:
+            plan.refusal = f"{plan.name} (hf backend): " + "; ".join(problems)
         return chosen.gpus
 
     def load_seconds(self) -> float:
