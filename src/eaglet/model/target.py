@@ -67,19 +67,25 @@ def resolve_target(spec: str, trust_remote_code: bool = False) -> ResolvedTarget
     if path.exists():
         raise EagletError(f"target {spec}: not a directory or a .gguf file")
     if HUB_ID.fullmatch(spec):
-        return ResolvedTarget(spec, spec.split("/")[1], _download_hub(spec))
+        return ResolvedTarget(spec, spec.split("/")[1], _download_hub(spec, trust_remote_code))
     raise EagletError(
         f"target {spec}: no such directory or file; use 'embedded', an HF model directory, a .gguf file or a hub id"
     )
 
 
-def _download_hub(repo_id: str) -> Path:
+# what a target's directory needs from the hub: configs, weights, the chat template and every tokenizer file
+# (sentencepiece's tokenizer.model, tiktoken's tiktoken.model / *.tiktoken, merges.txt); the model's own Python
+# code only when it may run
+HUB_FILES = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.tiktoken", "*.txt")
+HUB_CODE_FILES = ("*.py",)
+
+
+def _download_hub(repo_id: str, trust_remote_code: bool) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
         local = snapshot_download(
-            repo_id,
-            allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"],
+            repo_id, allow_patterns=list(HUB_FILES + (HUB_CODE_FILES if trust_remote_code else ()))
         )
     except Exception as exc:  # network or auth problems become one line
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
