@@ -302,6 +302,45 @@ def test_a_draft_moves_between_transformers_releases(tmp_path, capsys, tiny_draf
     assert config_identity(config) != here.config_hash
 
 
+def test_a_draft_keeps_its_target_when_another_transformers_hashes_the_tokenizer_differently(
+    tmp_path, capsys, tiny_draft, tiny_target
+):
+    """A tokenizer's hash moves between transformers releases (5.19's and 5.17's differ for the embedded target); a
+    draft is the target's by its config identity, so eval and export still take it. Stores keep both hashes."""
+    import shutil
+
+    moved = tmp_path / "draft"
+    shutil.copytree(tiny_draft, moved)
+    config = json.loads((moved / "config.json").read_text())
+    config["target"]["tokenizer_hash"] = "0" * 64
+    (moved / "config.json").write_text(json.dumps(config))
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "the cat sat", "split": "heldout"}])
+    code, _, err = run_cli(
+        [
+            "eval",
+            "--draft",
+            moved,
+            "--target",
+            tiny_target,
+            "--prompts",
+            prompts,
+            "--out",
+            tmp_path / "e",
+            "--max-new-tokens",
+            "4",
+            "--device",
+            "cpu",
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    code, _, err = run_cli(
+        ["export", "--draft", moved, "--format", "speculators", "--target", tiny_target, "--out", tmp_path / "x"],
+        capsys,
+    )
+    assert code == 0, err
+
+
 def test_eval_tree_mode_is_lossless_and_samples(tmp_path, capsys, tiny_draft, tiny_target):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "the cat sat on", "split": "heldout"}])
     out = tmp_path / "tree"

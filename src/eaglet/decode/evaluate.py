@@ -148,7 +148,12 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     info = target_info(resolved, tokenizer)
     draft = load_draft(config.draft, embed=load_head_weights(resolved.path).embed.float())
     require_same_target(
-        info.identity, draft.config.target, str(config.draft), "trained for", "pass the matching --target"
+        info.identity,
+        draft.config.target,
+        str(config.draft),
+        "trained for",
+        "pass the matching --target",
+        config_only=True,
     )
     layer_ids = tuple(draft.config.eagle_aux_hidden_state_layer_ids)
     dist = init_distributed()  # --placement tp: every rank runs the same decoding; rank 0 reports

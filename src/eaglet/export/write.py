@@ -102,7 +102,12 @@ def _target_embedding(config: dict[str, Any], target: str | None) -> torch.Tenso
     resolved = resolve_target(spec)
     identity = target_info(resolved, load_tokenizer(resolved.path)).identity
     require_same_target(
-        identity, recorded, f"--target {spec}", "the draft was trained for", "pass the target it was trained for"
+        identity,
+        recorded,
+        f"--target {spec}",
+        "the draft was trained for",
+        "pass the target it was trained for",
+        config_only=True,
     )
     return load_head_weights(resolved.path).embed
 

@@ -41,13 +41,18 @@ class TargetIdentity(Record):
         return {key: getattr(self, key) for key in IDENTITY_KEYS}
 
     def mismatches(
-        self, recorded: dict[str, Any] | None, made: str = "made with", *, tokenizer_only: bool = False
+        self,
+        recorded: dict[str, Any] | None,
+        made: str = "made with",
+        *,
+        tokenizer_only: bool = False,
+        config_only: bool = False,
     ) -> list[str]:
         """How the target an artifact recorded (its ``target`` object) differs from this one; [] when it is this.
         ``made`` says how the artifact came from it ("extracted from"); ``tokenizer_only``: token ids are all that is
         compared (a prepared set serves any target of its tokenizer)."""
         recorded = recorded or {}
-        keys = ("tokenizer_hash",) if tokenizer_only else ("config_hash", "tokenizer_hash")
+        keys = ("tokenizer_hash",) if tokenizer_only else ("config_hash",) if config_only else IDENTITY_HASHES
         findings = []
         for key in keys:
             if recorded.get(key) != getattr(self, key):
@@ -60,6 +65,7 @@ class TargetIdentity(Record):
 
 
 IDENTITY_KEYS = tuple(TargetIdentity.model_fields)
+IDENTITY_HASHES = ("config_hash", "tokenizer_hash")
 
 
 def require_same_target(
@@ -70,9 +76,10 @@ def require_same_target(
     fix: str,
     *,
     tokenizer_only: bool = False,
+    config_only: bool = False,
 ) -> None:
     """Refuse, in one line naming ``where`` and ``fix``, an artifact made from another target."""
-    findings = identity.mismatches(recorded, made, tokenizer_only=tokenizer_only)
+    findings = identity.mismatches(recorded, made, tokenizer_only=tokenizer_only, config_only=config_only)
     if findings:
         raise EagletError(f"{where}: {findings[0]}; {fix}")
 

@@ -219,10 +219,18 @@ def extract_checks(cfg: Any) -> list[Check]:
 
 
 def _target_check(
-    name: str, info: Any, recorded: dict[str, Any], made: str, detail: str, fix: str, *, tokenizer_only: bool = False
+    name: str,
+    info: Any,
+    recorded: dict[str, Any],
+    made: str,
+    detail: str,
+    fix: str,
+    *,
+    tokenizer_only: bool = False,
+    config_only: bool = False,
 ) -> Check:
     """An input's recorded target against the stage's (``TargetIdentity.mismatches``), as one check."""
-    findings = info.identity.mismatches(recorded, made, tokenizer_only=tokenizer_only)
+    findings = info.identity.mismatches(recorded, made, tokenizer_only=tokenizer_only, config_only=config_only)
     if findings:
         return Check(name, FAIL, "; ".join(findings), fix)
     return Check(name, PASS, detail)
@@ -407,6 +415,7 @@ def eval_checks(cfg: Any) -> list[Check]:
                 "trained for",
                 f"trained for {recorded.get('name', '?')}, layers {stored.config.eagle_aux_hidden_state_layer_ids}",
                 "pass the draft's --target",
+                config_only=True,
             )
         )
     checks.append(check_rows([resolve_input(p) for p in cfg.prompts], need_assistant=False))
