@@ -144,6 +144,40 @@ def test_a_checkpoint_transformers_reads_only_in_part_is_refused_before_anything
     assert not store.exists()
 
 
+def test_a_compressed_tensors_split_that_would_offload_to_disk_is_refused_before_loading(
+    tmp_path, capsys, targets, conversations
+):
+    """Its layers lose accelerate's offload hook at the first forward (a traceback after the store was created):
+    refused by preflight, and by the load itself when preflight is skipped, naming the memory to give."""
+    target = targets("llama-int4")
+    prepared, store = tmp_path / "prepared", tmp_path / "store"
+    assert run_cli(["prepare", conversations, "--out", prepared, "--target", target], capsys)[0] == 0
+    split = ["--placement", "split", "--max-memory", "cpu=100KB", "--offload-dir", tmp_path / "offload"]
+    for skip in ([], ["--skip-preflight"]):
+        code, _, err = run_cli(
+            ["extract", "--prepared", prepared, "--out", store, "--reserve-gb", "0", *split, *skip], capsys
+        )
+        assert code == 2 and "--offload-dir, which compressed-tensors layers do not survive" in err, err
+        assert "Traceback" not in err and not store.exists()
+    code, _, err = run_cli(
+        [
+            "extract",
+            "--prepared",
+            prepared,
+            "--out",
+            store,
+            "--reserve-gb",
+            "0",
+            "--placement",
+            "split",
+            "--max-memory",
+            "cpu=4GiB",
+        ],
+        capsys,
+    )  # room for all of it: runs
+    assert code == 0, err
+
+
 def test_a_quantization_format_without_its_package_is_refused_before_the_load(tmp_path, capsys, targets, conversations):
     target = tmp_path / "bnb"
     shutil.copytree(targets("llama"), target)

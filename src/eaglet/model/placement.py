@@ -125,6 +125,42 @@ def tp_plan_problem(target_config: dict[str, Any], tp_size: int) -> str | None:
     return None
 
 
+# quantizers whose layers do not run from accelerate's disk offload: compressed-tensors' layers lose the offload hook
+# at their first forward (AttributeError '_hf_hook' inside accelerate, measured with a tiny INT4 Llama split over
+# --max-memory cpu=100KB with --offload-dir)
+NO_DISK_OFFLOAD_QUANTIZATION = ("compressed-tensors",)
+
+
+def offload_problem(target_config: dict[str, Any], config: Any) -> str | None:
+    """A split whose --max-memory leaves part of a compressed-tensors target to --offload-dir fails at the first
+    forward, after the store exists: refused from config.json (the weights as loaded against the memory given)."""
+    from .sizing import weights_of
+
+    method = str((text_config(target_config).get("quantization_config") or {}).get("quant_method", ""))
+    if (
+        getattr(config, "placement", "one") != "split"
+        or not config.max_memory
+        or method not in NO_DISK_OFFLOAD_QUANTIZATION
+    ):
+        return None
+    room = sum(parse_memory(size) for size in config.max_memory.values())
+    needed = weights_of(target_config).bytes
+    if needed <= room:
+        return None
+    return (
+        f"--placement split: the target holds {_binary_size(needed)} as loaded and --max-memory gives "
+        f"{_binary_size(room)}; the rest would run from --offload-dir, which {method} layers do not survive (their "
+        "first forward loses accelerate's offload hook): give --max-memory room for the whole target"
+    )
+
+
+def _binary_size(count: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:,.1f} {unit}"
+    return f"{count} B"
+
+
 # quantizers whose layers transformers cannot shard (quantizer_compressed_tensors.py: "TODO: Implement proper TP
 # support for compressed tensors quantization"; a 4-bit MoE under TP over gloo crashed inside transformers)
 NO_TP_QUANTIZATION = ("compressed-tensors",)

@@ -464,7 +464,7 @@ def load_model(
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from .placement import check_tp_plan, load_kwargs
+    from .placement import check_tp_plan, load_kwargs, offload_problem
 
     hf_logging.disable_progress_bar()  # eaglet shows its own progress; a 1-second bar per load is noise
     mode = getattr(placement, "placement", "one")
@@ -473,6 +473,9 @@ def load_model(
     check_quantization(config, str(path))
     if mode == "tp":
         check_tp_plan(config, world)
+    problem = offload_problem(config, placement) if placement is not None else None
+    if problem:
+        raise EagletError(problem)
     kwargs = load_kwargs(placement, world) if placement is not None else {}
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its load report would print before eaglet's one line on missing weights

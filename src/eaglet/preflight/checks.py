@@ -123,7 +123,7 @@ def check_fit(
     activations at ``forward_tokens`` + KV cache of ``cached_tokens``); a failure names what to change."""
     import os
 
-    from ..model.placement import causal_lm_problem, check_tp_plan, device_key
+    from ..model.placement import causal_lm_problem, check_tp_plan, device_key, offload_problem
     from ..model.sizing import describe_weights, fit_advice, layout, this_machine, weights_of
     from ..model.target import check_quantization, read_config
 
@@ -138,6 +138,9 @@ def check_fit(
     loader = causal_lm_problem(target_path, bool(getattr(cfg, "trust_remote_code", False)))
     if loader:
         return checks + [Check("loader", FAIL, loader)]
+    offload = offload_problem(config, cfg)
+    if offload:
+        return checks + [Check("offload", FAIL, offload)]
     placement = getattr(cfg, "placement", "one")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if placement == "tp":

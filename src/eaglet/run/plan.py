@@ -157,7 +157,7 @@ class TargetSizing:
     def place(self, plan: StagePlan, config: Any, forward_tokens: int, cached_tokens: int = 0) -> int:
         """Fill ``plan.memory`` and, when the load would refuse the target or it does not fit, ``plan.refusal``
         (every reason, with the numbers); returns the GPUs the target spans."""
-        from ..model.placement import causal_lm_problem, device_key, tp_plan_problem
+        from ..model.placement import causal_lm_problem, device_key, offload_problem, tp_plan_problem
         from ..model.sizing import GIB, fit_advice, layout
 
         if not self.machine.gpus:
@@ -168,7 +168,8 @@ class TargetSizing:
             or self.machine.gpus
         )
         tp_problem = tp_plan_problem(self.target_config, gpus) if config.placement == "tp" else None
-        problems = [p for p in (causal_lm_problem(self.target_path, config.trust_remote_code), tp_problem) if p]
+        loader = causal_lm_problem(self.target_path, config.trust_remote_code)
+        problems = [p for p in (loader, tp_problem, offload_problem(self.target_config, config)) if p]
         weights = self.weights()
         chosen = layout(
             self.target_config, weights, self.machine, config.placement, forward_tokens, gpus, cached_tokens
