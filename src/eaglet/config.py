@@ -125,6 +125,34 @@ class RegenerateConfig(PlacementFields):
     trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
 
 
+class SynthesizeConfig(PlacementFields):
+    """`eaglet synthesize`: user prompts written by the target from its chat template's user prefix (Magpie)."""
+
+    FORWARD_OPTION: ClassVar[tuple[str, int] | None] = ("--batch-size {}", 1)
+
+    out: str = Field(description="output .jsonl of prompts (id, prompt, split, category), resumable")
+    target: str = Field(default="embedded", description=TARGET_HELP)
+    count: int = Field(default=1000, ge=1, description="prompts to keep")
+    heldout_fraction: float = Field(default=0.1, ge=0, lt=1, description="share of the prompts in the held-out split")
+    max_new_tokens: int = Field(default=128, ge=1, description="tokens a user message may take to close its turn")
+    temperature: float = Field(default=1.0, gt=0, le=MAX_TEMPERATURE)
+    top_p: float = Field(default=0.99, gt=0, le=1)
+    min_words: int = Field(default=4, ge=1, description="shorter messages are dropped")
+    max_similarity: float = Field(
+        default=0.6,
+        ge=0,
+        le=1,
+        description="a message whose word trigrams overlap a kept "
+        "one's more than this (Jaccard) is a near duplicate, dropped",
+    )
+    max_batches: int = Field(default=1000, ge=1, description="give up after this many batches")
+    batch_size: int = Field(default=0, ge=0, description="messages per batch (0 = 64 on GPU, 8 on CPU)")
+    seed: int = 0
+    device: str = Field(default="auto", description="auto, cpu, cuda, cuda:1 ...")
+    dtype: ComputeDtype = "auto"
+    trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
+
+
 ConfigT = TypeVar("ConfigT", bound=StrictModel)
 
 

@@ -12,7 +12,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from .. import __version__
-from ..config import EvalConfig, ExportConfig, ExtractConfig, PrepareConfig, RegenerateConfig, TrainConfig
+from ..config import (
+    EvalConfig,
+    ExportConfig,
+    ExtractConfig,
+    PrepareConfig,
+    RegenerateConfig,
+    SynthesizeConfig,
+    TrainConfig,
+)
 from ..errors import EagletError
 from .console import err_console, out_console
 from .stage_options import StageOptions, stage_command
@@ -103,6 +111,25 @@ def prepare(options: StageOptions) -> None:
     table.add_row("draft vocab", f"{m['draft_vocab']['size']:,} tokens, coverage {m['draft_vocab']['coverage']:.2%}")
     table.add_row("seconds", str(m["seconds"]))
     out_console.print(table)
+
+
+# ---------------------------------------------------------------------------------------------
+# synthesize
+
+
+@stage_command(app, SynthesizeConfig, "synthesize", short={"out": "-o", "target": "-t"})
+def synthesize(options: StageOptions) -> None:
+    """Prompts written by the target itself from its chat template's user turn (Magpie), deduplicated."""
+    from ..data.synthesize import run_synthesize
+
+    cfg = options.build()
+    result = run_synthesize(cfg, err_console)
+    counts = result.manifest.get("counts", {})
+    dropped = ", ".join(f"{n} {reason}" for reason, n in counts.get("dropped", {}).items() if n) or "none"
+    out_console.print(
+        f"wrote {result.kept} prompts to {result.out} ({counts.get('heldout', 0)} held out) from {result.generated} "
+        f"generated (dropped: {dropped}) in {result.seconds:.1f} s; answer them with `eaglet regenerate {result.out}`"
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -108,6 +108,34 @@ def prepare_checks(cfg: Any) -> list[Check]:
     return checks
 
 
+def synthesize_checks(cfg: Any) -> list[Check]:
+    """The target has a chat template with a user turn to start, fits here, and --out is a .jsonl."""
+    from ..config import CPU_GENERATE_BATCH, GPU_GENERATE_BATCH
+
+    out = Path(cfg.out)
+    checks = [Check("config", PASS, "valid")]
+    checks.append(
+        Check("output", PASS, f"{out}: {'exists, written again' if out.exists() else 'will be created'}")
+        if out.suffix == ".jsonl"
+        else Check("output", FAIL, f"{out} is not a .jsonl file", "--out must end in .jsonl")
+    )
+    checks.append(check_device(cfg.device))
+    if checks[-1].status == FAIL:
+        return checks
+    target_checks, found = check_stage_target(cfg, need_template=True)
+    checks += target_checks
+    if found:
+        checks.append(check_library_api())
+        device, dtype_bytes = _device_bytes(cfg.device, cfg.dtype)
+        batch = cfg.batch_size or (GPU_GENERATE_BATCH if device.startswith("cuda") else CPU_GENERATE_BATCH)
+        checks += check_fit(
+            found[0].path, cfg, device, dtype_bytes, batch, batch * (PROMPT_TOKENS_GUESS + cfg.max_new_tokens)
+        )
+        if not device.startswith("cuda"):
+            checks.append(check_memory(device, weights_bytes(found[0].path, dtype_bytes), "target weights"))
+    return checks
+
+
 def regenerate_checks(cfg: Any) -> list[Check]:
     from ..config import CPU_GENERATE_BATCH, GPU_GENERATE_BATCH
     from ..resources import resolve_input
@@ -542,6 +570,7 @@ def export_checks(cfg: Any) -> list[Check]:
 
 
 STAGE_CHECKS: dict[str, Callable[[Any], list[Check]]] = {
+    "synthesize": synthesize_checks,
     "prepare": prepare_checks,
     "regenerate": regenerate_checks,
     "extract": extract_checks,

@@ -1,0 +1,125 @@
+"""`eaglet synthesize`: the target writes user prompts from its chat template's user turn (Magpie)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import run_cli
+
+from eaglet.data.readers import read_conversations
+from eaglet.data.synthesize import filter_prompts, raw_path, split_of, user_turn
+from eaglet.errors import EagletError
+
+
+def test_the_filter_keeps_the_first_distinct_finished_long_enough_messages():
+    texts = [
+        "How do I bake bread at home?",
+        None,  # did not close its turn
+        "how do I bake bread, at home",  # the same after folding case and punctuation
+        "Hi",
+        "How do I bake bread at home quickly?",  # 4 of 6 trigrams shared with the first
+        "Explain the French revolution to a child.",
+        "Write a haiku about autumn leaves.",
+    ]
+    filtered = filter_prompts(texts, min_words=3, max_similarity=0.5, count=3)
+    assert filtered.kept == [
+        "How do I bake bread at home?",
+        "Explain the French revolution to a child.",
+        "Write a haiku about autumn leaves.",
+    ]
+    assert filtered.dropped == {"unfinished": 1, "too short": 1, "duplicate": 1, "near duplicate": 1}
+
+
+def test_the_split_is_a_stable_function_of_the_text():
+    texts = [f"question number {i} about something" for i in range(2000)]
+    splits = [split_of(text, 0.1) for text in texts]
+    assert splits == [split_of(text, 0.1) for text in texts]
+    assert 0.07 < splits.count("heldout") / len(texts) < 0.13
+    assert split_of("How do I bake bread?", 0.1) == split_of("how do i bake bread", 0.1)
+
+
+def test_the_user_turn_is_found_in_the_template(tiny_target):
+    from eaglet.model.target import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_target)
+    turn = user_turn(tokenizer, "tiny")
+    assert turn.prefix.endswith("user\n") and turn.suffix.startswith("<|im_end|>")
+    tokenizer.chat_template = None
+    with pytest.raises(EagletError, match="no chat template"):
+        user_turn(tokenizer, "tiny")
+
+
+@pytest.mark.slow
+def test_the_embedded_target_writes_prompts_that_regenerate_reads_and_a_rerun_resumes(tmp_path, capsys):
+    out = tmp_path / "prompts.jsonl"
+    args = [
+        "synthesize",
+        "--out",
+        out,
+        "--count",
+        "4",
+        "--batch-size",
+        "8",
+        "--max-new-tokens",
+        "48",
+        "--device",
+        "cpu",
+        "--heldout-fraction",
+        "0.5",
+    ]
+    code, stdout, err = run_cli(args, capsys)
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 4 and len({row["prompt"] for row in rows}) == 4
+    assert {row["split"] for row in rows} <= {"train", "heldout"} and all(row["prompt"].strip() for row in rows)
+    assert len([item for item in read_conversations([out])]) == 4  # what regenerate reads
+    manifest = json.loads((tmp_path / "prompts.jsonl.manifest.json").read_text())
+    assert manifest["counts"]["kept"] == 4 and manifest["counts"]["generated"] >= 4
+    written, raw = out.read_bytes(), raw_path(out).read_bytes()
+    out.unlink()  # a rerun (after a kill) takes the generated batches and writes the same file
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    assert out.read_bytes() == written and raw_path(out).read_bytes() == raw
+    code, _, err = run_cli([*args, "--temperature", "0.7"], capsys)  # other settings, the same --out
+    assert code == 2 and "made with other settings" in err and len(err.strip().splitlines()) == 1
+
+
+def test_too_few_prompts_is_one_line_naming_the_drops(tmp_path, capsys, tiny_target):
+    """A random model rarely closes its turn: every message unfinished, the run says so and writes nothing."""
+    out = tmp_path / "prompts.jsonl"
+    code, _, err = run_cli(
+        [
+            "synthesize",
+            "--out",
+            out,
+            "--target",
+            tiny_target,
+            "--count",
+            "2",
+            "--batch-size",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--max-batches",
+            "2",
+            "--device",
+            "cpu",
+        ],
+        capsys,
+    )
+    assert code == 2 and "0 of 2 prompts after 2 batches (dropped: 4 unfinished)" in err, err
+    assert "raise --max-batches" in err and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (["--out", "prompts.txt"], "is not a .jsonl file"),
+        (["--out", "p.jsonl", "--count", "0"], "'count'"),
+        (["--out", "p.jsonl", "--max-similarity", "1.5"], "'max_similarity'"),
+    ],
+)
+def test_bad_settings_are_refused_before_the_target_loads(tmp_path, capsys, bad, message):
+    code, _, err = run_cli(["synthesize", *[tmp_path / a if a.endswith(("jsonl", "txt")) else a for a in bad]], capsys)
+    assert code == 2 and message in err and "Traceback" not in err, err
