@@ -11,12 +11,21 @@ from conftest import run_cli
 
 from eaglet.cli import app
 from eaglet.cli.stage_options import cli_type, option_value
-from eaglet.config import EvalConfig, ExportConfig, ExtractConfig, PrepareConfig, RegenerateConfig, TrainConfig
+from eaglet.config import (
+    EvalConfig,
+    ExportConfig,
+    ExtractConfig,
+    PrepareConfig,
+    RegenerateConfig,
+    SynthesizeConfig,
+    TrainConfig,
+)
 from eaglet.errors import EagletError
 from eaglet.export import ENGINES, FORMAT_NAMES, FORMATS
 from eaglet.run import RunConfig
 
 STAGES = {
+    "synthesize": SynthesizeConfig,
     "prepare": PrepareConfig,
     "regenerate": RegenerateConfig,
     "extract": ExtractConfig,

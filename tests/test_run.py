@@ -282,3 +282,30 @@ def test_eval_settings_no_decoder_runs_are_refused_before_the_first_stage(
     code, _, err = run_cli(["run", config], capsys)
     assert code == 2 and message in err and "Traceback" not in err, err
     assert not (tmp_path / "run").exists()  # refused before prepare, not after training
+
+
+def test_a_run_with_synthesize_answers_the_targets_own_prompts_beside_the_given_ones(tmp_path, capsys, tiny_target):
+    """`synthesize:` runs first; regenerate answers the given prompts and the synthesized ones (their own splits), and
+    the plan counts them before they exist."""
+    from rich.console import Console
+
+    from eaglet.run import Pipeline, load_run_config
+
+    config = run_config(tmp_path, tiny_target)
+    data = yaml.safe_load(config.read_text())
+    data["synthesize"] = {"count": 100, "device": "cpu"}
+    data["regenerate"] = {"prompts": [str(tmp_path / "prompts.jsonl")], "device": "cpu"}
+    data["prepare"] = {}
+    config.write_text(yaml.safe_dump(data))
+    pipeline = Pipeline(load_run_config(config), config, Console(quiet=True))
+    assert [stage.name for stage in pipeline.stages][:2] == ["synthesize", "regenerate"]
+    regenerate = pipeline.stages[1]
+    assert regenerate.config.prompts[-1] == str(tmp_path / "run" / "synthesized.jsonl")
+    assert regenerate.reads == ("synthesize",)  # its fingerprint follows the synthesized prompts
+    code, out, err = run_cli(["run", config, "--plan"], capsys)
+    assert code == 0 and "synthesize" in out, err
+    del data["regenerate"]
+    data["prepare"] = {"inputs": [str(tmp_path / "conversations.jsonl")]}
+    config.write_text(yaml.safe_dump(data))
+    code, _, err = run_cli(["run", config, "--plan"], capsys)
+    assert code == 2 and "'synthesize' writes prompts for `regenerate` to answer" in err, err

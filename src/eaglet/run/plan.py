@@ -69,9 +69,16 @@ def estimate(pipeline: Pipeline, plans: list[StagePlan]) -> list[StagePlan]:
     answer_tokens = 0
     if "regenerate" in by_name:
         stage = by_name["regenerate"]
+        synthesize = by_name["synthesize"].config if "synthesize" in by_name else None
         for config in (stage.config, stage.heldout):  # the training prompts, then the held-out ones
             if config is not None:
-                prompts = min(config.max_prompts or math.inf, _count_rows(config.prompts, config.split))
+                rows = _count_rows(config.prompts, config.split)
+                if synthesize is not None and not Path(synthesize.out).is_file():  # written by the run first
+                    share = (
+                        synthesize.heldout_fraction if config.split == "heldout" else 1 - synthesize.heldout_fraction
+                    )
+                    rows += int(synthesize.count * share)
+                prompts = min(config.max_prompts or math.inf, rows)
                 answer_tokens += int(prompts * config.n * config.max_new_tokens * TOKENS_PER_ANSWER_GUESS)
     prepared_tokens = (
         _prepared_tokens(pipeline.out / "prepared")
@@ -91,7 +98,16 @@ def estimate(pipeline: Pipeline, plans: list[StagePlan]) -> list[StagePlan]:
         if plan.action != "run":
             continue
         stage = by_name[plan.name]
-        if plan.name == "regenerate":
+        if plan.name == "synthesize":
+            written = int(stage.config.count * stage.config.max_new_tokens * TOKENS_PER_ANSWER_GUESS)
+            plan.disk_bytes = written * BYTES_PER_ANSWER_TOKEN
+            rate = (pipeline.config.machine and pipeline.config.machine.generate_tokens_per_s) or rates[
+                "generate_tok_s"
+            ]
+            plan.seconds = written / rate
+            batch = stage.config.batch_size or GPU_GENERATE_BATCH
+            sizing.place(plan, stage.config, batch, batch * (PROMPT_TOKENS_GUESS + stage.config.max_new_tokens))
+        elif plan.name == "regenerate":
             plan.disk_bytes = answer_tokens * BYTES_PER_ANSWER_TOKEN
             rate = (pipeline.config.machine and pipeline.config.machine.generate_tokens_per_s) or rates[
                 "generate_tok_s"
@@ -236,7 +252,7 @@ def _count_rows(files: list[str], split: str = "all") -> int:
     total = 0
     for name in files:
         path = Path(resolve_input(name))
-        if path.suffix != ".jsonl":
+        if path.suffix != ".jsonl" or not path.is_file():
             continue
         for line in path.read_text(encoding="utf-8").splitlines():
             if not line.strip():

@@ -45,6 +45,9 @@ class RunConfig(StrictModel):
     out: str = Field(default="eaglet-run", description="run directory")
     target: str = "embedded"
     trust_remote_code: bool = False
+    synthesize: dict[str, Any] | None = Field(
+        default=None, description="SynthesizeConfig keys: the target writes prompts for regenerate; absent = none"
+    )
     regenerate: dict[str, Any] | None = Field(
         default=None, description="RegenerateConfig keys; absent = no regeneration"
     )

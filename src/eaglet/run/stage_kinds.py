@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..config import EvalConfig, ExtractConfig, PrepareConfig, RegenerateConfig, TrainConfig
+from ..config import EvalConfig, ExtractConfig, PrepareConfig, RegenerateConfig, SynthesizeConfig, TrainConfig
 from ..errors import EagletError
 from ..formats.files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, MANIFEST_FILE, REPORT_FILE, answers_manifest
 from .run_config import RunConfig
@@ -50,6 +50,24 @@ class Stage:
         return [self.output] + ([self.heldout_output] if self.heldout_output is not None else [])
 
 
+def _configure_synthesize(pipeline: Pipeline) -> tuple[SynthesizeConfig, None]:
+    cfg = pipeline.config
+    if cfg.regenerate is None:
+        raise EagletError(
+            f"config {pipeline.config_path}: 'synthesize' writes prompts for `regenerate` to answer; add a "
+            "'regenerate' section or remove 'synthesize'"
+        )
+    fixed = {"out": str(pipeline.path("synthesize")), **pipeline.common()}
+    return pipeline._section(SynthesizeConfig, "synthesize", cfg.synthesize or {}, fixed), None
+
+
+def _run_synthesize(pipeline: Pipeline, stage: Stage) -> str:
+    from ..data.synthesize import run_synthesize
+
+    result = run_synthesize(stage.config, pipeline.console)
+    return f"{result.kept} prompts by the target ({result.manifest['counts']['heldout']} held out)"
+
+
 def _configure_regenerate(pipeline: Pipeline) -> tuple[RegenerateConfig, RegenerateConfig | None]:
     cfg = pipeline.config
     regenerate = pipeline._section(
@@ -59,6 +77,8 @@ def _configure_regenerate(pipeline: Pipeline) -> tuple[RegenerateConfig, Regener
         {"out": str(pipeline.path("regenerate")), **pipeline.common()},
         {"prompts": ["demo"], "split": "train"},
     )
+    if cfg.synthesize is not None:  # the target's own prompts beside the given ones, split as they were written
+        regenerate = regenerate.model_copy(update={"prompts": [*regenerate.prompts, str(pipeline.path("synthesize"))]})
     if cfg.heldout is None:
         return regenerate, None
     if regenerate.split != "train":
@@ -209,10 +229,20 @@ def _run_eval(pipeline: Pipeline, stage: Stage) -> str:
 
 STAGE_KINDS = (
     StageKind(
+        "synthesize",
+        "synthesized.jsonl",
+        None,
+        (),
+        lambda output, run: [output],
+        lambda run: run.synthesize is not None,
+        _configure_synthesize,
+        _run_synthesize,
+    ),
+    StageKind(
         "regenerate",
         "regenerated.jsonl",
         "heldout.jsonl",
-        (),
+        ("synthesize",),
         lambda output, run: [answers_manifest(output)],
         lambda run: run.regenerate is not None,
         _configure_regenerate,
