@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable
 from rich.console import Console
 
 from .. import __version__
-from ..config import CPU_GENERATE_BATCH, GPU_GENERATE_BATCH, RegenerateConfig
+from ..config import RegenerateConfig
 from ..errors import EagletError
 from ..formats.files import answers_manifest
 from ..fsio import (
@@ -36,6 +36,7 @@ from ..fsio import (
 from ..model.target import decoding_attention
 from ..progress import progress_bar
 from ..resources import resolve_input
+from .generation import load_generator
 from .readers import BadRow, fail_on_bad_rows, read_conversations
 
 
@@ -168,6 +169,12 @@ def finalize(out: Path, requests: list[Request], done: dict[tuple[str, int], str
 # Backends
 
 
+def _needs_template(tokenizer: Any, target: str) -> set[int]:
+    if not isinstance(tokenizer.chat_template, str):
+        raise EagletError(f"target {target}: no chat template, so prompts cannot be rendered")
+    return set()
+
+
 def _length_buckets(requests: list[Request], lengths: dict[int, int], batch_size: int) -> list[list[Request]]:
     """Sort by prompt length so a batch pads little; the plan is fixed given the inputs."""
     ordered = sorted(requests, key=lambda r: (lengths[r.order], r.order))
@@ -180,27 +187,10 @@ class HFBackend:
     def __init__(self, config: RegenerateConfig):
         import torch
 
-        from ..model.distributed import init_distributed
-        from ..model.placement import input_device
-        from ..model.target import load_model, load_tokenizer, resolve_target
-
         self.config = config
-        resolved = resolve_target(config.target, config.trust_remote_code)
-        self.tokenizer = load_tokenizer(resolved.path, config.trust_remote_code)
-        if not isinstance(self.tokenizer.chat_template, str):
-            raise EagletError(f"target {config.target}: no chat template, so prompts cannot be rendered")
-        dist = init_distributed()  # --placement tp: every rank generates the same batches; rank 0 writes
-        device = dist.device(config.device)
-        self.model = load_model(resolved.path, device, config.dtype, config.trust_remote_code, config, dist.world)
-        self.device = input_device(self.model)
-        self.batch_size = config.batch_size or (GPU_GENERATE_BATCH if device.startswith("cuda") else CPU_GENERATE_BATCH)
-        stop = self.model.generation_config.eos_token_id
-        stop_ids = set(stop if isinstance(stop, list) else [stop] if stop is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            stop_ids.add(self.tokenizer.eos_token_id)
-        self.stop_ids = sorted(stop_ids)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
-        self.writes = dist.is_main
+        self.generator = load_generator(config, lambda tokenizer: _needs_template(tokenizer, config.target))
+        self.tokenizer = self.generator.tokenizer
+        self.writes = self.generator.writes
         self.torch = torch
 
     def encode(self, request: Request) -> list[int]:
@@ -210,13 +200,13 @@ class HFBackend:
     def plan(self, requests: list[Request]) -> tuple[list[list[Request]], dict[int, list[int]]]:
         encoded = {r.order: self.encode(r) for r in requests}
         lengths = {k: len(v) for k, v in encoded.items()}
-        return _length_buckets(requests, lengths, self.batch_size), encoded
+        return _length_buckets(requests, lengths, self.generator.batch_size), encoded
 
     def generate(self, batch: list[Request], encoded: dict[int, list[int]], batch_seed: int) -> list[Answer]:
-        torch = self.torch
+        torch, generator = self.torch, self.generator
         rows = [encoded[r.order] for r in batch]
         width = max(len(r) for r in rows)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        input_ids = torch.full((len(rows), width), generator.pad_id, dtype=torch.long)
         attention = torch.zeros((len(rows), width), dtype=torch.long)
         for i, row in enumerate(rows):  # left padding: every prompt ends at the same column
             input_ids[i, width - len(row) :] = torch.tensor(row)
@@ -224,24 +214,22 @@ class HFBackend:
         sampling = self.config.temperature > 0
         torch.manual_seed(batch_seed)
         with torch.inference_mode(), decoding_attention():  # no per-key-length cuDNN plans
-            output = self.model.generate(
-                input_ids=input_ids.to(self.device),
-                attention_mask=attention.to(self.device),
+            output = generator.model.generate(
+                input_ids=input_ids.to(generator.device),
+                attention_mask=attention.to(generator.device),
                 max_new_tokens=self.config.max_new_tokens,
                 do_sample=sampling,
                 temperature=self.config.temperature if sampling else None,
                 top_p=self.config.top_p if sampling else None,
                 top_k=None,
-                eos_token_id=self.stop_ids,
-                pad_token_id=self.pad_id,
+                eos_token_id=generator.stop_ids,
+                pad_token_id=generator.pad_id,
             )
-        new = output[:, width:].tolist()
         answers = []
-        for tokens in new:
-            stop_at = next((i for i, t in enumerate(tokens) if t in self.stop_ids), None)
-            kept = tokens if stop_at is None else tokens[:stop_at]
+        for tokens in output[:, width:].tolist():
+            kept, stopped = generator.until_stop(tokens)
             text = self.tokenizer.decode(kept, skip_special_tokens=True)
-            answers.append(Answer(text, "length" if stop_at is None else "stop", len(kept) + (stop_at is not None)))
+            answers.append(Answer(text, "stop" if stopped else "length", len(kept) + stopped))
         return answers
 
 

@@ -24,7 +24,7 @@ from typing import Any
 from rich.console import Console
 
 from .. import __version__
-from ..config import CPU_GENERATE_BATCH, GPU_GENERATE_BATCH, SynthesizeConfig
+from ..config import SynthesizeConfig
 from ..errors import EagletError
 from ..fsio import (
     append_lines_durable,
@@ -35,6 +35,7 @@ from ..fsio import (
     write_json_atomic,
 )
 from ..progress import progress_bar
+from .generation import load_generator
 
 MARKER = "\u2063EAGLET-USER-TEXT\u2063"  # invisible separators around a word no template writes itself
 SHINGLE = 3  # words per shingle of the near-duplicate test
@@ -152,38 +153,27 @@ class Writer:
     def __init__(self, config: SynthesizeConfig):
         import torch
 
-        from ..model.distributed import init_distributed
-        from ..model.placement import input_device
-        from ..model.target import load_model, load_tokenizer, resolve_target
-
         self.config = config
-        resolved = resolve_target(config.target, config.trust_remote_code)
-        self.tokenizer = load_tokenizer(resolved.path, config.trust_remote_code)
-        self.turn = user_turn(self.tokenizer, config.target)
-        dist = init_distributed()
-        device = dist.device(config.device)
-        self.model = load_model(resolved.path, device, config.dtype, config.trust_remote_code, config, dist.world)
-        self.device = input_device(self.model)
-        self.batch_size = config.batch_size or (GPU_GENERATE_BATCH if device.startswith("cuda") else CPU_GENERATE_BATCH)
-        self.prefix = self.tokenizer.backend_tokenizer.encode(self.turn.prefix, add_special_tokens=False).ids
-        closing = self.tokenizer.backend_tokenizer.encode(self.turn.suffix, add_special_tokens=False).ids
-        stop = self.model.generation_config.eos_token_id
-        stop_ids = set(stop if isinstance(stop, list) else [stop] if stop is not None else [])
-        stop_ids |= {closing[0]} if closing else set()
-        if self.tokenizer.eos_token_id is not None:
-            stop_ids.add(self.tokenizer.eos_token_id)
-        self.stop_ids = sorted(stop_ids)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
-        self.writes = dist.is_main
+        turns: list[UserTurn] = []
+
+        def closing_token(tokenizer: Any) -> set[int]:  # the token that ends a user turn stops a message too
+            turns.append(user_turn(tokenizer, config.target))
+            closing = tokenizer.backend_tokenizer.encode(turns[0].suffix, add_special_tokens=False).ids
+            return {closing[0]} if closing else set()
+
+        self.generator = load_generator(config, closing_token)
+        self.tokenizer = self.generator.tokenizer
+        self.prefix = self.tokenizer.backend_tokenizer.encode(turns[0].prefix, add_special_tokens=False).ids
+        self.writes = self.generator.writes
         self.torch = torch
 
     def batch(self, seed: int) -> list[str | None]:
         """``batch_size`` user messages; None for one that did not close its turn within max_new_tokens."""
-        torch = self.torch
-        input_ids = torch.tensor([self.prefix] * self.batch_size, dtype=torch.long, device=self.device)
+        torch, generator = self.torch, self.generator
+        input_ids = torch.tensor([self.prefix] * generator.batch_size, dtype=torch.long, device=generator.device)
         torch.manual_seed(seed)
         with torch.inference_mode():
-            output = self.model.generate(
+            output = generator.model.generate(
                 input_ids=input_ids,
                 attention_mask=torch.ones_like(input_ids),
                 max_new_tokens=self.config.max_new_tokens,
@@ -191,13 +181,13 @@ class Writer:
                 temperature=self.config.temperature,
                 top_p=self.config.top_p,
                 top_k=None,
-                eos_token_id=self.stop_ids,
-                pad_token_id=self.pad_id,
+                eos_token_id=generator.stop_ids,
+                pad_token_id=generator.pad_id,
             )
         texts: list[str | None] = []
         for tokens in output[:, len(self.prefix) :].tolist():
-            stop_at = next((i for i, t in enumerate(tokens) if t in self.stop_ids), None)
-            texts.append(None if stop_at is None else self.tokenizer.decode(tokens[:stop_at], skip_special_tokens=True))
+            kept, stopped = generator.until_stop(tokens)
+            texts.append(self.tokenizer.decode(kept, skip_special_tokens=True) if stopped else None)
         return texts
 
 
