@@ -163,11 +163,13 @@ def stage_command(
 
     def decorate(body: Callable[..., None]) -> Callable[..., None]:
         own = [p for p in inspect.signature(body, eval_str=True).parameters.values() if p.name != "options"]
+        flags: dict[str, str] = {}
         parsers: dict[str, Parser | None] = {}
         generated = []
         for name, field in _own_fields_first(config_class):
             annotation, parsers[name] = cli_type(field.annotation)
             names = option_names(name, field, renamed, short)
+            flags[name] = names[0].split("/")[0]  # how an error names the option
             if name in arguments:
                 default = typer.Argument(None, help=option_help(field), show_default=False)
             else:
@@ -208,9 +210,7 @@ def stage_command(
             for name, parse in parsers.items():
                 value = given.pop(name)
                 if value is not None:
-                    field = config_class.model_fields[name]
-                    option = option_names(name, field, renamed, {})[0].split("/")[0]
-                    value = option_value(option, value, field, parse)
+                    value = option_value(flags[name], value, config_class.model_fields[name], parse)
                 values[name] = value
             options = StageOptions(
                 given.pop("ctx"),

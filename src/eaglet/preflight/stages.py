@@ -108,18 +108,18 @@ def prepare_checks(cfg: Any) -> list[Check]:
     return checks
 
 
-def synthesize_checks(cfg: Any) -> list[Check]:
-    """The target has a chat template with a user turn to start, fits here, and --out is a .jsonl."""
+def _jsonl_output(out: Path, when_there: str) -> Check:
+    if out.suffix != ".jsonl":
+        return Check("output", FAIL, f"{out} is not a .jsonl file", "--out must end in .jsonl")
+    return Check("output", PASS, f"{out}: {when_there if out.exists() else 'will be created'}")
+
+
+def _writing_target_checks(cfg: Any) -> list[Check]:
+    """A target that writes text in this process (regenerate's hf backend, synthesize): its device, its chat
+    template, transformers' API, and its weights plus a batch's KV cache fitting here."""
     from ..config import CPU_GENERATE_BATCH, GPU_GENERATE_BATCH
 
-    out = Path(cfg.out)
-    checks = [Check("config", PASS, "valid")]
-    checks.append(
-        Check("output", PASS, f"{out}: {'exists, written again' if out.exists() else 'will be created'}")
-        if out.suffix == ".jsonl"
-        else Check("output", FAIL, f"{out} is not a .jsonl file", "--out must end in .jsonl")
-    )
-    checks.append(check_device(cfg.device))
+    checks = [check_device(cfg.device)]
     if checks[-1].status == FAIL:
         return checks
     target_checks, found = check_stage_target(cfg, need_template=True)
@@ -136,36 +136,27 @@ def synthesize_checks(cfg: Any) -> list[Check]:
     return checks
 
 
+def synthesize_checks(cfg: Any) -> list[Check]:
+    """The target has a chat template with a user turn to start, fits here, and --out is a .jsonl."""
+    checks = [Check("config", PASS, "valid"), _jsonl_output(Path(cfg.out), "exists, written again")]
+    return checks + _writing_target_checks(cfg)
+
+
 def regenerate_checks(cfg: Any) -> list[Check]:
-    from ..config import CPU_GENERATE_BATCH, GPU_GENERATE_BATCH
     from ..resources import resolve_input
 
     checks = [Check("config", PASS, "valid")]
     prompts = [resolve_input(p) for p in cfg.prompts]
     checks.append(check_rows(prompts, need_assistant=False, skip_bad=cfg.on_bad_row == "skip"))
     out = Path(cfg.out)
-    checks.append(
-        Check("output", PASS, f"{out}: {'exists, finished prompts are skipped' if out.exists() else 'will be created'}")
-        if out.suffix == ".jsonl"
-        else Check("output", FAIL, f"{out} is not a .jsonl file", "--out must end in .jsonl")
-    )
+    checks.append(_jsonl_output(out, "exists, finished prompts are skipped"))
     if cfg.backend == "openai":
         checks.append(check_server(cfg.base_url))
     if cfg.backend == "hf":
-        checks.append(check_device(cfg.device))
-        if checks[-1].status == FAIL:
-            return checks
-        target_checks, found = check_stage_target(cfg, need_template=True)
+        target_checks = _writing_target_checks(cfg)
         checks += target_checks
-        if found:
-            checks.append(check_library_api())
-            device, dtype_bytes = _device_bytes(cfg.device, cfg.dtype)
-            batch = cfg.batch_size or (GPU_GENERATE_BATCH if device.startswith("cuda") else CPU_GENERATE_BATCH)
-            checks += check_fit(
-                found[0].path, cfg, device, dtype_bytes, batch, batch * (PROMPT_TOKENS_GUESS + cfg.max_new_tokens)
-            )
-            if not device.startswith("cuda"):
-                checks.append(check_memory(device, weights_bytes(found[0].path, dtype_bytes), "target weights"))
+        if target_checks[0].status == FAIL:  # the device: nothing else is asked
+            return checks
     rows = cfg.max_prompts or 1000
     checks.append(
         check_disk(

@@ -94,26 +94,20 @@ def estimate(pipeline: Pipeline, plans: list[StagePlan]) -> list[StagePlan]:
     )
     draft_params = draft_parameters(hidden, draft_vocab)
     sizing = TargetSizing(target_path, target_config, machine)
+    generate_rate = (pipeline.config.machine and pipeline.config.machine.generate_tokens_per_s) or rates[
+        "generate_tok_s"
+    ]
     for plan in plans:
         if plan.action != "run":
             continue
         stage = by_name[plan.name]
-        if plan.name == "synthesize":
-            written = int(stage.config.count * stage.config.max_new_tokens * TOKENS_PER_ANSWER_GUESS)
-            plan.disk_bytes = written * BYTES_PER_ANSWER_TOKEN
-            rate = (pipeline.config.machine and pipeline.config.machine.generate_tokens_per_s) or rates[
-                "generate_tok_s"
-            ]
-            plan.seconds = written / rate
-            batch = stage.config.batch_size or GPU_GENERATE_BATCH
-            sizing.place(plan, stage.config, batch, batch * (PROMPT_TOKENS_GUESS + stage.config.max_new_tokens))
-        elif plan.name == "regenerate":
-            plan.disk_bytes = answer_tokens * BYTES_PER_ANSWER_TOKEN
-            rate = (pipeline.config.machine and pipeline.config.machine.generate_tokens_per_s) or rates[
-                "generate_tok_s"
-            ]
-            plan.seconds = answer_tokens / rate
-            if stage.config.backend == "hf":
+        if plan.name in ("synthesize", "regenerate"):  # the target writes text: tokens at the generation rate
+            tokens = answer_tokens
+            if plan.name == "synthesize":
+                tokens = int(stage.config.count * stage.config.max_new_tokens * TOKENS_PER_ANSWER_GUESS)
+            plan.disk_bytes = tokens * BYTES_PER_ANSWER_TOKEN
+            plan.seconds = tokens / generate_rate
+            if getattr(stage.config, "backend", "hf") == "hf":
                 batch = stage.config.batch_size or GPU_GENERATE_BATCH
                 sizing.place(plan, stage.config, batch, batch * (PROMPT_TOKENS_GUESS + stage.config.max_new_tokens))
         elif plan.name == "prepare":
