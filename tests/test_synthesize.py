@@ -123,3 +123,18 @@ def test_too_few_prompts_is_one_line_naming_the_drops(tmp_path, capsys, tiny_tar
 def test_bad_settings_are_refused_before_the_target_loads(tmp_path, capsys, bad, message):
     code, _, err = run_cli(["synthesize", *[tmp_path / a if a.endswith(("jsonl", "txt")) else a for a in bad]], capsys)
     assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_a_damaged_raw_file_is_one_line_and_a_torn_last_batch_is_generated_again(tmp_path, capsys, tiny_target):
+    from eaglet.config import SynthesizeConfig
+    from eaglet.data.synthesize import load_raw, settings_of
+
+    out = tmp_path / "prompts.jsonl"
+    settings = settings_of(SynthesizeConfig(out=str(out), target=str(tiny_target)))
+    good = json.dumps({"batch": 0, "settings": settings, "texts": ["a b c d"]})
+    raw_path(out).write_text(good + "\n" + '{"batch": 1, "sett')  # killed while appending batch 1
+    assert load_raw(raw_path(out), settings) == {0: ["a b c d"]}
+    raw_path(out).write_text('{"batch": 0, "sett\n' + good + "\n")  # damaged before the end: not a torn write
+    code, _, err = run_cli(["synthesize", "--out", out, "--target", tiny_target, "--device", "cpu"], capsys)
+    assert code == 2 and f"{raw_path(out)}:1: not JSON; delete" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
