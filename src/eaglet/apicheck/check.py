@@ -50,6 +50,7 @@ class Report:
     unverified: Counter = field(default_factory=Counter)
     unverified_examples: dict[str, list[str]] = field(default_factory=dict)
     seconds: float = 0.0
+    sources: list[Path] = field(default_factory=list)  # the library's files the check read
 
     @property
     def errors(self) -> list[Finding]:
@@ -127,6 +128,7 @@ def check_calls(paths: list[Path], package: str, roots: list[Path], source: str)
             report.call_sites += 1
             _check_call(library, site, report)
     report.findings.sort(key=lambda f: (f.path, f.line, f.target))
+    report.sources = library.files_read()
     report.seconds = time.perf_counter() - started
     return report
 

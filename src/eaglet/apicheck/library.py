@@ -242,6 +242,12 @@ class Library:
         text = self._text(module_path) if self.inside(module_path) else None
         return text is not None and re.search(rf"\b{re.escape(name)}\b", text) is not None
 
+    def files_read(self) -> list[Path]:
+        """Every source file of the library this check has read (parsed or only scanned as text)."""
+        parsed = {Path(m.filepath) for m in self.modules.values() if hasattr(m, "filepath")}
+        scanned = {self._file(name) for name, text in self.texts.items() if text is not None}
+        return sorted(parsed | {f for f in scanned if isinstance(f, Path)})
+
     def _text(self, name: str) -> str | None:
         if name not in self.texts:
             file = self._file(name)
