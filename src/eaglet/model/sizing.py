@@ -61,9 +61,9 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return text | ({"quantization_config": quantization} if quantization else {})
 
 
-def meta_parameters(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], bool, bool]]:
-    """(name, shape, whether it is a linear layer's weight, whether the tensor-parallel plan splits it) for every
-    parameter of the model transformers builds from ``config``, on the meta device."""
+def meta_model(config: dict[str, Any]) -> Any:
+    """The language model transformers builds from ``config`` (a wrapper's text part), on the meta device:
+    its modules and shapes, no memory."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -73,12 +73,21 @@ def meta_parameters(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], 
     try:
         hf_config = AutoConfig.for_model(model_type, **fields)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config)
+            return AutoModelForCausalLM.from_config(hf_config)
     except (ValueError, KeyError, TypeError) as exc:
         raise EagletError(
             f"target architecture {model_type!r}: transformers cannot build it from config.json "
             f"({str(exc).splitlines()[0]})"
         ) from None
+
+
+def meta_parameters(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], bool, bool]]:
+    """(name, shape, whether it is a linear layer's weight, whether the tensor-parallel plan splits it) for every
+    parameter of the model transformers builds from ``config``, on the meta device."""
+    import torch
+
+    model = meta_model(config)
+    hf_config = model.config
     linear_weights = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
     plan = [f"{model.base_model_prefix}.{key}" for key in (type(hf_config).base_model_tp_plan or {})]
     plan += list(getattr(type(model), "_tp_plan", None) or {})  # the head's (lm_head), named from the top

@@ -523,9 +523,8 @@ class HeadWeights:
     softcap: float | None
 
 
-def load_head_weights(path: Path) -> HeadWeights:
-    """The target's embedding, LM head and final norm, read from its safetensors without loading the
-    rest of the model. Tied heads return the embedding twice."""
+def weight_locations(path: Path) -> dict[str, Path]:
+    """Every tensor name of a target's safetensors and the file holding it (from the index, else the headers)."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise EagletError(f"target {path}: no .safetensors weights (eaglet reads the embedding and LM head from them)")
@@ -547,19 +546,29 @@ def load_head_weights(path: Path) -> HeadWeights:
             with open_weights(file, path) as handle:
                 for key in handle.keys():
                     locations[key] = file
+    return locations
+
+
+def read_weight(path: Path, locations: dict[str, Path], key: str) -> Any:
+    """One tensor of the target, read alone; a cut or unreadable one refused naming its file and key."""
+    with open_weights(locations[key], path) as handle:
+        try:
+            return handle.get_tensor(key)
+        except Exception as exc:  # the data past the header is cut or unreadable
+            raise EagletError(
+                f"target {path}: {locations[key].name} is unreadable at {key} "
+                f"({str(exc).splitlines()[0]}); download or convert the target again"
+            ) from None
+
+
+def load_head_weights(path: Path) -> HeadWeights:
+    """The target's embedding, LM head and final norm, read from its safetensors without loading the
+    rest of the model. Tied heads return the embedding twice."""
+    locations = weight_locations(path)
 
     def read(suffix: str):
         matches = sorted(k for k in locations if k.endswith(suffix))
-        if not matches:
-            return None
-        with open_weights(locations[matches[0]], path) as handle:
-            try:
-                return handle.get_tensor(matches[0])
-            except Exception as exc:  # the data past the header is cut or unreadable
-                raise EagletError(
-                    f"target {path}: {locations[matches[0]].name} is unreadable at {matches[0]} "
-                    f"({str(exc).splitlines()[0]}); download or convert the target again"
-                ) from None
+        return read_weight(path, locations, matches[0]) if matches else None
 
     embed = read("embed_tokens.weight")
     if embed is None:
