@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import EagletError, shown
 from .export import FORMAT_NAMES
@@ -42,6 +42,10 @@ ExportFormat = Literal[FORMAT_NAMES]  # type: ignore[valid-type]
 ComputeDtype = Literal["auto", "float32", "bfloat16", "float16"]
 Split = Literal["all", "train", "heldout"]  # rows whose `split` field matches
 OnBadRow = Literal["error", "skip"]
+ExtractBackend = Literal[
+    "hf", "vllm"
+]  # hf: transformers in this process (eaglet.extract); vllm: eaglet.model.vllm_engine
+DEFAULT_VLLM_MEMORY_SHARE = 0.85  # of the GPU vLLM takes for weights + KV cache (the norm and encode need the rest)
 TARGET_HELP = "'embedded' (SmolLM2-135M-Instruct), an HF model directory, a .gguf file or a hub id"
 RECORDED_TARGET_HELP = "the target (default: the one its input records)"
 TRUST_HELP = "allow the model's own Python code (off unless asked)"
@@ -260,6 +264,8 @@ def describe_validation_error(error: ValidationError, source: str) -> str:
         return f"{source}: unknown key '{loc}' (check the spelling; `eaglet <stage> --help` lists the options)"
     if first["type"] == "missing":
         return f"{source}: required key '{loc}' is missing"
+    if first["type"] == "value_error" and not first["loc"]:  # a model validator: settings that contradict
+        return f"{source}: {str(first['msg']).removeprefix('Value error, ')}"
     return f"{source}: '{loc}': {first['msg']} (got {shown(first.get('input'))})"
 
 
@@ -313,7 +319,32 @@ class ExtractConfig(PlacementFields):
     reserve_gb: float = Field(
         default=1.0, ge=0, le=MAX_GB, description="free disk to keep beyond the store's estimated size"
     )
+    backend: ExtractBackend = Field(
+        default="hf",
+        description="hf: transformers in this process; vllm: vLLM's extract_hidden_states route "
+        "(native quantized weights, vLLM's own tensor parallelism)",
+    )
+    tensor_parallel_size: int = Field(default=1, ge=1, description="vllm: GPUs vLLM splits the target over")
+    gpu_memory_utilization: float = Field(
+        default=DEFAULT_VLLM_MEMORY_SHARE, gt=0, lt=1, description="vllm: share of each GPU vLLM may take"
+    )
+    spool_dir: str | None = Field(
+        default=None,
+        description="vllm: where vLLM's connector writes each request's hidden states before they go into "
+        "the store (default: a folder inside --out, emptied as shards are written)",
+    )
     trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
+
+    @model_validator(mode="after")
+    def _vllm_places_itself(self) -> "ExtractConfig":
+        if self.backend == "vllm" and self.placement != "one":
+            raise ValueError(
+                f"--placement {self.placement} is the hf backend's; vLLM places the target itself "
+                "(use --tensor-parallel-size)"
+            )
+        if self.backend == "hf" and self.tensor_parallel_size != 1:
+            raise ValueError("--tensor-parallel-size is the vllm backend's; the hf backend uses --placement tp")
+        return self
 
 
 class TrainConfig(PlacementFields):

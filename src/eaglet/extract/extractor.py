@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -40,11 +41,14 @@ from ..formats.target_record import require_same_target, stage_target, target_so
 from ..fsio import check_output_apart, check_output_dir, free_disk_bytes, output_lock, write_json_atomic
 from ..model.capture import FeatureCapture, batches_by_length
 from ..model.distributed import init_distributed
+from ..model.final_norm import load_final_norm
 from ..model.placement import describe, output_device, topology
 from ..model.shards import encode_features, write_shard
 from ..model.sizing import GIB
 from ..model.target import hub_id_of, load_model, load_tokenizer, pick_dtype, resolve_target, target_info
+from ..model.vllm_engine import GENERATED_TOKENS, EngineSettings, HiddenStateEngine
 from ..progress import progress_bar
+from .vllm_extractor import VllmShardExtractor
 
 WRITE_QUEUE_DEPTH = 3  # finished shards waiting for a writer while the next one computes
 WRITER_THREADS = 4  # shards written (hashed, written, fsynced) in parallel: one stream does not fill the disk
@@ -289,6 +293,7 @@ def store_identity(
             "samples": len(prepared),
         },
         "storage_dtype": config.storage_dtype,
+        "backend": config.backend,  # the kernels that computed the features: a resumed store keeps one
         "hidden_size": info.hidden_size,
         "tokens_per_shard": tokens_per_shard,
         "sort_window_shards": SORT_WINDOW_SHARDS,
@@ -379,7 +384,15 @@ def _extract(
     ]
     mine = [p for p in todo_all if p.index % place.replicas == place.replica]
     _check_disk(store, sum(p.tokens for p in todo_all) * per_token, config.reserve_gb)
-    if mine and model is None:  # before the store is created: a target that cannot load leaves nothing behind
+    engine = None
+    if mine and config.backend == "vllm":  # vLLM starts its own workers; before the store: a failed load leaves none
+        if dist.world > 1:
+            raise EagletError(
+                "--backend vllm runs in one process (vLLM starts a worker per GPU for --tensor-parallel-size); "
+                "run it without torchrun"
+            )
+        engine = open_vllm_engine(config, resolved.path, layers, info.num_layers, prepared, store, model_dtype)
+    elif mine and model is None:  # before the store is created: a target that cannot load leaves nothing behind
         model = load_model(resolved.path, device, config.dtype, config.trust_remote_code, config, dist.world)
         if config.placement == "split" and dist.is_main:
             console.print(f"target split: {describe(model)}")
@@ -393,7 +406,11 @@ def _extract(
     if mine:
         batch_tokens = config.batch_tokens or (GPU_BATCH_TOKENS if device.startswith("cuda") else CPU_BATCH_TOKENS)
         max_shard_tokens = max(p.tokens for p in mine)
-        extractor = ShardExtractor(model, layers, config.storage_dtype, batch_tokens, max_shard_tokens)
+        if engine is not None:
+            norm = load_final_norm(resolved.path, device, pick_dtype(config.dtype, device))
+            extractor = VllmShardExtractor(engine, norm, layers, config.storage_dtype)
+        else:
+            extractor = ShardExtractor(model, layers, config.storage_dtype, batch_tokens, max_shard_tokens)
 
         def refresh(record: dict[str, Any]) -> None:
             if dist.is_main and place.replicas == 1:
@@ -411,14 +428,63 @@ def _extract(
                     writer.submit(extractor(prepared, plan))
                     progress.advance(task, plan.tokens)
             finally:
-                writer.close()
-                stall_s = writer.stall_s
+                try:
+                    writer.close()
+                    stall_s = writer.stall_s
+                finally:
+                    if engine is not None:  # vLLM's files of a failed shard are not kept: resumed, it is recomputed
+                        remove_spool(engine.settings.spool, own=not config.spool_dir)
     seconds = time.perf_counter() - started
     dist.barrier()
     manifest = _manifest(store, identity, plans, config, source)
     if dist.is_main:
         write_json_atomic(store / MANIFEST_FILE, manifest)
     return ExtractResult(store, manifest, len(mine), sum(p.tokens for p in mine), seconds, stall_s)
+
+
+VLLM_SPOOL_SUFFIX = ".vllm-spool"  # `.STORE.vllm-spool` beside the store unless --spool-dir says otherwise
+
+
+def spool_dir(config: ExtractConfig, store: Path) -> Path:
+    """Where vLLM's connector writes: beside the store (not in it: a failed load must leave no store behind)."""
+    return Path(config.spool_dir) if config.spool_dir else store.parent / f".{store.name}{VLLM_SPOOL_SUFFIX}"
+
+
+def remove_spool(spool: Path, own: bool) -> None:
+    """eaglet's own spool folder goes whole; a folder the user named only once it is empty."""
+    if own:
+        shutil.rmtree(spool, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            spool.rmdir()
+
+
+def open_vllm_engine(
+    config: ExtractConfig,
+    target_path: Path,
+    layers: tuple[int, ...],
+    num_layers: int,
+    prepared: PreparedSet,
+    store: Path,
+    model_dtype: str,
+) -> HiddenStateEngine:
+    """vLLM on the target, sized for the longest sample and a forward of ``--batch-tokens``."""
+    if not config.device.startswith(("auto", "cuda")) or not torch.cuda.is_available():
+        raise EagletError("--backend vllm needs CUDA GPUs; use --backend hf on this machine")
+    longest = int(prepared.lengths.max())
+    settings = EngineSettings(
+        model=str(target_path),
+        aux_layer_ids=layers,
+        num_layers=num_layers,
+        spool=spool_dir(config, store),
+        tensor_parallel_size=config.tensor_parallel_size,
+        dtype=model_dtype,
+        max_model_len=longest + GENERATED_TOKENS,
+        max_num_batched_tokens=max(config.batch_tokens or GPU_BATCH_TOKENS, longest + GENERATED_TOKENS),
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        trust_remote_code=config.trust_remote_code,
+    )
+    return HiddenStateEngine(settings)
 
 
 def _check_disk(store: Path, needed_bytes: int, reserve_gb: float) -> None:

@@ -273,6 +273,54 @@ def check_memory(device: str, needed: int, what: str) -> Check:
     )
 
 
+def check_vllm_backend(tensor_parallel_size: int) -> list[Check]:
+    """vLLM is installed, eaglet's calls into it bind to its source, and the GPUs it would split the target over
+    exist: all before ``import vllm`` (seconds) and its model load (minutes)."""
+    import torch
+
+    from ..model.vllm_engine import TESTED_VLLM, vllm_version
+
+    version = vllm_version()
+    if version is None:
+        return [
+            Check(
+                "vllm",
+                FAIL,
+                "--backend vllm: vLLM is not installed",
+                "pip install vllm (README, 'GPU checks', stages it on a machine without network), or --backend hf",
+            )
+        ]
+    tested = version in TESTED_VLLM
+    checks = [
+        Check(
+            "vllm",
+            PASS if tested else WARN,
+            f"vLLM {version}" + ("" if tested else f"; eaglet's route is tested on {', '.join(TESTED_VLLM)}"),
+            "" if tested else "the API check below says whether eaglet's calls still bind",
+        ),
+        check_library_api("vllm"),
+    ]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    checks.append(
+        Check(
+            "GPUs",
+            PASS if gpus >= tensor_parallel_size else FAIL,
+            f"{gpus} visible, vLLM splits the target over {tensor_parallel_size}",
+            "" if gpus >= tensor_parallel_size else "lower --tensor-parallel-size or run where the GPUs are",
+        )
+    )
+    return checks
+
+
+def _supported_release(package: str) -> str:
+    """What to install: eaglet's pin for its dependencies, the tested releases for vLLM (not a dependency)."""
+    if package == "vllm":
+        from ..model.vllm_engine import TESTED_VLLM
+
+        return f"install a vLLM release eaglet's route is tested on ({' or '.join(f'vllm=={v}' for v in TESTED_VLLM)})"
+    return f"install the {package} version eaglet supports (pyproject.toml)"
+
+
 @functools.lru_cache(maxsize=None)
 def check_library_api(package: str = "transformers") -> Check:
     """eaglet's own calls into ``package``, bound statically against the installed version: an upgrade
@@ -292,7 +340,7 @@ def check_library_api(package: str = "transformers") -> Check:
             FAIL,
             f"{len(report.errors)} of eaglet's calls break on {package} {report.version}: "
             f"{Path(first.path).name}:{first.line} {first.target}: {first.message}",
-            f"install the {package} version eaglet supports (pyproject.toml), or report it",
+            _supported_release(package) + ", or report it",
         )
     return Check(
         name,

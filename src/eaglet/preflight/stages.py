@@ -33,6 +33,7 @@ from .checks import (
     check_rows,
     check_stage_target,
     check_target,
+    check_vllm_backend,
     guarded,
     weights_bytes,
 )
@@ -186,7 +187,7 @@ def extract_checks(cfg: Any) -> list[Check]:
     if not found:
         return checks
     resolved, info = found
-    checks.append(check_library_api())
+    checks += check_vllm_backend(cfg.tensor_parallel_size) if cfg.backend == "vllm" else [check_library_api()]
     checks.append(
         _target_check(
             "tokenizer",
@@ -222,6 +223,8 @@ def extract_checks(cfg: Any) -> list[Check]:
         checks.append(check_output_dir(store, overwrite=False, resumable=True))
     needed = int(prepared.lengths.sum()) * bytes_per_token(info.hidden_size, cfg.storage_dtype)
     checks.append(check_disk(store, int(needed + cfg.reserve_gb * GIB), f"store ({cfg.storage_dtype}) + reserve"))
+    if cfg.backend == "vllm":  # vLLM sizes its own weights and cache (--gpu-memory-utilization) at load
+        return checks
     device, dtype_bytes = _device_bytes(cfg.device, cfg.dtype)
     batch_tokens = cfg.batch_tokens or (GPU_BATCH_TOKENS if device.startswith("cuda") else CPU_BATCH_TOKENS)
     checks += check_fit(resolved.path, cfg, device, dtype_bytes, batch_tokens)

@@ -1,0 +1,100 @@
+"""`eaglet extract --backend vllm`: a shard's features from vLLM's hidden-state capture, stored as the hf backend stores them.
+
+The main thread runs one shard's requests through vLLM (``model.vllm_engine``); the writer thread that takes the shard
+reads vLLM's spool files, forms ``aux`` (the aux columns in eaglet's order) and ``last`` (the final norm over the last
+layer's output), encodes them with the store's format and writes the shard, while vLLM computes the next one.
+The shard's other tensors (ids, mask, offsets, sample index) and its order are the hf backend's, so a store from
+either backend is the same format, resumed and trained on the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import EagletError
+from ..formats.prepared import PreparedSet
+from ..formats.store_manifest import ShardPlan
+from ..model.shards import encode_features
+from ..model.vllm_engine import HiddenStateEngine, aux_columns, read_spooled
+
+
+@dataclass
+class SpooledShard:
+    """A shard whose features are still in vLLM's spool files: ``wait()`` (in a writer thread) fills ``tensors``."""
+
+    plan: ShardPlan
+    tensors: dict[str, torch.Tensor]  # ids, mask, offsets, sample index now; the features after wait()
+    paths: list[Path]  # one spool file per sample, in stored order
+    sample_tokens: list[np.ndarray]  # the token ids each file must hold
+    sample_ids: list[str]
+    columns: list[int]  # the aux ids' captured columns, in eaglet's order
+    norm: nn.Module
+    storage_dtype: str
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # no recycled buffers: nothing to release
+
+    @torch.inference_mode()
+    def wait(self) -> None:
+        device = next(self.norm.parameters()).device
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            hidden = torch.cat(
+                [
+                    read_spooled(path, ids).to(device, non_blocking=True)
+                    for path, ids in zip(self.paths, self.sample_tokens)
+                ]
+            )  # [T, 4, H]: three aux layers ascending, then the last layer's un-normed output
+            aux = hidden[:, self.columns]  # [T, 3, H]
+            last = self.norm(hidden[:, -1])  # [T, H]
+            finite = torch.isfinite(aux).flatten(1).all(1) & torch.isfinite(last).all(1)
+            encoded = encode_features(aux, last, self.storage_dtype)
+            host = {name: value.to("cpu") for name, value in encoded.items()}
+            finite = finite.to("cpu")
+        if not bool(finite.all()):
+            token = int((~finite).int().argmax())
+            row = int(np.searchsorted(self.tensors["offsets"].numpy(), token, side="right")) - 1
+            raise EagletError(
+                f"non-finite features for sample {self.sample_ids[row]!r}; check the target's dtype and weights"
+            )
+        self.tensors.update(host)
+
+
+class VllmShardExtractor:
+    """One shard's requests through vLLM; the features are formed by whoever waits on the returned shard."""
+
+    def __init__(self, engine: HiddenStateEngine, norm: nn.Module, layer_ids: tuple[int, ...], storage_dtype: str):
+        self.engine = engine
+        self.norm = norm
+        self.columns = aux_columns(layer_ids)
+        self.storage_dtype = storage_dtype
+
+    def release(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Nothing is recycled: each shard's host tensors are its own."""
+
+    def __call__(self, prepared: PreparedSet, plan: ShardPlan) -> SpooledShard:
+        samples = np.asarray(plan.samples)
+        rows = [prepared.sample(int(s)) for s in samples]
+        tokens = [ids for ids, _ in rows]
+        paths = self.engine.run([ids.tolist() for ids in tokens])
+        lengths = np.array([len(ids) for ids in tokens])
+        tensors = {
+            "input_ids": torch.from_numpy(np.concatenate(tokens).astype(np.int32)),
+            "loss_mask": torch.from_numpy(np.concatenate([mask for _, mask in rows]).astype(np.uint8)),
+            "offsets": torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)),
+            "sample_index": torch.from_numpy(samples.astype(np.int64)),
+        }
+        return SpooledShard(
+            plan,
+            tensors,
+            paths,
+            tokens,
+            [prepared.ids[int(s)] for s in samples],
+            self.columns,
+            self.norm,
+            self.storage_dtype,
+        )
