@@ -552,6 +552,31 @@ def test_run_plan_for_kimi_on_eight_h200_refuses_transformers_load_with_every_re
     assert code == 2 and "cannot shard compressed-tensors" in err and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("tp, refused", [(8, False), (4, True)])
+def test_run_plan_with_the_vllm_backend_counts_the_checkpoint_as_stored(tmp_path, conversations, tp, refused):
+    """vLLM keeps Kimi-K2.5's INT4 experts INT4 and splits everything over its TP ranks: 553 GiB / 8 = 69.2 GiB per
+    H200, inside 0.85 of 141 GiB; over 4 GPUs it does not fit and the plan says what to raise."""
+    from rich.console import Console
+
+    from eaglet.run import Pipeline, load_run_config
+
+    config = write_plan_config(
+        tmp_path / "run.yaml", tmp_path / "run", FIXTURES / "kimi-k2.5", conversations, 8, "141GiB"
+    )
+    settings = json.loads(config.read_text())
+    settings["extract"] = {"backend": "vllm", "tensor_parallel_size": tp}
+    config.write_text(json.dumps(settings))
+    plans = {p.name: p for p in Pipeline(load_run_config(config), config, Console(quiet=True)).plan()}
+    extract = plans["extract"]
+    assert extract.memory.startswith(f"vllm tp x{tp}: {553.4 / tp:.1f} GiB weights of 120"), extract.memory
+    if refused:
+        assert (
+            extract.refusal.startswith("extract (vllm backend): ") and "raise --tensor-parallel-size" in extract.refusal
+        )
+    else:
+        assert extract.refusal == "" and plans["eval"].refusal  # eval still loads it with transformers
+
+
 def test_trusting_the_models_code_removes_only_the_loader_reason(tmp_path, conversations):
     from rich.console import Console
 
