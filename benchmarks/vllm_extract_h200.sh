@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# `eaglet extract --backend vllm` beside `--backend hf` and vLLM's own prefill, on the H200 (one part per device call).
+# Staged first: the embedded target (scripts/device.sh) and vLLM (scripts/device/vllm_install.sh; README "GPU checks").
+#   bash scripts/device.sh bash benchmarks/vllm_extract_h200.sh data|embedded|8b|moe|train
+# Results: one JSON object per line in $OUT/vllm_extract.jsonl (python benchmarks/vllm_extract_parity.py prints them).
+set -euo pipefail
+export PYTHONPATH=/tmp/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
+work=/tmp/vx
+mkdir -p "$work" "${OUT:=/tmp/out}"
+embedded=$(python3 -m eaglet.cli target info --json | python3 -c "import json,sys; print(json.load(sys.stdin)['path'])")
+bench() { python3 benchmarks/vllm_extract_parity.py "$@" | tail -1 | tee -a "$OUT/vllm_extract.jsonl"; }
+pair() {  # pair NAME TARGET SAMPLES: both backends, vLLM's prefill alone over the same samples, the features compared
+  local name=$1 target=$2 samples=$3
+  rm -rf "$work/$name-hf" "$work/$name-vllm"
+  bench extract --backend hf --target "$target" --prepared "$work/prepared" --out "$work/$name-hf" --max-samples "$samples"
+  bench extract --backend vllm --target "$target" --prepared "$work/prepared" --out "$work/$name-vllm" \
+    --max-samples "$samples"
+  bench prefill --target "$target" --prepared "$work/prepared" --max-samples "$samples"
+  bench compare "$work/$name-hf" "$work/$name-vllm"
+}
+case "$1" in
+  data)  # the target's own answers to the demo's train prompts (1 each) and its greedy held-out answers
+    python3 -m eaglet.cli regenerate demo --split train --n 1 --temperature 0.7 --top-p 0.95 \
+      --max-new-tokens 256 --batch-size 2048 --out "$work/answers.jsonl"
+    python3 -m eaglet.cli prepare "$work/answers.jsonl" --out "$work/prepared"
+    ;;
+  embedded) pair embedded "$embedded" 100000 ;;
+  8b)
+    [ -f "$work/llama8b/config.json" ] || bench make-8b "$work/llama8b" --tokenizer "$embedded"
+    pair llama8b "$work/llama8b" 500
+    rm -rf "$work/llama8b-hf" "$work/llama8b-vllm"
+    ;;
+  moe)
+    [ -f "$work/moe/config.json" ] || bench make-moe "$work/moe" --tokenizer "$embedded"
+    pair moe "$work/moe" 500
+    ;;
+  train)  # a draft on each embedded store, the same recipe; eaglet eval decodes the held-out demo prompts
+    for backend in hf vllm; do
+      rm -rf "$work/draft-$backend"
+      python3 -m eaglet.cli train --store "$work/embedded-$backend" --out "$work/draft-$backend" --token-budget 16384 \
+        --lr 0.0005 --max-steps 600 --eval-every 200 --log-every 100 --seed 0 | tail -3
+      python3 -m eaglet.cli eval --draft "$work/draft-$backend" --max-prompts 32 --max-new-tokens 128 --mode chain \
+        --depth 5 --dtype bfloat16 --out "$work/eval-$backend" | tail -4
+      python3 -c "import json; r=json.load(open('$work/eval-$backend/report.json')); \
+evals=[e for e in map(json.loads, open('$work/draft-$backend/metrics.jsonl')) if e.get('kind') == 'eval']; \
+print(json.dumps({'draft_from': '$backend', 'acceptance_length': r['acceptance_length'], 'speedup': r['speedup'], \
+'lossless': r['lossless'], 'heldout_sim_tau': evals[-1]['tau'] if evals else None}))" | tee -a "$OUT/vllm_extract.jsonl"
+    done
+    ;;
+  *) echo "usage: $0 data|embedded|8b|moe|train" >&2; exit 2 ;;
+esac

@@ -1,0 +1,216 @@
+"""`eaglet extract --backend vllm` beside `--backend hf` and beside vLLM's own prefill, on one GPU.
+
+Subcommands (each a fresh process, so one engine holds the GPU at a time):
+  make-8b DIR --tokenizer DIR     a random Llama of the 8B shape (bf16, safetensors) with that tokenizer
+  make-moe DIR --tokenizer DIR    a small random DeepseekV3 (Kimi-K2's architecture: MLA at its real ranks, shared
+                                  + routed experts, a dense first layer)
+  extract --backend hf|vllm ...   `eaglet extract` in process; prints {seconds, tokens, tok/s} (load excluded)
+  prefill --target DIR --prepared DIR
+                                  vLLM alone, no connector, max_tokens=1 over the same samples: the ceiling
+  compare STORE_A STORE_B         per-token cosine of every aux layer and of `last`, sample by sample
+Each prints one JSON object on stdout (the device call collects them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+LLAMA_8B = dict(  # Llama-3.1-8B's shape
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+)
+INIT_STD = 0.02
+SMALL_DEEPSEEK_V3 = dict(  # MLA at DeepSeek-V3's / Kimi-K2's ranks (what vLLM's MLA kernels expect), few experts
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    kv_lora_rank=512,
+    q_lora_rank=128,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_group=2,
+    topk_group=1,
+    topk_method="noaux_tc",  # DeepSeek-V3's and Kimi-K2's config.json say so; vLLM builds the router's bias from it
+    max_position_embeddings=4096,
+    rope_scaling=None,
+)
+
+
+def make_8b(out: Path, tokenizer: Path) -> dict:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    config = LlamaConfig(**LLAMA_8B, initializer_range=INIT_STD, torch_dtype="bfloat16")
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out)
+    return {"made": str(out), "seconds": round(time.perf_counter() - started, 1)}
+
+
+def make_moe(out: Path, tokenizer: Path) -> dict:
+    import torch
+    from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    vocab = AutoTokenizer.from_pretrained(tokenizer)
+    torch.manual_seed(0)
+    config = DeepseekV3Config(
+        **SMALL_DEEPSEEK_V3, vocab_size=len(vocab), eos_token_id=vocab.eos_token_id, torch_dtype="bfloat16"
+    )
+    model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+    vocab.save_pretrained(out)
+    return {"made": str(out), "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def extract(argv: list[str]) -> dict:
+    from eaglet.config import ExtractConfig, build_config
+    from eaglet.extract.extractor import run_extract
+
+    pairs = dict(zip(argv[0::2], argv[1::2]))
+    config = build_config(
+        ExtractConfig, "extract", cli_values={k.lstrip("-").replace("-", "_"): v for k, v in pairs.items()}
+    )
+    result = run_extract(config)
+    return {
+        "backend": config.backend,
+        "seconds": round(result.seconds, 3),
+        "tokens": result.tokens_computed,
+        "tok_per_s": round(result.tokens_computed / result.seconds),
+        "writer_stall_s": round(result.writer_stall_s, 3),
+    }
+
+
+def prefill(target: str, prepared: str, max_samples: int | None, batch_tokens: int, memory_share: float) -> dict:
+    import os
+
+    from vllm import LLM, SamplingParams
+
+    from eaglet.formats.prepared import load_prepared
+
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # as eaglet's engine
+
+    data = load_prepared(prepared, max_samples)
+    tokens = [data.sample(i)[0].tolist() for i in range(len(data))]
+    longest = max(len(t) for t in tokens)
+    llm = LLM(
+        model=target,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=longest + 1,
+        max_num_batched_tokens=max(batch_tokens, longest + 1),
+        enable_prefix_caching=False,
+        gpu_memory_utilization=memory_share,
+        seed=0,
+    )
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    llm.generate([{"prompt_token_ids": t} for t in tokens[:8]], sampling, use_tqdm=False)  # warm-up
+    started = time.perf_counter()
+    llm.generate([{"prompt_token_ids": t} for t in tokens], sampling, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    total = sum(len(t) for t in tokens)
+    return {
+        "backend": "vllm prefill only",
+        "seconds": round(seconds, 3),
+        "tokens": total,
+        "tok_per_s": round(total / seconds),
+    }
+
+
+def compare(store_a: Path, store_b: Path) -> dict:
+    import torch
+
+    from eaglet.formats.store_manifest import read_manifest
+    from eaglet.model.shards import decode_features, read_shard
+
+    def by_sample(store: Path) -> dict[int, tuple]:
+        rows = {}
+        for entry in read_manifest(store)["shards"]:
+            tensors = read_shard(store, entry)
+            aux, last = decode_features(tensors)
+            offsets = tensors["offsets"].tolist()
+            for row, sample in enumerate(tensors["sample_index"].tolist()):
+                span = slice(offsets[row], offsets[row + 1])
+                rows[sample] = (tensors["input_ids"][span], tensors["loss_mask"][span], aux[span], last[span])
+        return rows
+
+    a, b = by_sample(store_a), by_sample(store_b)
+    assert a.keys() == b.keys(), "the stores hold different samples"
+    cosines: dict[str, list] = {"aux0": [], "aux1": [], "aux2": [], "last": []}
+    for sample in sorted(a):
+        ids_a, mask_a, aux_a, last_a = a[sample]
+        ids_b, mask_b, aux_b, last_b = b[sample]
+        assert torch.equal(ids_a, ids_b) and torch.equal(mask_a, mask_b), f"sample {sample}: ids or mask differ"
+        for k in range(3):
+            cosines[f"aux{k}"].append(torch.nn.functional.cosine_similarity(aux_a[:, k], aux_b[:, k], dim=-1))
+        cosines["last"].append(torch.nn.functional.cosine_similarity(last_a, last_b, dim=-1))
+    summary = {}
+    for name, parts in cosines.items():
+        values = torch.cat(parts).double()
+        summary[name] = {
+            "min": round(values.min().item(), 6),
+            "p0.1": round(values.quantile(0.001).item(), 6),
+            "mean": round(values.mean().item(), 6),
+            "tokens_below_0.999": int((values < 0.999).sum()),
+        }
+    return {"samples": len(a), "tokens": int(sum(len(v[0]) for v in a.values())), "cosine": summary}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    made = sub.add_parser("make-8b")
+    made.add_argument("out", type=Path)
+    made.add_argument("--tokenizer", type=Path, required=True)
+    moe = sub.add_parser("make-moe")
+    moe.add_argument("out", type=Path)
+    moe.add_argument("--tokenizer", type=Path, required=True)
+    sub.add_parser("extract", help="the rest of the line: `eaglet extract` options")
+    pre = sub.add_parser("prefill")
+    pre.add_argument("--target", required=True)
+    pre.add_argument("--prepared", required=True)
+    pre.add_argument("--max-samples", type=int, default=None)
+    pre.add_argument("--batch-tokens", type=int, default=32768)
+    pre.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    cmp = sub.add_parser("compare")
+    cmp.add_argument("a", type=Path)
+    cmp.add_argument("b", type=Path)
+    args, rest = parser.parse_known_args()
+    if rest and args.command != "extract":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "make-8b":
+        result = make_8b(args.out, args.tokenizer)
+    elif args.command == "make-moe":
+        result = make_moe(args.out, args.tokenizer)
+    elif args.command == "extract":
+        result = extract(rest)
+    elif args.command == "prefill":
+        result = prefill(args.target, args.prepared, args.max_samples, args.batch_tokens, args.gpu_memory_utilization)
+    else:
+        result = compare(args.a, args.b)
+    print(json.dumps(result), flush=True)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
