@@ -174,3 +174,27 @@ def test_a_spool_file_whose_writer_never_releases_it_is_refused_not_waited_on_fo
         os.close(writer)  # the connector's writer thread releases it once the file is written
     wait_for_spool(spooled, timeout_s=0.2)  # released: returns at once
     wait_for_spool(tmp_path / "no-lock.safetensors", timeout_s=0.2)  # the connector ran without locks
+
+
+def test_a_deepseek_v3_checkpoint_vllm_would_refuse_is_named_before_any_engine(
+    tmp_path, capsys, tiny_prepared, tiny_target
+):
+    """transformers writes a DeepseekV3 config.json without `topk_method`; vLLM then builds the router without its
+    score-correction bias and the load dies on the checkpoint's `e_score_correction_bias` (seen on the H200). The
+    preflight says so, with the fix, from config.json and the weights' names."""
+    import json
+
+    from targets import tiny_target as make_target
+
+    from eaglet.model.vllm_engine import config_problem
+
+    target = make_target(tmp_path / "dsv3", "deepseek_v3")
+    problem = config_problem(target)
+    assert problem and "mlp.gate.e_score_correction_bias" in problem and '"topk_method": "noaux_tc"' in problem
+    code, out, err = run_cli(["preflight", "extract", "--prepared", tiny_prepared, "--out", tmp_path / "s",
+                              "--target", target, "--backend", "vllm"], capsys)  # fmt: skip
+    assert code != 0 and "topk_method" in out + err and "Traceback" not in err
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps(config | {"topk_method": "noaux_tc"}))
+    assert config_problem(target) is None
+    assert config_problem(tiny_target) is None  # a dense Llama has no router

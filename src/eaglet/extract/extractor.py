@@ -46,7 +46,7 @@ from ..model.placement import describe, output_device, topology
 from ..model.shards import encode_features, write_shard
 from ..model.sizing import GIB
 from ..model.target import hub_id_of, load_model, load_tokenizer, pick_dtype, resolve_target, target_info
-from ..model.vllm_engine import GENERATED_TOKENS, EngineSettings, HiddenStateEngine
+from ..model.vllm_engine import GENERATED_TOKENS, EngineSettings, HiddenStateEngine, config_problem
 from ..progress import progress_bar
 from .vllm_extractor import VllmShardExtractor
 
@@ -471,6 +471,9 @@ def open_vllm_engine(
     """vLLM on the target, sized for the longest sample and a forward of ``--batch-tokens``."""
     if not config.device.startswith(("auto", "cuda")) or not torch.cuda.is_available():
         raise EagletError("--backend vllm needs CUDA GPUs; use --backend hf on this machine")
+    problem = config_problem(target_path)
+    if problem:
+        raise EagletError(problem)
     longest = int(prepared.lengths.max())
     settings = EngineSettings(
         model=str(target_path),

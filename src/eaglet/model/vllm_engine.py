@@ -64,6 +64,30 @@ class EngineSettings:
     enforce_eager: bool = False
 
 
+# vLLM's DeepseekV2/V3 (and Kimi-K2's) MoE gate has the routing score-correction bias only when config.json says
+# `"topk_method": "noaux_tc"` (vllm/model_executor/models/deepseek_v2.py); transformers' config does not write it
+ROUTER_BIAS_SUFFIX = "mlp.gate.e_score_correction_bias"
+ROUTER_BIAS_METHOD = "noaux_tc"
+
+
+def config_problem(target_path: Path) -> str | None:
+    """What vLLM's loader would refuse in this checkpoint, known from config.json and the weights' names (seconds,
+    before an engine starts), or None."""
+    from .sizing import text_config
+    from .target import read_config, weight_locations
+
+    config = text_config(read_config(target_path))
+    if config.get("topk_method") == ROUTER_BIAS_METHOD:
+        return None
+    if not any(name.endswith(ROUTER_BIAS_SUFFIX) for name in weight_locations(target_path)):
+        return None
+    return (
+        f"target {target_path}: its checkpoint has the MoE router's {ROUTER_BIAS_SUFFIX} but config.json does not "
+        f'say "topk_method": "{ROUTER_BIAS_METHOD}", so vLLM builds the router without it and refuses the load '
+        f'(KeyError); add "topk_method": "{ROUTER_BIAS_METHOD}" to config.json (DeepSeek-V3\'s and Kimi-K2\'s have it)'
+    )
+
+
 def vllm_version() -> str | None:
     """The installed vLLM's version, read from its metadata (no import: ``import vllm`` takes seconds)."""
     from importlib.metadata import PackageNotFoundError, version

@@ -273,16 +273,20 @@ def check_memory(device: str, needed: int, what: str) -> Check:
     )
 
 
-def check_vllm_backend(tensor_parallel_size: int) -> list[Check]:
-    """vLLM is installed, eaglet's calls into it bind to its source, and the GPUs it would split the target over
-    exist: all before ``import vllm`` (seconds) and its model load (minutes)."""
+def check_vllm_backend(target_path: Path, tensor_parallel_size: int) -> list[Check]:
+    """The checkpoint is one vLLM's loader takes, vLLM is installed, eaglet's calls into it bind to its source, and
+    the GPUs it would split the target over exist: all before ``import vllm`` (seconds) and its model load (minutes)."""
     import torch
 
-    from ..model.vllm_engine import TESTED_VLLM, vllm_version
+    from ..model.vllm_engine import TESTED_VLLM, config_problem, vllm_version
 
+    problem = config_problem(target_path)
+    checks = [
+        Check("vllm load", FAIL, problem) if problem else Check("vllm load", PASS, "config.json as vLLM reads it")
+    ]
     version = vllm_version()
     if version is None:
-        return [
+        return checks + [
             Check(
                 "vllm",
                 FAIL,
@@ -291,7 +295,7 @@ def check_vllm_backend(tensor_parallel_size: int) -> list[Check]:
             )
         ]
     tested = version in TESTED_VLLM
-    checks = [
+    checks += [
         Check(
             "vllm",
             PASS if tested else WARN,

@@ -187,7 +187,9 @@ def extract_checks(cfg: Any) -> list[Check]:
     if not found:
         return checks
     resolved, info = found
-    checks += check_vllm_backend(cfg.tensor_parallel_size) if cfg.backend == "vllm" else [check_library_api()]
+    checks += (
+        check_vllm_backend(resolved.path, cfg.tensor_parallel_size) if cfg.backend == "vllm" else [check_library_api()]
+    )
     checks.append(
         _target_check(
             "tokenizer",
