@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from synthetic import write_conversations  # noqa: E402
+from synthetic import LLAMA_8B_SHAPE, write_conversations  # noqa: E402
 
 H200_BF16_DENSE_FLOPS = 989.4e12
 
@@ -28,16 +28,7 @@ def llama_8b_dir(root: Path, tokenizer_dir: Path) -> Path:
     """A target directory with the 8B config and the embedded tokenizer (weights are made in memory)."""
     from transformers import LlamaConfig
 
-    config = LlamaConfig(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-    )
+    config = LlamaConfig(**LLAMA_8B_SHAPE)
     root.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(root)
     for file in tokenizer_dir.iterdir():

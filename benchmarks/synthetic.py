@@ -6,6 +6,17 @@ import json
 import random
 from pathlib import Path
 
+LLAMA_8B_SHAPE = dict(  # Llama-3.1-8B's shape: the 8B-shaped random targets of the benchmarks
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+)
+
 WORDS = (
     "the model answers each question with care and detail while keeping the style clear and the facts "
     "right so that a reader can follow every step of the reasoning from start to end"

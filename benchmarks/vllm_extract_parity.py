@@ -19,16 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-LLAMA_8B = dict(  # Llama-3.1-8B's shape
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-)
+sys.path.insert(0, str(Path(__file__).parent))
+from synthetic import LLAMA_8B_SHAPE  # noqa: E402
+
 INIT_STD = 0.02
 SMALL_DEEPSEEK_V3 = dict(  # MLA at DeepSeek-V3's / Kimi-K2's ranks (what vLLM's MLA kernels expect), few experts
     hidden_size=256,
@@ -60,7 +53,7 @@ def make_8b(out: Path, tokenizer: Path) -> dict:
 
     started = time.perf_counter()
     torch.manual_seed(0)
-    config = LlamaConfig(**LLAMA_8B, initializer_range=INIT_STD, torch_dtype="bfloat16")
+    config = LlamaConfig(**LLAMA_8B_SHAPE, initializer_range=INIT_STD, torch_dtype="bfloat16")
     with torch.device("cuda"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out)
