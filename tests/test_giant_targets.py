@@ -546,6 +546,10 @@ def test_run_plan_for_kimi_on_eight_h200_refuses_transformers_load_with_every_re
 
     plans = {p.name: p for p in Pipeline(load_run_config(config), config, Console(quiet=True)).plan()}
     assert plans["extract"].memory.startswith("tp x8: 251.2 + ") and "MB per sample" in plans["extract"].memory
+    # and where the target does fit: vLLM holds the INT4 checkpoint as stored
+    assert plans["extract"].refusal.endswith(
+        "; --backend vllm --tensor-parallel-size 8 would fit (vllm tp x8: 69.2 GiB weights of 120 (the rest KV cache))"
+    )
     assert plans["extract"].seconds > 553 * GIB / 2.0e9  # at least the checkpoint's read at 2 GB/s
     assert plans["eval"].refusal and plans["train"].refusal == ""  # offline training does not load the target
     code, _, err = run_cli(["run", config], capsys)  # the run itself refuses before any stage

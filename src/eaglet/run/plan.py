@@ -125,6 +125,8 @@ def estimate(pipeline: Pipeline, plans: list[StagePlan]) -> list[StagePlan]:
                 rate = stated or sizing.extract_rate(gpus, "tp", per_token) * VLLM_EXTRACT_SHARE
             else:
                 gpus = sizing.place(plan, stage.config, batch_tokens)
+                if plan.refusal and machine.gpus:  # what the other backend would hold, so the refusal says where to go
+                    plan.refusal += sizing.vllm_alternative(stage.config)
                 rate = stated or (
                     sizing.extract_rate(gpus, stage.config.placement, per_token)
                     if machine.gpus
@@ -246,6 +248,19 @@ class TargetSizing:
         if problems:
             plan.refusal = f"{plan.name} (vllm backend): " + "; ".join(problems)
         return min(tp, self.machine.gpus)
+
+    def vllm_alternative(self, config: Any) -> str:
+        """The fewest GPUs (a power of two) over which vLLM would hold the checkpoint as stored, as a hint."""
+        tp = 1
+        while tp <= self.machine.gpus:
+            trial = StagePlan("extract", "run", "")
+            self.place_vllm(
+                trial, config.model_copy(update={"backend": "vllm", "placement": "one", "tensor_parallel_size": tp})
+            )
+            if not trial.refusal:
+                return f"; --backend vllm --tensor-parallel-size {tp} would fit ({trial.memory})"
+            tp *= 2
+        return ""
 
     def load_seconds(self) -> float:
         """Reading the weights (GPU plans; a CPU plan's targets load in seconds)."""
