@@ -117,32 +117,36 @@ class HiddenStateEngine:
             kv_role="kv_producer",
             kv_connector_extra_config={"shared_storage_path": str(settings.spool)},
         )
-        self.llm = LLM(
-            model=settings.model,
-            skip_tokenizer_init=True,  # eaglet sends token ids; vLLM never tokenizes or detokenizes
-            trust_remote_code=settings.trust_remote_code,
-            tensor_parallel_size=settings.tensor_parallel_size,
-            dtype=settings.dtype,
-            seed=settings.seed,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            enforce_eager=settings.enforce_eager,
-            max_model_len=settings.max_model_len,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            enable_prefix_caching=False,  # every token's states are computed, none reused from another request
-            enable_chunked_prefill=False,  # the connector saves a request whose prompt ran in one step
-            speculative_config={
-                "method": "extract_hidden_states",
-                "num_speculative_tokens": 1,
-                "draft_model_config": {
-                    "hf_config": {
-                        "eagle_aux_hidden_state_layer_ids": list(
-                            captured_layers(settings.aux_layer_ids, settings.num_layers)
-                        )
-                    }
+        try:
+            self.llm = LLM(
+                model=settings.model,
+                skip_tokenizer_init=True,  # eaglet sends token ids; vLLM never tokenizes or detokenizes
+                trust_remote_code=settings.trust_remote_code,
+                tensor_parallel_size=settings.tensor_parallel_size,
+                dtype=settings.dtype,
+                seed=settings.seed,
+                gpu_memory_utilization=settings.gpu_memory_utilization,
+                enforce_eager=settings.enforce_eager,
+                max_model_len=settings.max_model_len,
+                max_num_batched_tokens=settings.max_num_batched_tokens,
+                enable_prefix_caching=False,  # every token's states are computed, none reused from another request
+                enable_chunked_prefill=False,  # the connector saves a request whose prompt ran in one step
+                speculative_config={
+                    "method": "extract_hidden_states",
+                    "num_speculative_tokens": 1,
+                    "draft_model_config": {
+                        "hf_config": {
+                            "eagle_aux_hidden_state_layer_ids": list(
+                                captured_layers(settings.aux_layer_ids, settings.num_layers)
+                            )
+                        }
+                    },
                 },
-            },
-            kv_transfer_config=transfer,
-        )
+                kv_transfer_config=transfer,
+            )
+        except (ValueError, RuntimeError, OSError) as exc:  # vLLM's own refusals: a length, a kernel, memory
+            said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise EagletError(f"vLLM could not start on {settings.model}: {said}") from None
         self.sampling = SamplingParams(max_tokens=GENERATED_TOKENS, temperature=0.0, detokenize=False)
 
     def run(self, token_lists: list[list[int]]) -> list[Path]:
