@@ -331,7 +331,7 @@ class ExtractConfig(PlacementFields):
     spool_dir: str | None = Field(
         default=None,
         description="vllm: where vLLM's connector writes each request's hidden states before they go into "
-        "the store (default: a folder inside --out, emptied as shards are written)",
+        "the store (default: .STORE.vllm-spool beside --out, removed when the stage ends)",
     )
     trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
 
