@@ -663,6 +663,22 @@ def test_offline_training_takes_the_stores_target(tmp_path, capsys, targets, con
     assert recorded["path"] == str(target.resolve())
 
 
+def test_the_kimi_vllm_example_plans_extract_with_the_checkpoint_as_stored(tmp_path):
+    """examples/kimi_8xh200_vllm.yaml stays valid and its extract fits under vLLM (RESULTS cites its plan)."""
+    from rich.console import Console
+
+    from eaglet.run import Pipeline, load_run_config
+
+    example = Path(__file__).parent.parent / "examples" / "kimi_8xh200_vllm.yaml"
+    config = tmp_path / "kimi.yaml"
+    config.write_text(
+        example.read_text().replace("target: tests/fixtures/", f"target: {FIXTURES.parent.parent}/fixtures/")
+    )
+    plans = {p.name: p for p in Pipeline(load_run_config(config), config, Console(quiet=True)).plan()}
+    assert plans["extract"].refusal == "" and plans["extract"].memory.startswith("vllm tp x8: 69.2 GiB weights of 120")
+    assert plans["eval"].refusal  # eval still loads the target with transformers
+
+
 def test_the_readme_kimi_example_plan_tells_why_transformers_cannot_load_it(tmp_path, capsys):
     """examples/kimi_8xh200.yaml, the README's giant-target plan, stays valid, and its refusal names each reason."""
     example = Path(__file__).parent.parent / "examples" / "kimi_8xh200.yaml"
