@@ -362,6 +362,48 @@ def this_machine() -> Machine:
     return Machine(torch.cuda.device_count(), int(properties.total_memory), properties.name)
 
 
+@dataclass(frozen=True)
+class VllmLayout:
+    """vLLM's hold on a target: the checkpoint as stored (INT4 stays INT4) split over its tensor-parallel ranks, within
+    ``gpu_memory_utilization`` of each GPU; the rest of that share is its KV cache."""
+
+    tensor_parallel_size: int
+    weights_per_gpu: float
+    share_per_gpu: float
+    problems: tuple[str, ...]  # empty: it fits
+
+    def describe(self) -> str:
+        return (
+            f"vllm tp x{self.tensor_parallel_size}: {self.weights_per_gpu / GIB:,.1f} GiB weights of "
+            f"{self.share_per_gpu / GIB:,.0f} (the rest KV cache)"
+        )
+
+
+def vllm_layout(weights: Weights, machine: Machine, tensor_parallel_size: int, memory_share: float) -> VllmLayout:
+    per_gpu = (weights.checkpoint_bytes or weights.bytes) / tensor_parallel_size
+    share = machine.gpu_memory * memory_share
+    problems = []
+    if tensor_parallel_size > machine.gpus:
+        problems.append(f"--tensor-parallel-size {tensor_parallel_size} but the machine has {machine.gpus} GPUs")
+    if per_gpu > share:
+        problems.append(
+            f"{per_gpu / GIB:,.1f} GiB of weights per GPU over {share / GIB:,.1f} GiB "
+            f"(--gpu-memory-utilization {memory_share:g}); raise --tensor-parallel-size"
+        )
+    return VllmLayout(tensor_parallel_size, per_gpu, share, tuple(problems))
+
+
+def smallest_vllm_layout(weights: Weights, machine: Machine, memory_share: float) -> VllmLayout | None:
+    """The fewest GPUs (a power of two) over which vLLM holds the checkpoint, or None: not on this machine."""
+    tp = 1
+    while tp <= machine.gpus:
+        chosen = vllm_layout(weights, machine, tp, memory_share)
+        if not chosen.problems:
+            return chosen
+        tp *= 2
+    return None
+
+
 # Throughput, for time estimates when the user states none
 PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "B200": 2250e12, "A100": 312e12}
 DEFAULT_PEAK_BF16_FLOPS = 989.4e12

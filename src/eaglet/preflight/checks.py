@@ -273,11 +273,12 @@ def check_memory(device: str, needed: int, what: str) -> Check:
     )
 
 
-def check_vllm_backend(target_path: Path, tensor_parallel_size: int) -> list[Check]:
+def check_vllm_backend(target_path: Path, tensor_parallel_size: int, memory_share: float) -> list[Check]:
     """The checkpoint is one vLLM's loader takes, vLLM is installed, eaglet's calls into it bind to its source, and
-    the GPUs it would split the target over exist: all before ``import vllm`` (seconds) and its model load (minutes)."""
-    import torch
-
+    the GPUs it would split the target over exist and hold its weights: all before ``import vllm`` (seconds) and its
+    model load (minutes)."""
+    from ..model.sizing import this_machine, vllm_layout, weights_of
+    from ..model.target import read_config
     from ..model.vllm_engine import TESTED_VLLM, config_problem, vllm_version
 
     problem = config_problem(target_path)
@@ -304,15 +305,18 @@ def check_vllm_backend(target_path: Path, tensor_parallel_size: int) -> list[Che
         ),
         check_library_api("vllm"),
     ]
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    checks.append(
-        Check(
-            "GPUs",
-            PASS if gpus >= tensor_parallel_size else FAIL,
-            f"{gpus} visible, vLLM splits the target over {tensor_parallel_size}",
-            "" if gpus >= tensor_parallel_size else "lower --tensor-parallel-size or run where the GPUs are",
-        )
-    )
+    machine = this_machine()
+    if machine.gpus < tensor_parallel_size:
+        return checks + [
+            Check(
+                "GPUs",
+                FAIL,
+                f"{machine.gpus} visible, vLLM splits the target over {tensor_parallel_size}",
+                "lower --tensor-parallel-size or run where the GPUs are",
+            )
+        ]
+    fit = vllm_layout(weights_of(read_config(target_path)), machine, tensor_parallel_size, memory_share)
+    checks.append(Check("fit", FAIL if fit.problems else PASS, "; ".join((fit.describe(), *fit.problems))))
     return checks
 
 

@@ -188,7 +188,9 @@ def extract_checks(cfg: Any) -> list[Check]:
         return checks
     resolved, info = found
     checks += (
-        check_vllm_backend(resolved.path, cfg.tensor_parallel_size) if cfg.backend == "vllm" else [check_library_api()]
+        check_vllm_backend(resolved.path, cfg.tensor_parallel_size, cfg.gpu_memory_utilization)
+        if cfg.backend == "vllm"
+        else [check_library_api()]
     )
     checks.append(
         _target_check(
@@ -225,7 +227,7 @@ def extract_checks(cfg: Any) -> list[Check]:
         checks.append(check_output_dir(store, overwrite=False, resumable=True))
     needed = int(prepared.lengths.sum()) * bytes_per_token(info.hidden_size, cfg.storage_dtype)
     checks.append(check_disk(store, int(needed + cfg.reserve_gb * GIB), f"store ({cfg.storage_dtype}) + reserve"))
-    if cfg.backend == "vllm":  # vLLM sizes its own weights and cache (--gpu-memory-utilization) at load
+    if cfg.backend == "vllm":  # its fit is vLLM's own (check_vllm_backend): transformers' does not apply
         return checks
     device, dtype_bytes = _device_bytes(cfg.device, cfg.dtype)
     batch_tokens = cfg.batch_tokens or (GPU_BATCH_TOKENS if device.startswith("cuda") else CPU_BATCH_TOKENS)

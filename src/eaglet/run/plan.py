@@ -225,42 +225,26 @@ class TargetSizing:
         return chosen.gpus
 
     def place_vllm(self, plan: StagePlan, config: Any) -> int:
-        """vLLM holds the checkpoint as stored (INT4 stays INT4) split over ``--tensor-parallel-size`` GPUs, within
-        ``--gpu-memory-utilization`` of each; the rest of that share is its KV cache. Returns the GPUs it spans."""
-        from ..model.sizing import GIB
+        """Fill ``plan.memory`` (and ``plan.refusal``) with vLLM's hold on the target; returns the GPUs it spans."""
+        from ..model.sizing import vllm_layout
 
-        tp = config.tensor_parallel_size
         if not self.machine.gpus:
             plan.refusal = plan.refusal or f"{plan.name} (vllm backend): needs CUDA GPUs; this plan has none"
             return 0
-        weights = self.weights()
-        per_gpu = (weights.checkpoint_bytes or weights.bytes) / tp
-        share = self.machine.gpu_memory * config.gpu_memory_utilization
-        plan.memory = f"vllm tp x{tp}: {per_gpu / GIB:,.1f} GiB weights of {share / GIB:,.0f} (the rest KV cache)"
-        problems = []
-        if tp > self.machine.gpus:
-            problems.append(f"--tensor-parallel-size {tp} but the machine has {self.machine.gpus} GPUs")
-        if per_gpu > share:
-            problems.append(
-                f"{per_gpu / GIB:,.1f} GiB of weights per GPU over {share / GIB:,.1f} GiB "
-                f"(--gpu-memory-utilization {config.gpu_memory_utilization:g}); raise --tensor-parallel-size"
-            )
-        if problems:
-            plan.refusal = f"{plan.name} (vllm backend): " + "; ".join(problems)
-        return min(tp, self.machine.gpus)
+        chosen = vllm_layout(self.weights(), self.machine, config.tensor_parallel_size, config.gpu_memory_utilization)
+        plan.memory = chosen.describe()
+        if chosen.problems:
+            plan.refusal = f"{plan.name} (vllm backend): " + "; ".join(chosen.problems)
+        return min(chosen.tensor_parallel_size, self.machine.gpus)
 
     def vllm_alternative(self, config: Any) -> str:
-        """The fewest GPUs (a power of two) over which vLLM would hold the checkpoint as stored, as a hint."""
-        tp = 1
-        while tp <= self.machine.gpus:
-            trial = StagePlan("extract", "run", "")
-            self.place_vllm(
-                trial, config.model_copy(update={"backend": "vllm", "placement": "one", "tensor_parallel_size": tp})
-            )
-            if not trial.refusal:
-                return f"; --backend vllm --tensor-parallel-size {tp} would fit ({trial.memory})"
-            tp *= 2
-        return ""
+        """Where the hf backend is refused: the vLLM tensor-parallel size that would hold the checkpoint, as a hint."""
+        from ..model.sizing import smallest_vllm_layout
+
+        chosen = smallest_vllm_layout(self.weights(), self.machine, config.gpu_memory_utilization)
+        if chosen is None:
+            return ""
+        return f"; --backend vllm --tensor-parallel-size {chosen.tensor_parallel_size} would fit ({chosen.describe()})"
 
     def load_seconds(self) -> float:
         """Reading the weights (GPU plans; a CPU plan's targets load in seconds)."""
