@@ -54,14 +54,14 @@ class EngineSettings:
     aux_layer_ids: tuple[int, ...]
     num_layers: int
     spool: Path
-    tensor_parallel_size: int = 1
-    dtype: str = "bfloat16"
-    max_model_len: int = 4096
-    max_num_batched_tokens: int = 32768
-    gpu_memory_utilization: float = 0.85
-    trust_remote_code: bool = False
+    tensor_parallel_size: int
+    dtype: str
+    max_model_len: int
+    max_num_batched_tokens: int
+    gpu_memory_utilization: float
+    trust_remote_code: bool
     seed: int = 0
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # compiled and CUDA-graphed, as vLLM serves
 
 
 # vLLM's DeepseekV2/V3 (and Kimi-K2's) MoE gate has the routing score-correction bias only when config.json says
