@@ -106,6 +106,22 @@ def test_backend_settings_that_contradict_each_other_are_refused():
         build_config(ExtractConfig, "extract", cli_values={"prepared": "p", "out": "o", "tensor_parallel_size": 2})
 
 
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("--gpu-memory-utilization", "1.5", "'gpu_memory_utilization': Input should be less than 1 (got 1.5)"),
+        ("--gpu-memory-utilization", "0", "'gpu_memory_utilization': Input should be greater than 0 (got 0"),
+        ("--tensor-parallel-size", "0", "'tensor_parallel_size': Input should be greater than or equal to 1 (got 0"),
+        ("--backend", "sglang", "'backend': Input should be 'hf' or 'vllm' (got 'sglang')"),
+    ],
+)
+def test_bad_vllm_settings_are_one_line_before_anything(tmp_path, capsys, tiny_prepared, option, value, message):
+    out = tmp_path / "store"
+    code, _, err = run_cli(["extract", "--prepared", tiny_prepared, "--out", out, option, value], capsys)
+    assert code == 2 and message in err and "Traceback" not in err, err
+    assert not out.exists() and not any(tmp_path.iterdir())
+
+
 def test_extract_with_vllm_where_it_is_not_installed_is_refused_before_any_store(
     tmp_path, capsys, tiny_prepared, tiny_target
 ):
