@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `eaglet extract --backend vllm` beside `--backend hf` and vLLM's own prefill, on the H200 (one part per device call).
 # Staged first: the embedded target (scripts/device.sh) and vLLM (scripts/device/vllm_install.sh; README "GPU checks").
-#   bash scripts/device.sh bash benchmarks/vllm_extract_h200.sh data|embedded|8b|moe|train
+#   bash scripts/device.sh bash benchmarks/vllm_extract_h200.sh data|embedded|8b|moe|int4|train|serve
 # Results: one JSON object per line in $OUT/vllm_extract.jsonl (python benchmarks/vllm_extract_parity.py prints them).
 set -euo pipefail
 export PYTHONPATH=/tmp/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
@@ -24,7 +24,13 @@ case "$1" in
       --max-new-tokens 256 --batch-size 2048 --out "$work/answers.jsonl"
     python3 -m eaglet.cli prepare "$work/answers.jsonl" --out "$work/prepared"
     ;;
-  embedded) pair embedded "$embedded" 100000 ;;
+  embedded)  # + a float32 hf store: which bf16 backend is nearer the exact features
+    pair embedded "$embedded" 100000
+    rm -rf "$work/embedded-f32"
+    bench extract --backend hf --dtype float32 --target "$embedded" --prepared "$work/prepared" --out "$work/embedded-f32"
+    bench compare "$work/embedded-f32" "$work/embedded-hf"
+    bench compare "$work/embedded-f32" "$work/embedded-vllm"
+    ;;
   8b)
     [ -f "$work/llama8b/config.json" ] || bench make-8b "$work/llama8b" --tokenizer "$embedded"
     pair llama8b "$work/llama8b" 500
@@ -33,6 +39,10 @@ case "$1" in
   moe)
     [ -f "$work/moe/config.json" ] || bench make-moe "$work/moe" --tokenizer "$embedded"
     pair moe "$work/moe" 500
+    ;;
+  int4)  # compressed-tensors INT4: vLLM runs the packed weights (Marlin), transformers dequantizes them at load
+    [ -f "$work/int4/config.json" ] || bench make-int4 "$work/int4" --tokenizer "$embedded"
+    pair int4 "$work/int4" 500
     ;;
   train)  # a draft on each embedded store, the same recipe; eaglet eval decodes the held-out demo prompts
     for backend in hf vllm; do
@@ -47,5 +57,19 @@ print(json.dumps({'draft_from': '$backend', 'acceptance_length': r['acceptance_l
 'lossless': r['lossless'], 'heldout_sim_tau': evals[-1]['tau'] if evals else None}))" | tee -a "$OUT/vllm_extract.jsonl"
     done
     ;;
-  *) echo "usage: $0 data|embedded|8b|moe|train" >&2; exit 2 ;;
+  serve)  # the hf-store draft exported both ways, served by vLLM (compiled) beside `eaglet eval` at the same k
+    k=3
+    for format in vllm speculators; do
+      python3 -m eaglet.cli export --draft "$work/draft-hf" --format "$format" --out "$work/export-$format" \
+        --verifier "$embedded" --speculative-tokens $k --overwrite | tail -1
+    done
+    python3 benchmarks/vllm_serve_export.py --target "$embedded" --export "$work/export-vllm" \
+      "$work/export-speculators" --k $k --repeats "${REPEATS:-3}" --write-prompts "$work/serve_prompts.jsonl" \
+      --out "$OUT/vllm_serve.json" > "$OUT/vllm_serve.out"  # to a file: a call cut at its limit keeps what was printed
+    rm -rf "$work/eval-serve"
+    python3 -m eaglet.cli eval --draft "$work/draft-hf" --prompts "$work/serve_prompts.jsonl" --split all \
+      --mode chain --depth $k --max-new-tokens 128 --dtype bfloat16 --out "$work/eval-serve" | tail -4
+    cp "$work/eval-serve/report.json" "$OUT/eaglet_eval_serve_prompts.json"
+    ;;
+  *) echo "usage: $0 data|embedded|8b|moe|int4|train|serve" >&2; exit 2 ;;
 esac

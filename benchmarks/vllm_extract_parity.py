@@ -4,6 +4,8 @@ Subcommands (each a fresh process, so one engine holds the GPU at a time):
   make-8b DIR --tokenizer DIR     a random Llama of the 8B shape (bf16, safetensors) with that tokenizer
   make-moe DIR --tokenizer DIR    a small random DeepseekV3 (Kimi-K2's architecture: MLA at its real ranks, shared
                                   + routed experts, a dense first layer)
+  make-int4 DIR --tokenizer DIR   a small random Llama saved as a compressed-tensors INT4 checkpoint (packed
+                                  symmetric groups of 128: Kimi-K2's weight format, at widths vLLM's Marlin takes)
   extract --backend hf|vllm ...   `eaglet extract` in process; prints {seconds, tokens, tok/s} (load excluded)
   prefill --target DIR --prepared DIR
                                   vLLM alone, no connector, max_tokens=1 over the same samples: the ceiling
@@ -20,6 +22,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+from quantized import quantized_target  # noqa: E402
 from synthetic import LLAMA_8B_SHAPE  # noqa: E402
 
 INIT_STD = 0.02
@@ -74,6 +78,36 @@ def make_moe(out: Path, tokenizer: Path) -> dict:
     model.save_pretrained(out)
     vocab.save_pretrained(out)
     return {"made": str(out), "parameters": sum(p.numel() for p in model.parameters())}
+
+
+SMALL_INT4_LLAMA = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=4096,
+)
+INT4_GROUP = 128  # Kimi-K2's group size
+
+
+def make_int4(out: Path, tokenizer: Path) -> dict:
+    import tempfile
+
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    vocab = AutoTokenizer.from_pretrained(tokenizer)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        **SMALL_INT4_LLAMA, vocab_size=len(vocab), eos_token_id=vocab.eos_token_id, initializer_range=INIT_STD
+    )
+    with tempfile.TemporaryDirectory() as dense:
+        LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(dense)
+        vocab.save_pretrained(dense)
+        quantized_target(Path(dense), out, "int4", group_size=INT4_GROUP)
+    files = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    return {"made": str(out), "checkpoint_mb": round(files / 2**20, 1)}
 
 
 def extract(argv: list[str]) -> dict:
@@ -150,6 +184,7 @@ def compare(store_a: Path, store_b: Path) -> dict:
     a, b = by_sample(store_a), by_sample(store_b)
     assert a.keys() == b.keys(), "the stores hold different samples"
     cosines: dict[str, list] = {"aux0": [], "aux1": [], "aux2": [], "last": []}
+    first_token = []  # True where a token opens its sample (the attention sink: the largest activations)
     for sample in sorted(a):
         ids_a, mask_a, aux_a, last_a = a[sample]
         ids_b, mask_b, aux_b, last_b = b[sample]
@@ -157,6 +192,8 @@ def compare(store_a: Path, store_b: Path) -> dict:
         for k in range(3):
             cosines[f"aux{k}"].append(torch.nn.functional.cosine_similarity(aux_a[:, k], aux_b[:, k], dim=-1))
         cosines["last"].append(torch.nn.functional.cosine_similarity(last_a, last_b, dim=-1))
+        first_token.append(torch.arange(len(ids_a)) == 0)
+    opens = torch.cat(first_token)
     summary = {}
     for name, parts in cosines.items():
         values = torch.cat(parts).double()
@@ -165,8 +202,15 @@ def compare(store_a: Path, store_b: Path) -> dict:
             "p0.1": round(values.quantile(0.001).item(), 6),
             "mean": round(values.mean().item(), 6),
             "tokens_below_0.999": int((values < 0.999).sum()),
+            "of_them_first_tokens": int(((values < 0.999) & opens).sum()),
         }
-    return {"samples": len(a), "tokens": int(sum(len(v[0]) for v in a.values())), "cosine": summary}
+    return {
+        "a": str(store_a),
+        "b": str(store_b),
+        "samples": len(a),
+        "tokens": int(sum(len(v[0]) for v in a.values())),
+        "cosine": summary,
+    }
 
 
 def main() -> None:
@@ -178,6 +222,9 @@ def main() -> None:
     moe = sub.add_parser("make-moe")
     moe.add_argument("out", type=Path)
     moe.add_argument("--tokenizer", type=Path, required=True)
+    int4 = sub.add_parser("make-int4")
+    int4.add_argument("out", type=Path)
+    int4.add_argument("--tokenizer", type=Path, required=True)
     sub.add_parser("extract", help="the rest of the line: `eaglet extract` options")
     pre = sub.add_parser("prefill")
     pre.add_argument("--target", required=True)
@@ -195,6 +242,8 @@ def main() -> None:
         result = make_8b(args.out, args.tokenizer)
     elif args.command == "make-moe":
         result = make_moe(args.out, args.tokenizer)
+    elif args.command == "make-int4":
+        result = make_int4(args.out, args.tokenizer)
     elif args.command == "extract":
         result = extract(rest)
     elif args.command == "prefill":

@@ -9,7 +9,6 @@ from conftest import LM_HEAD_SHARPEN, build_tokenizer
 
 HIDDEN = 64
 LAYERS = 8  # the fewest the default aux layer ids (2, N//2, N-3) allow is 7
-QUANT_GROUP = 16  # the tiny layers' widths (16..128) divide by it; real checkpoints use 32 or 128
 
 
 def _common(tokenizer) -> dict:
@@ -81,47 +80,4 @@ def tiny_target(root: Path, arch: str) -> Path:
         model.get_output_embeddings().weight.mul_(LM_HEAD_SHARPEN)
     model.save_pretrained(root)
     tokenizer.save_pretrained(root)
-    return root
-
-
-def quantized_target(source: Path, root: Path, kind: str) -> Path:
-    """``source`` saved as a compressed-tensors checkpoint: ``int4`` (symmetric groups, packed: Kimi-K2's format)
-    or ``fp8`` (per-channel float8), the linear layers quantized and the LM head kept."""
-    import torch
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationArgs,
-        QuantizationConfig,
-        QuantizationScheme,
-        apply_quantization_config,
-    )
-    from compressed_tensors.quantization.utils import calculate_qparams
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
-    if kind == "int4":
-        args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=QUANT_GROUP)
-        layout = "pack-quantized"
-    else:
-        args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
-        layout = "float-quantized"
-    scheme = QuantizationScheme(targets=["Linear"], weights=args)
-    apply_quantization_config(
-        model,
-        QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], quantization_status="initialized"),
-    )
-    for module in model.modules():
-        if getattr(module, "quantization_scheme", None) is None:
-            continue
-        weight = module.weight.data.float()
-        rows = weight.reshape(weight.shape[0], -1, QUANT_GROUP) if kind == "int4" else weight[:, None, :]
-        scale, zero = calculate_qparams(rows.amin(-1), rows.amax(-1), module.quantization_scheme.weights)
-        module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
-        if hasattr(module, "weight_zero_point"):
-            module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=layout)
-    compressor.compress_model(model)
-    model.save_pretrained(root)
-    compressor.update_config(root)
-    AutoTokenizer.from_pretrained(source).save_pretrained(root)
     return root

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import extract_args, run_cli, small_conversations, write_jsonl
-from targets import quantized_target, tiny_target
+from quantized import quantized_target
+from targets import tiny_target
 
 FIXTURES = Path(__file__).parent / "fixtures" / "targets"
 GIB = 1 << 30
