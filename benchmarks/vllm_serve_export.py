@@ -53,6 +53,21 @@ def timed(run, repeats: int) -> tuple[list, dict]:
     }
 
 
+def spec_counters(llm) -> dict:
+    """vLLM's speculative-decoding counters so far (cumulative over the engine's life)."""
+    return {
+        m.name: getattr(m, "value", getattr(m, "values", None))
+        for m in llm.get_metrics()
+        if m.name.startswith("vllm:spec_decode")
+    }
+
+
+def acceptance_length(counters: dict) -> float | None:
+    """Mean tokens per verification, the bonus token included: 1 + accepted / drafts."""
+    drafts = counters.get("vllm:spec_decode_num_drafts") or 0
+    return round(1 + counters.get("vllm:spec_decode_num_accepted_tokens", 0) / drafts, 3) if drafts else None
+
+
 def generate(target: str, prompts: list[list[int]], settings: argparse.Namespace, speculative: dict | None) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -74,11 +89,12 @@ def generate(target: str, prompts: list[list[int]], settings: argparse.Namespace
         lambda: [llm.generate([item], sampling, use_tqdm=False)[0] for item in inputs[: settings.batch1_prompts]],
         settings.repeats,
     )
+    before_batched = spec_counters(llm)
     batched, batch_all = timed(lambda: llm.generate(inputs, sampling, use_tqdm=False), settings.repeats)
-    metrics = {
-        m.name: getattr(m, "value", getattr(m, "values", None))
-        for m in llm.get_metrics()
-        if m.name.startswith("vllm:spec_decode")
+    metrics = spec_counters(llm)
+    # the batched runs alone: every prompt decoded the same number of times, as `eaglet eval` decodes each once
+    metrics["batched_only"] = {
+        name: value - before_batched.get(name, 0) for name, value in metrics.items() if isinstance(value, int)
     }
     result = {
         "load_s": round(load_s, 1),
@@ -114,8 +130,6 @@ def main() -> None:
             args.target, prompts, args, {"method": "eagle3", "model": export, "num_speculative_tokens": args.k}
         )
         metrics = spec["spec_metrics"]
-        drafts = metrics.get("vllm:spec_decode_num_drafts") or 0
-        accepted = metrics.get("vllm:spec_decode_num_accepted_tokens") or 0
         record = {
             "vllm": __import__("vllm").__version__,
             "target": args.target,
@@ -127,7 +141,8 @@ def main() -> None:
             "greedy_equal_batch1": plain["tokens"] == spec["tokens"],
             "greedy_equal_batched": plain["batched_tokens"] == spec["batched_tokens"],
             "prompts_differing_batched": sum(a != b for a, b in zip(plain["batched_tokens"], spec["batched_tokens"])),
-            "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+            "mean_acceptance_length": acceptance_length(metrics),
+            "mean_acceptance_length_batched_only": acceptance_length(metrics["batched_only"]),
             "spec_metrics": metrics,
             "tok_s": {
                 "batch1_without": plain["batch1_tok_s"],
