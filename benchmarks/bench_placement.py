@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,15 +26,11 @@ from types import SimpleNamespace
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from synthetic import LLAMA_8B_SHAPE  # noqa: E402
+
 SHAPES = {
-    "8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-    ),
+    "8b": LLAMA_8B_SHAPE,
     "1b": dict(
         hidden_size=2048,
         intermediate_size=8192,
@@ -41,6 +38,8 @@ SHAPES = {
         num_attention_heads=32,
         num_key_value_heads=8,
         vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
     ),
 }
 
@@ -49,7 +48,7 @@ def build(shape: str, root: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, rope_theta=500000.0, torch_dtype="bfloat16")
+    config = LlamaConfig(**SHAPES[shape], torch_dtype="bfloat16")
     with torch.device("cuda"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(root)
