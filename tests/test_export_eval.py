@@ -31,6 +31,24 @@ EXPECTED_TENSORS = {
 }
 
 
+def eval_args(draft, target, prompts, out, *options) -> list:
+    """`eaglet eval` of ``draft`` on ``target`` over ``prompts`` on the CPU, then ``options``."""
+    return [
+        "eval",
+        "--draft",
+        draft,
+        "--target",
+        target,
+        "--prompts",
+        prompts,
+        "--out",
+        out,
+        "--device",
+        "cpu",
+        *options,
+    ]
+
+
 @pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
 def test_export_golden(tmp_path, capsys, tiny_draft, fmt):
     out = tmp_path / fmt
@@ -139,23 +157,7 @@ def test_eval_report(tmp_path, capsys, tiny_draft, tiny_target):
     )
     out = tmp_path / "eval"
     code, stdout, err = run_cli(
-        [
-            "eval",
-            "--draft",
-            tiny_draft,
-            "--target",
-            tiny_target,
-            "--prompts",
-            prompts,
-            "--out",
-            out,
-            "--max-new-tokens",
-            "16",
-            "--depth",
-            "3",
-            "--device",
-            "cpu",
-        ],
+        eval_args(tiny_draft, tiny_target, prompts, out, "--max-new-tokens", "16", "--depth", "3"),
         capsys,
     )
     assert code == 0, err
@@ -182,25 +184,9 @@ def test_batched_eval_gives_the_same_tokens_and_tau_as_one_at_a_time(tmp_path, c
     for batch in ("1", "2"):
         out = tmp_path / f"batch{batch}"
         code, _, err = run_cli(
-            [
-                "eval",
-                "--draft",
-                tiny_draft,
-                "--target",
-                tiny_target,
-                "--prompts",
-                prompts,
-                "--out",
-                out,
-                "--max-new-tokens",
-                "16",
-                "--depth",
-                "3",
-                "--device",
-                "cpu",
-                "--batch-size",
-                batch,
-            ],
+            eval_args(
+                tiny_draft, tiny_target, prompts, out, "--max-new-tokens", "16", "--depth", "3", "--batch-size", batch
+            ),
             capsys,
         )
         assert code == 0, err
@@ -210,42 +196,14 @@ def test_batched_eval_gives_the_same_tokens_and_tau_as_one_at_a_time(tmp_path, c
         assert reports["2"][key] == reports["1"][key], key
     for refused in (["--mode", "tree"], ["--temperature", "0.7"]):
         code, _, err = run_cli(
-            [
-                "eval",
-                "--draft",
-                tiny_draft,
-                "--target",
-                tiny_target,
-                "--prompts",
-                prompts,
-                "--out",
-                tmp_path / "x",
-                "--device",
-                "cpu",
-                "--batch-size",
-                "2",
-                *refused,
-            ],
+            eval_args(tiny_draft, tiny_target, prompts, tmp_path / "x", "--batch-size", "2", *refused),
             capsys,
         )
         assert code == 2 and "batched decoding drafts chains greedily" in err and "Traceback" not in err
         assert not (tmp_path / "x").exists()
     for bad, message in ((["--batch-size", "0"], "'batch_size'"), (["--dtype", "fp32"], "'dtype'")):
         code, _, err = run_cli(
-            [
-                "eval",
-                "--draft",
-                tiny_draft,
-                "--target",
-                tiny_target,
-                "--prompts",
-                prompts,
-                "--out",
-                tmp_path / "x",
-                "--device",
-                "cpu",
-                *bad,
-            ],
+            eval_args(tiny_draft, tiny_target, prompts, tmp_path / "x", *bad),
             capsys,
         )
         assert code == 2 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
@@ -280,21 +238,7 @@ def test_a_draft_moves_between_transformers_releases(tmp_path, capsys, tiny_draf
     assert here.config_hash == there.config_hash
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "the cat sat", "split": "heldout"}])
     code, _, err = run_cli(
-        [
-            "eval",
-            "--draft",
-            tiny_draft,
-            "--target",
-            moved,
-            "--prompts",
-            prompts,
-            "--out",
-            tmp_path / "e",
-            "--max-new-tokens",
-            "4",
-            "--device",
-            "cpu",
-        ],
+        eval_args(tiny_draft, moved, prompts, tmp_path / "e", "--max-new-tokens", "4"),
         capsys,
     )
     assert code == 0, err
@@ -316,21 +260,7 @@ def test_a_draft_keeps_its_target_when_another_transformers_hashes_the_tokenizer
     (moved / "config.json").write_text(json.dumps(config))
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "the cat sat", "split": "heldout"}])
     code, _, err = run_cli(
-        [
-            "eval",
-            "--draft",
-            moved,
-            "--target",
-            tiny_target,
-            "--prompts",
-            prompts,
-            "--out",
-            tmp_path / "e",
-            "--max-new-tokens",
-            "4",
-            "--device",
-            "cpu",
-        ],
+        eval_args(moved, tiny_target, prompts, tmp_path / "e", "--max-new-tokens", "4"),
         capsys,
     )
     assert code == 0, err
@@ -345,15 +275,10 @@ def test_eval_tree_mode_is_lossless_and_samples(tmp_path, capsys, tiny_draft, ti
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "the cat sat on", "split": "heldout"}])
     out = tmp_path / "tree"
     code, _, err = run_cli(
-        [
-            "eval",
-            "--draft",
+        eval_args(
             tiny_draft,
-            "--target",
             tiny_target,
-            "--prompts",
             prompts,
-            "--out",
             out,
             "--mode",
             "tree",
@@ -365,34 +290,16 @@ def test_eval_tree_mode_is_lossless_and_samples(tmp_path, capsys, tiny_draft, ti
             "8",
             "--max-new-tokens",
             "16",
-            "--device",
-            "cpu",
-        ],
+        ),
         capsys,
     )
     assert code == 0, err
     report = json.loads((out / "report.json").read_text())
     assert report["lossless"] is True and report["settings"]["mode"] == "tree" and report["settings"]["budget"] == 8
     code, _, err = run_cli(
-        [
-            "eval",
-            "--draft",
-            tiny_draft,
-            "--target",
-            tiny_target,
-            "--prompts",
-            prompts,
-            "--out",
-            out,
-            "--mode",
-            "tree",
-            "--temperature",
-            "0.7",
-            "--max-new-tokens",
-            "16",
-            "--device",
-            "cpu",
-        ],
+        eval_args(
+            tiny_draft, tiny_target, prompts, out, "--mode", "tree", "--temperature", "0.7", "--max-new-tokens", "16"
+        ),
         capsys,
     )
     assert code == 0, err
@@ -502,26 +409,19 @@ def test_static_cache_eval_gives_the_dynamic_cache_results(tmp_path, capsys, tin
         for graphs in ("off", "on"):
             out = tmp_path / f"{mode}_{graphs}"
             code, _, err = run_cli(
-                [
-                    "eval",
-                    "--draft",
+                eval_args(
                     tiny_draft,
-                    "--target",
                     tiny_target,
-                    "--prompts",
                     prompts,
-                    "--out",
                     out,
                     "--max-new-tokens",
                     "16",
-                    "--device",
-                    "cpu",
                     "--cuda-graphs",
                     graphs,
                     "--compile-draft",
                     graphs,
                     *shape,
-                ],
+                ),
                 capsys,
             )
             assert code == 0, err
@@ -536,21 +436,7 @@ def test_static_cache_eval_gives_the_dynamic_cache_results(tmp_path, capsys, tin
         for key in ("acceptance_length", "acceptance_by_position", "generated_tokens", "target_forwards"):
             assert static[key] == dynamic[key], (mode, key)
     code, _, err = run_cli(
-        [
-            "eval",
-            "--draft",
-            tiny_draft,
-            "--target",
-            tiny_target,
-            "--prompts",
-            prompts,
-            "--out",
-            tmp_path / "x",
-            "--device",
-            "cpu",
-            "--cuda-graphs",
-            "yes",
-        ],
+        eval_args(tiny_draft, tiny_target, prompts, tmp_path / "x", "--cuda-graphs", "yes"),
         capsys,
     )
     assert code == 2 and "'cuda_graphs'" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
@@ -633,28 +519,21 @@ def test_eval_tune_times_each_tree_and_evaluates_with_the_fastest(tmp_path, caps
     )
     out = tmp_path / "eval"
     code, stdout, err = run_cli(
-        [
-            "eval",
-            "--draft",
+        eval_args(
             tiny_draft,
-            "--target",
             tiny_target,
-            "--prompts",
             prompts,
-            "--out",
             out,
             "--max-new-tokens",
             "12",
             "--mode",
             "tree",
             "--tune",
-            "--device",
-            "cpu",
             "--set",
             "tune_trees=[[2, 2, 4], [3, 3, 9]]",
             "--set",
             "tune_prompts=2",
-        ],
+        ),
         capsys,
     )
     assert code == 0, err
@@ -677,28 +556,21 @@ def test_eval_tune_without_a_train_split_times_the_first_evaluated_prompts(tmp_p
     )
     out = tmp_path / "eval"
     code, _, err = run_cli(
-        [
-            "eval",
-            "--draft",
+        eval_args(
             tiny_draft,
-            "--target",
             tiny_target,
-            "--prompts",
             prompts,
-            "--out",
             out,
             "--max-new-tokens",
             "8",
             "--mode",
             "tree",
             "--tune",
-            "--device",
-            "cpu",
             "--set",
             "tune_trees=[[2, 2, 4]]",
             "--set",
             "tune_prompts=1",
-        ],
+        ),
         capsys,
     )
     assert code == 0, err
@@ -720,20 +592,7 @@ def test_eval_tune_without_a_train_split_times_the_first_evaluated_prompts(tmp_p
 def test_eval_tune_bad_settings_refused_before_loading(tmp_path, capsys, tiny_draft, tiny_target, args, message):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "the cat sat"}])
     code, _, err = run_cli(
-        [
-            "eval",
-            "--draft",
-            tiny_draft,
-            "--target",
-            tiny_target,
-            "--prompts",
-            prompts,
-            "--out",
-            tmp_path / "x",
-            "--device",
-            "cpu",
-            *args,
-        ],
+        eval_args(tiny_draft, tiny_target, prompts, tmp_path / "x", *args),
         capsys,
     )
     assert code == 2 and message in err and "Traceback" not in err, err
