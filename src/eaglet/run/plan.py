@@ -33,7 +33,8 @@ PROMPT_TOKENS_GUESS = 512  # KV cache per prompt before prompts are rendered
 EVAL_FORWARD_TOKENS = 128  # eval's largest verification forward
 LOAD_SECONDS_CPU = 20  # loading and converting a CPU-sized target
 MEASURED_DECODE_LAYERS = 30  # RATES' decode rate was measured on the embedded target's 30 layers
-# `extract --backend vllm` over `--backend hf` in one H200 call (RESULTS "vLLM backend": 75,854 vs 81,159 tok/s)
+# `extract --backend vllm` over `--backend hf` on the H200, the lower of two calls (RESULTS "vLLM backend": 75,854 vs
+# 81,159 tok/s, then 55,055 vs 51,789): a plan that errs long
 VLLM_EXTRACT_SHARE = 0.93
 
 
