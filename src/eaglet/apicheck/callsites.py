@@ -440,6 +440,8 @@ class Analyzer:
             return False
         for node in ast.walk(module.tree):
             if isinstance(node, ast.ClassDef) and node.name == cls.name:
+                if name == "__init__" and any(_makes_init(d) for d in node.decorator_list):
+                    return True
                 return any(isinstance(i, (ast.FunctionDef, ast.AsyncFunctionDef)) and i.name == name for i in node.body)
         return False
 
@@ -526,3 +528,16 @@ def _is_version_check(test: ast.expr) -> bool:
         if isinstance(node, ast.Call) and _last_name(node.func) == "hasattr":
             return True
     return False
+
+
+def _makes_init(decorator: ast.expr) -> bool:
+    """``@dataclass`` / ``@dataclasses.dataclass(...)`` writes the class's own ``__init__`` (unless ``init=False``)."""
+    call = decorator if isinstance(decorator, ast.Call) else None
+    name = call.func if call is not None else decorator
+    named = (isinstance(name, ast.Name) and name.id == "dataclass") or (
+        isinstance(name, ast.Attribute) and name.attr == "dataclass"
+    )
+    no_init = call is not None and any(
+        k.arg == "init" and isinstance(k.value, ast.Constant) and k.value.value is False for k in call.keywords
+    )
+    return named and not no_init
