@@ -1,12 +1,13 @@
 """Keep the released vLLM source files that eaglet's own calls into vLLM bind to, for the tests.
 
-`eaglet preflight` binds eaglet's calls into vLLM (``model/vllm_engine.py``) against the installed vLLM before the
-vllm backend loads anything. The tests run that check against real releases without installing them (vLLM does not
-install on a CPU machine): this script unpacks each wheel (``pip download --no-deps vllm==X``), runs the check, and
-stores exactly the files it read, verbatim, in tests/fixtures/vllm_call_sources.zip under ``<version>/``, with each
+`eaglet preflight` binds eaglet's calls into vLLM (``model/vllm_engine.py``, ``model/vllm_connector.py``) against the
+installed vLLM before the vllm backend loads anything, and reads whether vLLM's model for the target captures the last
+layer's output (``model/vllm_capture.py``). The tests run that check against real releases without installing them (vLLM does not
+install on a CPU machine): this script unpacks each wheel (``pip download --no-deps vllm==X``), runs the checks, and
+stores exactly the files they read, verbatim, in tests/fixtures/vllm_call_sources.zip under ``<version>/``, with each
 wheel's name and sha256 in ``<version>/WHEEL``.
 
-    pip download --no-deps vllm==0.24.0 vllm==0.33.0 vllm==0.18.0 -d /tmp/wheels
+    pip download --no-deps vllm==0.24.0 vllm==0.33.0 vllm==0.16.0 -d /tmp/wheels
     python scripts/refresh_vllm_call_sources.py /tmp/wheels/vllm-*.whl
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import sys
 import tempfile
 import zipfile
@@ -24,6 +26,10 @@ OUT = ROOT / "tests" / "fixtures" / "vllm_call_sources.zip"
 sys.path.insert(0, str(ROOT / "src"))
 
 from eaglet.apicheck.check import check_calls  # noqa: E402
+from eaglet.model.vllm_capture import last_layer_capture  # noqa: E402
+
+KIMI = json.loads((ROOT / "tests" / "fixtures" / "targets" / "kimi-k2.5" / "config.json").read_text())
+CAPTURE_TARGETS = [{"architectures": ["LlamaForCausalLM"]}, {"architectures": ["DeepseekV3ForCausalLM"]}, KIMI]
 
 
 def sources_read(wheel: Path, scratch: Path) -> tuple[str, dict[str, bytes]]:
@@ -32,7 +38,10 @@ def sources_read(wheel: Path, scratch: Path) -> tuple[str, dict[str, bytes]]:
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(root, [n for n in archive.namelist() if n.startswith("vllm/") and n.endswith(".py")])
     report = check_calls([ROOT / "src" / "eaglet"], "vllm", [root], str(wheel))
-    files = {path.relative_to(root).as_posix(): path.read_bytes() for path in report.sources}
+    read = list(report.sources)
+    for config in CAPTURE_TARGETS:  # the model sources eaglet reads to know whether vLLM captures layer N
+        read += last_layer_capture(config, root, report.version).files
+    files = {path.relative_to(root).as_posix(): path.read_bytes() for path in read}
     print(f"{wheel.name}: vllm {report.version}, {len(files)} files, {len(report.errors)} errors", file=sys.stderr)
     return report.version, files
 

@@ -5,10 +5,10 @@ calls into vLLM bound against released vLLM sources."""
 
 from __future__ import annotations
 
-import os
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import extract_args, run_cli
@@ -23,7 +23,7 @@ from eaglet.model.vllm_engine import TESTED_VLLM, aux_columns, captured_layers
 
 SOURCES = Path(__file__).parent / "fixtures" / "vllm_call_sources.zip"
 EAGLET = Path(__file__).parent.parent / "src" / "eaglet"
-BREAKING_VLLM = "0.18.0"  # has the extract_hidden_states route but not the spool reader eaglet calls
+BREAKING_VLLM = "0.16.0"  # before vLLM had the extract_hidden_states route eaglet's connector reads
 
 
 def test_vllm_is_asked_for_the_aux_layers_ascending_then_the_last_layer_output():
@@ -153,8 +153,8 @@ def test_a_release_where_our_call_breaks_is_named_with_the_call(tmp_path):
     report = check_calls([EAGLET], "vllm", [_release(BREAKING_VLLM, tmp_path)], f"vllm {BREAKING_VLLM}")
     assert report.version == BREAKING_VLLM
     broken = {(Path(f.path).name, f.target.rsplit(".", 1)[-1]) for f in report.errors}
-    assert ("vllm_engine.py", "load_hidden_states") in broken
-    assert all("does not exist in vllm 0.18.0" in f.message or "no longer has" in f.message for f in report.errors)
+    assert ("vllm_connector.py", "extract_from_kv_cache") in broken
+    assert all("does not exist in vllm 0.16.0" in f.message or "no longer has" in f.message for f in report.errors)
 
 
 def test_preflight_names_the_broken_call_before_the_load(tmp_path, monkeypatch):
@@ -168,28 +168,9 @@ def test_preflight_names_the_broken_call_before_the_load(tmp_path, monkeypatch):
     finally:
         check_library_api.cache_clear()
     assert check.status == FAIL
-    assert "vllm_engine.py:" in check.detail and "_hidden_states" in check.detail and "vllm 0.18.0" in check.detail
+    assert "vllm_connector.py:" in check.detail and "example_hidden_states_connector" in check.detail
+    assert "vllm 0.16.0" in check.detail
     assert "vllm==0.24.0" in check.fix
-
-
-def test_a_spool_file_whose_writer_never_releases_it_is_refused_not_waited_on_forever(tmp_path):
-    """vLLM's connector holds LOCK_EX on `<file>.lock` until the file is written; an engine that stops stepping never
-    releases it. eaglet waits a bounded time and names the file and the cause."""
-    import fcntl
-
-    from eaglet.model.vllm_engine import wait_for_spool
-
-    spooled = tmp_path / "req-1.safetensors"
-    lock = tmp_path / "req-1.safetensors.lock"
-    writer = os.open(lock, os.O_CREAT | os.O_WRONLY, 0o644)
-    fcntl.flock(writer, fcntl.LOCK_EX)  # as the connector's wait_for_save does
-    try:
-        with pytest.raises(EagletError, match=r"req-1\.safetensors: vLLM's connector has not finished writing"):
-            wait_for_spool(spooled, timeout_s=0.2)
-    finally:
-        os.close(writer)  # the connector's writer thread releases it once the file is written
-    wait_for_spool(spooled, timeout_s=0.2)  # released: returns at once
-    wait_for_spool(tmp_path / "no-lock.safetensors", timeout_s=0.2)  # the connector ran without locks
 
 
 def test_a_deepseek_v3_checkpoint_vllm_would_refuse_is_named_before_any_engine(
@@ -214,3 +195,167 @@ def test_a_deepseek_v3_checkpoint_vllm_would_refuse_is_named_before_any_engine(
     (target / "config.json").write_text(json.dumps(config | {"topk_method": "noaux_tc"}))
     assert config_problem(target) is None
     assert config_problem(tiny_target) is None  # a dense Llama has no router
+
+
+# ---- the row spool: vLLM's worker -> one file per shard -> eaglet ----
+
+
+def _released_function(release: Path, module: str, name: str):
+    """A function (or a class's staticmethod) as vLLM released it, run here: vLLM does not install on a CPU machine."""
+    import ast
+
+    source = (release / module).read_text()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            node.decorator_list = []
+            namespace = {"torch": torch}
+            exec(compile(ast.Module([node], []), str(release / module), "exec"), namespace)
+            return namespace[name]
+    raise AssertionError(f"{module} has no {name}")
+
+
+@pytest.mark.parametrize("version", TESTED_VLLM)
+def test_rows_gathered_by_slot_are_what_vllms_cache_only_layer_wrote(tmp_path, version):
+    """vLLM's cache-only layer scatters each token's captured states into its block's slot (`basic_cache`, in the
+    layout its backend allocates); eaglet's connector gathers them back with vLLM's `extract_from_kv_cache` at
+    `slot_indices`. Both vLLM functions are the released ones of each tested version (the layout differs)."""
+    from eaglet.model.vllm_rows import slot_indices
+
+    release = _release(version, tmp_path)
+    models = "vllm/model_executor/models/extract_hidden_states.py"
+    connector = "vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py"
+    write = _released_function(release, models, "basic_cache")
+    read = _released_function(release, connector, "extract_from_kv_cache")
+    block_size, layers, hidden, blocks = 16, 4, 8, 40
+    # the cache's layout, as the backend allocates it: 0.24 says so in get_kv_cache_shape; 0.33 allocates it from
+    # its HiddenStateCacheSpec as basic_cache documents, [num_blocks, num_heads, block_size, head_size]
+    shape = {"0.24.0": (blocks, block_size, layers, hidden), "0.33.0": (blocks, layers, block_size, hidden)}[version]
+    if version == "0.24.0":
+        assert _released_function(release, models, "get_kv_cache_shape")(blocks, block_size, layers, hidden) == shape
+    cache = torch.zeros(shape, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    free = torch.randperm(blocks - 1, generator=generator).add(1).tolist()  # block 0 is vLLM's null block
+    requests = []
+    for length in (1, 16, 17, 50):
+        block_ids = [free.pop() for _ in range(-(-length // block_size))]
+        states = torch.randn(length, layers, hidden, generator=generator).to(torch.bfloat16)
+        positions = torch.arange(length)
+        slots = torch.tensor(block_ids)[positions // block_size] * block_size + positions % block_size
+        write(states, cache, slots)  # what the forward did, step by step
+        requests.append((block_ids, states))
+    for block_ids, states in requests:
+        slots = torch.from_numpy(slot_indices(block_ids, block_size, len(states)))
+        assert torch.equal(read(cache, slots, len(states)), states)
+    with pytest.raises(ValueError, match="need 2 blocks of 16, the request holds 1"):
+        slot_indices([3], 16, 17)
+
+
+def _spool_setup(tmp_path, lengths, layers=4, hidden=8, dtype=torch.bfloat16):
+    from eaglet.model.vllm_rows import RowsTarget, create_spool
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    row_bytes = layers * hidden * itemsize
+    total = sum(lengths)
+    spool = tmp_path / "spool" / "shard-00000.rows"
+    partial = create_spool(spool, total, row_bytes)
+    generator = torch.Generator().manual_seed(1)
+    requests, row = [], 0
+    for length in lengths:
+        ids = torch.randint(0, 50_000, (length,), generator=generator).numpy()
+        rows = torch.randn(length, layers, hidden, generator=generator).to(dtype)
+        requests.append((RowsTarget(str(partial), row, total, row_bytes), ids, rows))
+        row += length
+    return spool, partial, requests
+
+
+def test_a_shards_rows_written_in_any_order_by_several_threads_read_back_exactly(tmp_path):
+    """Requests finish in any order and several writer threads put their rows in place; the file appears under its
+    final name only when its last row is in, and reads back as the shard's rows in request order."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    from eaglet.model.vllm_rows import RowsWriter, read_rows, wait_for_rows
+
+    lengths = [5, 1, 33, 12, 7, 64, 2, 19]
+    spool, partial, requests = _spool_setup(tmp_path, lengths)
+    assert partial.exists() and not spool.exists()
+    writer = RowsWriter()
+    order = list(range(len(requests)))
+    random.Random(0).shuffle(order)
+    writer.write(*requests[order[0]])
+    assert not spool.exists()  # one request in: not complete
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: writer.write(*requests[i]), order[1:]))
+    wait_for_rows(spool, timeout_s=5)
+    assert not partial.exists() and not writer.open_files
+    rows = read_rows(spool, sum(lengths), 4, 8, torch.bfloat16)
+    spool.unlink()  # the reader drops the file while its tensors are in use
+    assert torch.equal(rows.token_ids, torch.from_numpy(np.concatenate([r[1] for r in requests]).astype(np.int32)))
+    assert torch.equal(rows.hidden, torch.cat([r[2] for r in requests]))
+
+
+def test_rows_of_the_wrong_width_leave_an_error_the_reader_names(tmp_path):
+    """The worker captured other layers or another dtype than eaglet sized the file for: the file is never
+    completed, the worker leaves NAME.error, and the reader stops with its reason instead of waiting."""
+    from eaglet.model.vllm_rows import RowsWriter, wait_for_rows
+
+    spool, partial, requests = _spool_setup(tmp_path, [4, 4])
+    target, ids, rows = requests[0]
+    writer = RowsWriter()
+    writer.write(target, ids, rows.float())  # float32 rows where bf16 was asked for
+    writer.write(*requests[1])  # later rows of a failed file are dropped
+    assert not spool.exists()
+    with pytest.raises(EagletError, match=r"shard-00000\.rows: vLLM's worker could not write.*64 bytes per token, "
+                       r"eaglet expected 64|128 bytes per token, eaglet expected 64"):  # fmt: skip
+        wait_for_rows(spool, timeout_s=5)
+
+
+def test_a_spool_file_the_worker_never_completes_is_refused_not_waited_on_forever(tmp_path):
+    """An engine that stops stepping (its engine core in this process) never writes the last requests' rows:
+    eaglet waits a bounded time and names the file and the cause."""
+    from eaglet.model.vllm_rows import RowsWriter, wait_for_rows
+
+    spool, _, requests = _spool_setup(tmp_path, [3, 3])
+    RowsWriter().write(*requests[0])
+    with pytest.raises(EagletError, match=r"shard-00000\.rows: vLLM's worker has not finished writing it after 0 s"):
+        wait_for_rows(spool, timeout_s=0.2)
+
+
+def test_a_finished_spool_file_of_the_wrong_size_is_refused(tmp_path):
+    from eaglet.model.vllm_rows import read_rows
+
+    spool = tmp_path / "shard-00000.rows"
+    spool.write_bytes(b"\0" * 100)
+    with pytest.raises(EagletError, match=r"shard-00000\.rows: 100 bytes, expected 136; extract again"):
+        read_rows(spool, 2, 4, 8, torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "version, architecture, refused",
+    [
+        ("0.24.0", "LlamaForCausalLM", False),
+        ("0.24.0", "DeepseekV3ForCausalLM", True),  # seen on the H200: the engine died on its first step
+        ("0.24.0", "kimi-k2.5", True),  # the wrapper's language model is that DeepseekV3
+        ("0.33.0", "LlamaForCausalLM", False),
+        ("0.33.0", "DeepseekV3ForCausalLM", False),  # 0.33 also captures self.end_layer
+        ("0.33.0", "kimi-k2.5", False),
+    ],
+)
+def test_a_vllm_model_that_never_captures_the_last_layer_is_refused_from_its_source(
+    tmp_path, version, architecture, refused
+):
+    """vLLM 0.24.0's DeepseekV2/V3 collects states at layer inputs only, so layer id N (eaglet's `last`) never comes
+    and its engine dies after the model load; the released sources say so in milliseconds."""
+    import json
+
+    from eaglet.model.vllm_capture import last_layer_capture
+
+    kimi = Path(__file__).parent / "fixtures" / "targets" / "kimi-k2.5" / "config.json"
+    config = json.loads(kimi.read_text()) if architecture == "kimi-k2.5" else {"architectures": [architecture]}
+    verdict = last_layer_capture(config, _release(version, tmp_path), version)
+    if refused:
+        assert verdict.problem and "deepseek_v2.py" in verdict.problem and "vllm==0.33.0" in verdict.problem
+        assert f"vLLM {version}'s DeepseekV3ForCausalLM" in verdict.problem
+    else:
+        assert verdict.problem is None
+    assert verdict.files  # the registry and the model source were read

@@ -45,8 +45,18 @@ from ..model.final_norm import load_final_norm
 from ..model.placement import describe, output_device, topology
 from ..model.shards import encode_features, write_shard
 from ..model.sizing import GIB
-from ..model.target import hub_id_of, load_model, load_tokenizer, pick_dtype, resolve_target, target_info
-from ..model.vllm_engine import GENERATED_TOKENS, EngineSettings, HiddenStateEngine, config_problem
+from ..model.target import (
+    hub_id_of,
+    load_model,
+    load_tokenizer,
+    pick_dtype,
+    read_config,
+    resolve_target,
+    target_info,
+)
+from ..model.vllm_capture import installed_vllm_root, last_layer_capture
+from ..model.vllm_engine import GENERATED_TOKENS, EngineSettings, HiddenStateEngine, config_problem, vllm_version
+from ..model.vllm_rows import SPOOL_SUFFIX
 from ..progress import progress_bar
 from .vllm_extractor import VllmShardExtractor
 
@@ -340,19 +350,26 @@ def run_extract(
     console: Console | None = None,
     model: torch.nn.Module | None = None,
     only_shards: set[int] | None = None,
+    engine: HiddenStateEngine | None = None,
 ) -> ExtractResult:
-    """The store ``config.out``: its missing shards computed (``only_shards``: those alone), one writer a replica."""
+    """The store ``config.out``: its missing shards computed (``only_shards``: those alone), one writer a replica.
+    ``model`` (hf) or ``engine`` (vllm, opened by ``open_vllm_engine`` for this store) reuse a loaded target."""
     dist = init_distributed()
     check_output_dir(config.out)
     check_output_apart(config.out, [config.prepared, config.target])
     replica, replicas = (int(part) for part in config.replica.split("/"))
     tag = "" if replicas == 1 else f"-replica-{replica}-of-{replicas}"  # replicas share a store by design
     with output_lock(config.out, tag) if dist.is_main else contextlib.nullcontext():
-        return _extract(config, console or Console(stderr=True), model, only_shards, dist)
+        return _extract(config, console or Console(stderr=True), model, only_shards, dist, engine)
 
 
 def _extract(
-    config: ExtractConfig, console: Console, model: torch.nn.Module | None, only_shards: set[int] | None, dist: Any
+    config: ExtractConfig,
+    console: Console,
+    model: torch.nn.Module | None,
+    only_shards: set[int] | None,
+    dist: Any,
+    engine: HiddenStateEngine | None,
 ) -> ExtractResult:
     store = Path(config.out)
     prepared = load_prepared(config.prepared, config.max_samples)
@@ -384,15 +401,17 @@ def _extract(
     ]
     mine = [p for p in todo_all if p.index % place.replicas == place.replica]
     _check_disk(store, sum(p.tokens for p in todo_all) * per_token, config.reserve_gb)
-    engine = None
-    if mine and config.backend == "vllm":  # vLLM starts its own workers; before the store: a failed load leaves none
+    # vLLM starts its own workers; before the store: a failed load leaves none
+    if mine and config.backend == "vllm" and engine is None:
         if dist.world > 1:
             raise EagletError(
                 "--backend vllm runs in one process (vLLM starts a worker per GPU for --tensor-parallel-size); "
                 "run it without torchrun"
             )
-        engine = open_vllm_engine(config, resolved.path, layers, info.num_layers, prepared, store, model_dtype)
-    elif mine and model is None:  # before the store is created: a target that cannot load leaves nothing behind
+        engine = open_vllm_engine(
+            config, resolved.path, layers, info.num_layers, info.hidden_size, prepared, store, model_dtype
+        )
+    elif mine and config.backend == "hf" and model is None:  # before the store: a target that cannot load leaves none
         model = load_model(resolved.path, device, config.dtype, config.trust_remote_code, config, dist.world)
         if config.placement == "split" and dist.is_main:
             console.print(f"target split: {describe(model)}")
@@ -451,12 +470,15 @@ def spool_dir(config: ExtractConfig, store: Path) -> Path:
 
 
 def remove_spool(spool: Path, own: bool) -> None:
-    """eaglet's own spool folder goes whole; a folder the user named only once it is empty."""
+    """eaglet's own spool folder goes whole; in a folder the user named, only the shards' spool files (a failed
+    shard's are not kept: resumed, it is recomputed), and the folder once it is empty."""
     if own:
         shutil.rmtree(spool, ignore_errors=True)
-    else:
-        with contextlib.suppress(OSError):
-            spool.rmdir()
+        return
+    for leftover in spool.glob(f"shard-*{SPOOL_SUFFIX}*"):
+        leftover.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        spool.rmdir()
 
 
 def open_vllm_engine(
@@ -464,6 +486,7 @@ def open_vllm_engine(
     target_path: Path,
     layers: tuple[int, ...],
     num_layers: int,
+    hidden_size: int,
     prepared: PreparedSet,
     store: Path,
     model_dtype: str,
@@ -472,6 +495,9 @@ def open_vllm_engine(
     if not config.device.startswith(("auto", "cuda")) or not torch.cuda.is_available():
         raise EagletError("--backend vllm needs CUDA GPUs; use --backend hf on this machine")
     problem = config_problem(target_path)
+    root = installed_vllm_root()
+    if problem is None and root is not None:
+        problem = last_layer_capture(read_config(target_path), root, vllm_version() or "?").problem
     if problem:
         raise EagletError(problem)
     longest = int(prepared.lengths.max())
@@ -479,6 +505,7 @@ def open_vllm_engine(
         model=str(target_path),
         aux_layer_ids=layers,
         num_layers=num_layers,
+        hidden_size=hidden_size,
         spool=spool_dir(config, store),
         tensor_parallel_size=config.tensor_parallel_size,
         dtype=model_dtype,

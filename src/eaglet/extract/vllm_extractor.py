@@ -1,8 +1,9 @@
 """`eaglet extract --backend vllm`: a shard's features from vLLM's hidden-state capture, stored as the hf backend stores them.
 
 The main thread runs one shard's requests through vLLM (``model.vllm_engine``); the writer thread that takes the shard
-reads vLLM's spool files, forms ``aux`` (the aux columns in eaglet's order) and ``last`` (the final norm over the last
-layer's output), encodes them with the store's format and writes the shard, while vLLM computes the next one.
+waits for its spool file (vLLM's worker fills it, ``model.vllm_rows``), forms ``aux`` (the aux columns in eaglet's
+order) and ``last`` (the final norm over the last layer's output), encodes them with the store's format and writes the
+shard, while vLLM computes the next one.
 The shard's other tensors (ids, mask, offsets, sample index) and its order are the hf backend's, so a store from
 either backend is the same format, resumed and trained on the same way.
 """
@@ -21,17 +22,20 @@ from ..errors import EagletError
 from ..formats.prepared import PreparedSet
 from ..formats.store_manifest import ShardPlan
 from ..model.shards import encode_features
-from ..model.vllm_engine import HiddenStateEngine, aux_columns, read_spooled
+from ..model.vllm_engine import SPOOL_WAIT_S, HiddenStateEngine, aux_columns
+from ..model.vllm_rows import SPOOL_SUFFIX, read_rows, wait_for_rows
 
 
 @dataclass
 class SpooledShard:
-    """A shard whose features are still in vLLM's spool files: ``wait()`` (in a writer thread) fills ``tensors``."""
+    """A shard whose features are still in vLLM's spool file: ``wait()`` (in a writer thread) fills ``tensors``."""
 
     plan: ShardPlan
     tensors: dict[str, torch.Tensor]  # ids, mask, offsets, sample index now; the features after wait()
-    paths: list[Path]  # one spool file per sample, in stored order
-    sample_tokens: list[np.ndarray]  # the token ids each file must hold
+    spool: Path  # the shard's rows, written by vLLM's worker
+    layers: int  # captured layers: the aux ids ascending, then the last layer's output
+    hidden_size: int
+    dtype: torch.dtype  # vLLM's compute dtype, the spool's
     sample_ids: list[str]
     columns: list[int]  # the aux ids' captured columns, in eaglet's order
     norm: nn.Module
@@ -40,15 +44,18 @@ class SpooledShard:
 
     @torch.inference_mode()
     def wait(self) -> None:
+        wait_for_rows(self.spool, SPOOL_WAIT_S)
+        total = len(self.tensors["input_ids"])
+        rows = read_rows(self.spool, total, self.layers, self.hidden_size, self.dtype)
+        self.spool.unlink()  # its mapping stays readable until the tensors go
+        if not torch.equal(rows.token_ids, self.tensors["input_ids"]):
+            raise EagletError(
+                f"{self.spool}: vLLM's hidden states are for other tokens than the shard's; extract again"
+            )
         device = next(self.norm.parameters()).device
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            hidden = torch.cat(
-                [
-                    read_spooled(path, ids).to(device, non_blocking=True)
-                    for path, ids in zip(self.paths, self.sample_tokens)
-                ]
-            )  # [T, 4, H]: three aux layers ascending, then the last layer's un-normed output
+            hidden = rows.hidden.to(device, non_blocking=True)  # [T, 4, H]: three aux layers ascending, then the last
             aux = hidden[:, self.columns]  # [T, 3, H]
             last = self.norm(hidden[:, -1])  # [T, H]
             finite = torch.isfinite(aux).flatten(1).all(1) & torch.isfinite(last).all(1)
@@ -80,7 +87,8 @@ class VllmShardExtractor:
         samples = np.asarray(plan.samples)
         rows = [prepared.sample(int(s)) for s in samples]
         tokens = [ids for ids, _ in rows]
-        paths = self.engine.run([ids.tolist() for ids in tokens])
+        settings = self.engine.settings
+        spool = self.engine.run([ids.tolist() for ids in tokens], f"shard-{plan.index:05d}{SPOOL_SUFFIX}")
         lengths = np.array([len(ids) for ids in tokens])
         tensors = {
             "input_ids": torch.from_numpy(np.concatenate(tokens).astype(np.int32)),
@@ -91,8 +99,10 @@ class VllmShardExtractor:
         return SpooledShard(
             plan,
             tensors,
-            paths,
-            tokens,
+            spool,
+            len(self.columns) + 1,
+            settings.hidden_size,
+            getattr(torch, settings.dtype),
             [prepared.ids[int(s)] for s in samples],
             self.columns,
             self.norm,

@@ -1,9 +1,9 @@
 """vLLM's public offline route to a target's hidden states, for `eaglet extract --backend vllm`.
 
 ``LLM`` with the ``extract_hidden_states`` speculative method captures the states entering the requested decoder
-layers into a cache-only attention layer (vLLM's layer ids are eaglet's, ``formats.layers``), and vLLM's own
-``ExampleHiddenStatesConnector`` writes each finished request's ``hidden_states`` [tokens, layers, H] and
-``token_ids`` to a safetensors file in a spool folder, guarded by a lock file until the write is done. vLLM loads the
+layers into a cache-only attention layer (vLLM's layer ids are eaglet's, ``formats.layers``), and eaglet's own KV
+connector (``model.vllm_connector``, loaded by vLLM through ``KVTransferConfig.kv_connector_module_path``) writes
+each finished request's rows [tokens, layers, H] into its shard's spool file (``model.vllm_rows``). vLLM loads the
 checkpoint natively (compressed-tensors INT4, FP8, MoE experts) and splits it over ``tensor_parallel_size`` GPUs
 itself; only its rank 0 writes.
 
@@ -14,22 +14,21 @@ passed through the target's own norm (``model.final_norm``), as the hf backend's
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Iterator
 
 import torch
 
 from ..errors import EagletError
+from .vllm_rows import RowsTarget, create_spool
 
-CONNECTOR = "ExampleHiddenStatesConnector"  # vLLM's connector for the extract_hidden_states method
+CONNECTOR = "EagletRowsConnector"  # eaglet's KV connector class, in CONNECTOR_MODULE
+CONNECTOR_MODULE = "eaglet.model.vllm_connector"
 TESTED_VLLM = ("0.24.0", "0.33.0")  # releases whose source eaglet's calls are checked against (tests/)
 GENERATED_TOKENS = 1  # a request runs its prefill and samples one token: the prompt's states are the product
-SPOOL_WAIT_S = 600.0  # longest wait for the connector to write one finished request's file
-SPOOL_POLL_S = 0.005
+SPOOL_WAIT_S = 600.0  # longest wait, after vLLM returned a shard's requests, for its spool file to be complete
 
 
 def captured_layers(aux_layer_ids: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
@@ -53,6 +52,7 @@ class EngineSettings:
     model: str
     aux_layer_ids: tuple[int, ...]
     num_layers: int
+    hidden_size: int
     spool: Path
     tensor_parallel_size: int
     dtype: str
@@ -62,6 +62,12 @@ class EngineSettings:
     trust_remote_code: bool
     seed: int = 0
     enforce_eager: bool = False  # compiled and CUDA-graphed, as vLLM serves
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's captured rows: every captured layer's hidden state in the model's dtype."""
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return len(captured_layers(self.aux_layer_ids, self.num_layers)) * self.hidden_size * itemsize
 
 
 # vLLM's DeepseekV2/V3 (and Kimi-K2's) MoE gate has the routing score-correction bias only when config.json says
@@ -98,26 +104,52 @@ def vllm_version() -> str | None:
         return None
 
 
+def vllm_missing(exc: ImportError) -> EagletError:
+    return EagletError(f"--backend vllm: vLLM does not import here ({exc}); install vllm (README, 'GPU checks')")
+
+
+@contextlib.contextmanager
+def engine_alive(model: str, doing: str) -> Iterator[None]:
+    """Around a call into a started engine: its death (the root cause is in vLLM's own log above) as one line."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    try:
+        yield
+    except EngineDeadError:
+        raise EagletError(
+            f"vLLM's engine on {model} died while {doing}; its log above names the cause (a kernel, memory, or a "
+            "model vLLM cannot run this way); nothing of this batch was kept"
+        ) from None
+
+
+@contextlib.contextmanager
+def starting(model: str) -> Iterator[None]:
+    """Around ``LLM(...)``: vLLM's own refusals to start (a length, a kernel, memory) as one line naming the target.
+    eaglet has touched CUDA by then (the final norm, the device), so vLLM's engine process must not be forked."""
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    try:
+        yield
+    except (ValueError, RuntimeError, OSError) as exc:
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise EagletError(f"vLLM could not start on {model}: {said}") from None
+
+
 class HiddenStateEngine:
-    """A vLLM engine that turns token sequences into their captured hidden states."""
+    """A vLLM engine that turns token sequences into one spool file of their captured hidden states."""
 
     def __init__(self, settings: EngineSettings):
         try:
-            from vllm import LLM, SamplingParams
+            from vllm import LLM
             from vllm.config import KVTransferConfig
         except ImportError as exc:
-            raise EagletError(
-                f"--backend vllm: vLLM does not import here ({exc}); install vllm (README, 'GPU checks')"
-            ) from None
+            raise vllm_missing(exc) from None
         self.settings = settings
-        # eaglet has touched CUDA by now (the final norm, the device): vLLM's engine process must not be forked
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         transfer = KVTransferConfig(
             kv_connector=CONNECTOR,
+            kv_connector_module_path=CONNECTOR_MODULE,
             kv_role="kv_producer",
-            kv_connector_extra_config={"shared_storage_path": str(settings.spool)},
         )
-        try:
+        with starting(settings.model):
             self.llm = LLM(
                 model=settings.model,
                 skip_tokenizer_init=True,  # eaglet sends token ids; vLLM never tokenizes or detokenizes
@@ -130,7 +162,7 @@ class HiddenStateEngine:
                 max_model_len=settings.max_model_len,
                 max_num_batched_tokens=settings.max_num_batched_tokens,
                 enable_prefix_caching=False,  # every token's states are computed, none reused from another request
-                enable_chunked_prefill=False,  # the connector saves a request whose prompt ran in one step
+                enable_chunked_prefill=False,  # a request's rows are read once its whole prompt ran
                 speculative_config={
                     "method": "extract_hidden_states",
                     "num_speculative_tokens": 1,
@@ -144,61 +176,33 @@ class HiddenStateEngine:
                 },
                 kv_transfer_config=transfer,
             )
-        except (ValueError, RuntimeError, OSError) as exc:  # vLLM's own refusals: a length, a kernel, memory
-            said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise EagletError(f"vLLM could not start on {settings.model}: {said}") from None
-        self.sampling = SamplingParams(max_tokens=GENERATED_TOKENS, temperature=0.0, detokenize=False)
 
-    def run(self, token_lists: list[list[int]]) -> list[Path]:
-        """Every sequence through the target (vLLM batches them); the spool file of each, in input order."""
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in token_lists], self.sampling, use_tqdm=False)
-        paths = []
-        for output in outputs:
-            params: dict[str, Any] = output.kv_transfer_params or {}
-            if "hidden_states_path" not in params:
-                raise EagletError(
-                    f"vLLM returned no hidden-states file for request {output.request_id}; "
-                    f"its {CONNECTOR} did not run (check the vLLM version: {', '.join(TESTED_VLLM)} are tested)"
+    def run(self, token_lists: list[list[int]], name: str) -> Path:
+        """Every sequence through the target (vLLM batches them); their rows, in input order, go to the spool file
+        ``name`` (complete once ``vllm_rows.wait_for_rows`` returns)."""
+        from vllm import SamplingParams
+
+        spool = self.settings.spool / name
+        total = sum(len(ids) for ids in token_lists)
+        partial = create_spool(spool, total, self.settings.row_bytes)
+        params, row = [], 0
+        for ids in token_lists:
+            target = RowsTarget(str(partial), row, total, self.settings.row_bytes)
+            params.append(
+                SamplingParams(
+                    max_tokens=GENERATED_TOKENS,
+                    temperature=0.0,
+                    detokenize=False,
+                    extra_args={"kv_transfer_params": target.to_params()},
                 )
-            paths.append(Path(params["hidden_states_path"]))
-        return paths
-
-
-def wait_for_spool(path: Path, timeout_s: float = SPOOL_WAIT_S) -> None:
-    """Block until vLLM's writer has released ``path`` (its ``.lock`` file, the connector's protocol), or refuse.
-
-    The connector writes a finished request's file on a later engine step; an engine that stops stepping (its
-    engine core run in this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) would leave the lock held forever."""
-    lock = path.with_name(path.name + ".lock")
-    deadline = time.monotonic() + timeout_s
-    with open(lock) if lock.exists() else contextlib.nullcontext() as handle:
-        while handle is not None:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                fcntl.flock(handle, fcntl.LOCK_UN)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise EagletError(
-                        f"{path}: vLLM's connector has not finished writing it after {timeout_s:.0f} s; run vLLM's "
-                        "engine core in its own process (unset VLLM_ENABLE_V1_MULTIPROCESSING) and extract again"
-                    ) from None
-                time.sleep(SPOOL_POLL_S)
-
-
-def read_spooled(path: Path, token_ids: Any) -> torch.Tensor:
-    """One request's captured states [tokens, layers, H], once vLLM's writer released the file; the file is removed.
-    Its token ids must be the ones sent: a file of another request is refused, not stored."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-        cleanup_hidden_states,
-        load_hidden_states,
-    )
-
-    wait_for_spool(path)
-    data = load_hidden_states(str(path))
-    cleanup_hidden_states(str(path))
-    sent = torch.as_tensor(token_ids, dtype=torch.long)
-    got = data["token_ids"].long()
-    if got.shape != sent.shape or not torch.equal(got, sent):
-        raise EagletError(f"{path}: vLLM's hidden states are for other tokens than the request's; extract again")
-    return data["hidden_states"]
+            )
+            row += len(ids)
+        with engine_alive(self.settings.model, f"computing the hidden states of {name}"):
+            outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in token_lists], params, use_tqdm=False)
+        for output in outputs:
+            if "rows_file" not in (output.kv_transfer_params or {}):
+                raise EagletError(
+                    f"vLLM returned no hidden states for request {output.request_id}: its {CONNECTOR} did not run "
+                    f"(check the vLLM version: {', '.join(TESTED_VLLM)} are tested)"
+                )
+        return spool

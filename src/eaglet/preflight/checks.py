@@ -273,8 +273,11 @@ def check_memory(device: str, needed: int, what: str) -> Check:
     )
 
 
-def check_vllm_backend(target_path: Path, tensor_parallel_size: int, memory_share: float) -> list[Check]:
-    """The checkpoint is one vLLM's loader takes, vLLM is installed, eaglet's calls into it bind to its source, and
+def check_vllm_backend(
+    target_path: Path, tensor_parallel_size: int, memory_share: float, captures: bool = True
+) -> list[Check]:
+    """The checkpoint is one vLLM's loader takes, vLLM is installed, eaglet's calls into it bind to its source, its
+    model for the target captures the layers eaglet extracts (``captures``: the extract route, not generation), and
     the GPUs it would split the target over exist and hold its weights: all before ``import vllm`` (seconds) and its
     model load (minutes)."""
     from ..model.sizing import this_machine, vllm_layout, weights_of
@@ -305,6 +308,8 @@ def check_vllm_backend(target_path: Path, tensor_parallel_size: int, memory_shar
         ),
         check_library_api("vllm"),
     ]
+    if captures:
+        checks.append(check_vllm_capture(target_path, version))
     machine = this_machine()
     if machine.gpus < tensor_parallel_size:
         return checks + [
@@ -318,6 +323,20 @@ def check_vllm_backend(target_path: Path, tensor_parallel_size: int, memory_shar
     fit = vllm_layout(weights_of(read_config(target_path)), machine, tensor_parallel_size, memory_share)
     checks.append(Check("fit", FAIL if fit.problems else PASS, "; ".join((fit.describe(), *fit.problems))))
     return checks
+
+
+def check_vllm_capture(target_path: Path, version: str) -> Check:
+    """vLLM's model for the target captures the last layer's output (read from the installed vLLM's source)."""
+    from ..model.target import read_config
+    from ..model.vllm_capture import installed_vllm_root, last_layer_capture
+
+    root = installed_vllm_root()
+    if root is None:
+        return Check("vllm capture", WARN, "the installed vLLM's source was not found; vLLM will say at load")
+    verdict = last_layer_capture(read_config(target_path), root, version)
+    if verdict.problem:
+        return Check("vllm capture", FAIL, verdict.problem)
+    return Check("vllm capture", PASS, "vLLM's model captures the aux layers and the last layer's output")
 
 
 def _supported_release(package: str) -> str:
