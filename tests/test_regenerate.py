@@ -233,3 +233,34 @@ def test_split_and_demo_prompts(tmp_path, capsys):
     assert categories == {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
     for category in categories:
         assert sum(r.meta["category"] == category and r.meta["split"] == "heldout" for r in rows) >= 10
+
+
+def test_vllm_backend_where_vllm_is_not_installed_is_one_line_and_writes_nothing(tmp_path, capsys, tiny_target):
+    prompts = prompts_file(tmp_path, 2)
+    out = tmp_path / "answers.jsonl"
+    code, _, err = run_cli(["regenerate", prompts, "--out", out, "--target", tiny_target, "--backend", "vllm"], capsys)
+    assert code == 2 and "preflight failed for regenerate: vllm: --backend vllm: vLLM is not installed" in err, err
+    assert "Traceback" not in err and not out.exists()
+    code, out_text, _ = run_cli(
+        ["preflight", "regenerate", prompts, "--out", out, "--target", tiny_target, "--backend", "vllm", "--json"],
+        capsys,
+    )
+    checks = {check["name"]: check for check in json.loads(out_text)["checks"]}
+    assert code != 0 and checks["vllm"]["status"] == "fail" and "not installed" in checks["vllm"]["detail"]
+    assert checks["chat template"]["status"] == "pass"  # the target's template was checked too
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--tensor-parallel-size", "2"], "--tensor-parallel-size is the vllm backend's"),
+        (["--backend", "vllm", "--placement", "split"], "vLLM places the target itself"),
+        (["--backend", "vllm", "--gpu-memory-utilization", "1.2"], "'gpu_memory_utilization': Input should be less"),
+    ],
+)
+def test_vllm_settings_that_contradict_the_backend_are_refused(tmp_path, capsys, tiny_target, extra, message):
+    prompts = prompts_file(tmp_path, 2)
+    out = tmp_path / "answers.jsonl"
+    code, _, err = run_cli(["regenerate", prompts, "--out", out, "--target", tiny_target, *extra], capsys)
+    assert code == 2 and message in err and "Traceback" not in err, err
+    assert not out.exists()

@@ -42,9 +42,8 @@ ExportFormat = Literal[FORMAT_NAMES]  # type: ignore[valid-type]
 ComputeDtype = Literal["auto", "float32", "bfloat16", "float16"]
 Split = Literal["all", "train", "heldout"]  # rows whose `split` field matches
 OnBadRow = Literal["error", "skip"]
-ExtractBackend = Literal[
-    "hf", "vllm"
-]  # hf: transformers in this process (eaglet.extract); vllm: eaglet.model.vllm_engine
+# hf: transformers in this process (eaglet.extract); vllm: eaglet.model.vllm_engine
+ExtractBackend = Literal["hf", "vllm"]
 DEFAULT_VLLM_MEMORY_SHARE = 0.85  # of the GPU vLLM takes for weights + KV cache (the norm and encode need the rest)
 TARGET_HELP = "'embedded' (SmolLM2-135M-Instruct), an HF model directory, a .gguf file or a hub id"
 RECORDED_TARGET_HELP = "the target (default: the one its input records)"
@@ -85,6 +84,27 @@ class PlacementFields(StrictModel):
     FORWARD_OPTION: ClassVar[tuple[str, int] | None] = None
 
 
+class VllmFields(StrictModel):
+    """How vLLM holds the target, for every stage with a vllm backend (``model.vllm_engine``)."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1, description="vllm: GPUs vLLM splits the target over")
+    gpu_memory_utilization: float = Field(
+        default=DEFAULT_VLLM_MEMORY_SHARE, gt=0, lt=1, description="vllm: share of each GPU vLLM may take"
+    )
+
+    @model_validator(mode="after")
+    def _vllm_places_itself(self) -> "VllmFields":
+        backend, placement = getattr(self, "backend"), getattr(self, "placement")
+        if backend == "vllm" and placement != "one":
+            raise ValueError(
+                f"--placement {placement} is the hf backend's; vLLM places the target itself "
+                "(use --tensor-parallel-size)"
+            )
+        if backend != "vllm" and self.tensor_parallel_size != 1:
+            raise ValueError("--tensor-parallel-size is the vllm backend's; the hf backend uses --placement tp")
+        return self
+
+
 class PrepareConfig(StrictModel):
     inputs: list[str] = Field(min_length=1, description="conversation files (.jsonl, .json, .parquet)")
     out: str = Field(description="output directory (written atomically)")
@@ -97,7 +117,7 @@ class PrepareConfig(StrictModel):
     trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
 
 
-class RegenerateConfig(PlacementFields):
+class RegenerateConfig(VllmFields, PlacementFields):
     FORWARD_OPTION: ClassVar[tuple[str, int] | None] = ("--batch-size {}", 1)
 
     prompts: list[str] = Field(
@@ -105,15 +125,22 @@ class RegenerateConfig(PlacementFields):
     )
     out: str = Field(description="output .jsonl (resumable)")
     target: str = Field(default="embedded", description=TARGET_HELP)
-    backend: Literal["hf", "openai"] = Field(
-        default="hf", description="hf: in process; openai: an OpenAI-compatible server"
+    backend: Literal["hf", "vllm", "openai"] = Field(
+        default="hf",
+        description="hf: transformers in process; vllm: vLLM in process (continuous batching, native quantized "
+        "weights, --tensor-parallel-size); openai: an OpenAI-compatible server",
     )
     max_new_tokens: int = Field(default=256, ge=1)
     temperature: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 = greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, description="answers per prompt")
     seed: int = 0
-    batch_size: int = Field(default=0, ge=0, description="hf: prompts per batch (0 = 64 on GPU, 8 on CPU)")
+    batch_size: int = Field(
+        default=0,
+        ge=0,
+        description="prompts per batch, each written when done (0: hf 64 on GPU, 8 on CPU; vllm 2048 per call, "
+        "which vLLM batches itself)",
+    )
     max_prompts: int | None = Field(default=None, ge=1, description="only the first N selected prompts")
     split: Split = Field(default="all", description="rows whose `split` field matches")
     device: str = Field(default="auto", description="hf: auto, cpu, cuda, cuda:1 ...")
@@ -299,7 +326,7 @@ def build_config(
         raise EagletError(describe_validation_error(exc, source)) from None
 
 
-class ExtractConfig(PlacementFields):
+class ExtractConfig(VllmFields, PlacementFields):
     FORWARD_OPTION: ClassVar[tuple[str, int] | None] = ("--batch-tokens {}", 256)
 
     prepared: str = Field(description="a prepared set directory (`eaglet prepare`)")
@@ -324,27 +351,12 @@ class ExtractConfig(PlacementFields):
         description="hf: transformers in this process; vllm: vLLM's extract_hidden_states route "
         "(native quantized weights, vLLM's own tensor parallelism)",
     )
-    tensor_parallel_size: int = Field(default=1, ge=1, description="vllm: GPUs vLLM splits the target over")
-    gpu_memory_utilization: float = Field(
-        default=DEFAULT_VLLM_MEMORY_SHARE, gt=0, lt=1, description="vllm: share of each GPU vLLM may take"
-    )
     spool_dir: str | None = Field(
         default=None,
-        description="vllm: where vLLM's connector writes each request's hidden states before they go into "
+        description="vllm: where vLLM's worker writes each shard's hidden states before they go into "
         "the store (default: .STORE.vllm-spool beside --out, removed when the stage ends)",
     )
     trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
-
-    @model_validator(mode="after")
-    def _vllm_places_itself(self) -> "ExtractConfig":
-        if self.backend == "vllm" and self.placement != "one":
-            raise ValueError(
-                f"--placement {self.placement} is the hf backend's; vLLM places the target itself "
-                "(use --tensor-parallel-size)"
-            )
-        if self.backend == "hf" and self.tensor_parallel_size != 1:
-            raise ValueError("--tensor-parallel-size is the vllm backend's; the hf backend uses --placement tp")
-        return self
 
 
 class TrainConfig(PlacementFields):

@@ -20,9 +20,13 @@ class Generator:
     writes: bool  # this rank writes (under --placement tp every rank generates, rank 0 writes)
 
     def until_stop(self, tokens: list[int]) -> tuple[list[int], bool]:
-        """New tokens up to the first stop token, and whether one came."""
-        stop_at = next((i for i, t in enumerate(tokens) if t in self.stop_ids), None)
-        return (tokens, False) if stop_at is None else (tokens[:stop_at], True)
+        return until_stop(tokens, self.stop_ids)
+
+
+def until_stop(tokens: list[int], stop_ids: list[int]) -> tuple[list[int], bool]:
+    """New tokens up to the first stop token, and whether one came."""
+    stop_at = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
+    return (tokens, False) if stop_at is None else (tokens[:stop_at], True)
 
 
 def load_generator(config: Any, template_stops: Callable[[Any], set[int]]) -> Generator:
@@ -38,11 +42,7 @@ def load_generator(config: Any, template_stops: Callable[[Any], set[int]]) -> Ge
     dist = init_distributed()  # --placement tp: every rank generates the same batches; rank 0 writes
     device = dist.device(config.device)
     model = load_model(resolved.path, device, config.dtype, config.trust_remote_code, config, dist.world)
-    stop = model.generation_config.eos_token_id
-    stop_ids |= set(stop if isinstance(stop, list) else [stop] if stop is not None else [])
-    if tokenizer.eos_token_id is not None:
-        stop_ids.add(tokenizer.eos_token_id)
-    ordered = sorted(stop_ids)
+    ordered = stop_token_ids(model.generation_config.eos_token_id, tokenizer, stop_ids)
     return Generator(
         tokenizer,
         model,
@@ -52,3 +52,12 @@ def load_generator(config: Any, template_stops: Callable[[Any], set[int]]) -> Ge
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ordered[0],
         dist.is_main,
     )
+
+
+def stop_token_ids(generation_eos: int | list[int] | None, tokenizer: Any, template_stops: set[int]) -> list[int]:
+    """Where an answer ends: the model's generation config's end(s) of sequence, the tokenizer's, the template's."""
+    stops = set(template_stops)
+    stops |= set(generation_eos if isinstance(generation_eos, list) else [generation_eos] if generation_eos else [])
+    if tokenizer.eos_token_id is not None:
+        stops.add(tokenizer.eos_token_id)
+    return sorted(stops)

@@ -36,7 +36,7 @@ from ..fsio import (
 from ..model.target import decoding_attention
 from ..progress import progress_bar
 from ..resources import resolve_input
-from .generation import load_generator
+from .generation import load_generator, stop_token_ids, until_stop
 from .readers import BadRow, fail_on_bad_rows, read_conversations
 
 
@@ -63,7 +63,7 @@ class Answer:
 def settings_of(config: RegenerateConfig) -> dict[str, Any]:
     """The settings that decide the answers; a resumed run must use the same ones."""
     return {
-        "target": config.target if config.backend == "hf" else (config.model or config.target),
+        "target": config.target if config.backend != "openai" else (config.model or config.target),
         "backend": config.backend,
         "temperature": config.temperature,
         "top_p": config.top_p,
@@ -175,6 +175,12 @@ def _needs_template(tokenizer: Any, target: str) -> set[int]:
     return set()
 
 
+def encode_prompt(tokenizer: Any, request: Request) -> list[int]:
+    """The prompt in the target's chat template, up to the opening of the assistant's turn, as token ids."""
+    text = tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+
 def _length_buckets(requests: list[Request], lengths: dict[int, int], batch_size: int) -> list[list[Request]]:
     """Sort by prompt length so a batch pads little; the plan is fixed given the inputs."""
     ordered = sorted(requests, key=lambda r: (lengths[r.order], r.order))
@@ -193,12 +199,8 @@ class HFBackend:
         self.writes = self.generator.writes
         self.torch = torch
 
-    def encode(self, request: Request) -> list[int]:
-        text = self.tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
-
     def plan(self, requests: list[Request]) -> tuple[list[list[Request]], dict[int, list[int]]]:
-        encoded = {r.order: self.encode(r) for r in requests}
+        encoded = {r.order: encode_prompt(self.tokenizer, r) for r in requests}
         lengths = {k: len(v) for k, v in encoded.items()}
         return _length_buckets(requests, lengths, self.generator.batch_size), encoded
 
@@ -228,6 +230,78 @@ class HFBackend:
         answers = []
         for tokens in output[:, width:].tolist():
             kept, stopped = generator.until_stop(tokens)
+            text = self.tokenizer.decode(kept, skip_special_tokens=True)
+            answers.append(Answer(text, "stop" if stopped else "length", len(kept) + stopped))
+        return answers
+
+
+class VllmBackend:
+    """vLLM in process: each batch of prompts is one ``LLM.generate`` call, continuously batched by vLLM, with the
+    target's native weights (quantized, MoE) over ``--tensor-parallel-size`` GPUs. Every request has its own seed, so
+    a sampled answer does not depend on which batch it is in; the plan of batches is fixed, as the hf backend's."""
+
+    writes = True
+
+    def __init__(self, config: RegenerateConfig):
+        from transformers import GenerationConfig
+
+        from ..model.target import load_tokenizer, resolve_target
+        from ..model.vllm_engine import config_problem, starting, vllm_missing
+
+        try:
+            from vllm import LLM
+        except ImportError as exc:
+            raise vllm_missing(exc) from None
+        self.config = config
+        resolved = resolve_target(config.target, config.trust_remote_code)
+        problem = config_problem(resolved.path)
+        if problem:
+            raise EagletError(problem)
+        self.tokenizer = load_tokenizer(resolved.path, config.trust_remote_code)
+        try:
+            eos = GenerationConfig.from_pretrained(resolved.path).eos_token_id
+        except OSError:  # no generation_config.json: the config's and tokenizer's end of sequence
+            eos = None
+        self.stop_ids = stop_token_ids(eos, self.tokenizer, _needs_template(self.tokenizer, config.target))
+        self.model = str(resolved.path)
+        with starting(self.model):
+            self.llm = LLM(
+                model=self.model,
+                skip_tokenizer_init=True,  # eaglet renders and decodes with the target's own tokenizer
+                trust_remote_code=config.trust_remote_code,
+                tensor_parallel_size=config.tensor_parallel_size,
+                dtype=config.dtype,
+                seed=config.seed,
+                gpu_memory_utilization=config.gpu_memory_utilization,
+            )
+
+    def plan(self, requests: list[Request]) -> tuple[list[list[Request]], dict[int, list[int]]]:
+        encoded = {r.order: encode_prompt(self.tokenizer, r) for r in requests}
+        size = self.config.batch_size or VLLM_BATCH
+        return [requests[i : i + size] for i in range(0, len(requests), size)], encoded
+
+    def generate(self, batch: list[Request], encoded: dict[int, list[int]], batch_seed: int) -> list[Answer]:
+        from vllm import SamplingParams
+
+        from ..model.vllm_engine import engine_alive
+
+        sampling = self.config.temperature > 0
+        params = [
+            SamplingParams(
+                max_tokens=self.config.max_new_tokens,
+                temperature=self.config.temperature,
+                top_p=self.config.top_p if sampling else 1.0,
+                seed=self.config.seed * 1_000_003 + r.order if sampling else None,
+                stop_token_ids=self.stop_ids,
+                detokenize=False,
+            )
+            for r in batch
+        ]
+        with engine_alive(self.model, f"answering {len(batch)} prompts"):
+            outputs = self.llm.generate([{"prompt_token_ids": encoded[r.order]} for r in batch], params, use_tqdm=False)
+        answers = []
+        for output in outputs:
+            kept, stopped = until_stop(list(output.outputs[0].token_ids), self.stop_ids)
             text = self.tokenizer.decode(kept, skip_special_tokens=True)
             answers.append(Answer(text, "stop" if stopped else "length", len(kept) + stopped))
         return answers
@@ -288,6 +362,10 @@ class OpenAIBackend:
             f"{self.config.base_url}: prompt {request.prompt_id} failed after {self.config.max_retries + 1} "
             f"attempts ({last_problem}); is the server up? raise --max-retries or --timeout-s"
         )
+
+
+IN_PROCESS = {"hf": HFBackend, "vllm": VllmBackend}  # the backends that load the target here
+VLLM_BATCH = 2048  # requests per LLM.generate call: vLLM batches them; each call's answers are written when done
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,7 +432,7 @@ def _regenerate(config: RegenerateConfig, out: Path, console: Console) -> Regene
     skipped = sum(r.key in done for r in requests)
     todo = [r for r in requests if r.key not in done]
     new_tokens = 0
-    backend = HFBackend(config) if todo and config.backend == "hf" else None  # load before the clock starts
+    backend = IN_PROCESS[config.backend](config) if todo and config.backend in IN_PROCESS else None  # before the clock
     started = time.perf_counter()
     if todo:
         with progress_bar("answers", console) as progress:

@@ -158,6 +158,13 @@ def regenerate_checks(cfg: Any) -> list[Check]:
         checks += target_checks
         if target_checks[0].status == FAIL:  # the device: nothing else is asked
             return checks
+    if cfg.backend == "vllm":
+        target_checks, found = check_stage_target(cfg, need_template=True)
+        checks += target_checks
+        if found:
+            checks += check_vllm_backend(
+                found[0].path, cfg.tensor_parallel_size, cfg.gpu_memory_utilization, captures=False
+            )
     rows = cfg.max_prompts or 1000
     checks.append(
         check_disk(
