@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from .signature import Kind, Param, Signature
+
 IMPORT_ERRORS = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException", "AttributeError"}
 
 
@@ -53,7 +55,7 @@ Value = Ref | Instance | Untyped | CallerClass | None
 class Site:
     """An import or a call that reaches into the library."""
 
-    kind: str  # "import" or "call"
+    kind: str  # "import", "call", "subclass" (a caller class on a library base) or "override" (its method)
     path: Path
     line: int
     callee: Value  # call: what is called
@@ -66,6 +68,8 @@ class Site:
     guard: str | None = None  # "ImportError handler" or "version check"
     text: str = ""
     unverified: str | None = None  # why this call into the library cannot be checked
+    signature: Signature | None = None  # override: the caller's method, as the library will call it (no self)
+    defines: tuple[str, ...] = ()  # subclass: the methods the caller class defines
 
 
 @dataclass
@@ -189,6 +193,7 @@ class Analyzer:
             elif isinstance(node, ast.ClassDef):
                 for expr in node.bases + node.decorator_list:
                     self._eval(expr, scope, module, guard)
+                self._library_subclass(module, node, scope, guard)
                 self._walk(module, node.body, dict(scope), guard, node.name)
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for expr in node.decorator_list + node.args.defaults + [d for d in node.args.kw_defaults if d]:
@@ -229,6 +234,24 @@ class Analyzer:
                 for child in ast.iter_child_nodes(node):
                     if isinstance(child, ast.expr):
                         self._eval(child, scope, module, guard)
+
+    def _library_subclass(
+        self, module: CallerModule, node: ast.ClassDef, scope: dict[str, Value], guard: str | None
+    ) -> None:
+        """A class of the caller's on a library base: the library calls its methods (a plugin, a connector), so each
+        method that overrides one of the base's must take the base's call, and every abstract method must exist."""
+        bases = [
+            v for v in (self._eval(b, scope, module, None, record=False) for b in node.bases) if isinstance(v, Ref)
+        ]
+        if not bases:
+            return
+        methods = [i for i in node.body if isinstance(i, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        base = Ref(bases[0].path)
+        self._site("subclass", module, node, base, guard, defines=tuple(m.name for m in methods))
+        for method in methods:
+            if method.name.startswith("__") and method.name.endswith("__"):
+                continue  # constructors and protocols are the caller's own business
+            self._site("override", module, method, base, guard, member=method.name, signature=_own_signature(method))
 
     def _bind_parameters(
         self,
@@ -455,6 +478,8 @@ class Analyzer:
         receiver: str = "function",
         member: str | None = None,
         unverified: str | None = None,
+        signature: Signature | None = None,
+        defines: tuple[str, ...] = (),
         **shape,
     ) -> None:
         text = ast.get_source_segment(module.source, node) or ""
@@ -469,6 +494,8 @@ class Analyzer:
                 guard=guard,
                 text=text.splitlines()[0][:120] if text else "",
                 unverified=unverified,
+                signature=signature,
+                defines=defines,
                 **shape,
             )
         )
@@ -541,3 +568,24 @@ def _makes_init(decorator: ast.expr) -> bool:
         k.arg == "init" and isinstance(k.value, ast.Constant) and k.value.value is False for k in call.keywords
     )
     return named and not no_init
+
+
+def _own_signature(function: ast.FunctionDef | ast.AsyncFunctionDef) -> Signature:
+    """A method's parameters as the library sees them when it calls the method (``self``/``cls`` given; none for a
+    staticmethod)."""
+    arguments = function.args
+    positional = [(a, Kind.POSITIONAL_ONLY) for a in arguments.posonlyargs]
+    positional += [(a, Kind.POSITIONAL_OR_KEYWORD) for a in arguments.args]
+    defaults = len(arguments.defaults)
+    params = [Param(a.arg, kind, index >= len(positional) - defaults) for index, (a, kind) in enumerate(positional)]
+    if arguments.vararg:
+        params.append(Param(arguments.vararg.arg, Kind.VAR_POSITIONAL, True))
+    params += [
+        Param(a.arg, Kind.KEYWORD_ONLY, default is not None)
+        for a, default in zip(arguments.kwonlyargs, arguments.kw_defaults)
+    ]
+    if arguments.kwarg:
+        params.append(Param(arguments.kwarg.arg, Kind.VAR_KEYWORD, True))
+    static = any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in function.decorator_list)
+    signature = Signature(tuple(params))
+    return signature if static else signature.drop_first()

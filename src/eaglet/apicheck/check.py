@@ -19,7 +19,7 @@ import griffe
 from ..errors import EagletError
 from .callsites import Analyzer, Instance, Ref, Site, Untyped, discover
 from .library import Constructor, Library, Resolved
-from .signature import CallShape, bind
+from .signature import CallShape, Kind, bind
 
 MAX_UNVERIFIED_EXAMPLES = 3
 
@@ -47,6 +47,7 @@ class Report:
     findings: list[Finding] = field(default_factory=list)
     call_sites: int = 0
     imports: int = 0
+    overrides: int = 0  # the caller's methods the library calls (they override a library class's)
     unverified: Counter = field(default_factory=Counter)
     unverified_examples: dict[str, list[str]] = field(default_factory=dict)
     seconds: float = 0.0
@@ -67,6 +68,7 @@ class Report:
             "source": self.source,
             "call_sites": self.call_sites,
             "imports": self.imports,
+            "overrides": self.overrides,
             "errors": len(self.errors),
             "warnings": len(self.warnings),
             "findings": [asdict(f) for f in self.findings],
@@ -124,6 +126,11 @@ def check_calls(paths: list[Path], package: str, roots: list[Path], source: str)
         if site.kind == "import":
             report.imports += 1
             _check_import(library, site, report)
+        elif site.kind == "subclass":
+            _check_abstract(library, site, report)
+        elif site.kind == "override":
+            report.overrides += 1
+            _check_override(library, site, report)
         else:
             report.call_sites += 1
             _check_call(library, site, report)
@@ -143,6 +150,7 @@ def upgrade_report(old: Report, new: Report) -> Report:
         [f for f in new.findings if (f.path, f.line, f.target, f.level) not in before],
         new.call_sites,
         new.imports,
+        new.overrides,
         new.unverified,
         new.unverified_examples,
         old.seconds + new.seconds,
@@ -267,6 +275,87 @@ def _check_call(library: Library, site: Site, report: Report) -> None:
         _bind(report, site, Constructor(signatures, _location(resolved), resolved.path), shape)
         return
     _unverified(report, site, "calls a value (attribute or module), not a function or class")
+
+
+def _library_class(library: Library, site: Site) -> Resolved | None:
+    """The library base of a caller class, when it resolves to a class."""
+    assert isinstance(site.callee, Ref)
+    resolved = library.resolve(site.callee.path)
+    return resolved if resolved.found and isinstance(resolved.obj, griffe.Class) else None
+
+
+def _check_abstract(library: Library, site: Site, report: Report) -> None:
+    """Every abstract method of the library base is defined by the caller's class, or creating it raises."""
+    base = _library_class(library, site)
+    if base is None:
+        return  # a missing base is the import's finding
+    abstract: set[str] = set()
+    settled: set[str] = set()
+    for _, owner in library.mro(base.obj, base.path):
+        for name, member in owner.members.items() if owner is not None else []:
+            if name in settled:
+                continue
+            settled.add(name)
+            if isinstance(member, griffe.Function) and "abstractmethod" in member.labels:
+                abstract.add(name)
+    for name in sorted(abstract - set(site.defines)):
+        _add(
+            report,
+            site,
+            "error",
+            f"{base.path}.{name}",
+            f"{name} is abstract in {base.path} ({library.package} {report.version}) and this class does not define "
+            "it: creating it raises TypeError",
+            _location(library.class_member(base.obj, base.path, name) or base),
+        )
+
+
+def _check_override(library: Library, site: Site, report: Report) -> None:
+    """The library calls the caller's method as it calls the base's: the override must take that call."""
+    base = _library_class(library, site)
+    if base is None or site.signature is None or site.member is None:
+        return
+    resolved = library.class_member(base.obj, base.path, site.member)
+    if resolved is None or not resolved.found or not isinstance(resolved.obj, griffe.Function):
+        return  # the caller's own method, not an override
+    function = resolved.obj
+    if "property" in function.labels:
+        return
+    called = library.function_signatures(function)[-1]
+    if "staticmethod" not in function.labels:
+        called = called.drop_first()
+    if any(p.kind in (Kind.VAR_POSITIONAL, Kind.VAR_KEYWORD) for p in called.params):
+        return  # the base takes anything (nn.Module.forward(*input)): its signature does not say how it is called
+    by_position = [p for p in called.params if p.kind in (Kind.POSITIONAL_ONLY, Kind.POSITIONAL_OR_KEYWORD)]
+    keyword_only = tuple(p.name for p in called.params if p.kind is Kind.KEYWORD_ONLY)
+    shown = ", ".join(p.name for p in called.params)
+    problems = [p for p in bind(site.signature, CallShape(len(by_position), keyword_only)) if p.level == "error"]
+    if problems:
+        _add(
+            report,
+            site,
+            "error",
+            resolved.path,
+            f"{library.package} {report.version} calls {site.member}({shown}) as {resolved.path} declares it; this "
+            f"override cannot take that call: {'; '.join(p.message for p in problems)}",
+            _location(resolved),
+        )
+        return
+    named = [p.name for p in by_position if p.kind is Kind.POSITIONAL_OR_KEYWORD]
+    positional_only = sum(p.kind is Kind.POSITIONAL_ONLY for p in by_position)
+    by_name = [
+        p for p in bind(site.signature, CallShape(positional_only, (*named, *keyword_only))) if p.level == "error"
+    ]
+    if by_name:
+        _add(
+            report,
+            site,
+            "warning",
+            resolved.path,
+            f"this override names the parameters of {resolved.path}({shown}) differently: a call by name fails "
+            f"({'; '.join(p.message for p in by_name)})",
+            _location(resolved),
+        )
 
 
 def _is_method(function: Any) -> bool:

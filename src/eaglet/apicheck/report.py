@@ -17,9 +17,10 @@ def as_text(report: Report) -> str:
         lines.append(f"{finding.path}:{finding.line}: {finding.level}: {finding.target}: {finding.message}{where}")
     unverified = sum(report.unverified.values())
     lines.append(
-        f"{report.package} {report.version} ({report.source}): {report.call_sites} calls and {report.imports} "
-        f"imports checked in {report.seconds:.2f} s: {len(report.errors)} errors, {len(report.warnings)} warnings, "
-        f"{unverified} unverified"
+        f"{report.package} {report.version} ({report.source}): {report.call_sites} calls"
+        + (f", {report.overrides} overrides" if report.overrides else "")
+        + f" and {report.imports} imports checked in {report.seconds:.2f} s: {len(report.errors)} errors, "
+        f"{len(report.warnings)} warnings, {unverified} unverified"
     )
     for reason, count in report.unverified.most_common():
         examples = ", ".join(report.unverified_examples.get(reason, []))
