@@ -677,7 +677,23 @@ def test_the_kimi_vllm_example_plans_extract_with_the_checkpoint_as_stored(tmp_p
     )
     plans = {p.name: p for p in Pipeline(load_run_config(config), config, Console(quiet=True)).plan()}
     assert plans["extract"].refusal == "" and plans["extract"].memory.startswith("vllm tp x8: 69.2 GiB weights of 120")
+    assert plans["regenerate"].refusal == "" and plans["regenerate"].memory.startswith("vllm tp x8: 69.2 GiB")
     assert plans["eval"].refusal  # eval still loads the target with transformers
+
+
+def test_a_regenerate_refused_by_transformers_names_its_vllm_backend(tmp_path):
+    """The Kimi plan's hf regenerate is refused for memory; the refusal says which vLLM layout would hold it."""
+    from rich.console import Console
+
+    from eaglet.run import Pipeline, load_run_config
+
+    example = Path(__file__).parent.parent / "examples" / "kimi_8xh200.yaml"
+    config = tmp_path / "kimi.yaml"
+    config.write_text(
+        example.read_text().replace("target: tests/fixtures/", f"target: {FIXTURES.parent.parent}/fixtures/")
+    )
+    plans = {p.name: p for p in Pipeline(load_run_config(config), config, Console(quiet=True)).plan()}
+    assert "--backend vllm --tensor-parallel-size 8 would fit" in plans["regenerate"].refusal
 
 
 def test_the_readme_kimi_example_plan_tells_why_transformers_cannot_load_it(tmp_path, capsys):

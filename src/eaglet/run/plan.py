@@ -33,9 +33,9 @@ PROMPT_TOKENS_GUESS = 512  # KV cache per prompt before prompts are rendered
 EVAL_FORWARD_TOKENS = 128  # eval's largest verification forward
 LOAD_SECONDS_CPU = 20  # loading and converting a CPU-sized target
 MEASURED_DECODE_LAYERS = 30  # RATES' decode rate was measured on the embedded target's 30 layers
-# `extract --backend vllm` over `--backend hf` on the H200, the lower of two calls (RESULTS "vLLM backend": 75,854 vs
-# 81,159 tok/s, then 55,055 vs 51,789): a plan that errs long
-VLLM_EXTRACT_SHARE = 0.93
+# `extract --backend vllm` over `--backend hf` on the H200 at the 8B shape, where the forward sets the rate (RESULTS
+# "vLLM backend, third run": 24,702 vs 30,371 tok/s, medians of 3; the 135M target's 0.63 is bound by the store)
+VLLM_EXTRACT_SHARE = 0.81
 
 
 @dataclass
@@ -110,9 +110,14 @@ def estimate(pipeline: Pipeline, plans: list[StagePlan]) -> list[StagePlan]:
                 tokens = int(stage.config.count * stage.config.max_new_tokens * TOKENS_PER_ANSWER_GUESS)
             plan.disk_bytes = tokens * BYTES_PER_ANSWER_TOKEN
             plan.seconds = tokens / generate_rate
-            if getattr(stage.config, "backend", "hf") == "hf":
+            backend = getattr(stage.config, "backend", "hf")
+            if backend == "hf":
                 batch = stage.config.batch_size or GPU_GENERATE_BATCH
                 sizing.place(plan, stage.config, batch, batch * (PROMPT_TOKENS_GUESS + stage.config.max_new_tokens))
+                if plan.refusal and machine.gpus and plan.name == "regenerate":  # where its vllm backend would go
+                    plan.refusal += sizing.vllm_alternative(stage.config)
+            elif backend == "vllm":
+                sizing.place_vllm(plan, stage.config)
         elif plan.name == "prepare":
             plan.disk_bytes = prepared_tokens * 5
             plan.seconds = 10 + prepared_tokens / 200_000
