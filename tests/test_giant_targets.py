@@ -664,18 +664,21 @@ def test_offline_training_takes_the_stores_target(tmp_path, capsys, targets, con
     assert recorded["path"] == str(target.resolve())
 
 
-def test_the_kimi_vllm_example_plans_extract_with_the_checkpoint_as_stored(tmp_path):
-    """examples/kimi_8xh200_vllm.yaml stays valid and its extract fits under vLLM (RESULTS cites its plan)."""
+def _example_plans(tmp_path: Path, example: str) -> dict:
+    """The plan of one of examples/*.yaml, its fixture target found from here, by stage."""
     from rich.console import Console
 
     from eaglet.run import Pipeline, load_run_config
 
-    example = Path(__file__).parent.parent / "examples" / "kimi_8xh200_vllm.yaml"
-    config = tmp_path / "kimi.yaml"
-    config.write_text(
-        example.read_text().replace("target: tests/fixtures/", f"target: {FIXTURES.parent.parent}/fixtures/")
-    )
-    plans = {p.name: p for p in Pipeline(load_run_config(config), config, Console(quiet=True)).plan()}
+    text = (Path(__file__).parent.parent / "examples" / example).read_text()
+    config = tmp_path / example
+    config.write_text(text.replace("target: tests/fixtures/", f"target: {FIXTURES.parent.parent}/fixtures/"))
+    return {p.name: p for p in Pipeline(load_run_config(config), config, Console(quiet=True)).plan()}
+
+
+def test_the_kimi_vllm_example_plans_extract_with_the_checkpoint_as_stored(tmp_path):
+    """examples/kimi_8xh200_vllm.yaml stays valid and its extract fits under vLLM (RESULTS cites its plan)."""
+    plans = _example_plans(tmp_path, "kimi_8xh200_vllm.yaml")
     assert plans["extract"].refusal == "" and plans["extract"].memory.startswith("vllm tp x8: 69.2 GiB weights of 120")
     assert plans["regenerate"].refusal == "" and plans["regenerate"].memory.startswith("vllm tp x8: 69.2 GiB")
     assert plans["eval"].refusal  # eval still loads the target with transformers
@@ -683,16 +686,7 @@ def test_the_kimi_vllm_example_plans_extract_with_the_checkpoint_as_stored(tmp_p
 
 def test_a_regenerate_refused_by_transformers_names_its_vllm_backend(tmp_path):
     """The Kimi plan's hf regenerate is refused for memory; the refusal says which vLLM layout would hold it."""
-    from rich.console import Console
-
-    from eaglet.run import Pipeline, load_run_config
-
-    example = Path(__file__).parent.parent / "examples" / "kimi_8xh200.yaml"
-    config = tmp_path / "kimi.yaml"
-    config.write_text(
-        example.read_text().replace("target: tests/fixtures/", f"target: {FIXTURES.parent.parent}/fixtures/")
-    )
-    plans = {p.name: p for p in Pipeline(load_run_config(config), config, Console(quiet=True)).plan()}
+    plans = _example_plans(tmp_path, "kimi_8xh200.yaml")
     assert "--backend vllm --tensor-parallel-size 8 would fit" in plans["regenerate"].refusal
 
 

@@ -245,7 +245,7 @@ class VllmBackend:
     def __init__(self, config: RegenerateConfig):
         from transformers import GenerationConfig
 
-        from ..model.target import load_tokenizer, resolve_target
+        from ..model.target import load_tokenizer, pick_dtype, resolve_target
         from ..model.vllm_engine import config_problem, starting, vllm_missing
 
         try:
@@ -270,7 +270,7 @@ class VllmBackend:
                 skip_tokenizer_init=True,  # eaglet renders and decodes with the target's own tokenizer
                 trust_remote_code=config.trust_remote_code,
                 tensor_parallel_size=config.tensor_parallel_size,
-                dtype=config.dtype,
+                dtype=str(pick_dtype(config.dtype, "cuda")).removeprefix("torch."),  # as the hf backend computes
                 seed=config.seed,
                 gpu_memory_utilization=config.gpu_memory_utilization,
             )

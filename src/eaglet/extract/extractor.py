@@ -15,7 +15,7 @@ import queue
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +210,8 @@ class ShardWriter:
         self.queue: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE_DEPTH)
         self.error: BaseException | None = None
         self.stall_s = 0.0  # the compute loop blocked because every writer was busy (disk-bound)
+        # writer-thread seconds summed over shards, by phase: where a writer-bound extraction spends its time
+        self.seconds: dict[str, float] = {"wait": 0.0, "write": 0.0}
         self.lock = threading.Lock()  # manifest refreshes happen one at a time
         self.threads = [
             threading.Thread(target=self._run, name=f"eaglet-shard-writer-{i}", daemon=True)
@@ -223,11 +225,17 @@ class ShardWriter:
             if self.error is None:
                 try:
                     shard: ExtractedShard = item
+                    started = time.perf_counter()
                     shard.wait()
+                    waited = time.perf_counter()
                     record = write_shard(self.store, shard.plan, shard.tensors)
                     self.release(shard.pooled)
+                    phases = {"wait": waited - started, "write": time.perf_counter() - waited}
+                    phases |= getattr(shard, "phases", {})
                     del shard, item
                     with self.lock:
+                        for phase, seconds in phases.items():
+                            self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
                         self.on_written(record)
                 except BaseException as exc:  # surfaced in the main thread
                     self.error = exc
@@ -259,6 +267,7 @@ class ShardDiscarder:
 
     def __init__(self, release: Any):
         self.release = release
+        self.seconds: dict[str, float] = {}  # nothing is written
 
     def submit(self, shard: ExtractedShard) -> None:
         shard.wait()
@@ -280,6 +289,7 @@ class ExtractResult:
     tokens_computed: int
     seconds: float
     writer_stall_s: float = 0.0  # compute waiting on the disk: the share of `seconds` the disk cost
+    writer_seconds: dict[str, float] = field(default_factory=dict)  # writer-thread seconds by phase, all shards
 
 
 def store_identity(
@@ -422,6 +432,7 @@ def _extract(
 
     started = time.perf_counter()
     stall_s = 0.0
+    writer_seconds: dict[str, float] = {}
     if mine:
         batch_tokens = config.batch_tokens or (GPU_BATCH_TOKENS if device.startswith("cuda") else CPU_BATCH_TOKENS)
         max_shard_tokens = max(p.tokens for p in mine)
@@ -450,6 +461,7 @@ def _extract(
                 try:
                     writer.close()
                     stall_s = writer.stall_s
+                    writer_seconds = writer.seconds
                 finally:
                     if engine is not None:  # vLLM's files of a failed shard are not kept: resumed, it is recomputed
                         remove_spool(engine.settings.spool, own=not config.spool_dir)
@@ -458,7 +470,7 @@ def _extract(
     manifest = _manifest(store, identity, plans, config, source)
     if dist.is_main:
         write_json_atomic(store / MANIFEST_FILE, manifest)
-    return ExtractResult(store, manifest, len(mine), sum(p.tokens for p in mine), seconds, stall_s)
+    return ExtractResult(store, manifest, len(mine), sum(p.tokens for p in mine), seconds, stall_s, writer_seconds)
 
 
 VLLM_SPOOL_SUFFIX = ".vllm-spool"  # `.STORE.vllm-spool` beside the store unless --spool-dir says otherwise

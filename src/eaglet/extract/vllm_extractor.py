@@ -11,6 +11,7 @@ either backend is the same format, resumed and trained on the same way.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,10 +42,13 @@ class SpooledShard:
     norm: nn.Module
     storage_dtype: str
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # no recycled buffers: nothing to release
+    phases: dict[str, float] = field(default_factory=dict)  # seconds of wait(): vLLM's worker, reading, forming
 
     @torch.inference_mode()
     def wait(self) -> None:
+        started = time.perf_counter()
         wait_for_rows(self.spool, SPOOL_WAIT_S)
+        written = time.perf_counter()
         total = len(self.tensors["input_ids"])
         rows = read_rows(self.spool, total, self.layers, self.hidden_size, self.dtype)
         self.spool.unlink()  # its mapping stays readable until the tensors go
@@ -56,12 +60,18 @@ class SpooledShard:
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             hidden = rows.hidden.to(device, non_blocking=True)  # [T, 4, H]: three aux layers ascending, then the last
+            read = time.perf_counter()
             aux = hidden[:, self.columns]  # [T, 3, H]
             last = self.norm(hidden[:, -1])  # [T, H]
             finite = torch.isfinite(aux).flatten(1).all(1) & torch.isfinite(last).all(1)
             encoded = encode_features(aux, last, self.storage_dtype)
             host = {name: value.to("cpu") for name, value in encoded.items()}
             finite = finite.to("cpu")
+        self.phases = {
+            "spool_wait": written - started,
+            "spool_read": read - written,
+            "form": time.perf_counter() - read,
+        }
         if not bool(finite.all()):
             token = int((~finite).int().argmax())
             row = int(np.searchsorted(self.tensors["offsets"].numpy(), token, side="right")) - 1
