@@ -1,22 +1,31 @@
 #!/usr/bin/env bash
 # `eaglet extract --backend vllm` beside `--backend hf` and vLLM's own prefill, on the H200 (one part per device call).
 # Staged first: the embedded target (scripts/device.sh) and vLLM (scripts/device/vllm_install.sh; README "GPU checks").
-#   bash scripts/device.sh bash benchmarks/vllm_extract_h200.sh data|embedded|8b|moe|int4|train|serve
+#   bash scripts/device.sh bash benchmarks/vllm_extract_h200.sh data|smoke|regen|embedded|8b|moe|int4|train|serve
 # Results: one JSON object per line in $OUT/vllm_extract.jsonl (python benchmarks/vllm_extract_parity.py prints them).
 set -euo pipefail
 export PYTHONPATH=/tmp/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
 work=/tmp/vx
-mkdir -p "$work" "${OUT:=/tmp/out}"
+repeats=${REPEATS:-3}  # extractions (and prefills) per process, the target loaded once: median and spread
+# the stores in memory when /dev/shm holds them (STORES=/tmp/vx/disk to measure with the disk): the route's own
+# rate, apart from the disk's (~1.1 GB/s on the H200 machine, below what vLLM's prefill of a small target produces)
+if [ -z "${STORES:-}" ] && [ "$(df -k --output=avail /dev/shm 2>/dev/null | tail -1)" -gt $((40 * 1024 * 1024)) ]; then
+  STORES=/dev/shm/vx
+fi
+stores=${STORES:-$work}
+mkdir -p "$work" "$stores" "${OUT:=/tmp/out}"
+echo "stores in $stores ($(df -h --output=avail "$stores" | tail -1) free)" >&2
 embedded=$(python3 -m eaglet.cli target info --json | python3 -c "import json,sys; print(json.load(sys.stdin)['path'])")
 bench() { python3 benchmarks/vllm_extract_parity.py "$@" | tail -1 | tee -a "$OUT/vllm_extract.jsonl"; }
 pair() {  # pair NAME TARGET SAMPLES: both backends, vLLM's prefill alone over the same samples, the features compared
   local name=$1 target=$2 samples=$3
-  rm -rf "$work/$name-hf" "$work/$name-vllm"
-  bench extract --backend hf --target "$target" --prepared "$work/prepared" --out "$work/$name-hf" --max-samples "$samples"
-  bench extract --backend vllm --target "$target" --prepared "$work/prepared" --out "$work/$name-vllm" \
-    --max-samples "$samples"
-  bench prefill --target "$target" --prepared "$work/prepared" --max-samples "$samples"
-  bench compare "$work/$name-hf" "$work/$name-vllm"
+  rm -rf "$stores/$name-hf" "$stores/$name-vllm"
+  bench extract --repeats "$repeats" --backend hf --target "$target" --prepared "$work/prepared" \
+    --out "$stores/$name-hf" --max-samples "$samples"
+  bench extract --repeats "$repeats" --backend vllm --target "$target" --prepared "$work/prepared" \
+    --out "$stores/$name-vllm" --max-samples "$samples"
+  bench prefill --repeats "$repeats" --target "$target" --prepared "$work/prepared" --max-samples "$samples"
+  bench compare "$stores/$name-hf" "$stores/$name-vllm"
 }
 case "$1" in
   data)  # the target's own answers to the demo's train prompts (1 each) and its greedy held-out answers
@@ -24,17 +33,33 @@ case "$1" in
       --max-new-tokens 256 --batch-size 2048 --out "$work/answers.jsonl"
     python3 -m eaglet.cli prepare "$work/answers.jsonl" --out "$work/prepared"
     ;;
+  smoke)  # the vllm backend on 64 samples: the connector's path end to end, before the long runs
+    bench extract --backend vllm --target "$embedded" --prepared "$work/prepared" --out "$stores/smoke" \
+      --max-samples 64
+    bench compare "$stores/smoke" "$stores/smoke"
+    rm -rf "$stores/smoke"
+    ;;
+  regen)  # the demo's train prompts answered greedily by each in-process backend: tok/s and identical answers
+    for backend in hf vllm; do
+      rm -f "$work/regen-$backend.jsonl" "$work/regen-$backend.jsonl.manifest.json"
+      python3 -m eaglet.cli regenerate demo --split train --n 1 --max-new-tokens 256 --backend "$backend" \
+        --batch-size 2048 --out "$work/regen-$backend.jsonl" | tail -1
+    done
+    python3 benchmarks/vllm_extract_parity.py answers "$work/regen-hf.jsonl" "$work/regen-vllm.jsonl" \
+      | tee -a "$OUT/vllm_extract.jsonl"
+    ;;
   embedded)  # + a float32 hf store: which bf16 backend is nearer the exact features
     pair embedded "$embedded" 100000
-    rm -rf "$work/embedded-f32"
-    bench extract --backend hf --dtype float32 --target "$embedded" --prepared "$work/prepared" --out "$work/embedded-f32"
-    bench compare "$work/embedded-f32" "$work/embedded-hf"
-    bench compare "$work/embedded-f32" "$work/embedded-vllm"
+    rm -rf "$stores/embedded-f32"
+    bench extract --backend hf --dtype float32 --target "$embedded" --prepared "$work/prepared" \
+      --out "$stores/embedded-f32"
+    bench compare "$stores/embedded-f32" "$stores/embedded-hf"
+    bench compare "$stores/embedded-f32" "$stores/embedded-vllm"
     ;;
   8b)
     [ -f "$work/llama8b/config.json" ] || bench make-8b "$work/llama8b" --tokenizer "$embedded"
     pair llama8b "$work/llama8b" 500
-    rm -rf "$work/llama8b-hf" "$work/llama8b-vllm"
+    rm -rf "$stores/llama8b-hf" "$stores/llama8b-vllm"
     ;;
   moe)
     [ -f "$work/moe/config.json" ] || bench make-moe "$work/moe" --tokenizer "$embedded"
@@ -47,7 +72,7 @@ case "$1" in
   train)  # a draft on each embedded store, the same recipe; eaglet eval decodes the held-out demo prompts
     for backend in hf vllm; do
       rm -rf "$work/draft-$backend"
-      python3 -m eaglet.cli train --store "$work/embedded-$backend" --out "$work/draft-$backend" --token-budget 16384 \
+      python3 -m eaglet.cli train --store "$stores/embedded-$backend" --out "$work/draft-$backend" --token-budget 16384 \
         --lr 0.0005 --max-steps 600 --eval-every 200 --log-every 100 --seed 0 | tail -3
       python3 -m eaglet.cli eval --draft "$work/draft-$backend" --max-prompts 32 --max-new-tokens 128 --mode chain \
         --depth 5 --dtype bfloat16 --out "$work/eval-$backend" | tail -4
@@ -71,5 +96,5 @@ print(json.dumps({'draft_from': '$backend', 'acceptance_length': r['acceptance_l
       --mode chain --depth $k --max-new-tokens 128 --dtype bfloat16 --out "$work/eval-serve" | tail -4
     cp "$work/eval-serve/report.json" "$OUT/eaglet_eval_serve_prompts.json"
     ;;
-  *) echo "usage: $0 data|embedded|8b|moe|int4|train|serve" >&2; exit 2 ;;
+  *) echo "usage: $0 data|smoke|regen|embedded|8b|moe|int4|train|serve" >&2; exit 2 ;;
 esac

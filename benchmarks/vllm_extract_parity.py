@@ -6,10 +6,13 @@ Subcommands (each a fresh process, so one engine holds the GPU at a time):
                                   + routed experts, a dense first layer)
   make-int4 DIR --tokenizer DIR   a small random Llama saved as a compressed-tensors INT4 checkpoint (packed
                                   symmetric groups of 128: Kimi-K2's weight format, at widths vLLM's Marlin takes)
-  extract --backend hf|vllm ...   `eaglet extract` in process; prints {seconds, tokens, tok/s} (load excluded)
-  prefill --target DIR --prepared DIR
+  extract [--repeats N] --backend hf|vllm ...
+                                  `eaglet extract` N times in one process, the target loaded once; prints the
+                                  median tok/s and every run's (load excluded)
+  prefill --target DIR --prepared DIR [--repeats N]
                                   vLLM alone, no connector, max_tokens=1 over the same samples: the ceiling
   compare STORE_A STORE_B         per-token cosine of every aux layer and of `last`, sample by sample
+  answers A.jsonl B.jsonl         two regenerate outputs of the same prompts: tok/s each, answers identical
 Each prints one JSON object on stdout (the device call collects them).
 """
 
@@ -110,25 +113,63 @@ def make_int4(out: Path, tokenizer: Path) -> dict:
     return {"made": str(out), "checkpoint_mb": round(files / 2**20, 1)}
 
 
-def extract(argv: list[str]) -> dict:
+def extract(argv: list[str], repeats: int) -> dict:
+    """`eaglet extract` ``repeats`` times into fresh stores (the last one kept at --out), the target loaded once."""
+    import shutil
+
     from eaglet.config import ExtractConfig, build_config
-    from eaglet.extract.extractor import run_extract
+    from eaglet.extract.extractor import open_vllm_engine, run_extract
+    from eaglet.formats.layers import resolve_aux_layer_ids
+    from eaglet.formats.prepared import load_prepared
+    from eaglet.model.target import load_model, load_tokenizer, pick_dtype, resolve_target, target_info
 
     pairs = dict(zip(argv[0::2], argv[1::2]))
     config = build_config(
         ExtractConfig, "extract", cli_values={k.lstrip("-").replace("-", "_"): v for k, v in pairs.items()}
     )
-    result = run_extract(config)
+    resolved = resolve_target(config.target, config.trust_remote_code)
+    info = target_info(resolved, load_tokenizer(resolved.path, config.trust_remote_code))
+    store = Path(config.out)
+    loaded: dict = {}
+    if config.backend == "vllm":
+        model_dtype = str(pick_dtype(config.dtype, "cuda")).replace("torch.", "")
+        loaded["engine"] = open_vllm_engine(
+            config,
+            resolved.path,
+            resolve_aux_layer_ids(config.layers, info.num_layers),
+            info.num_layers,
+            info.hidden_size,
+            load_prepared(config.prepared, config.max_samples),
+            store,
+            model_dtype,
+        )
+    else:
+        loaded["model"] = load_model(resolved.path, "cuda", config.dtype, config.trust_remote_code, config, 1)
+    runs = []
+    for _ in range(repeats):
+        shutil.rmtree(store, ignore_errors=True)
+        result = run_extract(config, **loaded)
+        runs.append({"seconds": result.seconds, "tok_per_s": result.tokens_computed / result.seconds,
+                     "writer_stall_s": result.writer_stall_s, "writer_seconds": result.writer_seconds})  # fmt: skip
+    rates = sorted(r["tok_per_s"] for r in runs)
     return {
         "backend": config.backend,
-        "seconds": round(result.seconds, 3),
+        "store": str(store),
         "tokens": result.tokens_computed,
-        "tok_per_s": round(result.tokens_computed / result.seconds),
-        "writer_stall_s": round(result.writer_stall_s, 3),
+        "tok_per_s": round(rates[len(rates) // 2]),  # the median run
+        "tok_per_s_runs": [round(r["tok_per_s"]) for r in runs],
+        "writer_stall_s_runs": [round(r["writer_stall_s"], 3) for r in runs],
+        # writer-thread seconds by phase (summed over shards and threads) of the median run
+        "writer_seconds": {
+            k: round(v, 3)
+            for k, v in sorted(runs, key=lambda r: r["tok_per_s"])[len(runs) // 2]["writer_seconds"].items()
+        },  # fmt: skip
     }
 
 
-def prefill(target: str, prepared: str, max_samples: int | None, batch_tokens: int, memory_share: float) -> dict:
+def prefill(
+    target: str, prepared: str, max_samples: int | None, batch_tokens: int, memory_share: float, repeats: int
+) -> dict:
     import os
 
     from vllm import LLM, SamplingParams
@@ -152,15 +193,17 @@ def prefill(target: str, prepared: str, max_samples: int | None, batch_tokens: i
     )
     sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     llm.generate([{"prompt_token_ids": t} for t in tokens[:8]], sampling, use_tqdm=False)  # warm-up
-    started = time.perf_counter()
-    llm.generate([{"prompt_token_ids": t} for t in tokens], sampling, use_tqdm=False)
-    seconds = time.perf_counter() - started
     total = sum(len(t) for t in tokens)
+    rates = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        llm.generate([{"prompt_token_ids": t} for t in tokens], sampling, use_tqdm=False)
+        rates.append(total / (time.perf_counter() - started))
     return {
         "backend": "vllm prefill only",
-        "seconds": round(seconds, 3),
         "tokens": total,
-        "tok_per_s": round(total / seconds),
+        "tok_per_s": round(sorted(rates)[len(rates) // 2]),
+        "tok_per_s_runs": [round(r) for r in rates],
     }
 
 
@@ -213,6 +256,21 @@ def compare(store_a: Path, store_b: Path) -> dict:
     }
 
 
+def answers(a: Path, b: Path) -> dict:
+    """Two `eaglet regenerate` outputs of the same prompts: their rates and how many answers are the same text."""
+    rows = [{json.loads(line)["id"]: json.loads(line) for line in path.read_text().splitlines()} for path in (a, b)]
+    manifests = [json.loads(Path(f"{path}.manifest.json").read_text()) for path in (a, b)]
+    assert rows[0].keys() == rows[1].keys(), "the files answer different prompts"
+    same = sum(rows[0][k]["messages"][-1] == rows[1][k]["messages"][-1] for k in rows[0])
+    return {
+        "answers": len(rows[0]),
+        "identical": same,
+        "tok_per_s": {m["settings"]["backend"]: m["tokens_per_s"] for m in manifests},
+        "seconds": {m["settings"]["backend"]: m["seconds_this_run"] for m in manifests},
+        "new_tokens": {m["settings"]["backend"]: m["new_tokens_this_run"] for m in manifests},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -225,13 +283,18 @@ def main() -> None:
     int4 = sub.add_parser("make-int4")
     int4.add_argument("out", type=Path)
     int4.add_argument("--tokenizer", type=Path, required=True)
-    sub.add_parser("extract", help="the rest of the line: `eaglet extract` options")
+    ext = sub.add_parser("extract", help="the rest of the line: `eaglet extract` options")
+    ext.add_argument("--repeats", type=int, default=1)
     pre = sub.add_parser("prefill")
     pre.add_argument("--target", required=True)
     pre.add_argument("--prepared", required=True)
     pre.add_argument("--max-samples", type=int, default=None)
     pre.add_argument("--batch-tokens", type=int, default=32768)
     pre.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    pre.add_argument("--repeats", type=int, default=1)
+    ans = sub.add_parser("answers")
+    ans.add_argument("a", type=Path)
+    ans.add_argument("b", type=Path)
     cmp = sub.add_parser("compare")
     cmp.add_argument("a", type=Path)
     cmp.add_argument("b", type=Path)
@@ -245,9 +308,13 @@ def main() -> None:
     elif args.command == "make-int4":
         result = make_int4(args.out, args.tokenizer)
     elif args.command == "extract":
-        result = extract(rest)
+        result = extract(rest, args.repeats)
     elif args.command == "prefill":
-        result = prefill(args.target, args.prepared, args.max_samples, args.batch_tokens, args.gpu_memory_utilization)
+        result = prefill(
+            args.target, args.prepared, args.max_samples, args.batch_tokens, args.gpu_memory_utilization, args.repeats
+        )
+    elif args.command == "answers":
+        result = answers(args.a, args.b)
     else:
         result = compare(args.a, args.b)
     print(json.dumps(result), flush=True)
