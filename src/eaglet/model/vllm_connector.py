@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
 
-from .vllm_rows import RowsTarget, RowsWriter, slot_indices
+from .vllm_rows import SAVED_KEY, RowsTarget, RowsWriter, slot_indices
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -202,7 +202,7 @@ class EagletRowsConnector(KVConnectorBase_V1, SupportsHMA):
         self.to_save.append(
             FinishedRequest(request.request_id, target, list(request.prompt_token_ids), list(block_ids))
         )
-        return True, {"rows_file": target.path}
+        return True, {SAVED_KEY: target.path}
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]

@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 
 from ..errors import EagletError
-from .vllm_rows import RowsTarget, create_spool
+from .vllm_rows import SAVED_KEY, RowsTarget, create_spool
 
 CONNECTOR = "EagletRowsConnector"  # eaglet's KV connector class, in CONNECTOR_MODULE
 CONNECTOR_MODULE = "eaglet.model.vllm_connector"
@@ -200,7 +200,7 @@ class HiddenStateEngine:
         with engine_alive(self.settings.model, f"computing the hidden states of {name}"):
             outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in token_lists], params, use_tqdm=False)
         for output in outputs:
-            if "rows_file" not in (output.kv_transfer_params or {}):
+            if SAVED_KEY not in (output.kv_transfer_params or {}):
                 raise EagletError(
                     f"vLLM returned no hidden states for request {output.request_id}: its {CONNECTOR} did not run "
                     f"(check the vLLM version: {', '.join(TESTED_VLLM)} are tested)"

@@ -34,6 +34,7 @@ ERROR = ".error"  # written by the worker instead of the rename when a write fai
 TOKEN_ID_DTYPE = np.int32
 TOKEN_ID_BYTES = np.dtype(TOKEN_ID_DTYPE).itemsize
 PARAMS_KEY = "eaglet_rows"  # the key of a request's kv_transfer_params that says where its rows go
+SAVED_KEY = "rows_file"  # the key of a finished request's kv_transfer_params: the connector took its rows
 POLL_S = 0.002
 
 
