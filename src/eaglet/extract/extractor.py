@@ -54,7 +54,7 @@ from ..model.target import (
     resolve_target,
     target_info,
 )
-from ..model.vllm_capture import installed_vllm_root, last_layer_capture
+from ..model.vllm_capture import installed_capture
 from ..model.vllm_engine import GENERATED_TOKENS, EngineSettings, HiddenStateEngine, config_problem, vllm_version
 from ..model.vllm_rows import SPOOL_SUFFIX
 from ..progress import progress_bar
@@ -507,9 +507,9 @@ def open_vllm_engine(
     if not config.device.startswith(("auto", "cuda")) or not torch.cuda.is_available():
         raise EagletError("--backend vllm needs CUDA GPUs; use --backend hf on this machine")
     problem = config_problem(target_path)
-    root = installed_vllm_root()
-    if problem is None and root is not None:
-        problem = last_layer_capture(read_config(target_path), root, vllm_version() or "?").problem
+    if problem is None:
+        verdict = installed_capture(read_config(target_path), vllm_version() or "?")
+        problem = verdict.problem if verdict is not None else None
     if problem:
         raise EagletError(problem)
     longest = int(prepared.lengths.max())

@@ -72,3 +72,9 @@ def last_layer_capture(config: dict[str, Any], root: Path, version: str) -> Capt
             )
         return verdict
     return verdict
+
+
+def installed_capture(config: dict[str, Any], version: str) -> CaptureVerdict | None:
+    """``last_layer_capture`` against the installed vLLM, or None where its source is not found."""
+    root = installed_vllm_root()
+    return None if root is None else last_layer_capture(config, root, version)

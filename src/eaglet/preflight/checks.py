@@ -328,12 +328,11 @@ def check_vllm_backend(
 def check_vllm_capture(target_path: Path, version: str) -> Check:
     """vLLM's model for the target captures the last layer's output (read from the installed vLLM's source)."""
     from ..model.target import read_config
-    from ..model.vllm_capture import installed_vllm_root, last_layer_capture
+    from ..model.vllm_capture import installed_capture
 
-    root = installed_vllm_root()
-    if root is None:
+    verdict = installed_capture(read_config(target_path), version)
+    if verdict is None:
         return Check("vllm capture", WARN, "the installed vLLM's source was not found; vLLM will say at load")
-    verdict = last_layer_capture(read_config(target_path), root, version)
     if verdict.problem:
         return Check("vllm capture", FAIL, verdict.problem)
     return Check("vllm capture", PASS, "vLLM's model captures the aux layers and the last layer's output")
