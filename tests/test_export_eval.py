@@ -171,6 +171,46 @@ def test_eval_report(tmp_path, capsys, tiny_draft, tiny_target):
     assert "lossless True" in stdout
 
 
+def test_eval_reports_each_prompt_file_apart_the_shipped_mt_bench_among_them(tmp_path, capsys, tiny_draft, tiny_target):
+    """A draft judged on its own held-out prompts and on prompts written elsewhere: τ and speedup per file,
+    categories of the same name kept apart, --max-prompts per file spread over its categories."""
+    prompts = write_jsonl(
+        tmp_path / "own.jsonl",
+        [
+            {"id": "a", "prompt": "the cat sat", "category": "writing", "split": "heldout"},
+            {"id": "b", "prompt": "two dogs ran past", "category": "math", "split": "heldout"},
+            {"id": "c", "prompt": "one bird sang", "category": "math", "split": "heldout"},
+            {"id": "d", "prompt": "a train prompt", "category": "math", "split": "train"},
+        ],
+    )
+    out = tmp_path / "eval"
+    options = ["--prompts", "mt-bench", "--max-prompts", "2", "--max-new-tokens", "8", "--depth", "2"]
+    code, _, err = run_cli(eval_args(tiny_draft, tiny_target, prompts, out, *options), capsys)
+    assert code == 0, err
+    report = json.loads((out / "report.json").read_text())
+    assert report["prompts"] == 4 and set(report["per_source"]) == {"own.jsonl", "mt-bench"}
+    own, mt_bench = report["per_source"]["own.jsonl"], report["per_source"]["mt-bench"]
+    assert own["prompts"] == 2 and set(own["per_category"]) == {"writing", "math"}  # round-robin, not the first two
+    assert mt_bench["prompts"] == 2 and set(mt_bench["per_category"]) == {"writing", "roleplay"}
+    assert set(report["per_category"]) == {
+        "own.jsonl: writing",
+        "own.jsonl: math",
+        "mt-bench: writing",
+        "mt-bench: roleplay",
+    }
+    for row in (own, mt_bench):
+        assert row["acceptance_length"] >= 1 and row["speedup"] > 0 and row["baseline_tokens_per_s"] > 0
+    assert "| mt-bench | 2 |" in (out / "report.md").read_text()
+
+
+def test_eval_refuses_a_prompt_file_with_none_of_the_split(tmp_path, capsys, tiny_draft, tiny_target):
+    own = write_jsonl(tmp_path / "own.jsonl", [{"id": "a", "prompt": "the cat sat", "split": "heldout"}])
+    train_only = write_jsonl(tmp_path / "train.jsonl", [{"id": "b", "prompt": "one bird", "split": "train"}])
+    code, _, err = run_cli(eval_args(tiny_draft, tiny_target, own, tmp_path / "x", "--prompts", train_only), capsys)
+    assert code == 2 and f"{train_only}: no prompts of the heldout split" in err and "Traceback" not in err, err
+    assert not (tmp_path / "x").exists()
+
+
 def test_batched_eval_gives_the_same_tokens_and_tau_as_one_at_a_time(tmp_path, capsys, tiny_draft, tiny_target):
     prompts = write_jsonl(
         tmp_path / "p.jsonl",
@@ -377,6 +417,7 @@ def test_report_explains_a_failed_lossless_check_outside_float32():
         "prompts": 1,
         "generated_tokens": 9,
         "per_category": {},
+        "per_source": {},
         "acceptance_by_position": [0.5],
         "settings": {
             "draft": "d",

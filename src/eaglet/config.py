@@ -121,7 +121,8 @@ class RegenerateConfig(VllmFields, PlacementFields):
     FORWARD_OPTION: ClassVar[tuple[str, int] | None] = ("--batch-size {}", 1)
 
     prompts: list[str] = Field(
-        min_length=1, description="prompt or conversation files; 'demo' = the shipped demo prompts"
+        min_length=1,
+        description="prompt or conversation files; 'demo' = the shipped demo prompts, 'mt-bench' = MT-Bench's 80 questions",
     )
     out: str = Field(description="output .jsonl (resumable)")
     target: str = Field(default="embedded", description=TARGET_HELP)
@@ -473,11 +474,14 @@ class EvalConfig(PlacementFields):
     draft: str = Field(description="a draft directory (`eaglet train` output or an `eaglet export` directory)")
     out: str = Field(description="report directory")
     prompts: list[str] = Field(
-        default_factory=lambda: ["demo"], description="prompt files; 'demo' = the shipped demo prompts"
+        default_factory=lambda: ["demo"],
+        description="prompt files; 'demo' = the shipped demo prompts, 'mt-bench' = MT-Bench's 80 questions",
     )
     target: str | None = Field(default=None, description=RECORDED_TARGET_HELP)
     split: Split = Field(default="heldout", description="rows whose `split` field matches")
-    max_prompts: int | None = Field(default=None, ge=1, description="only N prompts, taken round-robin over categories")
+    max_prompts: int | None = Field(
+        default=None, ge=1, description="only N prompts of each prompt file, taken round-robin over its categories"
+    )
     mode: Literal["chain", "tree"] = Field(default="chain", description="tree: EAGLE-2's dynamic tree")
     depth: int = Field(
         default=4,

@@ -35,6 +35,7 @@ from .tune import tune_tree
 @dataclass
 class PromptResult:
     id: str
+    source: str
     category: str
     tokens: int
     forwards: int
@@ -71,30 +72,53 @@ def _divergence(
     return record
 
 
-def _prompts(config: EvalConfig, tokenizer: Any) -> list[tuple[str, str, list[int]]]:
-    rows = []
-    for item in read_conversations([resolve_input(p) for p in config.prompts]):
-        if isinstance(item, BadRow):
-            raise EagletError(f"{item}; fix the prompt file")
-        if config.split != "all" and item.meta.get("split", "heldout") != config.split:
-            continue
-        text = tokenizer.apply_chat_template(item.prompt_messages, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
-        rows.append((item.id, item.meta.get("category", "all"), ids))
+@dataclass(frozen=True)
+class EvalPrompt:
+    id: str
+    source: str  # the prompt file as the config names it ("demo", "mt-bench", a path)
+    category: str
+    ids: list[int]  # the prompt rendered with the chat template, tokenized
+
+
+def _prompts(config: EvalConfig, tokenizer: Any, each_file: bool = True) -> list[EvalPrompt]:
+    """The prompts of ``config.split`` from each prompt file, at most ``max_prompts`` per file, spread over its
+    categories. ``each_file``: a file with none of the split is an error (a report would silently lack it)."""
+    rows: list[EvalPrompt] = []
+    labels = _source_labels(config.prompts)
+    for source in config.prompts:
+        chosen = []
+        for item in read_conversations([resolve_input(source)]):
+            if isinstance(item, BadRow):
+                raise EagletError(f"{item}; fix the prompt file")
+            if config.split != "all" and item.meta.get("split", "heldout") != config.split:
+                continue
+            text = tokenizer.apply_chat_template(item.prompt_messages, tokenize=False, add_generation_prompt=True)
+            ids = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+            chosen.append(EvalPrompt(item.id, labels[source], str(item.meta.get("category", "all")), ids))
+        if not chosen and each_file:
+            raise EagletError(
+                f"{source}: no prompts of the {config.split} split; pick another --split or drop the file"
+            )
+        rows.extend(_spread(chosen, config.max_prompts) if config.max_prompts and chosen else chosen)
     if not rows:
         raise EagletError(f"{', '.join(config.prompts)}: no prompts selected (split={config.split})")
-    return _spread(rows, config.max_prompts) if config.max_prompts else rows
+    return rows
 
 
-def _tuning_prompts(
-    config: EvalConfig, tokenizer: Any, evaluated: list[tuple[str, str, list[int]]]
-) -> tuple[list[tuple[str, str, list[int]]], str]:
+def _source_labels(names: list[str]) -> dict[str, str]:
+    """How the report names each prompt file: its file name, or the path where two share a name."""
+    short = {name: Path(name).name for name in names}
+    counts = {label: list(short.values()).count(label) for label in short.values()}
+    return {name: label if counts[label] == 1 else name for name, label in short.items()}
+
+
+def _tuning_prompts(config: EvalConfig, tokenizer: Any, evaluated: list[EvalPrompt]) -> tuple[list[EvalPrompt], str]:
     """Prompts to time tree shapes on: the train split's when held-out prompts are evaluated (the shape is not
     chosen on the prompts it is judged on), else the first evaluated ones."""
     if config.split == "heldout":
         try:
-            rows = _prompts(config.model_copy(update={"split": "train", "max_prompts": config.tune_prompts}), tokenizer)
-            return rows, "train split"
+            train = config.model_copy(update={"split": "train", "max_prompts": config.tune_prompts})
+            return _prompts(train, tokenizer, each_file=False)[: config.tune_prompts], "train split"
         except EagletError:  # the prompt files have no train split
             pass
     return evaluated[: config.tune_prompts], "evaluated prompts"
@@ -111,11 +135,11 @@ def _tuned(
     return tuned, {"prompts": len(prompts), "prompts_from": tuned_on, "trees": trees, "chosen": chosen}
 
 
-def _spread(rows: list[tuple[str, str, list[int]]], count: int) -> list[tuple[str, str, list[int]]]:
+def _spread(rows: list[EvalPrompt], count: int) -> list[EvalPrompt]:
     """The first ``count`` prompts taken round-robin over categories, so a subset still covers them all."""
-    by_category: dict[str, list] = {}
+    by_category: dict[str, list[EvalPrompt]] = {}
     for row in rows:
-        by_category.setdefault(row[1], []).append(row)
+        by_category.setdefault(row.category, []).append(row)
     picked = []
     for rank in range(max(len(v) for v in by_category.values())):
         picked.extend(group[rank] for group in by_category.values() if rank < len(group))
@@ -180,11 +204,11 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     tuning = None
     if config.tune:
         tune_rows, tuned_on = _tuning_prompts(config, tokenizer, prompts)
-        longest = max(len(row[2]) for row in prompts + tune_rows)
+        longest = max(len(row.ids) for row in prompts + tune_rows)
         config, tuning = _tuned(
             config,
             lambda shaped: make_decoders(shaped, model, draft, layer_ids, set(stop), longest, device, console),
-            [row[2] for row in tune_rows],
+            [row.ids for row in tune_rows],
             tuned_on,
             dist,
             device,
@@ -195,26 +219,27 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
             + ")"
         )
     decoders = make_decoders(
-        config, model, draft, layer_ids, set(stop), max(len(p[2]) for p in prompts), device, console
+        config, model, draft, layer_ids, set(stop), max(len(p.ids) for p in prompts), device, console
     )
-    decoders.warm_up([row[2] for row in prompts[: decoders.group_size]])
+    decoders.warm_up([row.ids for row in prompts[: decoders.group_size]])
     results = []
     with progress_bar("prompts", console) as progress:
         task = progress.add_task("eval", total=len(prompts))
         for start in range(0, len(prompts), decoders.group_size):
             group = prompts[start : start + decoders.group_size]
-            ids = [row[2] for row in group]
+            ids = [row.ids for row in group]
             base = decoders.baseline(ids, config.max_new_tokens, config.seed + start)
             spec = decoders.speculative(ids, config.max_new_tokens, config.seed + start)
-            for (prompt_id, category, prompt), plain, drafted in zip(group, base, spec):
+            for row, plain, drafted in zip(group, base, spec):
                 lossless = (drafted.tokens == plain.tokens) if greedy else None
                 divergence = (
-                    _divergence(model, layer_ids, prompt, plain.tokens, drafted.tokens) if lossless is False else None
+                    _divergence(model, layer_ids, row.ids, plain.tokens, drafted.tokens) if lossless is False else None
                 )
                 results.append(
                     PromptResult(
-                        prompt_id,
-                        category,
+                        row.id,
+                        row.source,
+                        row.category,
                         len(drafted.tokens),
                         drafted.forwards,
                         drafted.accepted,
@@ -231,7 +256,7 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
         report["tuning"] = tuning
     if config.hf_generate_baseline:
         report["hf_generate_tokens_per_s"] = round(
-            _hf_generate_tokens_per_s(model, [p[2] for p in prompts], config.max_new_tokens, stop), 2
+            _hf_generate_tokens_per_s(model, [p.ids for p in prompts], config.max_new_tokens, stop), 2
         )
     if dist.is_main:
         out = Path(config.out)
@@ -242,33 +267,59 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     return report
 
 
+def _speed(items: list[PromptResult]) -> dict[str, Any]:
+    """τ and speed over some prompts: tokens over the seconds each engine took for them."""
+    tokens = sum(r.tokens for r in items)
+    spec_s, base_s = sum(r.spec_s for r in items), sum(r.base_s for r in items)
+    return {
+        "prompts": len(items),
+        "acceptance_length": round(acceptance_length(items), 4),
+        "tokens_per_s": round(tokens / spec_s, 2) if spec_s else None,
+        "baseline_tokens_per_s": round(tokens / base_s, 2) if base_s else None,
+        "speedup": round(base_s / spec_s, 4) if spec_s else None,
+    }
+
+
+def _grouped(results: list[PromptResult], key: Any) -> dict[str, list[PromptResult]]:
+    groups: dict[str, list[PromptResult]] = {}
+    for result in results:
+        groups.setdefault(key(result), []).append(result)
+    return dict(sorted(groups.items()))
+
+
 def _report(config: EvalConfig, results: list[PromptResult], target_name: str, device: str) -> dict[str, Any]:
     tokens = sum(r.tokens for r in results)
     forwards = sum(r.forwards for r in results)
     rounds = [a for r in results for a in r.accepted]
-    spec_s, base_s = sum(r.spec_s for r in results), sum(r.base_s for r in results)
-    by_category: dict[str, list[PromptResult]] = {}
-    for result in results:
-        by_category.setdefault(result.category, []).append(result)
-
-    def tau(items: list[PromptResult]) -> float:
-        return round(acceptance_length(items), 4)
-
+    overall = _speed(results)
+    by_source = _grouped(results, lambda r: r.source)
+    # categories of different files can share a name (demo's and MT-Bench's "writing"): named by file when several
+    category_of = (lambda r: r.category) if len(by_source) == 1 else (lambda r: f"{r.source}: {r.category}")
     lossless = [r.lossless for r in results if r.lossless is not None]
     return {
-        "acceptance_length": tau(results),
+        "acceptance_length": overall["acceptance_length"],
         "acceptance_by_position": [
             round(sum(a > i for a in rounds) / max(1, len(rounds)), 4) for i in range(config.depth)
         ],
-        "tokens_per_s": round(tokens / spec_s, 2) if spec_s else None,
-        "baseline_tokens_per_s": round(sum(r.tokens for r in results) / base_s, 2) if base_s else None,
-        "speedup": round(base_s / spec_s, 4) if spec_s else None,
+        "tokens_per_s": overall["tokens_per_s"],
+        "baseline_tokens_per_s": overall["baseline_tokens_per_s"],
+        "speedup": overall["speedup"],
         "lossless": all(lossless) if lossless else None,
         "lossless_failures": [r.id for r in results if r.lossless is False],
         "divergences": {r.id: r.divergence for r in results if r.divergence is not None},
         "per_category": {
-            name: {"prompts": len(items), "acceptance_length": tau(items)}
-            for name, items in sorted(by_category.items())
+            name: {"prompts": len(items), "acceptance_length": round(acceptance_length(items), 4)}
+            for name, items in _grouped(results, category_of).items()
+        },
+        "per_source": {
+            source: {
+                **_speed(items),
+                "per_category": {
+                    name: {"prompts": len(group), "acceptance_length": round(acceptance_length(group), 4)}
+                    for name, group in _grouped(items, lambda r: r.category).items()
+                },
+            }
+            for source, items in by_source.items()
         },
         "prompts": len(results),
         "generated_tokens": tokens,
@@ -342,6 +393,7 @@ def _markdown(report: dict[str, Any]) -> str:
         f"- {report['prompts']} prompts ({settings['split']} split), {report['generated_tokens']} tokens, device {settings['device']}",
         f"- engine: {_engine_words(settings)}",
         "",
+        *_source_lines(report["per_source"]),
         "| category | prompts | τ |",
         "|---|---|---|",
         *[
@@ -356,6 +408,22 @@ def _markdown(report: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _source_lines(per_source: dict[str, Any]) -> list[str]:
+    """Each prompt file's τ and speedup, when the eval read several (held-out, written elsewhere, synthesized)."""
+    if len(per_source) < 2:
+        return []
+    return [
+        "| prompts from | prompts | τ | tok/s | without the draft | speedup |",
+        "|---|---|---|---|---|---|",
+        *[
+            f"| {name} | {row['prompts']} | {row['acceptance_length']:.2f} | {row['tokens_per_s']} | "
+            f"{row['baseline_tokens_per_s']} | {row['speedup']:.2f}× |"
+            for name, row in per_source.items()
+        ],
+        "",
+    ]
 
 
 def _tuning_lines(tuning: dict[str, Any] | None) -> list[str]:
