@@ -8,7 +8,7 @@ import pytest
 from conftest import run_cli
 
 from eaglet.data.readers import read_conversations
-from eaglet.data.synthesize import filter_prompts, raw_path, split_of, user_turn
+from eaglet.data.synthesize import PromptFilter, filter_prompts, raw_path, split_of, user_turn
 from eaglet.errors import EagletError
 
 
@@ -28,7 +28,40 @@ def test_the_filter_keeps_the_first_distinct_finished_long_enough_messages():
         "Explain the French revolution to a child.",
         "Write a haiku about autumn leaves.",
     ]
-    assert filtered.dropped == {"unfinished": 1, "too short": 1, "duplicate": 1, "near duplicate": 1}
+    assert filtered.dropped == {
+        "unfinished": 1,
+        "too short": 1,
+        "duplicate": 1,
+        "near duplicate": 1,
+        "common opening": 0,
+    }
+
+
+def test_the_diversity_cap_keeps_few_messages_of_one_opening_and_the_filter_is_the_same_batch_by_batch():
+    """A small chat model opens most user turns with "Can you ..."; at most ceil(share * count) of one opening."""
+    texts = [
+        "Can you help me plan a garden?",
+        "Can you help me write a cover letter?",
+        "can you, explain black holes simply",
+        "What is the capital of Peru?",
+        "Can you list three prime numbers?",
+        "Write a short poem about rain.",
+        "What is a good name for a cat?",
+        "Describe the water cycle in steps.",
+    ]
+    filtered = filter_prompts(texts, min_words=3, max_similarity=0.5, count=5, max_opening_share=0.25)
+    assert filtered.kept == [
+        "Can you help me plan a garden?",
+        "Can you help me write a cover letter?",  # ceil(0.25 * 5) = 2 may open with "can you"
+        "What is the capital of Peru?",
+        "Write a short poem about rain.",
+        "What is a good name for a cat?",
+    ]
+    assert filtered.dropped["common opening"] == 2
+    batched = PromptFilter(min_words=3, max_similarity=0.5, count=5, max_opening_share=0.25)
+    for start in range(0, len(texts), 3):  # as synthesize feeds it, one generated batch at a time
+        batched.add(texts[start : start + 3])
+    assert batched.kept == filtered.kept and batched.dropped == filtered.dropped and batched.full
 
 
 def test_the_split_is_a_stable_function_of_the_text():
@@ -118,6 +151,7 @@ def test_too_few_prompts_is_one_line_naming_the_drops(tmp_path, capsys, tiny_tar
         (["--out", "prompts.txt"], "is not a .jsonl file"),
         (["--out", "p.jsonl", "--count", "0"], "'count'"),
         (["--out", "p.jsonl", "--max-similarity", "1.5"], "'max_similarity'"),
+        (["--out", "p.jsonl", "--max-opening-share", "0"], "'max_opening_share'"),
     ],
 )
 def test_bad_settings_are_refused_before_the_target_loads(tmp_path, capsys, bad, message):

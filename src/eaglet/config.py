@@ -177,6 +177,12 @@ class SynthesizeConfig(PlacementFields):
         description="a message whose word trigrams overlap a kept "
         "one's more than this (Jaccard) is a near duplicate, dropped",
     )
+    max_opening_share: float = Field(
+        default=0.1,
+        gt=0,
+        le=1,
+        description="at most this share of the prompts may open with the same two words (1 = no cap)",
+    )
     max_batches: int = Field(default=1000, ge=1, description="give up after this many batches")
     batch_size: int = Field(default=0, ge=0, description="messages per batch (0 = 64 on GPU, 8 on CPU)")
     seed: int = 0

@@ -2,9 +2,11 @@
 
 An instruction-tuned model, given only its chat template's opening of a user turn, writes a user message: what its
 own training made likely. Those messages are the target's own prompt distribution; `eaglet regenerate` answers them
-like any prompt file. Kept are messages that end their turn, have ``min_words`` words or more, and are neither an
+like any prompt file. Kept are messages that end their turn, have ``min_words`` words or more, are neither an
 exact duplicate (after lower-casing and folding whitespace and punctuation) nor a near duplicate of one kept before
-(Jaccard similarity of word trigrams above ``max_similarity``).
+(Jaccard similarity of word trigrams above ``max_similarity``), and whose first two words do not already open
+``max_opening_share`` of the prompts asked for: a small chat model opens most of its user turns alike ("Can you
+help me ..."), and a draft learns from the answers to what was asked.
 
 Crash safety: every batch's raw generations are appended (fsynced) to ``OUT.raw.jsonl`` with the batch index; a
 restarted run reads them, skips those batches, and the filter runs over the same raw rows in the same order, so a
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -39,6 +42,7 @@ from .generation import load_generator
 
 MARKER = "\u2063EAGLET-USER-TEXT\u2063"  # invisible separators around a word no template writes itself
 SHINGLE = 3  # words per shingle of the near-duplicate test
+OPENING_WORDS = 2  # a message's opening, for the diversity cap ("can you ...", "what is ...")
 BATCH_SEED_STRIDE = 1_000_003
 SPLIT_BUCKETS = 10_000
 
@@ -73,37 +77,73 @@ def similarity(a: set[tuple[str, ...]], b: set[tuple[str, ...]]) -> float:
     return len(a & b) / len(a | b) if a and b else 0.0
 
 
-@dataclass
-class Filtered:
-    kept: list[str]
-    dropped: dict[str, int]  # reason -> count
+class PromptFilter:
+    """Keeps, in the order given, the messages that closed their turn, are long enough, and are neither a duplicate
+    nor a near duplicate of one kept before. Incremental (one batch at a time, as they are generated) and exact: a
+    message is compared only with the kept ones sharing a shingle with it (an index from shingle to kept messages),
+    since a Jaccard similarity above ``max_similarity`` >= 0 needs one shared shingle."""
 
+    def __init__(self, min_words: int, max_similarity: float, count: int, max_opening_share: float = 1.0):
+        self.min_words, self.max_similarity, self.count = min_words, max_similarity, count
+        self.opening_limit = max(1, math.ceil(max_opening_share * count))  # kept messages per opening
+        self.kept: list[str] = []
+        self.dropped = {"unfinished": 0, "too short": 0, "duplicate": 0, "near duplicate": 0, "common opening": 0}
+        self._openings: dict[tuple[str, ...], int] = {}
+        self._seen: set[str] = set()
+        self._kept_shingles: list[set[tuple[str, ...]]] = []
+        self._holders: dict[tuple[str, ...], list[int]] = {}  # shingle -> indices of kept messages that have it
 
-def filter_prompts(texts: list[str], min_words: int, max_similarity: float, count: int) -> Filtered:
-    """The first ``count`` texts that are long enough and neither a duplicate nor a near duplicate of an earlier
-    kept one, in order."""
-    kept: list[str] = []
-    seen: set[str] = set()
-    kept_shingles: list[set[tuple[str, ...]]] = []
-    dropped = {"unfinished": 0, "too short": 0, "duplicate": 0, "near duplicate": 0}
-    for text in texts:
-        if len(kept) == count:
-            break
+    @property
+    def full(self) -> bool:
+        return len(self.kept) >= self.count
+
+    def add(self, texts: list[str | None]) -> None:
+        for text in texts:
+            if self.full:
+                return
+            reason = self._rejection(text)
+            if reason is not None:
+                self.dropped[reason] += 1
+                continue
+            assert text is not None
+            own = shingles(text)
+            for shingle in own:
+                self._holders.setdefault(shingle, []).append(len(self.kept))
+            opening = _opening(text)
+            self._openings[opening] = self._openings.get(opening, 0) + 1
+            self.kept.append(text.strip())
+            self._seen.add(normalized(text))
+            self._kept_shingles.append(own)
+
+    def _rejection(self, text: str | None) -> str | None:
         if text is None:
-            dropped["unfinished"] += 1
-            continue
+            return "unfinished"
         key = normalized(text)
-        if len(key.split()) < min_words:
-            dropped["too short"] += 1
-        elif key in seen:
-            dropped["duplicate"] += 1
-        elif any(similarity(shingles(text), other) > max_similarity for other in kept_shingles):
-            dropped["near duplicate"] += 1
-        else:
-            kept.append(text.strip())
-            seen.add(key)
-            kept_shingles.append(shingles(text))
-    return Filtered(kept, dropped)
+        if len(key.split()) < self.min_words:
+            return "too short"
+        if key in self._seen:
+            return "duplicate"
+        if self._openings.get(_opening(text), 0) >= self.opening_limit:
+            return "common opening"
+        own = shingles(text)
+        candidates = {index for shingle in own for index in self._holders.get(shingle, ())}
+        if any(similarity(own, self._kept_shingles[index]) > self.max_similarity for index in candidates):
+            return "near duplicate"
+        return None
+
+
+def _opening(text: str) -> tuple[str, ...]:
+    return tuple(normalized(text).split()[:OPENING_WORDS])
+
+
+def filter_prompts(
+    texts: list[str | None], min_words: int, max_similarity: float, count: int, max_opening_share: float = 1.0
+) -> PromptFilter:
+    """The first ``count`` texts that are long enough, neither a duplicate nor a near duplicate of an earlier kept
+    one, and whose opening words are not yet on ``max_opening_share`` of ``count`` kept ones, in order."""
+    kept = PromptFilter(min_words, max_similarity, count, max_opening_share)
+    kept.add(texts)
+    return kept
 
 
 def split_of(text: str, heldout_fraction: float) -> str:
@@ -218,39 +258,33 @@ def _synthesize(config: SynthesizeConfig, out: Path, console: Console) -> Synthe
     settings = settings_of(config)
     raw = raw_path(out)
     batches = load_raw(raw, settings)
-    max_batches = config.max_batches
     started = time.perf_counter()
     writer: Writer | None = None
 
     def texts() -> list[str | None]:
         return [text for index in sorted(batches) for text in batches[index]]
 
+    filtered = PromptFilter(config.min_words, config.max_similarity, config.count, config.max_opening_share)
     with progress_bar("prompts", console) as progress:
         task = progress.add_task("synthesize", total=config.count)
-        index = 0
-        while True:
-            filtered = filter_prompts(texts(), config.min_words, config.max_similarity, config.count)
-            progress.update(task, completed=len(filtered.kept))
-            if len(filtered.kept) >= config.count or index >= max_batches:
-                break
+        for index in range(config.max_batches):  # batches in order, read back or generated: a resumed run filters alike
             if index not in batches:
                 writer = writer or Writer(config)
                 batches[index] = writer.batch(config.seed * BATCH_SEED_STRIDE + index)
                 if writer.writes:
-                    append_lines_durable(
-                        raw,
-                        [
-                            json.dumps(
-                                {"batch": index, "settings": settings, "texts": batches[index]}, ensure_ascii=False
-                            )
-                        ],
+                    line = json.dumps(
+                        {"batch": index, "settings": settings, "texts": batches[index]}, ensure_ascii=False
                     )
-            index += 1
+                    append_lines_durable(raw, [line])
+            filtered.add(batches[index])
+            progress.update(task, completed=len(filtered.kept))
+            if filtered.full:
+                break
     if writer is not None and not writer.writes:
         return SynthesizeResult(out, len(filtered.kept), len(texts()), time.perf_counter() - started, {})
     if len(filtered.kept) < config.count:
         raise EagletError(
-            f"{out}: {len(filtered.kept)} of {config.count} prompts after {max_batches} batches (dropped: "
+            f"{out}: {len(filtered.kept)} of {config.count} prompts after {config.max_batches} batches (dropped: "
             f"{', '.join(f'{n} {reason}' for reason, n in filtered.dropped.items() if n)}); raise --max-batches, "
             "lower --min-words or raise --max-similarity"
         )
