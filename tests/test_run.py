@@ -302,6 +302,16 @@ def test_a_run_with_synthesize_answers_the_targets_own_prompts_beside_the_given_
     regenerate = pipeline.stages[1]
     assert regenerate.config.prompts[-1] == str(tmp_path / "run" / "synthesized.jsonl")
     assert regenerate.reads == ("synthesize",)  # its fingerprint follows the synthesized prompts
+    evaluate = next(stage for stage in pipeline.stages if stage.name == "eval")  # judged on their held-out split too
+    assert evaluate.config.prompts[-1] == str(tmp_path / "run" / "synthesized.jsonl")
+    data["synthesize"]["heldout_fraction"] = 0  # none held out: the eval reads only the given prompts
+    config.write_text(yaml.safe_dump(data))
+    evaluate = next(
+        s for s in Pipeline(load_run_config(config), config, Console(quiet=True)).stages if s.name == "eval"
+    )
+    assert str(tmp_path / "run" / "synthesized.jsonl") not in evaluate.config.prompts
+    del data["synthesize"]["heldout_fraction"]
+    config.write_text(yaml.safe_dump(data))
     code, out, err = run_cli(["run", config, "--plan"], capsys)
     assert code == 0 and "synthesize" in out, err
     del data["regenerate"]

@@ -211,12 +211,17 @@ def _run_export(pipeline: Pipeline, stage: Stage) -> str:
 
 
 def _configure_eval(pipeline: Pipeline) -> tuple[EvalConfig, None]:
-    return pipeline._section(
+    evaluate = pipeline._section(
         EvalConfig,
         "eval",
         pipeline.config.eval or {},
         {"draft": str(pipeline.path("train")), "out": str(pipeline.path("eval")), **pipeline.common()},
-    ), None
+    )
+    if pipeline.config.synthesize is not None:  # judged on the target's own prompts too: those training never saw
+        held_out = _configure_synthesize(pipeline)[0].heldout_fraction > 0
+        if held_out or evaluate.split != "heldout":
+            evaluate = evaluate.model_copy(update={"prompts": [*evaluate.prompts, str(pipeline.path("synthesize"))]})
+    return evaluate, None
 
 
 def _run_eval(pipeline: Pipeline, stage: Stage) -> str:
