@@ -6,6 +6,7 @@
 #                                                              #  static caches + CUDA graphs, same prompts
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh round   # the demo's draft: time per graphed round, per part
 #   DRAFT=/tmp/e2e/tau/draft bash scripts/device.sh bash benchmarks/e2e_h200.sh speedup  # issue 5's headline evals
+#   bash scripts/device.sh bash benchmarks/e2e_h200.sh train-anchor  # 8B-shape step beside speculators 0.9.0's only
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh train   # training step, 8B shape (next to speculators 0.9.0) and demo size
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh loss     # the TTT loss alone, fused vs autograd, demo + 8B sizes
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh tau-data   # issue 4's τ run (configs/tau_h200.yaml):
@@ -27,7 +28,19 @@ case "${1:-}" in
       2> >(tail -40 >&2) | tail -40
     mkdir -p "$OUT/demo"
     cp -r "$WORK/demo/run.json" "$WORK/demo/eval" "$WORK/demo/draft/metrics.jsonl" "$WORK/demo/draft/"*.png \
-      "$WORK/demo/export/vllm/README.md" "$OUT/demo/" 2>/dev/null
+      "$WORK/demo/"*.manifest.json "$WORK/demo/export/vllm/README.md" "$OUT/demo/" 2>/dev/null
+    [ -f "$WORK/demo/synthesized.jsonl" ] && cp "$WORK/demo/synthesized.jsonl" "$OUT/demo/"
+    ;;
+  train-anchor)
+    # issue 32's side-by-side: eaglet's 8B-shape step (Llama-3's 128,256-token vocabulary, draft vocab 32,000;
+    # train's GPU default, profiled) and speculators 0.9.0's step at the same shape, in one call. Needs
+    # .device/specwhl and .device/specbench carried (../shared/anchors/speculators-0.9.0/README.md).
+    python3 benchmarks/bench_train.py --shape 8b --kernels one --skip-naive --steps 20 --profile \
+      --out "$OUT/train_8b_h200.json" > "$OUT/train_8b_profile.txt" 2>&1
+    grep -E '^\{"' "$OUT/train_8b_profile.txt"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/specsite .device/specwhl/*.whl 2>&1 | tail -2
+    PYTHONPATH=/tmp/specsite timeout "${SPEC_LIMIT_S:-240}" python3 .device/specbench/bench_eagle3.py --shape 8b --ttt 7 \
+      --draft-vocab 32000 --optimizers adamw --out "$OUT/speculators_8b_h200.json" 2>&1 | tail -8
     ;;
   evals)
     # the demo's draft on EVAL_PROMPTS held-out prompts, 128 new tokens, greedy, chain and tree, with the static
