@@ -78,8 +78,9 @@ def similarity(a: set[tuple[str, ...]], b: set[tuple[str, ...]]) -> float:
 
 
 class PromptFilter:
-    """Keeps, in the order given, the messages that closed their turn, are long enough, and are neither a duplicate
-    nor a near duplicate of one kept before. Incremental (one batch at a time, as they are generated) and exact: a
+    """Keeps, in the order given, the messages that closed their turn, are long enough, are neither a duplicate nor a
+    near duplicate of one kept before, and open with two words not yet opening ``max_opening_share`` of ``count``
+    kept ones. Incremental (one batch at a time, as they are generated) and exact: a
     message is compared only with the kept ones sharing a shingle with it (an index from shingle to kept messages),
     since a Jaccard similarity above ``max_similarity`` >= 0 needs one shared shingle."""
 
@@ -286,7 +287,7 @@ def _synthesize(config: SynthesizeConfig, out: Path, console: Console) -> Synthe
         raise EagletError(
             f"{out}: {len(filtered.kept)} of {config.count} prompts after {config.max_batches} batches (dropped: "
             f"{', '.join(f'{n} {reason}' for reason, n in filtered.dropped.items() if n)}); raise --max-batches, "
-            "lower --min-words or raise --max-similarity"
+            "lower --min-words, or raise --max-similarity or --max-opening-share"
         )
     rows = [
         {

@@ -154,7 +154,7 @@ def estimate(pipeline: Pipeline, plans: list[StagePlan]) -> list[StagePlan]:
             plan.disk_bytes = draft_params * BF16_BYTES * len(pipeline.config.export.formats)
         elif plan.name == "eval":
             evaluation = stage.config
-            prompts = evaluation.max_prompts or HELD_OUT_PROMPTS_GUESS
+            prompts = (evaluation.max_prompts or HELD_OUT_PROMPTS_GUESS) * len(evaluation.prompts)  # per file
             gpus = sizing.place(plan, evaluation, EVAL_FORWARD_TOKENS, PROMPT_TOKENS_GUESS + evaluation.max_new_tokens)
             step = sizing.decode_step(gpus, 1 / rates["decode_tok_s"]) if machine.gpus else 1 / rates["decode_tok_s"]
             plan.seconds = sizing.load_seconds() + 2 * prompts * evaluation.max_new_tokens * step  # baseline + spec
