@@ -24,9 +24,11 @@ TAU_CONFIG=benchmarks/configs/tau_h200.yaml
 eaglet() { python3 -m eaglet.cli "$@"; }
 case "${1:-}" in
   demo)
-    /usr/bin/time -v timeout "${DEMO_LIMIT_S:-560}" python3 -m eaglet.cli demo --scale gpu --out "$WORK/demo" \
-      2> >(tail -40 >&2) | tail -40
+    # the log goes to $OUT as it is written: a device call ended at its limit still brings back how far it got
     mkdir -p "$OUT/demo"
+    /usr/bin/time -v timeout "${DEMO_LIMIT_S:-540}" python3 -m eaglet.cli demo --scale gpu --out "$WORK/demo" \
+      > "$OUT/demo/log.txt" 2>&1
+    tail -40 "$OUT/demo/log.txt"
     cp -r "$WORK/demo/run.json" "$WORK/demo/eval" "$WORK/demo/draft/metrics.jsonl" "$WORK/demo/draft/"*.png \
       "$WORK/demo/"*.manifest.json "$WORK/demo/export/vllm/README.md" "$OUT/demo/" 2>/dev/null
     [ -f "$WORK/demo/synthesized.jsonl" ] && cp "$WORK/demo/synthesized.jsonl" "$OUT/demo/"
