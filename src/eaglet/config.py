@@ -558,6 +558,9 @@ class EvalConfig(PlacementFields):
             )
         if self.tune and self.mode != "tree":
             return "--tune times tree shapes; add --mode tree (a chain has only --depth to choose)"
+        repeated = next((name for index, name in enumerate(self.prompts) if name in self.prompts[:index]), None)
+        if repeated is not None:
+            return f"--prompts {repeated} is given twice; its prompts would be decoded and counted twice: give it once"
         for shape in self.tune_trees if self.tune else ():
             for (name, (low, high)), value in zip(TREE_LIMITS.items(), shape):
                 if not low <= value <= high:
