@@ -235,6 +235,22 @@ def test_split_and_demo_prompts(tmp_path, capsys):
         assert sum(r.meta["category"] == category and r.meta["split"] == "heldout" for r in rows) >= 10
 
 
+def test_mt_bench_prompts_are_held_out_apart_from_the_demo_prompts():
+    """`mt-bench` is what a draft is judged on as prompts written elsewhere: all 80, all held out, none shared with
+    the demo prompts a draft trains on."""
+    from eaglet.data.readers import Conversation, read_conversations
+    from eaglet.data.synthesize import shingles, similarity
+    from eaglet.resources import demo_prompts_path, resolve_input
+
+    rows = [r for r in read_conversations([resolve_input("mt-bench")]) if isinstance(r, Conversation)]
+    assert len(rows) == 80 and len({r.id for r in rows}) == 80 and {r.meta["split"] for r in rows} == {"heldout"}
+    categories = {r.meta["category"] for r in rows}
+    assert all(sum(r.meta["category"] == c for r in rows) == 10 for c in categories) and len(categories) == 8
+    demo = [shingles(r.messages[-1]["content"]) for r in read_conversations([demo_prompts_path()])]
+    closest = max(similarity(shingles(r.messages[-1]["content"]), other) for r in rows for other in demo)
+    assert closest < 0.2
+
+
 def test_vllm_backend_where_vllm_is_not_installed_is_one_line_and_writes_nothing(tmp_path, capsys, tiny_target):
     prompts = prompts_file(tmp_path, 2)
     out = tmp_path / "answers.jsonl"
