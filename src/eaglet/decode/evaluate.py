@@ -75,7 +75,7 @@ def _divergence(
 @dataclass(frozen=True)
 class EvalPrompt:
     id: str
-    source: str  # the prompt file as the config names it ("demo", "mt-bench", a path)
+    source: str  # the prompt file as the report names it (``_source_labels``: "demo", "mt-bench", a file name)
     category: str
     ids: list[int]  # the prompt rendered with the chat template, tokenized
 
