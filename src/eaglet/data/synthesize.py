@@ -102,39 +102,34 @@ class PromptFilter:
         for text in texts:
             if self.full:
                 return
-            reason = self._rejection(text)
+            if text is None:
+                self.dropped["unfinished"] += 1
+                continue
+            key = normalized(text)
+            opening, own = tuple(key.split()[:OPENING_WORDS]), shingles(text)
+            reason = self._rejection(key, opening, own)
             if reason is not None:
                 self.dropped[reason] += 1
                 continue
-            assert text is not None
-            own = shingles(text)
             for shingle in own:
                 self._holders.setdefault(shingle, []).append(len(self.kept))
-            opening = _opening(text)
             self._openings[opening] = self._openings.get(opening, 0) + 1
             self.kept.append(text.strip())
-            self._seen.add(normalized(text))
+            self._seen.add(key)
             self._kept_shingles.append(own)
 
-    def _rejection(self, text: str | None) -> str | None:
-        if text is None:
-            return "unfinished"
-        key = normalized(text)
+    def _rejection(self, key: str, opening: tuple[str, ...], own: set[tuple[str, ...]]) -> str | None:
+        """Why a finished message (folded to ``key``, with its opening words and shingles) is dropped, or None."""
         if len(key.split()) < self.min_words:
             return "too short"
         if key in self._seen:
             return "duplicate"
-        if self._openings.get(_opening(text), 0) >= self.opening_limit:
+        if self._openings.get(opening, 0) >= self.opening_limit:
             return "common opening"
-        own = shingles(text)
         candidates = {index for shingle in own for index in self._holders.get(shingle, ())}
         if any(similarity(own, self._kept_shingles[index]) > self.max_similarity for index in candidates):
             return "near duplicate"
         return None
-
-
-def _opening(text: str) -> tuple[str, ...]:
-    return tuple(normalized(text).split()[:OPENING_WORDS])
 
 
 def filter_prompts(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import platform
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,7 +109,7 @@ def _prompts(config: EvalConfig, tokenizer: Any, each_file: bool = True) -> list
 def _source_labels(names: list[str]) -> dict[str, str]:
     """How the report names each prompt file: its file name, or the path where two share a name."""
     short = {name: Path(name).name for name in names}
-    counts = {label: list(short.values()).count(label) for label in short.values()}
+    counts = Counter(short.values())
     return {name: label if counts[label] == 1 else name for name, label in short.items()}
 
 
@@ -287,6 +288,14 @@ def _grouped(results: list[PromptResult], key: Any) -> dict[str, list[PromptResu
     return dict(sorted(groups.items()))
 
 
+def _taus(results: list[PromptResult], key: Any) -> dict[str, dict[str, Any]]:
+    """Prompts and τ of each group of ``results`` (by ``key``: category, or file and category)."""
+    return {
+        name: {"prompts": len(items), "acceptance_length": round(acceptance_length(items), 4)}
+        for name, items in _grouped(results, key).items()
+    }
+
+
 def _report(config: EvalConfig, results: list[PromptResult], target_name: str, device: str) -> dict[str, Any]:
     tokens = sum(r.tokens for r in results)
     forwards = sum(r.forwards for r in results)
@@ -307,18 +316,9 @@ def _report(config: EvalConfig, results: list[PromptResult], target_name: str, d
         "lossless": all(lossless) if lossless else None,
         "lossless_failures": [r.id for r in results if r.lossless is False],
         "divergences": {r.id: r.divergence for r in results if r.divergence is not None},
-        "per_category": {
-            name: {"prompts": len(items), "acceptance_length": round(acceptance_length(items), 4)}
-            for name, items in _grouped(results, category_of).items()
-        },
+        "per_category": _taus(results, category_of),
         "per_source": {
-            source: {
-                **_speed(items),
-                "per_category": {
-                    name: {"prompts": len(group), "acceptance_length": round(acceptance_length(group), 4)}
-                    for name, group in _grouped(items, lambda r: r.category).items()
-                },
-            }
+            source: {**_speed(items), "per_category": _taus(items, lambda r: r.category)}
             for source, items in by_source.items()
         },
         "prompts": len(results),
