@@ -82,18 +82,21 @@ print(json.dumps({'draft_from': '$backend', 'acceptance_length': r['acceptance_l
 'lossless': r['lossless'], 'heldout_sim_tau': evals[-1]['tau'] if evals else None}))" | tee -a "$OUT/vllm_extract.jsonl"
     done
     ;;
-  serve)  # the hf-store draft exported both ways, served by vLLM (compiled) beside `eaglet eval` at the same k
-    k=3
+  serve)  # a draft (DRAFT, default the hf-store one) exported both ways, served by vLLM (compiled) beside `eaglet
+    # eval` at the same k, on held-out prompts of the demo's file and of MT-Bench's (written elsewhere)
+    k=3 draft=${DRAFT:-$work/draft-hf}
     for format in vllm speculators; do
-      python3 -m eaglet.cli export --draft "$work/draft-hf" --format "$format" --out "$work/export-$format" \
+      python3 -m eaglet.cli export --draft "$draft" --format "$format" --out "$work/export-$format" \
         --verifier "$embedded" --speculative-tokens $k --overwrite | tail -1
     done
     python3 benchmarks/vllm_serve_export.py --target "$embedded" --export "$work/export-vllm" \
-      "$work/export-speculators" --k $k --repeats "${REPEATS:-3}" --write-prompts "$work/serve_prompts.jsonl" \
+      "$work/export-speculators" --k $k --sources demo mt-bench --prompts 16 --batch1-prompts 4 \
+      --repeats "${REPEATS:-3}" --write-prompts "$work/serve_prompts" \
       --out "$OUT/vllm_serve.json" > "$OUT/vllm_serve.out"  # to a file: a call cut at its limit keeps what was printed
     rm -rf "$work/eval-serve"
-    python3 -m eaglet.cli eval --draft "$work/draft-hf" --prompts "$work/serve_prompts.jsonl" --split all \
-      --mode chain --depth $k --max-new-tokens 128 --dtype bfloat16 --out "$work/eval-serve" | tail -4
+    python3 -m eaglet.cli eval --draft "$draft" --prompts "$work/serve_prompts/demo.jsonl" \
+      --prompts "$work/serve_prompts/mt-bench.jsonl" --split all --mode chain --depth $k --max-new-tokens 128 \
+      --dtype bfloat16 --out "$work/eval-serve" | tail -4
     cp "$work/eval-serve/report.json" "$OUT/eaglet_eval_serve_prompts.json"
     ;;
   *) echo "usage: $0 data|smoke|regen|embedded|8b|moe|int4|train|serve" >&2; exit 2 ;;
