@@ -58,7 +58,7 @@ case "$1" in
     ;;
   8b)
     [ -f "$work/llama8b/config.json" ] || bench make-8b "$work/llama8b" --tokenizer "$embedded"
-    pair llama8b "$work/llama8b" 500
+    pair llama8b "$work/llama8b" "${SAMPLES:-500}"
     rm -rf "$stores/llama8b-hf" "$stores/llama8b-vllm"
     ;;
   moe)

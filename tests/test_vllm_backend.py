@@ -361,3 +361,122 @@ def test_a_vllm_model_that_never_captures_the_last_layer_is_refused_from_its_sou
     else:
         assert verdict.problem is None
     assert verdict.files  # the registry and the model source were read
+
+
+class TransformersRowsEngine:
+    """Stands in for vLLM's worker in eaglet's feeder/writer pipeline: the same calls as ``HiddenStateEngine``
+    (``requests``, ``generate``), the rows computed by transformers on the tiny target and written through eaglet's
+    own ``RowsWriter`` from other threads after ``generate`` returns, as vLLM's connector does. What it proves is
+    eaglet's side (order, slots, the final norm, failures); vLLM's own capture is compared on the H200."""
+
+    def __init__(self, target: Path, layers: tuple[int, ...], spool: Path, fail_on_call: int | None = None):
+        from eaglet.model.vllm_engine import EngineSettings
+        from eaglet.model.vllm_rows import RowsWriter
+
+        self.model = load_model(target, device="cpu")
+        num_layers = len(decoder_layers(self.model))
+        self.settings = EngineSettings(
+            model=str(target), aux_layer_ids=layers, num_layers=num_layers,
+            hidden_size=self.model.config.hidden_size, spool=spool, tensor_parallel_size=1, dtype="float32",
+            max_model_len=4096, max_num_batched_tokens=4096, gpu_memory_utilization=0.5, trust_remote_code=False,
+        )  # fmt: skip
+        self.writer = RowsWriter()
+        self.fail_on_call = fail_on_call
+        self.calls = 0
+        self.most_spool_files = 0  # spool files that existed at once, seen at each call
+
+    def requests(self, token_lists, name):
+        from eaglet.model.vllm_rows import RowsTarget, create_spool
+
+        spool = self.settings.spool / name
+        total = sum(len(ids) for ids in token_lists)
+        partial = create_spool(spool, total, self.settings.row_bytes)
+        targets, row = [], 0
+        for ids in token_lists:
+            targets.append(RowsTarget(str(partial), row, total, self.settings.row_bytes))
+            row += len(ids)
+        return spool, [{"prompt_token_ids": ids} for ids in token_lists], targets
+
+    def generate(self, prompts, params, doing):
+        import threading
+
+        self.calls += 1
+        if self.calls == self.fail_on_call:
+            raise EagletError(f"vLLM's engine on {self.settings.model} died while {doing}")
+        self.most_spool_files = max(self.most_spool_files, len(list(self.settings.spool.iterdir())))
+        layers = captured_layers(self.settings.aux_layer_ids, self.settings.num_layers)
+        done = []
+        for prompt, target in zip(prompts, params):
+            ids = torch.tensor([prompt["prompt_token_ids"]])
+            with torch.inference_mode():
+                states = self.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+            rows = [states[layer][0] for layer in layers[:-1]] + [_last_layer_output(self.model, ids)[0]]
+            done.append((target, ids[0].numpy(), torch.stack(rows, dim=1).contiguous()))  # [T, layers, H]
+        # the worker's writer threads finish after the call returns
+        threading.Thread(target=lambda: [self.writer.write(*request) for request in done]).start()
+
+
+LAYERS = (1, 3, 5)  # aux ids; the last layer's output is captured after them
+
+
+def _vllm_config(prepared, out, target):
+    return build_config(ExtractConfig, "extract", cli_values={
+        "prepared": str(prepared), "out": str(out), "target": str(target), "backend": "vllm", "shard_mb": 0.02,
+        "reserve_gb": 0, "device": "cpu", "layers": list(LAYERS),
+    })  # fmt: skip
+
+
+def _features(store: Path) -> list[dict[str, torch.Tensor]]:
+    import json
+
+    from eaglet.model.shards import read_shard
+
+    manifest = json.loads((store / "manifest.json").read_text())
+    return [read_shard(store, entry) for entry in manifest["shards"]]
+
+
+def test_the_vllm_pipeline_stores_what_the_hf_backend_stores(tmp_path, tiny_prepared, tiny_target):
+    """Shards handed to the engine four per call, at most SPOOLED_SHARDS spool files at once, written by other
+    threads after each call: the store has every shard, in order, with the hf backend's ids, masks and features."""
+    from eaglet.extract.extractor import run_extract
+    from eaglet.extract.vllm_extractor import SHARDS_PER_GENERATE, SPOOLED_SHARDS
+
+    config = _vllm_config(tiny_prepared, tmp_path / "vllm", tiny_target)
+    engine = TransformersRowsEngine(tiny_target, LAYERS, tmp_path / ".vllm.vllm-spool")
+    result = run_extract(config, engine=engine)
+    hf = run_extract(build_config(ExtractConfig, "extract", cli_values={**config.model_dump(), "backend": "hf",
+                                                                        "out": str(tmp_path / "hf")}))  # fmt: skip
+    shards = len(result.manifest["shards"])
+    assert shards > 2 * SHARDS_PER_GENERATE  # several calls, and the spool slots ran out at least once
+    assert engine.calls == -(-shards // SHARDS_PER_GENERATE)
+    assert 0 < engine.most_spool_files <= SPOOLED_SHARDS
+    assert not engine.settings.spool.exists()  # eaglet's own spool folder goes with the stage
+    for ours, theirs in zip(_features(tmp_path / "vllm"), _features(tmp_path / "hf"), strict=True):
+        assert ours.keys() == theirs.keys()
+        for name in ("input_ids", "loss_mask", "offsets", "sample_index"):
+            assert torch.equal(ours[name], theirs[name]), name
+        for name in ours.keys() - {"input_ids", "loss_mask", "offsets", "sample_index"}:
+            torch.testing.assert_close(ours[name].float(), theirs[name].float(), atol=2e-2, rtol=2e-2)
+    assert len(hf.manifest["shards"]) == shards
+
+
+def test_an_engine_that_dies_mid_store_is_one_error_and_the_store_resumes(tmp_path, tiny_prepared, tiny_target):
+    """vLLM's engine dies in its second call: the error is the engine's (not a writer's 'never ran' or a 600 s
+    wait), the first call's shards are kept, no spool file is left, and extracting again completes the store."""
+    import time
+
+    from eaglet.extract.extractor import run_extract
+    from eaglet.extract.vllm_extractor import SHARDS_PER_GENERATE
+
+    config = _vllm_config(tiny_prepared, tmp_path / "store", tiny_target)
+    spool = tmp_path / ".store.vllm-spool"
+    started = time.perf_counter()
+    with pytest.raises(EagletError, match="died while computing the hidden states of shards 4..7"):
+        run_extract(config, engine=TransformersRowsEngine(tiny_target, LAYERS, spool, fail_on_call=2))
+    assert time.perf_counter() - started < 60
+    assert not spool.exists()
+    kept = sorted(p.name for p in (tmp_path / "store").glob("*.json") if p.name != "manifest.json")
+    assert len(kept) == SHARDS_PER_GENERATE, kept
+    again = TransformersRowsEngine(tiny_target, LAYERS, spool)
+    result = run_extract(config, engine=again)
+    assert result.shards_computed == len(result.manifest["shards"]) - SHARDS_PER_GENERATE

@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -134,6 +134,12 @@ class ShardExtractor:
         tensor = torch.from_numpy(array)
         return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
 
+    def shards(self, prepared: PreparedSet, plans: list[ShardPlan], check: Any = None) -> Iterator[ExtractedShard]:
+        """Every plan's shard in order, each queued on the device (not yet computed) when it is yielded. (``check``
+        is for extractors that wait on their own: this one returns to its caller after every shard.)"""
+        for plan in plans:
+            yield self(prepared, plan)
+
     def __call__(self, prepared: PreparedSet, plan: ShardPlan) -> ExtractedShard:
         """Queue the shard's forward passes and copies; returns before the device is done.
 
@@ -209,7 +215,8 @@ class ShardWriter:
         self.release = release
         self.queue: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE_DEPTH)
         self.error: BaseException | None = None
-        self.stall_s = 0.0  # the compute loop blocked because every writer was busy (disk-bound)
+        self.submit_wait_s = 0.0  # the compute loop blocked because every writer was busy (disk-bound)
+        self.close_wait_s = 0.0  # after the last shard was handed over, until every shard was written
         # writer-thread seconds summed over shards, by phase: where a writer-bound extraction spends its time
         self.seconds: dict[str, float] = {"wait": 0.0, "write": 0.0}
         self.lock = threading.Lock()  # manifest refreshes happen one at a time
@@ -244,37 +251,46 @@ class ShardWriter:
         self.check()
         started = time.perf_counter()
         self.queue.put(shard)
-        self.stall_s += time.perf_counter() - started
+        self.submit_wait_s += time.perf_counter() - started
+
+    @property
+    def stall_s(self) -> float:
+        """Seconds the extraction waited on the writers (for a compute loop that hands over computed shards)."""
+        return self.submit_wait_s + self.close_wait_s
 
     def check(self) -> None:
         if self.error is not None:
             raise self.error
 
-    def close(self) -> None:
+    def close(self, report: bool = True) -> None:
+        """Every shard handed over written; ``report`` raises a writer's error here."""
         started = time.perf_counter()
         for _ in self.threads:
             self.queue.put(None)
         for thread in self.threads:
             thread.join()
-        self.stall_s += time.perf_counter() - started
-        self.check()
+        self.close_wait_s += time.perf_counter() - started
+        if report:
+            self.check()
 
 
 class ShardDiscarder:
     """A tensor-parallel rank's writer: the shard's copies are waited for (its features checked) and dropped."""
 
-    stall_s = 0.0
+    stall_s = close_wait_s = 0.0
 
-    def __init__(self, release: Any):
+    def __init__(self, release: Any, on_done: Any):
         self.release = release
+        self.on_done = on_done  # called with the shard's token count
         self.seconds: dict[str, float] = {}  # nothing is written
 
     def submit(self, shard: ExtractedShard) -> None:
         shard.wait()
         self.release(shard.pooled)
+        self.on_done(shard.plan.tokens)
 
-    def close(self) -> None:
-        pass
+    def close(self, report: bool = True) -> None:
+        pass  # every shard was checked as it was handed over
 
 
 # ---------------------------------------------------------------------------------------------
@@ -442,25 +458,36 @@ def _extract(
         else:
             extractor = ShardExtractor(model, layers, config.storage_dtype, batch_tokens, max_shard_tokens)
 
-        def refresh(record: dict[str, Any]) -> None:
-            if dist.is_main and place.replicas == 1:
-                write_json_atomic(store / MANIFEST_FILE, _manifest(store, identity, plans, config, source))
-
-        # a tensor-parallel group computes every shard on every rank; its rank 0 writes
-        writer = ShardWriter(store, refresh, extractor.release) if place.writes else ShardDiscarder(extractor.release)
         with progress_bar("tok", console) as progress:
             task = progress.add_task(
                 f"extract{'' if place.replicas == 1 else f' replica {place.replica}'}",
                 total=sum(p.tokens for p in mine),
             )
+
+            def refresh(record: dict[str, Any]) -> None:
+                """A shard is on disk: the manifest and the progress bar say so."""
+                if dist.is_main and place.replicas == 1:
+                    write_json_atomic(store / MANIFEST_FILE, _manifest(store, identity, plans, config, source))
+                progress.advance(task, record["tokens"])
+
+            # a tensor-parallel group computes every shard on every rank; its rank 0 writes
+            writer = (
+                ShardWriter(store, refresh, extractor.release)
+                if place.writes
+                else ShardDiscarder(extractor.release, lambda tokens: progress.advance(task, tokens))
+            )
+            failed = True
             try:
-                for plan in mine:
-                    writer.submit(extractor(prepared, plan))
-                    progress.advance(task, plan.tokens)
+                with contextlib.closing(extractor.shards(prepared, mine, writer.check)) as shards:
+                    for shard in shards:
+                        writer.submit(shard)
+                failed = False
             finally:
                 try:
-                    writer.close()
-                    stall_s = writer.stall_s
+                    writer.close(report=not failed)  # a writer's error after the first one would hide it
+                    # vLLM's shards are handed over before they are computed: it waits on the writers only for
+                    # spool slots (and at the end), not when its shards queue up for them
+                    stall_s = writer.stall_s if engine is None else writer.close_wait_s + extractor.slot_wait_s
                     writer_seconds = writer.seconds
                 finally:
                     if engine is not None:  # vLLM's files of a failed shard are not kept: resumed, it is recomputed

@@ -1,9 +1,11 @@
 """`eaglet extract --backend vllm`: a shard's features from vLLM's hidden-state capture, stored as the hf backend stores them.
 
-The main thread runs one shard's requests through vLLM (``model.vllm_engine``); the writer thread that takes the shard
-waits for its spool file (vLLM's worker fills it, ``model.vllm_rows``), forms ``aux`` (the aux columns in eaglet's
+A feeder thread hands vLLM the requests of ``SHARDS_PER_GENERATE`` shards per ``generate`` call (``model.vllm_engine``),
+so vLLM's steps run across shard boundaries and it never waits for eaglet between shards; the writer thread that takes a
+shard waits for its spool file (vLLM's worker fills it, ``model.vllm_rows``), forms ``aux`` (the aux columns in eaglet's
 order) and ``last`` (the final norm over the last layer's output), encodes them with the store's format and writes the
-shard, while vLLM computes the next one.
+shard, while vLLM computes the next ones. At most ``SPOOLED_SHARDS`` spool files exist at once: the feeder waits for the
+writers to read one before it creates another.
 The shard's other tensors (ids, mask, offsets, sample index) and its order are the hf backend's, so a store from
 either backend is the same format, resumed and trained on the same way.
 """
@@ -11,9 +13,12 @@ either backend is the same format, resumed and trained on the same way.
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -25,6 +30,10 @@ from ..formats.store_manifest import ShardPlan
 from ..model.shards import encode_features
 from ..model.vllm_engine import SPOOL_WAIT_S, HiddenStateEngine, aux_columns
 from ..model.vllm_rows import SPOOL_SUFFIX, read_rows, wait_for_rows
+
+SHARDS_PER_GENERATE = 4  # shards whose requests vLLM gets in one call: its last part-filled step once per 4 shards
+SPOOLED_SHARDS = 2 * SHARDS_PER_GENERATE  # spool files at once: one call's being read while the next one's fill
+PERMIT_POLL_S = 0.5  # how often a feeder waiting for a spool slot checks that the extraction still runs
 
 
 @dataclass
@@ -41,17 +50,27 @@ class SpooledShard:
     columns: list[int]  # the aux ids' captured columns, in eaglet's order
     norm: nn.Module
     storage_dtype: str
+    feed: "Feed"  # the feeder's state: its spool slot is given back once the rows are read
+    never_run: threading.Event  # set by the feeder when this shard's call to vLLM failed or was never made
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # no recycled buffers: nothing to release
     phases: dict[str, float] = field(default_factory=dict)  # seconds of wait(): vLLM's worker, reading, forming
 
     @torch.inference_mode()
     def wait(self) -> None:
         started = time.perf_counter()
-        wait_for_rows(self.spool, SPOOL_WAIT_S)
-        written = time.perf_counter()
-        total = len(self.tensors["input_ids"])
-        rows = read_rows(self.spool, total, self.layers, self.hidden_size, self.dtype)
-        self.spool.unlink()  # its mapping stays readable until the tensors go
+        try:
+            try:
+                wait_for_rows(self.spool, SPOOL_WAIT_S, abandoned=self.never_run)
+            except EagletError:
+                if self.never_run.is_set() and self.feed.error is not None:
+                    raise self.feed.error from None  # the cause, whichever thread reports first
+                raise
+            written = time.perf_counter()
+            total = len(self.tensors["input_ids"])
+            rows = read_rows(self.spool, total, self.layers, self.hidden_size, self.dtype)
+            self.spool.unlink()  # its mapping stays readable until the tensors go
+        finally:
+            self.feed.slots.release()
         if not torch.equal(rows.token_ids, self.tensors["input_ids"]):
             raise EagletError(
                 f"{self.spool}: vLLM's hidden states are for other tokens than the shard's; extract again"
@@ -81,24 +100,89 @@ class SpooledShard:
         self.tensors.update(host)
 
 
+@dataclass
+class Feed:
+    """What the feeder thread shares with the main thread and the writers."""
+
+    slots: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(SPOOLED_SHARDS))
+    stop: threading.Event = field(default_factory=threading.Event)  # the main thread: no more calls to vLLM
+    error: BaseException | None = None  # why the feeder stopped; a writer whose shard never ran raises it too
+    slot_wait_s: float = 0.0  # vLLM idle because every spool slot was taken: the writers set the pace
+
+
 class VllmShardExtractor:
-    """One shard's requests through vLLM; the features are formed by whoever waits on the returned shard."""
+    """Shards' requests through vLLM, several per call; the features are formed by whoever waits on a shard."""
 
     def __init__(self, engine: HiddenStateEngine, norm: nn.Module, layer_ids: tuple[int, ...], storage_dtype: str):
         self.engine = engine
         self.norm = norm
         self.columns = aux_columns(layer_ids)
         self.storage_dtype = storage_dtype
+        self.slot_wait_s = 0.0  # over every ``shards`` call
 
     def release(self, buffers: dict[str, torch.Tensor]) -> None:
         """Nothing is recycled: each shard's host tensors are its own."""
 
-    def __call__(self, prepared: PreparedSet, plan: ShardPlan) -> SpooledShard:
+    def shards(self, prepared: PreparedSet, plans: list[ShardPlan], check: Any) -> Iterator[SpooledShard]:
+        """Every plan's shard in plan order, each as soon as its requests are ready for vLLM (not yet computed).
+        ``check()`` raises the writers' error: waiting for the feeder, this one is asked every ``PERMIT_POLL_S``."""
+        feed = Feed()
+        ready: queue.Queue = queue.Queue()  # SpooledShard, then None when the feeder ends
+        feeder = threading.Thread(
+            target=self._feed, args=(prepared, plans, feed, ready), name="eaglet-vllm-feeder", daemon=True
+        )
+        feeder.start()
+        try:
+            while (shard := _next(ready, check)) is not None:
+                yield shard
+            if feed.error is not None:
+                raise feed.error
+        finally:
+            feed.stop.set()  # a feeder still running stops after its current call
+            feeder.join()
+            self.slot_wait_s += feed.slot_wait_s
+
+    def _feed(self, prepared: PreparedSet, plans: list[ShardPlan], feed: Feed, ready: queue.Queue) -> None:
+        never_run = threading.Event()  # the current call's shards'
+        try:
+            for first in range(0, len(plans), SHARDS_PER_GENERATE):
+                group = plans[first : first + SHARDS_PER_GENERATE]
+                never_run = threading.Event()
+                prompts: list[dict] = []
+                params: list = []
+                for plan in group:
+                    waiting = time.perf_counter()
+                    while not feed.slots.acquire(timeout=PERMIT_POLL_S):
+                        if feed.stop.is_set():
+                            return
+                    feed.slot_wait_s += time.perf_counter() - waiting
+                    shard, shard_prompts, shard_params = self._shard(prepared, plan, feed, never_run)
+                    prompts += shard_prompts
+                    params += shard_params
+                    ready.put(shard)
+                if feed.stop.is_set():
+                    return
+                names = f"shards {group[0].index}..{group[-1].index}"
+                self.engine.generate(prompts, params, f"computing the hidden states of {names}")
+        except BaseException as exc:  # raised in the main thread
+            feed.error = exc
+            never_run.set()  # the writers waiting on this call's spool files stop waiting (feed.error first)
+        finally:
+            if feed.stop.is_set():
+                never_run.set()
+            ready.put(None)
+
+    def _shard(
+        self, prepared: PreparedSet, plan: ShardPlan, feed: Feed, never_run: threading.Event
+    ) -> tuple[SpooledShard, list, list]:
+        """A shard's stored tensors but the features, its spool file, and its requests."""
         samples = np.asarray(plan.samples)
         rows = [prepared.sample(int(s)) for s in samples]
         tokens = [ids for ids, _ in rows]
         settings = self.engine.settings
-        spool = self.engine.run([ids.tolist() for ids in tokens], f"shard-{plan.index:05d}{SPOOL_SUFFIX}")
+        spool, prompts, params = self.engine.requests(
+            [ids.tolist() for ids in tokens], f"shard-{plan.index:05d}{SPOOL_SUFFIX}"
+        )
         lengths = np.array([len(ids) for ids in tokens])
         tensors = {
             "input_ids": torch.from_numpy(np.concatenate(tokens).astype(np.int32)),
@@ -106,7 +190,7 @@ class VllmShardExtractor:
             "offsets": torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)),
             "sample_index": torch.from_numpy(samples.astype(np.int64)),
         }
-        return SpooledShard(
+        shard = SpooledShard(
             plan,
             tensors,
             spool,
@@ -117,4 +201,16 @@ class VllmShardExtractor:
             self.columns,
             self.norm,
             self.storage_dtype,
+            feed,
+            never_run,
         )
+        return shard, prompts, params
+
+
+def _next(ready: queue.Queue, check: Any) -> SpooledShard | None:
+    """The feeder's next shard; meanwhile the writers' error, should they stop taking shards, is raised here."""
+    while True:
+        try:
+            return ready.get(timeout=PERMIT_POLL_S)
+        except queue.Empty:
+            check()

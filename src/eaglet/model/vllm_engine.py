@@ -17,7 +17,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -177,9 +177,10 @@ class HiddenStateEngine:
                 kv_transfer_config=transfer,
             )
 
-    def run(self, token_lists: list[list[int]], name: str) -> Path:
-        """Every sequence through the target (vLLM batches them); their rows, in input order, go to the spool file
-        ``name`` (complete once ``vllm_rows.wait_for_rows`` returns)."""
+    def requests(self, token_lists: list[list[int]], name: str) -> tuple[Path, list[dict], list[Any]]:
+        """The spool file ``name`` for these sequences' rows, created, and one request per sequence (prompt, sampling
+        parameters) saying where its rows go; the file is complete once ``vllm_rows.wait_for_rows`` returns after
+        ``generate`` ran the requests."""
         from vllm import SamplingParams
 
         spool = self.settings.spool / name
@@ -197,12 +198,15 @@ class HiddenStateEngine:
                 )
             )
             row += len(ids)
-        with engine_alive(self.settings.model, f"computing the hidden states of {name}"):
-            outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in token_lists], params, use_tqdm=False)
+        return spool, [{"prompt_token_ids": ids} for ids in token_lists], params
+
+    def generate(self, prompts: list[dict], params: list[Any], doing: str) -> None:
+        """Run the requests (vLLM batches them across spool files); returns once vLLM has run them all."""
+        with engine_alive(self.settings.model, doing):
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
         for output in outputs:
             if SAVED_KEY not in (output.kv_transfer_params or {}):
                 raise EagletError(
                     f"vLLM returned no hidden states for request {output.request_id}: its {CONNECTOR} did not run "
                     f"(check the vLLM version: {', '.join(TESTED_VLLM)} are tested)"
                 )
-        return spool

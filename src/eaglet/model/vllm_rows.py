@@ -163,13 +163,18 @@ class SpooledRows:
     hidden: torch.Tensor
 
 
-def wait_for_rows(path: Path, timeout_s: float, poll_s: float = POLL_S) -> None:
-    """Block until vLLM's worker has finished ``path`` (renamed from ``.partial``), or refuse with its reason."""
+def wait_for_rows(
+    path: Path, timeout_s: float, poll_s: float = POLL_S, abandoned: threading.Event | None = None
+) -> None:
+    """Block until vLLM's worker has finished ``path`` (renamed from ``.partial``), or refuse with its reason.
+    ``abandoned`` is set by whoever hands vLLM the requests when it stops early: the file will never come."""
     error = path.with_name(path.name + ERROR)
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         if error.exists():
             raise EagletError(f"{path}: vLLM's worker could not write the hidden states: {error.read_text().strip()}")
+        if abandoned is not None and abandoned.is_set():
+            raise EagletError(f"{path}: its requests never ran (vLLM's engine stopped first: see the error above)")
         if time.monotonic() > deadline:
             raise EagletError(
                 f"{path}: vLLM's worker has not finished writing it after {timeout_s:.0f} s; run vLLM's engine core "
