@@ -1,7 +1,7 @@
 """`eaglet extract --backend vllm`: a shard's features from vLLM's hidden-state capture, stored as the hf backend stores them.
 
 A feeder thread hands vLLM the requests of ``SHARDS_PER_GENERATE`` shards per ``generate`` call (``model.vllm_engine``),
-so vLLM's steps run across shard boundaries and it never waits for eaglet between shards; the writer thread that takes a
+so vLLM's steps run across shard boundaries and the next call is ready when one returns; the writer thread that takes a
 shard waits for its spool file (vLLM's worker fills it, ``model.vllm_rows``), forms ``aux`` (the aux columns in eaglet's
 order) and ``last`` (the final norm over the last layer's output), encodes them with the store's format and writes the
 shard, while vLLM computes the next ones. At most ``SPOOLED_SHARDS`` spool files exist at once: the feeder waits for the
