@@ -252,34 +252,39 @@ def test_rows_gathered_by_slot_are_what_vllms_cache_only_layer_wrote(tmp_path, v
         slot_indices([3], 16, 17)
 
 
-def _spool_setup(tmp_path, lengths, layers=4, hidden=8, dtype=torch.bfloat16):
-    from eaglet.model.vllm_rows import RowsTarget, create_spool
+def _spool_setup(tmp_path, lengths, storage="bf16", hidden=8):
+    """A shard's spool file for requests of ``lengths`` tokens and each request's formed tensors (from random
+    captured rows of 3 aux layers + the last, through ``form_rows`` with an RMS norm), as vLLM's worker makes them."""
+    from eaglet.model.vllm_rows import RowsTarget, create_spool, form_rows, spool_layout
 
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    row_bytes = layers * hidden * itemsize
     total = sum(lengths)
     spool = tmp_path / "spool" / "shard-00000.rows"
-    partial = create_spool(spool, total, row_bytes)
+    partial = create_spool(spool, total, spool_layout(storage, 3, hidden))
     generator = torch.Generator().manual_seed(1)
+    norm = torch.nn.RMSNorm(hidden, eps=1e-6)
     requests, row = [], 0
     for length in lengths:
         ids = torch.randint(0, 50_000, (length,), generator=generator).numpy()
-        rows = torch.randn(length, layers, hidden, generator=generator).to(dtype)
-        requests.append((RowsTarget(str(partial), row, total, row_bytes), ids, rows))
+        captured = torch.randn(length, 4, hidden, generator=generator).to(torch.bfloat16)
+        finite, stored = form_rows(captured, (2, 0, 1), norm.to(torch.bfloat16), storage)
+        target = RowsTarget(str(partial), row, total, (2, 0, 1), storage, hidden)
+        requests.append((target, ids, finite.numpy().astype(np.uint8), stored))
         row += length
     return spool, partial, requests
 
 
-def test_a_shards_rows_written_in_any_order_by_several_threads_read_back_exactly(tmp_path):
-    """Requests finish in any order and several writer threads put their rows in place; the file appears under its
-    final name only when its last row is in, and reads back as the shard's rows in request order."""
+@pytest.mark.parametrize("storage", ["bf16", "fp8", "fp8-aux"])
+def test_a_shards_rows_written_in_any_order_by_several_threads_read_back_exactly(tmp_path, storage):
+    """Requests finish in any order and several writer threads put their stored tensors in place; the file appears
+    under its final name only when its last row is in, and maps back as the shard's tensors in request order (every
+    region viewable in place, whatever the storage dtype and an odd token count)."""
     import random
     from concurrent.futures import ThreadPoolExecutor
 
-    from eaglet.model.vllm_rows import RowsWriter, read_rows, wait_for_rows
+    from eaglet.model.vllm_rows import RowsWriter, read_rows, spool_layout, wait_for_rows
 
     lengths = [5, 1, 33, 12, 7, 64, 2, 19]
-    spool, partial, requests = _spool_setup(tmp_path, lengths)
+    spool, partial, requests = _spool_setup(tmp_path, lengths, storage, hidden=7)
     assert partial.exists() and not spool.exists()
     writer = RowsWriter()
     order = list(range(len(requests)))
@@ -290,25 +295,44 @@ def test_a_shards_rows_written_in_any_order_by_several_threads_read_back_exactly
         list(pool.map(lambda i: writer.write(*requests[i]), order[1:]))
     wait_for_rows(spool, timeout_s=5)
     assert not partial.exists() and not writer.open_files
-    rows = read_rows(spool, sum(lengths), 4, 8, torch.bfloat16)
+    rows = read_rows(spool, sum(lengths), spool_layout(storage, 3, 7))
     spool.unlink()  # the reader drops the file while its tensors are in use
     assert torch.equal(rows.token_ids, torch.from_numpy(np.concatenate([r[1] for r in requests]).astype(np.int32)))
-    assert torch.equal(rows.hidden, torch.cat([r[2] for r in requests]))
+    assert rows.finite.numpy().all()
+    assert list(rows.stored) == list(requests[0][3])
+    for name, tensor in rows.stored.items():
+        expected = torch.cat([r[3][name] for r in requests])
+        assert tensor.dtype == expected.dtype and torch.equal(tensor.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_form_rows_stores_the_aux_columns_in_eaglets_order_and_the_normed_last_layer():
+    """What vLLM's worker keeps of a token's captured layers (the aux ids ascending, then the last layer's output):
+    aux in the order eaglet lists the ids, the final norm over the last capture, a finite flag per token."""
+    from eaglet.model.vllm_rows import form_rows
+
+    captured = torch.randn(6, 4, 8)
+    captured[4, 1, 3] = float("nan")
+    norm = torch.nn.RMSNorm(8, eps=1e-6)
+    finite, stored = form_rows(captured, (2, 0, 1), norm, "bf16")
+    exactly = {"rtol": 0, "atol": 0, "equal_nan": True}
+    torch.testing.assert_close(stored["aux"], captured[:, [2, 0, 1]].to(torch.bfloat16), **exactly)
+    torch.testing.assert_close(stored["last"], norm(captured[:, 3]).to(torch.bfloat16), **exactly)
+    assert finite.tolist() == [True, True, True, True, False, True]
 
 
 def test_rows_of_the_wrong_width_leave_an_error_the_reader_names(tmp_path):
-    """The worker captured other layers or another dtype than eaglet sized the file for: the file is never
+    """The worker formed other shapes than eaglet sized the file for (another hidden size): the file is never
     completed, the worker leaves NAME.error, and the reader stops with its reason instead of waiting."""
     from eaglet.model.vllm_rows import RowsWriter, wait_for_rows
 
     spool, partial, requests = _spool_setup(tmp_path, [4, 4])
-    target, ids, rows = requests[0]
+    target, ids, finite, stored = requests[0]
     writer = RowsWriter()
-    writer.write(target, ids, rows.float())  # float32 rows where bf16 was asked for
+    writer.write(target, ids, finite, {name: torch.cat([t, t], dim=-1) for name, t in stored.items()})
     writer.write(*requests[1])  # later rows of a failed file are dropped
     assert not spool.exists()
-    with pytest.raises(EagletError, match=r"shard-00000\.rows: vLLM's worker could not write.*64 bytes per token, "
-                       r"eaglet expected 64|128 bytes per token, eaglet expected 64"):  # fmt: skip
+    with pytest.raises(EagletError, match=r"shard-00000\.rows: vLLM's worker could not write.*formed 96 bytes per "
+                       r"token of aux, eaglet expected 48"):  # fmt: skip
         wait_for_rows(spool, timeout_s=5)
 
 
@@ -324,12 +348,12 @@ def test_a_spool_file_the_worker_never_completes_is_refused_not_waited_on_foreve
 
 
 def test_a_finished_spool_file_of_the_wrong_size_is_refused(tmp_path):
-    from eaglet.model.vllm_rows import read_rows
+    from eaglet.model.vllm_rows import read_rows, spool_layout
 
     spool = tmp_path / "shard-00000.rows"
     spool.write_bytes(b"\0" * 100)
-    with pytest.raises(EagletError, match=r"shard-00000\.rows: 100 bytes, expected 136; extract again"):
-        read_rows(spool, 2, 4, 8, torch.bfloat16)
+    with pytest.raises(EagletError, match=r"shard-00000\.rows: 100 bytes, expected 138; extract again"):
+        read_rows(spool, 2, spool_layout("bf16", 3, 8))
 
 
 @pytest.mark.parametrize(
@@ -365,20 +389,23 @@ def test_a_vllm_model_that_never_captures_the_last_layer_is_refused_from_its_sou
 
 class TransformersRowsEngine:
     """Stands in for vLLM's worker in eaglet's feeder/writer pipeline: the same calls as ``HiddenStateEngine``
-    (``requests``, ``generate``), the rows computed by transformers on the tiny target and written through eaglet's
-    own ``RowsWriter`` from other threads after ``generate`` returns, as vLLM's connector does. What it proves is
-    eaglet's side (order, slots, the final norm, failures); vLLM's own capture is compared on the H200."""
+    (``requests``, ``generate``), the captured rows computed by transformers on the tiny target, formed by eaglet's
+    ``form_rows`` with the target's final norm and written through ``RowsWriter`` from another thread after
+    ``generate`` returns, as eaglet's connector does in vLLM. What it proves is eaglet's side (order, slots, the
+    stored form, failures); vLLM's own capture is compared on the H200."""
 
     def __init__(self, target: Path, layers: tuple[int, ...], spool: Path, fail_on_call: int | None = None):
         from eaglet.model.vllm_engine import EngineSettings
         from eaglet.model.vllm_rows import RowsWriter
 
         self.model = load_model(target, device="cpu")
+        self.norm = load_final_norm(target, "cpu", torch.float32)
         num_layers = len(decoder_layers(self.model))
         self.settings = EngineSettings(
             model=str(target), aux_layer_ids=layers, num_layers=num_layers,
-            hidden_size=self.model.config.hidden_size, spool=spool, tensor_parallel_size=1, dtype="float32",
-            max_model_len=4096, max_num_batched_tokens=4096, gpu_memory_utilization=0.5, trust_remote_code=False,
+            hidden_size=self.model.config.hidden_size, spool=spool, storage_dtype="bf16", tensor_parallel_size=1,
+            dtype="float32", max_model_len=4096, max_num_batched_tokens=4096, gpu_memory_utilization=0.5,
+            trust_remote_code=False,
         )  # fmt: skip
         self.writer = RowsWriter()
         self.fail_on_call = fail_on_call
@@ -388,17 +415,21 @@ class TransformersRowsEngine:
     def requests(self, token_lists, name):
         from eaglet.model.vllm_rows import RowsTarget, create_spool
 
-        spool = self.settings.spool / name
+        settings = self.settings
+        spool = settings.spool / name
         total = sum(len(ids) for ids in token_lists)
-        partial = create_spool(spool, total, self.settings.row_bytes)
+        partial = create_spool(spool, total, settings.layout())
+        columns = tuple(aux_columns(settings.aux_layer_ids))
         targets, row = [], 0
         for ids in token_lists:
-            targets.append(RowsTarget(str(partial), row, total, self.settings.row_bytes))
+            targets.append(RowsTarget(str(partial), row, total, columns, "bf16", settings.hidden_size))
             row += len(ids)
         return spool, [{"prompt_token_ids": ids} for ids in token_lists], targets
 
     def generate(self, prompts, params, doing):
         import threading
+
+        from eaglet.model.vllm_rows import form_rows
 
         self.calls += 1
         if self.calls == self.fail_on_call:
@@ -410,8 +441,9 @@ class TransformersRowsEngine:
             ids = torch.tensor([prompt["prompt_token_ids"]])
             with torch.inference_mode():
                 states = self.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
-            rows = [states[layer][0] for layer in layers[:-1]] + [_last_layer_output(self.model, ids)[0]]
-            done.append((target, ids[0].numpy(), torch.stack(rows, dim=1).contiguous()))  # [T, layers, H]
+                captured = [states[layer][0] for layer in layers[:-1]] + [_last_layer_output(self.model, ids)[0]]
+                finite, stored = form_rows(torch.stack(captured, dim=1), target.columns, self.norm, target.storage)
+            done.append((target, ids[0].numpy(), finite.numpy().astype(np.uint8), stored))
         # the worker's writer threads finish after the call returns
         threading.Thread(target=lambda: [self.writer.write(*request) for request in done]).start()
 
@@ -480,3 +512,30 @@ def test_an_engine_that_dies_mid_store_is_one_error_and_the_store_resumes(tmp_pa
     again = TransformersRowsEngine(tiny_target, LAYERS, spool)
     result = run_extract(config, engine=again)
     assert result.shards_computed == len(result.manifest["shards"]) - SHARDS_PER_GENERATE
+
+
+def test_a_token_vllms_worker_flagged_non_finite_is_refused_naming_its_sample(tmp_path):
+    """The worker formed a NaN for one token (its flag is 0): the shard is refused with the sample it belongs to,
+    and its spool slot is given back all the same."""
+    import threading
+
+    from eaglet.extract.vllm_extractor import SPOOLED_SHARDS, Feed, SpooledShard
+    from eaglet.formats.store_manifest import ShardPlan
+    from eaglet.model.vllm_rows import RowsWriter, spool_layout
+
+    lengths = [3, 4]
+    spool, _, requests = _spool_setup(tmp_path, lengths)
+    requests[1][2][2] = 0  # the second sample's third token
+    writer = RowsWriter()
+    for request in requests:
+        writer.write(*request)
+    ids = torch.from_numpy(np.concatenate([r[1] for r in requests]).astype(np.int32))
+    feed = Feed()
+    feed.slots.acquire()
+    shard = SpooledShard(
+        ShardPlan(0, (0, 1), 7), {"input_ids": ids, "offsets": torch.tensor([0, 3, 7])}, spool,
+        spool_layout("bf16", 3, 8), ["first", "second"], feed, threading.Event(),
+    )  # fmt: skip
+    with pytest.raises(EagletError, match="non-finite features for sample 'second'"):
+        shard.wait()
+    assert all(feed.slots.acquire(blocking=False) for _ in range(SPOOLED_SHARDS))  # every slot free again

@@ -456,8 +456,7 @@ def _extract(
         batch_tokens = config.batch_tokens or (GPU_BATCH_TOKENS if device.startswith("cuda") else CPU_BATCH_TOKENS)
         max_shard_tokens = max(p.tokens for p in mine)
         if engine is not None:
-            norm = load_final_norm(resolved.path, device, pick_dtype(config.dtype, device))
-            extractor = VllmShardExtractor(engine, norm, layers, config.storage_dtype)
+            extractor = VllmShardExtractor(engine)
         else:
             extractor = ShardExtractor(model, layers, config.storage_dtype, batch_tokens, max_shard_tokens)
 
@@ -542,6 +541,7 @@ def open_vllm_engine(
         problem = verdict.problem if verdict is not None else None
     if problem:
         raise EagletError(problem)
+    load_final_norm(target_path, "cpu", torch.float32)  # vLLM's worker forms `last` with it: its absence, named now
     longest = int(prepared.lengths.max())
     settings = EngineSettings(
         model=str(target_path),
@@ -549,6 +549,7 @@ def open_vllm_engine(
         num_layers=num_layers,
         hidden_size=hidden_size,
         spool=spool_dir(config, store),
+        storage_dtype=config.storage_dtype,
         tensor_parallel_size=config.tensor_parallel_size,
         dtype=model_dtype,
         max_model_len=longest + GENERATED_TOKENS,

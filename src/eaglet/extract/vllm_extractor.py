@@ -2,9 +2,8 @@
 
 A feeder thread hands vLLM the requests of ``SHARDS_PER_GENERATE`` shards per ``generate`` call (``model.vllm_engine``),
 so vLLM's steps run across shard boundaries and the next call is ready when one returns; the writer thread that takes a
-shard waits for its spool file (vLLM's worker fills it, ``model.vllm_rows``), forms ``aux`` (the aux columns in eaglet's
-order) and ``last`` (the final norm over the last layer's output), encodes them with the store's format and writes the
-shard, while vLLM computes the next ones. At most ``SPOOLED_SHARDS`` spool files exist at once: the feeder waits for the
+shard waits for its spool file (vLLM's worker forms the stored tensors on its GPU and writes them there,
+``model.vllm_rows``), maps it and writes the shard from it, while vLLM computes the next ones. At most ``SPOOLED_SHARDS`` spool files exist at once: the feeder waits for the
 writers to read one before it creates another.
 The shard's other tensors (ids, mask, offsets, sample index) and its order are the hf backend's, so a store from
 either backend is the same format, resumed and trained on the same way.
@@ -12,7 +11,6 @@ either backend is the same format, resumed and trained on the same way.
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
@@ -22,82 +20,16 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from torch import nn
 
 from ..errors import EagletError
 from ..formats.prepared import PreparedSet
 from ..formats.store_manifest import ShardPlan
-from ..model.shards import encode_features
-from ..model.vllm_engine import SPOOL_WAIT_S, HiddenStateEngine, aux_columns
-from ..model.vllm_rows import SPOOL_SUFFIX, read_rows, wait_for_rows
+from ..model.vllm_engine import SPOOL_WAIT_S, HiddenStateEngine
+from ..model.vllm_rows import SPOOL_SUFFIX, SpoolField, read_rows, wait_for_rows
 
 SHARDS_PER_GENERATE = 4  # shards whose requests vLLM gets in one call: its last part-filled step once per 4 shards
 SPOOLED_SHARDS = 2 * SHARDS_PER_GENERATE  # spool files at once: one call's being read while the next one's fill
 PERMIT_POLL_S = 0.5  # how often a feeder waiting for a spool slot checks that the extraction still runs
-
-
-@dataclass
-class SpooledShard:
-    """A shard whose features are still in vLLM's spool file: ``wait()`` (in a writer thread) fills ``tensors``."""
-
-    plan: ShardPlan
-    tensors: dict[str, torch.Tensor]  # ids, mask, offsets, sample index now; the features after wait()
-    spool: Path  # the shard's rows, written by vLLM's worker
-    layers: int  # captured layers: the aux ids ascending, then the last layer's output
-    hidden_size: int
-    dtype: torch.dtype  # vLLM's compute dtype, the spool's
-    sample_ids: list[str]
-    columns: list[int]  # the aux ids' captured columns, in eaglet's order
-    norm: nn.Module
-    storage_dtype: str
-    feed: "Feed"  # the feeder's state: its spool slot is given back once the rows are read
-    never_run: threading.Event  # set by the feeder when this shard's call to vLLM failed or was never made
-    pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # no recycled buffers: nothing to release
-    phases: dict[str, float] = field(default_factory=dict)  # seconds of wait(): vLLM's worker, reading, forming
-
-    @torch.inference_mode()
-    def wait(self) -> None:
-        started = time.perf_counter()
-        try:
-            try:
-                wait_for_rows(self.spool, SPOOL_WAIT_S, abandoned=self.never_run)
-            except EagletError:
-                if self.never_run.is_set() and self.feed.error is not None:
-                    raise self.feed.error from None  # the cause, whichever thread reports first
-                raise
-            written = time.perf_counter()
-            total = len(self.tensors["input_ids"])
-            rows = read_rows(self.spool, total, self.layers, self.hidden_size, self.dtype)
-            self.spool.unlink()  # its mapping stays readable until the tensors go
-        finally:
-            self.feed.slots.release()
-        if not torch.equal(rows.token_ids, self.tensors["input_ids"]):
-            raise EagletError(
-                f"{self.spool}: vLLM's hidden states are for other tokens than the shard's; extract again"
-            )
-        device = next(self.norm.parameters()).device
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            hidden = rows.hidden.to(device, non_blocking=True)  # [T, 4, H]: three aux layers ascending, then the last
-            read = time.perf_counter()
-            aux = hidden[:, self.columns]  # [T, 3, H]
-            last = self.norm(hidden[:, -1])  # [T, H]
-            finite = torch.isfinite(aux).flatten(1).all(1) & torch.isfinite(last).all(1)
-            encoded = encode_features(aux, last, self.storage_dtype)
-            host = {name: value.to("cpu") for name, value in encoded.items()}
-            finite = finite.to("cpu")
-        self.phases = {
-            "spool_wait": written - started,
-            "spool_read": read - written,
-            "form": time.perf_counter() - read,
-        }
-        if not bool(finite.all()):
-            token = int((~finite).int().argmax())
-            row = int(np.searchsorted(self.tensors["offsets"].numpy(), token, side="right")) - 1
-            raise EagletError(
-                f"non-finite features for sample {self.sample_ids[row]!r}; check the target's dtype and weights"
-            )
-        self.tensors.update(host)
 
 
 @dataclass
@@ -110,14 +42,54 @@ class Feed:
     slot_wait_s: float = 0.0  # vLLM idle because every spool slot was taken: the writers set the pace
 
 
+@dataclass
+class SpooledShard:
+    """A shard whose features are still in vLLM's spool file: ``wait()`` (in a writer thread) fills ``tensors``."""
+
+    plan: ShardPlan
+    tensors: dict[str, torch.Tensor]  # ids, mask, offsets, sample index now; the features after wait()
+    spool: Path  # the shard's stored tensors, formed and written by vLLM's worker
+    layout: list[SpoolField]  # what the spool holds per token beside its id and finite flag
+    sample_ids: list[str]
+    feed: Feed  # the feeder's state: its spool slot is given back once the file is mapped
+    never_run: threading.Event  # set by the feeder when this shard's call to vLLM failed or was never made
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # no recycled buffers: nothing to release
+    phases: dict[str, float] = field(default_factory=dict)  # seconds of wait(): vLLM's worker, mapping the file
+
+    def wait(self) -> None:
+        started = time.perf_counter()
+        try:
+            try:
+                wait_for_rows(self.spool, SPOOL_WAIT_S, abandoned=self.never_run)
+            except EagletError:
+                if self.never_run.is_set() and self.feed.error is not None:
+                    raise self.feed.error from None  # the cause, whichever thread reports first
+                raise
+            written = time.perf_counter()
+            rows = read_rows(self.spool, len(self.tensors["input_ids"]), self.layout)
+            self.spool.unlink()  # its mapping stays readable until the tensors go
+        finally:
+            self.feed.slots.release()
+        self.phases = {"spool_wait": written - started, "spool_read": time.perf_counter() - written}
+        if not torch.equal(rows.token_ids, self.tensors["input_ids"]):
+            raise EagletError(
+                f"{self.spool}: vLLM's hidden states are for other tokens than the shard's; extract again"
+            )
+        finite = rows.finite.numpy()
+        if not finite.all():
+            token = int(np.argmin(finite))
+            row = int(np.searchsorted(self.tensors["offsets"].numpy(), token, side="right")) - 1
+            raise EagletError(
+                f"non-finite features for sample {self.sample_ids[row]!r}; check the target's dtype and weights"
+            )
+        self.tensors.update(rows.stored)
+
+
 class VllmShardExtractor:
     """Shards' requests through vLLM, several per call; the features are formed by whoever waits on a shard."""
 
-    def __init__(self, engine: HiddenStateEngine, norm: nn.Module, layer_ids: tuple[int, ...], storage_dtype: str):
+    def __init__(self, engine: HiddenStateEngine):
         self.engine = engine
-        self.norm = norm
-        self.columns = aux_columns(layer_ids)
-        self.storage_dtype = storage_dtype
         self.slot_wait_s = 0.0  # over every ``shards`` call
 
     def release(self, buffers: dict[str, torch.Tensor]) -> None:
@@ -191,18 +163,7 @@ class VllmShardExtractor:
             "sample_index": torch.from_numpy(samples.astype(np.int64)),
         }
         shard = SpooledShard(
-            plan,
-            tensors,
-            spool,
-            len(self.columns) + 1,
-            settings.hidden_size,
-            getattr(torch, settings.dtype),
-            [prepared.ids[int(s)] for s in samples],
-            self.columns,
-            self.norm,
-            self.storage_dtype,
-            feed,
-            never_run,
+            plan, tensors, spool, settings.layout(), [prepared.ids[int(s)] for s in samples], feed, never_run
         )
         return shard, prompts, params
 

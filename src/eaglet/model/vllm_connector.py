@@ -6,8 +6,10 @@ kv_connector_module_path="eaglet.model.vllm_connector")``), through its public `
 - scheduler side: when an eaglet request finishes (its prompt's prefill ran, its one token sampled), keep its blocks
   and pass its slots' blocks, token ids and ``RowsTarget`` to the workers in the next step's metadata;
 - worker side (TP rank 0): in that step, gather every finished request's rows from the cache-only layer in one
-  indexing per chunk, copy them to pinned host memory on a side stream, and let writer threads put each request's
-  rows at its place in its shard's file (``model.vllm_rows``); the blocks are released once the copy is done.
+  indexing per chunk and form the stored tensors on the GPU, on a side stream (``vllm_rows.form_rows``: the aux
+  columns, the target's final norm over the last layer's output, the store's encoding, finite flags), copy them to
+  pinned host memory, and let writer threads put each request's tensors at their places in its shard's file; the
+  blocks are released once the copy is done. eaglet's writer stores the file's regions as they are.
 
 vLLM's own ``ExampleHiddenStatesConnector`` writes a safetensors file and a lock file per request, which eaglet then
 read back one by one: 0.13x vLLM's prefill on the embedded target (benchmarks/RESULTS.md). The cache layout of the
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -37,7 +40,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
 
-from .vllm_rows import SAVED_KEY, RowsTarget, RowsWriter, slot_indices
+from .final_norm import load_final_norm
+from .vllm_rows import SAVED_KEY, RowsTarget, RowsWriter, form_rows, slot_indices
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -96,6 +100,7 @@ class EagletRowsConnector(KVConnectorBase_V1, SupportsHMA):
         self.reported: set[str] = set()  # finished requests whose blocks the scheduler may free once copied
         self.writer = RowsWriter()
         self.pool = ThreadPoolExecutor(WRITER_THREADS, thread_name_prefix="eaglet-rows")
+        self.norm: torch.nn.Module | None = None  # the target's final norm, loaded on the cache's device at first use
 
     @property
     def prefer_cross_layer_blocks(self) -> bool:
@@ -143,8 +148,9 @@ class EagletRowsConnector(KVConnectorBase_V1, SupportsHMA):
         return done or None, None
 
     def _save(self, finished: list[FinishedRequest]) -> None:
-        """Gather the finished requests' rows chunk by chunk; each chunk copied to host on the side stream, then
-        written by a writer thread. The default stream's forward wrote the rows: the side stream waits for it."""
+        """Gather the finished requests' rows chunk by chunk, form their stored tensors and copy them to host on the
+        side stream, then hand them to a writer thread. The default stream's forward wrote the rows: the side stream
+        waits for it."""
         assert self.kv_cache is not None
         if self.copy_stream is None:
             self.copy_stream = torch.cuda.Stream(self.kv_cache.device)
@@ -153,28 +159,54 @@ class EagletRowsConnector(KVConnectorBase_V1, SupportsHMA):
         self.copy_stream.wait_event(ready)
         row_bytes = self.kv_cache[0].numel() // self.block_size * self.kv_cache.element_size()
         for chunk in _chunks(finished, row_bytes):
+            form = chunk[0].target  # one extraction: every request is stored the same way
+            if any((r.target.columns, r.target.storage) != (form.columns, form.storage) for r in chunk):
+                raise ValueError("eaglet's requests of one step ask for different stored forms")
             slots = np.concatenate(
                 [slot_indices(r.block_ids, self.block_size, len(r.token_ids)) for r in chunk]
             )  # [rows of the chunk]
             with torch.cuda.stream(self.copy_stream):
                 on_device = torch.from_numpy(slots).pin_memory().to(self.kv_cache.device, non_blocking=True)
                 rows = extract_from_kv_cache(self.kv_cache, on_device, len(slots))  # [rows, layers, H]
-                host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-                host.copy_(rows, non_blocking=True)
+                if rows.shape[1] != form.captured_layers or rows.shape[2] != form.hidden_size:
+                    for request in chunk:
+                        self.writer.fail(request.target.path, f"vLLM captured {tuple(rows.shape[1:])} per token, "
+                                         f"eaglet asked for {(form.captured_layers, form.hidden_size)}")  # fmt: skip
+                    continue
+                finite, stored = form_rows(rows, form.columns, self._final_norm(rows), form.storage)
+                host = {name: _pinned_copy(tensor) for name, tensor in stored.items()}
+                host_finite = _pinned_copy(finite.to(torch.uint8))
                 copied = torch.cuda.Event()
                 copied.record()
             for request in chunk:
                 self.copies[request.req_id] = copied
                 self.reported.add(request.req_id)
-            future = self.pool.submit(self._write, chunk, host, copied)
+            future = self.pool.submit(self._write, chunk, host, host_finite, copied)
             future.add_done_callback(_surface)
 
-    def _write(self, chunk: list[FinishedRequest], host: torch.Tensor, copied: torch.cuda.Event) -> None:
+    def _final_norm(self, rows: torch.Tensor) -> torch.nn.Module:
+        """The target's own final norm (vLLM loaded the target from this path), in the rows' device and dtype."""
+        if self.norm is None:
+            self.norm = load_final_norm(Path(self._vllm_config.model_config.model), rows.device, rows.dtype)
+        return self.norm
+
+    def _write(
+        self,
+        chunk: list[FinishedRequest],
+        host: dict[str, torch.Tensor],
+        finite: torch.Tensor,
+        copied: torch.cuda.Event,
+    ) -> None:
         copied.synchronize()
         start = 0
         for request in chunk:
             count = len(request.token_ids)
-            self.writer.write(request.target, np.asarray(request.token_ids), host[start : start + count])
+            self.writer.write(
+                request.target,
+                np.asarray(request.token_ids),
+                finite[start : start + count].numpy(),
+                {name: tensor[start : start + count] for name, tensor in host.items()},
+            )
             start += count
 
     def shutdown(self) -> None:
@@ -233,3 +265,10 @@ def _surface(future: Future) -> None:
         import logging
 
         logging.getLogger("eaglet.vllm_connector").error("eaglet rows write failed: %r", future.exception())
+
+
+def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """An asynchronous device-to-host copy of ``tensor`` into new pinned memory (on the current stream)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host

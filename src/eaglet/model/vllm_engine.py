@@ -2,13 +2,14 @@
 
 ``LLM`` with the ``extract_hidden_states`` speculative method captures the states entering the requested decoder
 layers into a cache-only attention layer (vLLM's layer ids are eaglet's, ``formats.layers``), and eaglet's own KV
-connector (``model.vllm_connector``, loaded by vLLM through ``KVTransferConfig.kv_connector_module_path``) writes
-each finished request's rows [tokens, layers, H] into its shard's spool file (``model.vllm_rows``). vLLM loads the
+connector (``model.vllm_connector``, loaded by vLLM through ``KVTransferConfig.kv_connector_module_path``) forms
+each finished request's stored tensors on vLLM's GPU and writes them into its shard's spool file (``model.vllm_rows``). vLLM loads the
 checkpoint natively (compressed-tensors INT4, FP8, MoE experts) and splits it over ``tensor_parallel_size`` GPUs
 itself; only its rank 0 writes.
 
 Layer id ``num_layers`` is the last decoder layer's output before the final norm: eaglet's ``last`` is that
-passed through the target's own norm (``model.final_norm``), as the hf backend's ``last_hidden_state`` is.
+passed through the target's own norm (``model.final_norm``, loaded by the connector in vLLM's worker), as the hf
+backend's ``last_hidden_state`` is.
 """
 
 from __future__ import annotations
@@ -19,10 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-import torch
-
 from ..errors import EagletError
-from .vllm_rows import SAVED_KEY, RowsTarget, create_spool
+from .vllm_rows import SAVED_KEY, RowsTarget, SpoolField, create_spool, spool_layout
 
 CONNECTOR = "EagletRowsConnector"  # eaglet's KV connector class, in CONNECTOR_MODULE
 CONNECTOR_MODULE = "eaglet.model.vllm_connector"
@@ -54,6 +53,7 @@ class EngineSettings:
     num_layers: int
     hidden_size: int
     spool: Path
+    storage_dtype: str  # the store's: vLLM's worker forms the stored tensors in this encoding
     tensor_parallel_size: int
     dtype: str
     max_model_len: int
@@ -63,11 +63,9 @@ class EngineSettings:
     seed: int = 0
     enforce_eager: bool = False  # compiled and CUDA-graphed, as vLLM serves
 
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one token's captured rows: every captured layer's hidden state in the model's dtype."""
-        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return len(captured_layers(self.aux_layer_ids, self.num_layers)) * self.hidden_size * itemsize
+    def layout(self) -> list[SpoolField]:
+        """The stored tensors vLLM's worker writes for each token (``vllm_rows.spool_layout``)."""
+        return spool_layout(self.storage_dtype, len(self.aux_layer_ids), self.hidden_size)
 
 
 # vLLM's DeepseekV2/V3 (and Kimi-K2's) MoE gate has the routing score-correction bias only when config.json says
@@ -183,12 +181,14 @@ class HiddenStateEngine:
         ``generate`` ran the requests."""
         from vllm import SamplingParams
 
-        spool = self.settings.spool / name
+        settings = self.settings
+        spool = settings.spool / name
         total = sum(len(ids) for ids in token_lists)
-        partial = create_spool(spool, total, self.settings.row_bytes)
+        partial = create_spool(spool, total, settings.layout())
+        columns = tuple(aux_columns(settings.aux_layer_ids))
         params, row = [], 0
         for ids in token_lists:
-            target = RowsTarget(str(partial), row, total, self.settings.row_bytes)
+            target = RowsTarget(str(partial), row, total, columns, settings.storage_dtype, settings.hidden_size)
             params.append(
                 SamplingParams(
                     max_tokens=GENERATED_TOKENS,

@@ -1,15 +1,18 @@
 """The row spool between vLLM's worker and eaglet: one file per shard that vLLM's worker fills, request by request.
 
 eaglet's connector (``model.vllm_connector``) runs inside vLLM's worker process, so the captured hidden states cross a
-process boundary. They cross it once, as one file per shard: eaglet creates ``NAME.partial`` at its final size before
-the shard's requests are sent, each request carries where its rows go (``RowsTarget``), the worker writes each finished
-request's token ids and hidden-state rows at that place (one ``pwrite`` each), and renames the file to ``NAME`` once
-every row of it is written. A worker that cannot write leaves ``NAME.error`` with the reason. No per-request files,
-no locks, no headers to parse: the reader knows the shape it asked for.
+process boundary. They cross it once, already in the form the store keeps: the worker gathers a finished request's
+rows on its GPU, forms the stored tensors there (``form_rows``: the aux columns in eaglet's order, the target's final
+norm over the last layer's output, the store's encoding, a finite flag per token) and writes each at the request's
+place in its shard's file (one ``pwrite`` per tensor). eaglet creates ``NAME.partial`` at its final size before the
+shard's requests are sent, each request carries where its rows go and how they are stored (``RowsTarget``), and the
+worker renames the file to ``NAME`` once every row of it is written. A worker that cannot write leaves ``NAME.error``
+with the reason. eaglet's writer then maps the file and stores its regions as they are: no copy back to a GPU.
 
-File layout (``total`` rows, ``width`` = captured layers x hidden size, ``itemsize`` of the model dtype)::
+File layout (``total`` rows; one region per stored tensor, in ``spool_layout`` order, each starting at a multiple of
+``REGION_ALIGN`` bytes so it can be viewed in place as its dtype)::
 
-    [total] int32 token ids | [total, width] hidden states (row-major, the model's dtype)
+    [total] int32 token ids | [total, *shape] each stored tensor (aux, last, scales) | [total] uint8 finite flags
 
 Nothing here imports vLLM: the frontend, the worker and the tests share it.
 """
@@ -25,31 +28,82 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from ..errors import EagletError
+from .shards import encode_features
 
 SPOOL_SUFFIX = ".rows"  # a shard's spool file: shard-00012.rows
 PARTIAL = ".partial"  # the file while vLLM's worker fills it
 ERROR = ".error"  # written by the worker instead of the rename when a write fails
 TOKEN_ID_DTYPE = np.int32
 TOKEN_ID_BYTES = np.dtype(TOKEN_ID_DTYPE).itemsize
+FINITE_BYTES = 1  # one uint8 flag per token
 PARAMS_KEY = "eaglet_rows"  # the key of a request's kv_transfer_params that says where its rows go
 SAVED_KEY = "rows_file"  # the key of a finished request's kv_transfer_params: the connector took its rows
 POLL_S = 0.002
+REGION_ALIGN = 8  # bytes: every region starts where any stored dtype can be viewed in place
+
+
+@dataclass(frozen=True)
+class SpoolField:
+    """One stored tensor's region: its name in the shard, dtype and shape per token."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def token_bytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def spool_layout(storage_dtype: str, aux_layers: int, hidden_size: int) -> list[SpoolField]:
+    """The stored tensors of ``storage_dtype``, as ``encode_features`` makes them (names, dtypes, shapes per token)."""
+    encoded = encode_features(torch.zeros(1, aux_layers, hidden_size), torch.zeros(1, hidden_size), storage_dtype)
+    return [SpoolField(name, tensor.dtype, tuple(tensor.shape[1:])) for name, tensor in encoded.items()]
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // REGION_ALIGN) * REGION_ALIGN
+
+
+def spool_regions(total: int, layout: list[SpoolField]) -> tuple[list[int], int, int]:
+    """Where each stored tensor's region starts (the token ids start at 0), where the finite flags start, and the
+    file's size."""
+    start = _aligned(total * TOKEN_ID_BYTES)
+    fields_at = []
+    for field in layout:
+        fields_at.append(start)
+        start = _aligned(start + total * field.token_bytes)
+    return fields_at, start, start + total * FINITE_BYTES
 
 
 @dataclass(frozen=True)
 class RowsTarget:
-    """Where one request's rows go: ``path`` (the ``.partial`` file), starting at ``row`` of ``total`` rows of
-    ``row_bytes`` each. Travels in the request's ``kv_transfer_params`` (JSON-safe)."""
+    """Where one request's rows go: ``path`` (the ``.partial`` file), starting at ``row`` of ``total`` rows, and how
+    they are stored: ``columns`` (the aux ids' places among the captured layers, in eaglet's order; the last captured
+    layer is the last layer's output), ``storage`` (the store's storage dtype). Travels in the request's
+    ``kv_transfer_params`` (JSON-safe)."""
 
     path: str
     row: int
     total: int
-    row_bytes: int
+    columns: tuple[int, ...]
+    storage: str
+    hidden_size: int
 
     def to_params(self) -> dict[str, Any]:
-        return {PARAMS_KEY: {"path": self.path, "row": self.row, "total": self.total, "row_bytes": self.row_bytes}}
+        return {
+            PARAMS_KEY: {
+                "path": self.path,
+                "row": self.row,
+                "total": self.total,
+                "columns": list(self.columns),
+                "storage": self.storage,
+                "hidden_size": self.hidden_size,
+            }
+        }
 
     @classmethod
     def from_params(cls, params: dict[str, Any] | None) -> RowsTarget | None:
@@ -57,21 +111,53 @@ class RowsTarget:
         value = (params or {}).get(PARAMS_KEY)
         if not isinstance(value, dict):
             return None
-        return cls(str(value["path"]), int(value["row"]), int(value["total"]), int(value["row_bytes"]))
+        return cls(
+            str(value["path"]),
+            int(value["row"]),
+            int(value["total"]),
+            tuple(int(c) for c in value["columns"]),
+            str(value["storage"]),
+            int(value["hidden_size"]),
+        )
 
-    def offsets(self) -> tuple[int, int]:
-        """Byte offsets of this request's token ids and of its first hidden-state row."""
-        return self.row * TOKEN_ID_BYTES, self.total * TOKEN_ID_BYTES + self.row * self.row_bytes
+    @property
+    def captured_layers(self) -> int:
+        return len(self.columns) + 1
+
+    def layout(self) -> list[SpoolField]:
+        return spool_layout(self.storage, len(self.columns), self.hidden_size)
+
+    def offsets(self, layout: list[SpoolField]) -> tuple[int, int, list[int]]:
+        """Byte offsets of this request's token ids, of its finite flags and of its row in each stored tensor."""
+        fields_at, finite_at, _ = spool_regions(self.total, layout)
+        return (
+            self.row * TOKEN_ID_BYTES,
+            finite_at + self.row * FINITE_BYTES,
+            [at + self.row * field.token_bytes for at, field in zip(fields_at, layout)],
+        )
 
 
-def create_spool(path: Path, total: int, row_bytes: int) -> Path:
-    """The empty ``.partial`` file of ``total`` rows (sparse until written); returns its path."""
+@torch.inference_mode()
+def form_rows(
+    rows: torch.Tensor, columns: tuple[int, ...], norm: nn.Module, storage_dtype: str
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Captured rows [n, captured layers, H] -> (finite [n] bool, the stored tensors of the n tokens): ``aux`` the
+    aux columns in eaglet's order, ``last`` the target's final norm over the last captured layer (the last layer's
+    output), as the hf backend's ``last_hidden_state`` is; both encoded as the store keeps them."""
+    aux = rows[:, list(columns)]  # [n, 3, H]
+    last = norm(rows[:, -1])  # [n, H]
+    finite = torch.isfinite(aux).flatten(1).all(1) & torch.isfinite(last).all(1)
+    return finite, encode_features(aux, last, storage_dtype)
+
+
+def create_spool(path: Path, total: int, layout: list[SpoolField]) -> Path:
+    """The empty ``.partial`` file of ``total`` rows stored as ``layout`` (sparse until written); returns its path."""
     partial = path.with_name(path.name + PARTIAL)
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in (path, partial, path.with_name(path.name + ERROR)):
         stale.unlink(missing_ok=True)
     with open(partial, "wb") as handle:
-        handle.truncate(total * (TOKEN_ID_BYTES + row_bytes))
+        handle.truncate(spool_regions(total, layout)[2])
     return partial
 
 
@@ -97,25 +183,34 @@ class RowsWriter:
         self.open_files: dict[str, tuple[int, int]] = {}  # partial path -> (fd, rows written so far)
         self.failed: set[str] = set()
 
-    def write(self, target: RowsTarget, token_ids: np.ndarray, rows: torch.Tensor) -> None:
-        """One request's ``token_ids`` [n] and ``rows`` [n, ...] (CPU, contiguous) at the target's place."""
+    def write(
+        self, target: RowsTarget, token_ids: np.ndarray, finite: np.ndarray, stored: dict[str, torch.Tensor]
+    ) -> None:
+        """One request's ``token_ids`` [n], ``finite`` [n] flags and ``stored`` tensors [n, ...] (CPU, contiguous)
+        at the target's places."""
         if target.path in self.failed:
             return
         try:
-            data = rows.reshape(len(token_ids), -1).view(torch.uint8)
-            if data.shape[1] != target.row_bytes:
-                raise EagletError(
-                    f"vLLM captured {data.shape[1]} bytes per token, eaglet expected {target.row_bytes} "
-                    "(the layers or the dtype differ from the request's)"
-                )
-            if target.row + len(token_ids) > target.total:
-                raise EagletError(f"rows {target.row}..{target.row + len(token_ids)} overrun the file's {target.total}")
+            layout = target.layout()
+            if [field.name for field in layout] != list(stored):
+                raise EagletError(f"worker formed {list(stored)}, eaglet expected {[f.name for f in layout]}")
+            count = len(token_ids)
+            if target.row + count > target.total:
+                raise EagletError(f"rows {target.row}..{target.row + count} overrun the file's {target.total}")
             fd = self._fd(target.path)
-            ids_at, rows_at = target.offsets()
+            ids_at, finite_at, fields_at = target.offsets(layout)
             os.pwrite(fd, np.ascontiguousarray(token_ids, dtype=TOKEN_ID_DTYPE).tobytes(), ids_at)
-            os.pwrite(fd, data.numpy().data, rows_at)
-            self._count(target, len(token_ids))
-        except (OSError, EagletError, ValueError) as exc:
+            os.pwrite(fd, np.ascontiguousarray(finite, dtype=np.uint8).tobytes(), finite_at)
+            for field, at in zip(layout, fields_at):
+                data = stored[field.name].reshape(count, -1).view(torch.uint8)
+                if data.shape[1] != field.token_bytes:
+                    raise EagletError(
+                        f"vLLM's worker formed {data.shape[1]} bytes per token of {field.name}, eaglet expected "
+                        f"{field.token_bytes} (the layers or the hidden size differ from the request's)"
+                    )
+                os.pwrite(fd, data.numpy().data, at)
+            self._count(target, count)
+        except (OSError, EagletError, ValueError, RuntimeError) as exc:
             self.fail(target.path, f"{type(exc).__name__}: {exc}")
 
     def fail(self, partial: str, reason: str) -> None:
@@ -157,10 +252,11 @@ class RowsWriter:
 
 @dataclass(frozen=True)
 class SpooledRows:
-    """One shard's captured rows, read back: ``token_ids`` [T] and ``hidden`` [T, layers, H]."""
+    """One shard's spool file, read back: ``token_ids`` [T], ``finite`` [T] (uint8) and the stored tensors."""
 
     token_ids: torch.Tensor
-    hidden: torch.Tensor
+    finite: torch.Tensor
+    stored: dict[str, torch.Tensor]
 
 
 def wait_for_rows(
@@ -183,15 +279,17 @@ def wait_for_rows(
         time.sleep(poll_s)
 
 
-def read_rows(path: Path, total: int, layers: int, hidden_size: int, dtype: torch.dtype) -> SpooledRows:
-    """The finished file as tensors: a private mapping of it, so the file can be removed while they are in use."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    expected = total * (TOKEN_ID_BYTES + layers * hidden_size * itemsize)
+def read_rows(path: Path, total: int, layout: list[SpoolField]) -> SpooledRows:
+    """The finished file as tensors: views of a private mapping of it, so the file can be removed while they are in
+    use and the store's writer reads the stored tensors where they lie."""
+    fields_at, finite_at, expected = spool_regions(total, layout)
     size = path.stat().st_size
     if size != expected:
         raise EagletError(f"{path}: {size} bytes, expected {expected}; extract again")
     raw = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
-    ids_end = total * TOKEN_ID_BYTES
-    token_ids = raw[:ids_end].view(torch.int32)
-    hidden = raw[ids_end:].view(dtype).reshape(total, layers, hidden_size)
-    return SpooledRows(token_ids, hidden)
+    token_ids = raw[: total * TOKEN_ID_BYTES].view(torch.int32)
+    stored = {
+        field.name: raw[at : at + total * field.token_bytes].view(field.dtype).reshape(total, *field.shape)
+        for field, at in zip(layout, fields_at)
+    }
+    return SpooledRows(token_ids, raw[finite_at : finite_at + total * FINITE_BYTES], stored)
