@@ -159,9 +159,7 @@ class EagletRowsConnector(KVConnectorBase_V1, SupportsHMA):
         self.copy_stream.wait_event(ready)
         row_bytes = self.kv_cache[0].numel() // self.block_size * self.kv_cache.element_size()
         for chunk in _chunks(finished, row_bytes):
-            form = chunk[0].target  # one extraction: every request is stored the same way
-            if any((r.target.columns, r.target.storage) != (form.columns, form.storage) for r in chunk):
-                raise ValueError("eaglet's requests of one step ask for different stored forms")
+            form = chunk[0].target  # the stored form of every request in the chunk
             slots = np.concatenate(
                 [slot_indices(r.block_ids, self.block_size, len(r.token_ids)) for r in chunk]
             )  # [rows of the chunk]
@@ -169,9 +167,10 @@ class EagletRowsConnector(KVConnectorBase_V1, SupportsHMA):
                 on_device = torch.from_numpy(slots).pin_memory().to(self.kv_cache.device, non_blocking=True)
                 rows = extract_from_kv_cache(self.kv_cache, on_device, len(slots))  # [rows, layers, H]
                 if rows.shape[1] != form.captured_layers or rows.shape[2] != form.hidden_size:
-                    for request in chunk:
+                    for request in chunk:  # its file gets NAME.error; its blocks are released at once
                         self.writer.fail(request.target.path, f"vLLM captured {tuple(rows.shape[1:])} per token, "
                                          f"eaglet asked for {(form.captured_layers, form.hidden_size)}")  # fmt: skip
+                        self.reported.add(request.req_id)
                     continue
                 finite, stored = form_rows(rows, form.columns, self._final_norm(rows), form.storage)
                 host = {name: _pinned_copy(tensor) for name, tensor in stored.items()}
@@ -245,12 +244,15 @@ class EagletRowsConnector(KVConnectorBase_V1, SupportsHMA):
 
 
 def _chunks(finished: list[FinishedRequest], row_bytes: int) -> list[list[FinishedRequest]]:
-    """Consecutive groups of requests of at most ``COPY_CHUNK_BYTES`` of rows (a longer request alone)."""
+    """Consecutive groups of requests of one stored form and at most ``COPY_CHUNK_BYTES`` of rows (a longer request
+    alone)."""
     chunks: list[list[FinishedRequest]] = [[]]
     size = 0
     for request in finished:
         rows = len(request.token_ids) * row_bytes
-        if chunks[-1] and size + rows > COPY_CHUNK_BYTES:
+        form = (request.target.columns, request.target.storage)
+        other_form = bool(chunks[-1]) and (chunks[-1][0].target.columns, chunks[-1][0].target.storage) != form
+        if chunks[-1] and (size + rows > COPY_CHUNK_BYTES or other_form):
             chunks.append([])
             size = 0
         chunks[-1].append(request)
