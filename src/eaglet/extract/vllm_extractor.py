@@ -86,7 +86,8 @@ class SpooledShard:
 
 
 class VllmShardExtractor:
-    """Shards' requests through vLLM, several per call; the features are formed by whoever waits on a shard."""
+    """Shards' requests through vLLM, several per call; vLLM's worker forms their stored tensors, whoever waits on a
+    shard maps them."""
 
     def __init__(self, engine: HiddenStateEngine):
         self.engine = engine
