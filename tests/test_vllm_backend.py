@@ -413,17 +413,10 @@ class TransformersRowsEngine:
         self.most_spool_files = 0  # spool files that existed at once, seen at each call
 
     def requests(self, token_lists, name):
-        from eaglet.model.vllm_rows import RowsTarget, create_spool
+        """eaglet's own spool and targets; the targets stand where vLLM's sampling parameters carry them."""
+        from eaglet.model.vllm_engine import spool_targets
 
-        settings = self.settings
-        spool = settings.spool / name
-        total = sum(len(ids) for ids in token_lists)
-        partial = create_spool(spool, total, settings.layout())
-        columns = tuple(aux_columns(settings.aux_layer_ids))
-        targets, row = [], 0
-        for ids in token_lists:
-            targets.append(RowsTarget(str(partial), row, total, columns, "bf16", settings.hidden_size))
-            row += len(ids)
+        spool, targets = spool_targets(self.settings, token_lists, name)
         return spool, [{"prompt_token_ids": ids} for ids in token_lists], targets
 
     def generate(self, prompts, params, doing):

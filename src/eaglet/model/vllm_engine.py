@@ -132,6 +132,19 @@ def starting(model: str) -> Iterator[None]:
         raise EagletError(f"vLLM could not start on {model}: {said}") from None
 
 
+def spool_targets(settings: EngineSettings, token_lists: list[list[int]], name: str) -> tuple[Path, list[RowsTarget]]:
+    """The spool file ``name`` for these sequences, created empty, and where each sequence's rows go in it."""
+    spool = settings.spool / name
+    total = sum(len(ids) for ids in token_lists)
+    partial = create_spool(spool, total, settings.layout())
+    columns = tuple(aux_columns(settings.aux_layer_ids))
+    targets, row = [], 0
+    for ids in token_lists:
+        targets.append(RowsTarget(str(partial), row, total, columns, settings.storage_dtype, settings.hidden_size))
+        row += len(ids)
+    return spool, targets
+
+
 class HiddenStateEngine:
     """A vLLM engine that turns token sequences into one spool file of their captured hidden states."""
 
@@ -181,23 +194,16 @@ class HiddenStateEngine:
         ``generate`` ran the requests."""
         from vllm import SamplingParams
 
-        settings = self.settings
-        spool = settings.spool / name
-        total = sum(len(ids) for ids in token_lists)
-        partial = create_spool(spool, total, settings.layout())
-        columns = tuple(aux_columns(settings.aux_layer_ids))
-        params, row = [], 0
-        for ids in token_lists:
-            target = RowsTarget(str(partial), row, total, columns, settings.storage_dtype, settings.hidden_size)
-            params.append(
-                SamplingParams(
-                    max_tokens=GENERATED_TOKENS,
-                    temperature=0.0,
-                    detokenize=False,
-                    extra_args={"kv_transfer_params": target.to_params()},
-                )
+        spool, targets = spool_targets(self.settings, token_lists, name)
+        params = [
+            SamplingParams(
+                max_tokens=GENERATED_TOKENS,
+                temperature=0.0,
+                detokenize=False,
+                extra_args={"kv_transfer_params": target.to_params()},
             )
-            row += len(ids)
+            for target in targets
+        ]
         return spool, [{"prompt_token_ids": ids} for ids in token_lists], params
 
     def generate(self, prompts: list[dict], params: list[Any], doing: str) -> None:
