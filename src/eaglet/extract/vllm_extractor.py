@@ -49,7 +49,7 @@ class SpooledShard:
     plan: ShardPlan
     tensors: dict[str, torch.Tensor]  # ids, mask, offsets, sample index now; the features after wait()
     spool: Path  # the shard's stored tensors, formed and written by vLLM's worker
-    layout: list[SpoolField]  # what the spool holds per token beside its id and finite flag
+    layout: tuple[SpoolField, ...]  # what the spool holds per token beside its id and finite flag
     sample_ids: list[str]
     feed: Feed  # the feeder's state: its spool slot is given back once the file is mapped
     never_run: threading.Event  # set by the feeder when this shard's call to vLLM failed or was never made

@@ -3,9 +3,9 @@
 ``LLM`` with the ``extract_hidden_states`` speculative method captures the states entering the requested decoder
 layers into a cache-only attention layer (vLLM's layer ids are eaglet's, ``formats.layers``), and eaglet's own KV
 connector (``model.vllm_connector``, loaded by vLLM through ``KVTransferConfig.kv_connector_module_path``) forms
-each finished request's stored tensors on vLLM's GPU and writes them into its shard's spool file (``model.vllm_rows``). vLLM loads the
-checkpoint natively (compressed-tensors INT4, FP8, MoE experts) and splits it over ``tensor_parallel_size`` GPUs
-itself; only its rank 0 writes.
+each finished request's stored tensors on vLLM's GPU and writes them into its shard's spool file
+(``model.vllm_rows``). vLLM loads the checkpoint natively (compressed-tensors INT4, FP8, MoE experts) and splits it
+over ``tensor_parallel_size`` GPUs itself; only its rank 0 writes.
 
 Layer id ``num_layers`` is the last decoder layer's output before the final norm: eaglet's ``last`` is that
 passed through the target's own norm (``model.final_norm``, loaded by the connector in vLLM's worker), as the hf
@@ -63,7 +63,7 @@ class EngineSettings:
     seed: int = 0
     enforce_eager: bool = False  # compiled and CUDA-graphed, as vLLM serves
 
-    def layout(self) -> list[SpoolField]:
+    def layout(self) -> tuple[SpoolField, ...]:
         """The stored tensors vLLM's worker writes for each token (``vllm_rows.spool_layout``)."""
         return spool_layout(self.storage_dtype, len(self.aux_layer_ids), self.hidden_size)
 

@@ -19,6 +19,7 @@ Nothing here imports vLLM: the frontend, the worker and the tests share it.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -58,17 +59,19 @@ class SpoolField:
         return int(np.prod(self.shape, dtype=np.int64)) * torch.empty((), dtype=self.dtype).element_size()
 
 
-def spool_layout(storage_dtype: str, aux_layers: int, hidden_size: int) -> list[SpoolField]:
-    """The stored tensors of ``storage_dtype``, as ``encode_features`` makes them (names, dtypes, shapes per token)."""
+@functools.cache
+def spool_layout(storage_dtype: str, aux_layers: int, hidden_size: int) -> tuple[SpoolField, ...]:
+    """The stored tensors of ``storage_dtype``, as ``encode_features`` makes them (names, dtypes, shapes per token).
+    Cached: the worker's writers ask for it once per request."""
     encoded = encode_features(torch.zeros(1, aux_layers, hidden_size), torch.zeros(1, hidden_size), storage_dtype)
-    return [SpoolField(name, tensor.dtype, tuple(tensor.shape[1:])) for name, tensor in encoded.items()]
+    return tuple(SpoolField(name, tensor.dtype, tuple(tensor.shape[1:])) for name, tensor in encoded.items())
 
 
 def _aligned(offset: int) -> int:
     return -(-offset // REGION_ALIGN) * REGION_ALIGN
 
 
-def spool_regions(total: int, layout: list[SpoolField]) -> tuple[list[int], int, int]:
+def spool_regions(total: int, layout: tuple[SpoolField, ...]) -> tuple[list[int], int, int]:
     """Where each stored tensor's region starts (the token ids start at 0), where the finite flags start, and the
     file's size."""
     start = _aligned(total * TOKEN_ID_BYTES)
@@ -124,10 +127,10 @@ class RowsTarget:
     def captured_layers(self) -> int:
         return len(self.columns) + 1
 
-    def layout(self) -> list[SpoolField]:
+    def layout(self) -> tuple[SpoolField, ...]:
         return spool_layout(self.storage, len(self.columns), self.hidden_size)
 
-    def offsets(self, layout: list[SpoolField]) -> tuple[int, int, list[int]]:
+    def offsets(self, layout: tuple[SpoolField, ...]) -> tuple[int, int, list[int]]:
         """Byte offsets of this request's token ids, of its finite flags and of its row in each stored tensor."""
         fields_at, finite_at, _ = spool_regions(self.total, layout)
         return (
@@ -150,7 +153,7 @@ def form_rows(
     return finite, encode_features(aux, last, storage_dtype)
 
 
-def create_spool(path: Path, total: int, layout: list[SpoolField]) -> Path:
+def create_spool(path: Path, total: int, layout: tuple[SpoolField, ...]) -> Path:
     """The empty ``.partial`` file of ``total`` rows stored as ``layout`` (sparse until written); returns its path."""
     partial = path.with_name(path.name + PARTIAL)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -279,7 +282,7 @@ def wait_for_rows(
         time.sleep(poll_s)
 
 
-def read_rows(path: Path, total: int, layout: list[SpoolField]) -> SpooledRows:
+def read_rows(path: Path, total: int, layout: tuple[SpoolField, ...]) -> SpooledRows:
     """The finished file as tensors: views of a private mapping of it, so the file can be removed while they are in
     use and the store's writer reads the stored tensors where they lie."""
     fields_at, finite_at, expected = spool_regions(total, layout)
