@@ -9,8 +9,9 @@ Subcommands (each a fresh process, so one engine holds the GPU at a time):
   extract [--repeats N] --backend hf|vllm ...
                                   `eaglet extract` N times in one process, the target loaded once; prints the
                                   median tok/s and every run's (load excluded)
-  prefill --target DIR --prepared DIR [--repeats N]
-                                  vLLM alone, no connector, max_tokens=1 over the same samples: the ceiling
+  prefill --target DIR --prepared DIR [--repeats N] [--route]
+                                  vLLM alone, no connector, max_tokens=1 over the same samples: the ceiling;
+                                  --route: the vllm backend's engine with requests that save nothing
   compare STORE_A STORE_B         per-token cosine of every aux layer and of `last`, sample by sample
   answers A.jsonl B.jsonl         two regenerate outputs of the same prompts: tok/s each, answers identical
 Each prints one JSON object on stdout (the device call collects them).
@@ -168,29 +169,62 @@ def extract(argv: list[str], repeats: int) -> dict:
 
 
 def prefill(
-    target: str, prepared: str, max_samples: int | None, batch_tokens: int, memory_share: float, repeats: int
+    target: str,
+    prepared: str,
+    max_samples: int | None,
+    batch_tokens: int,
+    memory_share: float,
+    repeats: int,
+    route: bool,
 ) -> dict:
+    """vLLM's prefill over the samples, ``max_tokens=1``. ``route``: the vllm backend's own engine (the
+    ``extract_hidden_states`` method capturing eaglet's layers, eaglet's connector, no chunked prefill), its requests
+    asking for nothing to be saved: what vLLM's route costs before eaglet's connector does any work."""
     import os
+    import tempfile
 
     from vllm import LLM, SamplingParams
 
+    from eaglet.formats.layers import default_aux_layer_ids
     from eaglet.formats.prepared import load_prepared
+    from eaglet.model.target import load_tokenizer, resolve_target, target_info
+    from eaglet.model.vllm_engine import EngineSettings, HiddenStateEngine
 
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # as eaglet's engine
 
     data = load_prepared(prepared, max_samples)
     tokens = [data.sample(i)[0].tolist() for i in range(len(data))]
     longest = max(len(t) for t in tokens)
-    llm = LLM(
-        model=target,
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=longest + 1,
-        max_num_batched_tokens=max(batch_tokens, longest + 1),
-        enable_prefix_caching=False,
-        gpu_memory_utilization=memory_share,
-        seed=0,
-    )
+    if route:
+        resolved = resolve_target(target, False)
+        info = target_info(resolved, load_tokenizer(resolved.path, False))
+        llm = HiddenStateEngine(
+            EngineSettings(
+                model=target,
+                aux_layer_ids=default_aux_layer_ids(info.num_layers),
+                num_layers=info.num_layers,
+                hidden_size=info.hidden_size,
+                spool=Path(tempfile.mkdtemp()),
+                storage_dtype="bf16",
+                tensor_parallel_size=1,
+                dtype="bfloat16",
+                max_model_len=longest + 1,
+                max_num_batched_tokens=max(batch_tokens, longest + 1),
+                gpu_memory_utilization=memory_share,
+                trust_remote_code=False,
+            )
+        ).llm
+    else:
+        llm = LLM(
+            model=target,
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            max_model_len=longest + 1,
+            max_num_batched_tokens=max(batch_tokens, longest + 1),
+            enable_prefix_caching=False,
+            gpu_memory_utilization=memory_share,
+            seed=0,
+        )
     sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     llm.generate([{"prompt_token_ids": t} for t in tokens[:8]], sampling, use_tqdm=False)  # warm-up
     total = sum(len(t) for t in tokens)
@@ -200,7 +234,7 @@ def prefill(
         llm.generate([{"prompt_token_ids": t} for t in tokens], sampling, use_tqdm=False)
         rates.append(total / (time.perf_counter() - started))
     return {
-        "backend": "vllm prefill only",
+        "backend": "vllm prefill, extract route, nothing saved" if route else "vllm prefill only",
         "tokens": total,
         "tok_per_s": round(sorted(rates)[len(rates) // 2]),
         "tok_per_s_runs": [round(r) for r in rates],
@@ -292,6 +326,7 @@ def main() -> None:
     pre.add_argument("--batch-tokens", type=int, default=32768)
     pre.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     pre.add_argument("--repeats", type=int, default=1)
+    pre.add_argument("--route", action="store_true", help="the vllm backend's engine, requests saving nothing")
     ans = sub.add_parser("answers")
     ans.add_argument("a", type=Path)
     ans.add_argument("b", type=Path)
@@ -311,7 +346,8 @@ def main() -> None:
         result = extract(rest, args.repeats)
     elif args.command == "prefill":
         result = prefill(
-            args.target, args.prepared, args.max_samples, args.batch_tokens, args.gpu_memory_utilization, args.repeats
+            args.target, args.prepared, args.max_samples, args.batch_tokens, args.gpu_memory_utilization, args.repeats,
+            args.route,
         )
     elif args.command == "answers":
         result = answers(args.a, args.b)

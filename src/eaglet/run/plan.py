@@ -34,8 +34,8 @@ EVAL_FORWARD_TOKENS = 128  # eval's largest verification forward
 LOAD_SECONDS_CPU = 20  # loading and converting a CPU-sized target
 MEASURED_DECODE_LAYERS = 30  # RATES' decode rate was measured on the embedded target's 30 layers
 # `extract --backend vllm` over `--backend hf` on the H200 at the 8B shape, where the forward sets the rate (RESULTS
-# "vLLM backend, fourth run": 24,941 vs 32,416 tok/s, medians of 3; the 135M target's 0.63 is bound by the store)
-VLLM_EXTRACT_SHARE = 0.77
+# "vLLM backend, fifth run": 32,691 vs 32,152 tok/s, medians of 3 in one call, rounded down to parity)
+VLLM_EXTRACT_SHARE = 1.0
 
 
 @dataclass
