@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `eaglet extract --backend vllm` beside `--backend hf` and vLLM's own prefill, on the H200 (one part per device call).
 # Staged first: the embedded target (scripts/device.sh) and vLLM (scripts/device/vllm_install.sh; README "GPU checks").
-#   bash scripts/device.sh bash benchmarks/vllm_extract_h200.sh data|smoke|regen|embedded|8b|moe|int4|train|serve
+#   bash scripts/device.sh bash benchmarks/vllm_extract_h200.sh data|smoke|regen|embedded|8b|route|moe|int4|train|serve
 # Results: one JSON object per line in $OUT/vllm_extract.jsonl (python benchmarks/vllm_extract_parity.py prints them).
 set -euo pipefail
 export PYTHONPATH=/tmp/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
@@ -61,6 +61,17 @@ case "$1" in
     pair llama8b "$work/llama8b" "${SAMPLES:-500}"
     rm -rf "$stores/llama8b-hf" "$stores/llama8b-vllm"
     ;;
+  route)  # where the vllm backend's time goes beyond vLLM's prefill: the same engine saving nothing, side by side
+    [ -f "$work/llama8b/config.json" ] || bench make-8b "$work/llama8b" --tokenizer "$embedded"
+    rm -rf "$stores/llama8b-vllm"
+    bench extract --repeats "$repeats" --backend vllm --target "$work/llama8b" --prepared "$work/prepared" \
+      --out "$stores/llama8b-vllm" --max-samples "${SAMPLES:-912}"
+    for route in "" --route; do
+      bench prefill --repeats "$repeats" --target "$work/llama8b" --prepared "$work/prepared" \
+        --max-samples "${SAMPLES:-912}" $route
+    done
+    rm -rf "$stores/llama8b-vllm"
+    ;;
   moe)
     [ -f "$work/moe/config.json" ] || bench make-moe "$work/moe" --tokenizer "$embedded"
     pair moe "$work/moe" 500
@@ -99,5 +110,5 @@ print(json.dumps({'draft_from': '$backend', 'acceptance_length': r['acceptance_l
       --dtype bfloat16 --out "$work/eval-serve" | tail -4
     cp "$work/eval-serve/report.json" "$OUT/eaglet_eval_serve_prompts.json"
     ;;
-  *) echo "usage: $0 data|smoke|regen|embedded|8b|moe|int4|train|serve" >&2; exit 2 ;;
+  *) echo "usage: $0 data|smoke|regen|embedded|8b|route|moe|int4|train|serve" >&2; exit 2 ;;
 esac
