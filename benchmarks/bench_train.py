@@ -11,6 +11,8 @@ Usage: python benchmarks/bench_train.py --shape 8b|smollm [--tokens 2048] [--ttt
   [--pointwise compiled,eager]: which of the two to time for each layout (GPU; the CPU runs eager)
   [--profile]: after timing, one profiled step per layout; its busiest kernels and host operations are printed
   [--find-syncs]: after timing, the stack of the call that makes the host wait for the GPU (if a step has one)
+  [--graph]: GPU, also each compiled layout with the whole step (forward, backward, clip, AdamW) replayed as one
+             CUDA graph ("LAYOUT+graph"): the host launches one graph per step instead of ~1,200 kernels
 The demo's step: --shape smollm --tokens 16384 --draft-vocab 32000 --kernels one --skip-naive
 """
 
@@ -72,6 +74,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--profile", action="store_true", help="print each layout's busiest kernels over one step")
     parser.add_argument("--find-syncs", action="store_true", help="print where a step makes the host wait for the GPU")
+    parser.add_argument("--graph", action="store_true", help="GPU: also the whole step replayed as one CUDA graph")
     args = parser.parse_args()
 
     import torch
@@ -111,13 +114,14 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    def measure(attention, compile_pointwise: bool = False) -> dict:
+    def measure(attention, compile_pointwise: bool = False, graphed: bool = False) -> dict:
         torch.manual_seed(0)
         draft = Eagle3Draft(config).to(device)
         if compile_pointwise:
             draft.compile_pointwise()
         parameters = [p for p in draft.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(parameters, lr=1e-4, fused=device.type == "cuda")
+        # capturable: AdamW's step count lives on the device, so the step can be recorded in a CUDA graph
+        optimizer = torch.optim.AdamW(parameters, lr=1e-4, fused=device.type == "cuda", capturable=graphed)
 
         def train_step():
             with autocast():
@@ -128,13 +132,16 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=True)
             return out
 
+        step, warmup = train_step, args.warmup
+        if graphed:  # the capture's warm-up steps count as warm-up: every variant runs as many steps
+            step, warmup = captured(train_step), max(0, args.warmup - CAPTURE_WARMUP)
         times = []
-        for index in range(args.warmup + args.steps):
+        for index in range(warmup + args.steps):
             sync()
             started = time.perf_counter()
-            out = train_step()
+            out = step()
             sync()
-            if index >= args.warmup:
+            if index >= warmup:
                 times.append(time.perf_counter() - started)
         times.sort()
         median = times[len(times) // 2]
@@ -144,13 +151,14 @@ def main() -> None:
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")
                 try:
-                    out = train_step()
+                    out = step()
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
             syncs = sum("synchroniz" in str(w.message) for w in caught)
+        final_loss = round(float(out.loss.detach()), 4)  # before the profiled step (a graph's outputs are rewritten)
         if args.profile:
-            profile_step(train_step, device)
-        if args.find_syncs and device.type == "cuda" and syncs:
+            profile_step(step, device)
+        if args.find_syncs and device.type == "cuda" and syncs and not graphed:
             find_host_syncs(train_step)
             optimizer.zero_grad(set_to_none=True)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
@@ -161,17 +169,27 @@ def main() -> None:
             "tokens_per_s": round(args.tokens / median, 1),
             "mfu": round(flops / median / H200_BF16_DENSE_FLOPS, 4) if device.type == "cuda" else None,
             "peak_gib": round(peak, 2) if peak else None,
-            "final_loss": round(float(out.loss.detach()), 4),
+            "final_loss": final_loss,
             "host_syncs_per_step": syncs,
         }
 
     kernels = args.kernels.split(",") if device.type == "cuda" else ["per_step"]  # CPU: the dense path either way
     pointwise = args.pointwise.split(",") if device.type == "cuda" else ["eager"]
+    if args.graph and device.type == "cuda" and "compiled" in pointwise:
+        pointwise.append("graph")  # compiled pointwise, the whole step one CUDA graph
     timed = {}
     for layout in kernels:  # each variant's numbers printed as soon as they exist (a cut-off run keeps them)
         for mode in pointwise:
-            name = layout if mode == "compiled" or device.type != "cuda" else f"{layout}+eager_pointwise"
-            timed[name] = measure(attention_for(device, config.head_dim, layout), compile_pointwise=mode == "compiled")
+            name = {"compiled": layout, "eager": f"{layout}+eager_pointwise", "graph": f"{layout}+graph"}[mode]
+            name = name if device.type == "cuda" else layout
+            try:
+                timed[name] = measure(
+                    attention_for(device, config.head_dim, layout),
+                    compile_pointwise=mode in ("compiled", "graph"),
+                    graphed=mode == "graph",
+                )
+            except RuntimeError as exc:  # a variant that cannot run here is reported, the others still timed
+                timed[name] = {"error": str(exc).strip().splitlines()[0][:300] if str(exc).strip() else repr(exc)}
             print(json.dumps({name: timed[name]}), flush=True)
     ours, one_kernel = timed.get("per_step"), timed.get("one")
     naive = None if args.skip_naive else measure(ReferenceAttention)
@@ -199,6 +217,31 @@ def main() -> None:
 
 
 PROFILE_ROWS = 15
+CAPTURE_WARMUP = 3  # eager steps on a side stream before capture (compiles, AdamW's state, the allocator settle)
+
+
+def captured(train_step):
+    """``train_step`` recorded once as a CUDA graph and replayed: one launch per step instead of one per kernel.
+    Every shape is fixed (the token budget), the inputs are the same tensors every step, the optimizer is
+    capturable; the gradients live in the graph's pool (set to None before capture, so each replay writes them
+    afresh rather than accumulating)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(CAPTURE_WARMUP):
+            train_step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = train_step()
+
+    def replay():
+        graph.replay()
+        return out
+
+    return replay
 
 
 def profile_step(train_step, device) -> None:
