@@ -13,6 +13,8 @@ Usage: python benchmarks/bench_train.py --shape 8b|smollm [--tokens 2048] [--ttt
   [--find-syncs]: after timing, the stack of the call that makes the host wait for the GPU (if a step has one)
   [--graph]: GPU, also each compiled layout with the whole step (forward, backward, clip, AdamW) replayed as one
              CUDA graph ("LAYOUT+graph"): the host launches one graph per step instead of ~1,200 kernels
+  [--deferred]: GPU, also each compiled layout (and its graph, with --graph) with the shared layers' weight
+             gradients made once per step over the K TTT calls ("LAYOUT+deferred", "LAYOUT+graph+deferred")
 The demo's step: --shape smollm --tokens 16384 --draft-vocab 32000 --kernels one --skip-naive
 """
 
@@ -75,12 +77,14 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print each layout's busiest kernels over one step")
     parser.add_argument("--find-syncs", action="store_true", help="print where a step makes the host wait for the GPU")
     parser.add_argument("--graph", action="store_true", help="GPU: also the whole step replayed as one CUDA graph")
+    parser.add_argument("--deferred", action="store_true", help="GPU: also one weight-gradient matmul over K calls")
     args = parser.parse_args()
 
     import torch
 
     from eaglet.formats.draft_config import DraftConfig
     from eaglet.model.draft import Eagle3Draft
+    from eaglet.model.shared_linear import deferred_weight_grads
     from eaglet.model.sizing import draft_train_flops_per_token
     from eaglet.train.metrics import H200_BF16_DENSE_FLOPS
     from eaglet.train.ttt import ReferenceAttention, TTTInputs, attention_for, documents, ttt_forward
@@ -114,7 +118,7 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    def measure(attention, compile_pointwise: bool = False, graphed: bool = False) -> dict:
+    def measure(attention, compile_pointwise: bool = False, graphed: bool = False, deferred: bool = False) -> dict:
         torch.manual_seed(0)
         draft = Eagle3Draft(config).to(device)
         if compile_pointwise:
@@ -124,9 +128,10 @@ def main() -> None:
         optimizer = torch.optim.AdamW(parameters, lr=1e-4, fused=device.type == "cuda", capturable=graphed)
 
         def train_step():
-            with autocast():
-                out = ttt_forward(draft, inputs, args.ttt, attention_factory=attention)
-            out.loss.backward()
+            with deferred_weight_grads(draft) if deferred else nullcontext():
+                with autocast():
+                    out = ttt_forward(draft, inputs, args.ttt, attention_factory=attention)
+                out.loss.backward()
             torch.nn.utils.clip_grad_norm_(parameters, 0.5)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -175,18 +180,21 @@ def main() -> None:
 
     kernels = args.kernels.split(",") if device.type == "cuda" else ["per_step"]  # CPU: the dense path either way
     pointwise = args.pointwise.split(",") if device.type == "cuda" else ["eager"]
-    if args.graph and device.type == "cuda" and "compiled" in pointwise:
-        pointwise.append("graph")  # compiled pointwise, the whole step one CUDA graph
+    if device.type == "cuda" and "compiled" in pointwise:  # compiled pointwise, and on top of it:
+        pointwise += ["deferred"] if args.deferred else []  # one weight-gradient matmul per shared layer
+        pointwise += ["graph"] if args.graph else []  # the whole step one CUDA graph
+        pointwise += ["graph+deferred"] if args.graph and args.deferred else []
     timed = {}
     for layout in kernels:  # each variant's numbers printed as soon as they exist (a cut-off run keeps them)
         for mode in pointwise:
-            name = {"compiled": layout, "eager": f"{layout}+eager_pointwise", "graph": f"{layout}+graph"}[mode]
+            name = {"compiled": layout, "eager": f"{layout}+eager_pointwise"}.get(mode, f"{layout}+{mode}")
             name = name if device.type == "cuda" else layout
             try:
                 timed[name] = measure(
                     attention_for(device, config.head_dim, layout),
-                    compile_pointwise=mode in ("compiled", "graph"),
-                    graphed=mode == "graph",
+                    compile_pointwise=mode != "eager",
+                    graphed="graph" in mode,
+                    deferred="deferred" in mode,
                 )
             except RuntimeError as exc:  # a variant that cannot run here is reported, the others still timed
                 timed[name] = {"error": str(exc).strip().splitlines()[0][:300] if str(exc).strip() else repr(exc)}

@@ -35,10 +35,10 @@ case "${1:-}" in
     ;;
   train-anchor)
     # issue 32's side-by-side: eaglet's 8B-shape step (Llama-3's 128,256-token vocabulary, draft vocab 32,000;
-    # train's GPU default and the same step replayed as one CUDA graph, profiled) and speculators 0.9.0's step at the
-    # same shape, in one call. Needs
+    # train's GPU default; with one weight-gradient matmul per shared layer; replayed as one CUDA graph; both;
+    # profiled) and speculators 0.9.0's step at the same shape, in one call. Needs
     # .device/specwhl and .device/specbench carried (../shared/anchors/speculators-0.9.0/README.md).
-    python3 benchmarks/bench_train.py --shape 8b --kernels one --pointwise compiled --graph --skip-naive --steps 20 \
+    python3 benchmarks/bench_train.py --shape 8b --kernels one --pointwise compiled --graph --deferred --skip-naive --steps 20 \
       --profile --out "$OUT/train_8b_h200.json" > "$OUT/train_8b_profile.txt" 2>&1
     grep -E '^\{"' "$OUT/train_8b_profile.txt"
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/specsite .device/specwhl/*.whl 2>&1 | tail -2

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from eaglet.formats.draft_config import DraftConfig
 from eaglet.model.draft import Eagle3Draft
+from eaglet.model.shared_linear import SharedLinear, deferred_weight_grads
 from eaglet.train.loss import TeacherHead, soft_cross_entropy
 from eaglet.train.ttt import (
     FLEX_MIN_HEAD_DIM,
@@ -418,3 +421,71 @@ def test_attention_recomputed_in_the_backward_gives_the_kept_gradients(monkeypat
     assert torch.equal(again_out.loss, kept_out.loss) and set(again) == set(kept)
     for name in kept:
         torch.testing.assert_close(again[name], kept[name], rtol=0, atol=0)
+
+
+def deferred_loss_and_grads(draft, inputs, autocast, steps=3, micro_batches=1):
+    """As ``loss_and_grads``, with the shared layers' weight gradients made once per block (micro-batches
+    accumulated into ``.grad`` as the trainer does)."""
+    for _ in range(micro_batches):
+        with deferred_weight_grads(draft):
+            with autocast():
+                out = ttt_forward(draft, inputs, steps, attention_factory=TTTAttention)
+            out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+    draft.zero_grad()
+    return out, grads
+
+
+@pytest.mark.parametrize("steps,draft_layers", [(1, 1), (4, 1), (3, 2)])
+def test_deferred_weight_gradients_equal_autograds(steps, draft_layers):
+    """One matmul over the K calls' rows gives every parameter the gradient autograd gives it call by call."""
+    draft, inputs = tiny_setup(draft_layers=draft_layers)
+    plain, plain_grads = loss_and_grads(draft, inputs, TTTAttention, contextlib.nullcontext, steps)
+    deferred, deferred_grads = deferred_loss_and_grads(draft, inputs, contextlib.nullcontext, steps)
+    assert deferred_grads.keys() == plain_grads.keys()
+    assert "lm_head.weight" in deferred_grads and "midlayer.mlp.down_proj.weight" in deferred_grads
+    torch.testing.assert_close(deferred.loss, plain.loss, rtol=1e-12, atol=0)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(deferred_grads[name], grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_deferred_weight_gradients_flushed_in_parts_past_the_memory_bound(monkeypatch):
+    """A layer whose kept output gradients pass the bound adds them in several matmuls: the same gradient."""
+    import eaglet.model.shared_linear as shared_linear
+
+    draft, inputs = tiny_setup()
+    plain, plain_grads = loss_and_grads(draft, inputs, TTTAttention, contextlib.nullcontext, 4)
+    monkeypatch.setattr(shared_linear, "KEPT_GRAD_BYTES", 19 * 20 * 8)  # two calls' LM-head gradients pass it
+    _, deferred_grads = deferred_loss_and_grads(draft, inputs, contextlib.nullcontext, 4)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(deferred_grads[name], grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_deferred_weight_gradients_accumulate_over_micro_batches_and_under_bf16_autocast():
+    draft, inputs = tiny_setup()
+    draft.float()
+    inputs = float_inputs(inputs)
+    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    _, once = deferred_loss_and_grads(draft, inputs, autocast)
+    _, twice = deferred_loss_and_grads(draft, inputs, autocast, micro_batches=2)
+    for name, grad in once.items():
+        torch.testing.assert_close(twice[name], 2 * grad, rtol=1e-6, atol=1e-8, msg=name)
+    plain, plain_grads = loss_and_grads(draft, inputs, TTTAttention, autocast)
+    for name, grad in plain_grads.items():  # bf16 matmuls either way; one rounding of the sum vs one per call
+        assert (once[name] - grad).norm() <= 2e-2 * grad.norm(), name
+        assert once[name].dtype == torch.float32
+
+
+def test_deferred_block_left_by_an_error_adds_nothing_and_plain_calls_follow():
+    draft, inputs = tiny_setup()
+    with pytest.raises(RuntimeError, match="stopped"):
+        with deferred_weight_grads(draft):
+            ttt_forward(draft, inputs, 2, attention_factory=TTTAttention).loss.backward()
+            raise RuntimeError("stopped")
+    shared = [m.weight for m in draft.modules() if isinstance(m, SharedLinear)]
+    assert len(shared) == 8 and all(weight.grad is None for weight in shared)
+    draft.zero_grad()
+    with torch.no_grad():  # outside a block (and without autograd) the layers are plain linear layers
+        ttt_forward(draft, inputs, 2, attention_factory=TTTAttention)
+    _, grads = loss_and_grads(draft, inputs, TTTAttention, contextlib.nullcontext, 2)
+    assert grads["lm_head.weight"].abs().sum() > 0

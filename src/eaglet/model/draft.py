@@ -27,6 +27,7 @@ from ..errors import EagletError
 from ..export import export_format
 from ..formats.draft_config import FIRST_LAYER_PREFIX, DraftConfig, StoredDraft, read_draft_config, weight_problems
 from ..formats.files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE
+from .shared_linear import SharedLinear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -184,10 +185,10 @@ class DraftAttention(nn.Module):
             config.num_key_value_heads,
             config.head_dim,
         )
-        self.q_proj = nn.Linear(input_size, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(input_size, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(input_size, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_proj = SharedLinear(input_size, self.heads * self.head_dim)
+        self.k_proj = SharedLinear(input_size, self.kv_heads * self.head_dim)
+        self.v_proj = SharedLinear(input_size, self.kv_heads * self.head_dim)
+        self.o_proj = SharedLinear(self.heads * self.head_dim, config.hidden_size)
 
     def forward(
         self,
@@ -209,9 +210,9 @@ class DraftAttention(nn.Module):
 class DraftMLP(nn.Module):
     def __init__(self, config: DraftConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = SharedLinear(config.hidden_size, config.intermediate_size)
+        self.up_proj = SharedLinear(config.hidden_size, config.intermediate_size)
+        self.down_proj = SharedLinear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor, pointwise: Pointwise = EAGER_POINTWISE) -> torch.Tensor:
         return self.down_proj(pointwise.swiglu(self.gate_proj(x), self.up_proj(x)))
@@ -279,7 +280,7 @@ class Eagle3Draft(nn.Module):
         self.midlayer = DraftLayer(config)  # layer 0 (serving name); deeper drafts add layers.1 ...
         self.layers = nn.ModuleDict({str(i): DraftStackLayer(config) for i in range(1, config.num_hidden_layers)})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.lm_head = SharedLinear(config.hidden_size, config.draft_vocab_size)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.rope = DraftRope(config)  # positions -> cos/sin, the target's rotary embedding

@@ -43,6 +43,16 @@ class Parallel:
             )
         return module
 
+    def weight_grads(self, draft: torch.nn.Module):
+        """Around a micro-batch's forward and backward: in one process, the draft's shared layers make their
+        weight gradients once over the K TTT calls (``model.shared_linear``); DDP and FSDP2 reduce gradients from
+        autograd's per-weight hooks, so there autograd makes them call by call."""
+        if self.strategy == "none":
+            from ..model.shared_linear import deferred_weight_grads
+
+            return deferred_weight_grads(draft)
+        return nullcontext()
+
     @contextmanager
     def accumulating(self, wrapped: torch.nn.Module, last: bool) -> Iterator[None]:
         """Gradients are reduced across ranks only on the ``last`` micro-batch of a step."""

@@ -75,9 +75,13 @@ def train_step(
     losses = []
     for index, batch in enumerate(batches):
         inputs = device_inputs(batch, model.teacher, device, torch.float32)
-        with model.parallel.accumulating(model.wrapped, last=index == len(batches) - 1), model.autocast():
-            loss, losses_k, correct_k, counts_k = model.wrapped(inputs)
-            (loss / len(batches)).backward()
+        with (
+            model.parallel.accumulating(model.wrapped, last=index == len(batches) - 1),
+            model.parallel.weight_grads(model.draft),
+        ):
+            with model.autocast():
+                loss, losses_k, correct_k, counts_k = model.wrapped(inputs)
+                (loss / len(batches)).backward()
         losses.append(loss.detach())
         stats.loss += loss.detach() / len(batches)
         stats.losses += losses_k.detach().float() * counts_k.float()
