@@ -346,7 +346,12 @@ def main() -> None:
         result = extract(rest, args.repeats)
     elif args.command == "prefill":
         result = prefill(
-            args.target, args.prepared, args.max_samples, args.batch_tokens, args.gpu_memory_utilization, args.repeats,
+            args.target,
+            args.prepared,
+            args.max_samples,
+            args.batch_tokens,
+            args.gpu_memory_utilization,
+            args.repeats,
             args.route,
         )
     elif args.command == "answers":

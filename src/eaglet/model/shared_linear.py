@@ -18,7 +18,6 @@ from typing import Iterator
 import torch
 from torch import nn
 
-
 KEPT_GRAD_BYTES = 1 << 30  # output gradients kept per layer before a partial flush: bounds the extra memory (the
 # 8B shape's LM head keeps all 7 calls' 2,048 x 32,000 in 0.9 GB; the demo's 16,384-token batches flush per call)
 
