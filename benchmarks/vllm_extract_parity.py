@@ -151,7 +151,8 @@ def extract(argv: list[str], repeats: int) -> dict:
         shutil.rmtree(store, ignore_errors=True)
         result = run_extract(config, **loaded)
         runs.append({"seconds": result.seconds, "tok_per_s": result.tokens_computed / result.seconds,
-                     "writer_stall_s": result.writer_stall_s, "writer_seconds": result.writer_seconds})  # fmt: skip
+                     "writer_stall_s": result.writer_stall_s, "writer_seconds": result.writer_seconds,
+                     "waits": result.waits})  # fmt: skip
     rates = sorted(r["tok_per_s"] for r in runs)
     return {
         "backend": config.backend,
@@ -160,6 +161,8 @@ def extract(argv: list[str], repeats: int) -> dict:
         "tok_per_s": round(rates[len(rates) // 2]),  # the median run
         "tok_per_s_runs": [round(r["tok_per_s"]) for r in runs],
         "writer_stall_s_runs": [round(r["writer_stall_s"], 3) for r in runs],
+        # seconds the compute was idle, by cause (vllm: the drain, spool slots, between calls), per run
+        "waits_runs": [{k: round(v, 3) for k, v in r["waits"].items()} for r in runs],
         # writer-thread seconds by phase (summed over shards and threads) of the median run
         "writer_seconds": {
             k: round(v, 3)

@@ -483,6 +483,11 @@ def test_the_vllm_pipeline_stores_what_the_hf_backend_stores(tmp_path, tiny_prep
         for name in ours.keys() - {"input_ids", "loss_mask", "offsets", "sample_index"}:
             torch.testing.assert_close(ours[name].float(), theirs[name].float(), atol=2e-2, rtol=2e-2)
     assert len(hf.manifest["shards"]) == shards
+    # where vLLM sat idle, by cause; the writers' share is what `extract` reports as time lost to the disk
+    assert result.waits.keys() == {"drain", "spool_slots", "between_calls"}
+    assert all(0 <= seconds < result.seconds for seconds in result.waits.values())
+    assert result.writer_stall_s == result.waits["drain"] + result.waits["spool_slots"]
+    assert hf.waits.keys() == {"writers"} and hf.writer_stall_s == hf.waits["writers"]
 
 
 def test_an_engine_that_dies_mid_store_is_one_error_and_the_store_resumes(tmp_path, tiny_prepared, tiny_target):

@@ -61,6 +61,7 @@ from ..progress import progress_bar
 from .vllm_extractor import VllmShardExtractor
 
 WRITE_QUEUE_DEPTH = 3  # finished shards waiting for a writer while the next one computes
+WRITER_WAITS = ("writers", "drain", "spool_slots")  # the extractors' waits that the shard writers cause
 WRITER_THREADS = 4  # shards written (hashed, written, fsynced) in parallel: one stream does not fill the disk
 
 
@@ -115,6 +116,10 @@ class ShardExtractor:
         # Host buffers are pinned (fast, asynchronous device->host copies) and pinning is slow, so every
         # shard's buffers have the same capacity and are recycled once the writer is done with them.
         self.free_buffers: queue.SimpleQueue = queue.SimpleQueue()
+
+    def waits(self, writer: Any) -> dict[str, float]:
+        """Seconds the forward waited, by cause: for the writers (a full queue, and at the end)."""
+        return {"writers": writer.stall_s}
 
     def _buffers(self, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         try:
@@ -309,6 +314,7 @@ class ExtractResult:
     seconds: float
     writer_stall_s: float = 0.0  # compute waiting on the disk: the share of `seconds` the disk cost
     writer_seconds: dict[str, float] = field(default_factory=dict)  # writer-thread seconds by phase, all shards
+    waits: dict[str, float] = field(default_factory=dict)  # seconds of `seconds` the compute was idle, by cause
 
 
 def store_identity(
@@ -450,7 +456,7 @@ def _extract(
     dist.barrier()
 
     started = time.perf_counter()
-    stall_s = 0.0
+    waits: dict[str, float] = {}
     writer_seconds: dict[str, float] = {}
     if mine:
         batch_tokens = config.batch_tokens or (GPU_BATCH_TOKENS if device.startswith("cuda") else CPU_BATCH_TOKENS)
@@ -487,9 +493,7 @@ def _extract(
             finally:
                 try:
                     writer.close(report=not failed)  # a writer's error after the first one would hide it
-                    # vLLM's shards are handed over before they are computed: it waits on the writers only for
-                    # spool slots (and at the end), not when its shards queue up for them
-                    stall_s = writer.stall_s if engine is None else writer.close_wait_s + extractor.slot_wait_s
+                    waits = extractor.waits(writer)
                     writer_seconds = writer.seconds
                 finally:
                     if engine is not None:  # vLLM's files of a failed shard are not kept: resumed, it is recomputed
@@ -499,7 +503,10 @@ def _extract(
     manifest = _manifest(store, identity, plans, config, source)
     if dist.is_main:
         write_json_atomic(store / MANIFEST_FILE, manifest)
-    return ExtractResult(store, manifest, len(mine), sum(p.tokens for p in mine), seconds, stall_s, writer_seconds)
+    stall_s = sum(seconds for cause, seconds in waits.items() if cause in WRITER_WAITS)
+    return ExtractResult(
+        store, manifest, len(mine), sum(p.tokens for p in mine), seconds, stall_s, writer_seconds, waits
+    )
 
 
 VLLM_SPOOL_SUFFIX = ".vllm-spool"  # `.STORE.vllm-spool` beside the store unless --spool-dir says otherwise

@@ -40,6 +40,7 @@ class Feed:
     stop: threading.Event = field(default_factory=threading.Event)  # the main thread: no more calls to vLLM
     error: BaseException | None = None  # why the feeder stopped; a writer whose shard never ran raises it too
     slot_wait_s: float = 0.0  # vLLM idle because every spool slot was taken: the writers set the pace
+    between_calls_s: float = 0.0  # vLLM idle between one call's return and the next call: its requests being made
 
 
 @dataclass
@@ -92,6 +93,13 @@ class VllmShardExtractor:
     def __init__(self, engine: HiddenStateEngine):
         self.engine = engine
         self.slot_wait_s = 0.0  # over every ``shards`` call
+        self.between_calls_s = 0.0
+
+    def waits(self, writer: Any) -> dict[str, float]:
+        """Seconds vLLM was idle, by cause: writing the last shards after its last call (``drain``), every spool
+        slot taken (``spool_slots``), the next call's requests being made (``between_calls``). vLLM's shards are
+        handed to the writers before they are computed, so a writer queue that fills does not idle it."""
+        return {"drain": writer.close_wait_s, "spool_slots": self.slot_wait_s, "between_calls": self.between_calls_s}
 
     def release(self, buffers: dict[str, torch.Tensor]) -> None:
         """Nothing is recycled: each shard's host tensors are its own."""
@@ -114,13 +122,16 @@ class VllmShardExtractor:
             feed.stop.set()  # a feeder still running stops after its current call
             feeder.join()
             self.slot_wait_s += feed.slot_wait_s
+            self.between_calls_s += feed.between_calls_s
 
     def _feed(self, prepared: PreparedSet, plans: list[ShardPlan], feed: Feed, ready: queue.Queue) -> None:
         never_run = threading.Event()  # the current call's shards'
+        returned: float | None = None  # when the previous call to vLLM returned
         try:
             for first in range(0, len(plans), SHARDS_PER_GENERATE):
                 group = plans[first : first + SHARDS_PER_GENERATE]
                 never_run = threading.Event()
+                slot_wait_before = feed.slot_wait_s  # this call's spool-slot waits are counted apart
                 prompts: list[dict] = []
                 params: list = []
                 for plan in group:
@@ -136,7 +147,11 @@ class VllmShardExtractor:
                 if feed.stop.is_set():
                     return
                 names = f"shards {group[0].index}..{group[-1].index}"
+                if returned is not None:
+                    slot_wait = feed.slot_wait_s - slot_wait_before
+                    feed.between_calls_s += time.perf_counter() - returned - slot_wait
                 self.engine.generate(prompts, params, f"computing the hidden states of {names}")
+                returned = time.perf_counter()
         except BaseException as exc:  # raised in the main thread
             feed.error = exc
             never_run.set()  # the writers waiting on this call's spool files stop waiting (feed.error first)
