@@ -98,11 +98,15 @@ def float_inputs(inputs, device=torch.device("cpu")):
     return TTTInputs(**{k: (v.float() if v.is_floating_point() else v).to(device) for k, v in vars(inputs).items()})
 
 
-def loss_and_grads(draft, inputs, attention, autocast, steps=3):
-    """One TTT forward + backward: (output, {parameter name: gradient}), the draft's gradients cleared after."""
-    with autocast():
-        out = ttt_forward(draft, inputs, steps, attention_factory=attention)
-    out.loss.backward()
+def loss_and_grads(draft, inputs, attention, autocast, steps=3, deferred=False, micro_batches=1):
+    """TTT forward + backward: (output, {parameter name: gradient}), the draft's gradients cleared after.
+    ``deferred``: the shared layers' weight gradients made once per block; ``micro_batches``: accumulated into
+    ``.grad`` as the trainer does."""
+    for _ in range(micro_batches):
+        with deferred_weight_grads(draft) if deferred else contextlib.nullcontext():
+            with autocast():
+                out = ttt_forward(draft, inputs, steps, attention_factory=attention)
+            out.loss.backward()
     grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
     draft.zero_grad()
     return out, grads
@@ -423,25 +427,12 @@ def test_attention_recomputed_in_the_backward_gives_the_kept_gradients(monkeypat
         torch.testing.assert_close(again[name], kept[name], rtol=0, atol=0)
 
 
-def deferred_loss_and_grads(draft, inputs, autocast, steps=3, micro_batches=1):
-    """As ``loss_and_grads``, with the shared layers' weight gradients made once per block (micro-batches
-    accumulated into ``.grad`` as the trainer does)."""
-    for _ in range(micro_batches):
-        with deferred_weight_grads(draft):
-            with autocast():
-                out = ttt_forward(draft, inputs, steps, attention_factory=TTTAttention)
-            out.loss.backward()
-    grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
-    draft.zero_grad()
-    return out, grads
-
-
 @pytest.mark.parametrize("steps,draft_layers", [(1, 1), (4, 1), (3, 2)])
 def test_deferred_weight_gradients_equal_autograds(steps, draft_layers):
     """One matmul over the K calls' rows gives every parameter the gradient autograd gives it call by call."""
     draft, inputs = tiny_setup(draft_layers=draft_layers)
     plain, plain_grads = loss_and_grads(draft, inputs, TTTAttention, contextlib.nullcontext, steps)
-    deferred, deferred_grads = deferred_loss_and_grads(draft, inputs, contextlib.nullcontext, steps)
+    deferred, deferred_grads = loss_and_grads(draft, inputs, TTTAttention, contextlib.nullcontext, steps, deferred=True)
     assert deferred_grads.keys() == plain_grads.keys()
     assert "lm_head.weight" in deferred_grads and "midlayer.mlp.down_proj.weight" in deferred_grads
     torch.testing.assert_close(deferred.loss, plain.loss, rtol=1e-12, atol=0)
@@ -456,7 +447,7 @@ def test_deferred_weight_gradients_flushed_in_parts_past_the_memory_bound(monkey
     draft, inputs = tiny_setup()
     plain, plain_grads = loss_and_grads(draft, inputs, TTTAttention, contextlib.nullcontext, 4)
     monkeypatch.setattr(shared_linear, "KEPT_GRAD_BYTES", 19 * 20 * 8)  # two calls' LM-head gradients pass it
-    _, deferred_grads = deferred_loss_and_grads(draft, inputs, contextlib.nullcontext, 4)
+    _, deferred_grads = loss_and_grads(draft, inputs, TTTAttention, contextlib.nullcontext, 4, deferred=True)
     for name, grad in plain_grads.items():
         torch.testing.assert_close(deferred_grads[name], grad, rtol=1e-9, atol=1e-12, msg=name)
 
@@ -466,8 +457,8 @@ def test_deferred_weight_gradients_accumulate_over_micro_batches_and_under_bf16_
     draft.float()
     inputs = float_inputs(inputs)
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
-    _, once = deferred_loss_and_grads(draft, inputs, autocast)
-    _, twice = deferred_loss_and_grads(draft, inputs, autocast, micro_batches=2)
+    _, once = loss_and_grads(draft, inputs, TTTAttention, autocast, deferred=True)
+    _, twice = loss_and_grads(draft, inputs, TTTAttention, autocast, deferred=True, micro_batches=2)
     for name, grad in once.items():
         torch.testing.assert_close(twice[name], 2 * grad, rtol=1e-6, atol=1e-8, msg=name)
     plain, plain_grads = loss_and_grads(draft, inputs, TTTAttention, autocast)
