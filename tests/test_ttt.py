@@ -480,3 +480,19 @@ def test_deferred_block_left_by_an_error_adds_nothing_and_plain_calls_follow():
         ttt_forward(draft, inputs, 2, attention_factory=TTTAttention)
     _, grads = loss_and_grads(draft, inputs, TTTAttention, contextlib.nullcontext, 2)
     assert grads["lm_head.weight"].abs().sum() > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs a GPU")
+def test_deferred_weight_gradients_on_gpu_with_flex_attention_and_compiled_pointwise():
+    """Training's GPU path (FlexAttention, compiled pointwise pieces, bf16 autocast): the deferred weight gradients
+    are autograd's to bf16 precision."""
+    from eaglet.train.ttt import FlexTTTAttention
+
+    draft, inputs = tiny_setup(head_dim=FLEX_MIN_HEAD_DIM, draft_layers=2)
+    device = torch.device("cuda")
+    draft, moved = draft.float().to(device), float_inputs(inputs, device)
+    draft.compile_pointwise()
+    autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
+    plain, plain_grads = loss_and_grads(draft, moved, FlexTTTAttention, autocast)
+    deferred, deferred_grads = loss_and_grads(draft, moved, FlexTTTAttention, autocast, deferred=True)
+    assert_close_to_bf16(deferred, deferred_grads, plain, plain_grads)
