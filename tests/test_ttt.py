@@ -496,3 +496,20 @@ def test_deferred_weight_gradients_on_gpu_with_flex_attention_and_compiled_point
     plain, plain_grads = loss_and_grads(draft, moved, FlexTTTAttention, autocast)
     deferred, deferred_grads = loss_and_grads(draft, moved, FlexTTTAttention, autocast, deferred=True)
     assert_close_to_bf16(deferred, deferred_grads, plain, plain_grads)
+
+
+@pytest.mark.parametrize(
+    "strategy,world,device,deferred",
+    [("ddp", 1, "cuda", True), ("ddp", 1, "cpu", False), ("ddp", 2, "cuda", False), ("fsdp2", 2, "cuda", False)],
+)
+def test_the_trainer_defers_weight_gradients_only_in_one_process_on_a_gpu(strategy, world, device, deferred):
+    """DDP and FSDP2 reduce from autograd's per-weight hooks (a deferred gradient would never be reduced); on the CPU
+    deferring measured 4-5% slower (RESULTS)."""
+    from eaglet.model.distributed import Dist
+    from eaglet.train.parallel import Parallel
+
+    draft, _ = tiny_setup()
+    parallel = Parallel(strategy, Dist(rank=0, world=world, local_rank=0), torch.device(device))
+    with parallel.weight_grads(draft):
+        assert (draft.lm_head.calls is not None) == deferred
+    assert draft.lm_head.calls is None
