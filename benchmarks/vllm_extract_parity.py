@@ -114,37 +114,50 @@ def make_int4(out: Path, tokenizer: Path) -> dict:
     return {"made": str(out), "checkpoint_mb": round(files / 2**20, 1)}
 
 
+def extract_config(values: dict):
+    """An `eaglet extract` config from option values (``--max-samples`` or ``max_samples`` keys)."""
+    from eaglet.config import ExtractConfig, build_config
+
+    return build_config(
+        ExtractConfig, "extract", cli_values={k.lstrip("-").replace("-", "_"): v for k, v in values.items()}
+    )
+
+
+def vllm_engine(config):
+    """The vllm backend's engine for ``config``, opened as `eaglet extract` opens it (its checks included)."""
+    from eaglet.extract.extractor import open_vllm_engine
+    from eaglet.formats.layers import resolve_aux_layer_ids
+    from eaglet.formats.prepared import load_prepared
+    from eaglet.model.target import load_tokenizer, pick_dtype, resolve_target, target_info
+
+    resolved = resolve_target(config.target, config.trust_remote_code)
+    info = target_info(resolved, load_tokenizer(resolved.path, config.trust_remote_code))
+    return open_vllm_engine(
+        config,
+        resolved.path,
+        resolve_aux_layer_ids(config.layers, info.num_layers),
+        info.num_layers,
+        info.hidden_size,
+        load_prepared(config.prepared, config.max_samples),
+        Path(config.out),
+        str(pick_dtype(config.dtype, "cuda")).replace("torch.", ""),
+    )
+
+
 def extract(argv: list[str], repeats: int) -> dict:
     """`eaglet extract` ``repeats`` times into fresh stores (the last one kept at --out), the target loaded once."""
     import shutil
 
-    from eaglet.config import ExtractConfig, build_config
-    from eaglet.extract.extractor import open_vllm_engine, run_extract
-    from eaglet.formats.layers import resolve_aux_layer_ids
-    from eaglet.formats.prepared import load_prepared
-    from eaglet.model.target import load_model, load_tokenizer, pick_dtype, resolve_target, target_info
+    from eaglet.extract.extractor import run_extract
+    from eaglet.model.target import load_model, resolve_target
 
-    pairs = dict(zip(argv[0::2], argv[1::2]))
-    config = build_config(
-        ExtractConfig, "extract", cli_values={k.lstrip("-").replace("-", "_"): v for k, v in pairs.items()}
-    )
-    resolved = resolve_target(config.target, config.trust_remote_code)
-    info = target_info(resolved, load_tokenizer(resolved.path, config.trust_remote_code))
+    config = extract_config(dict(zip(argv[0::2], argv[1::2])))
     store = Path(config.out)
     loaded: dict = {}
     if config.backend == "vllm":
-        model_dtype = str(pick_dtype(config.dtype, "cuda")).replace("torch.", "")
-        loaded["engine"] = open_vllm_engine(
-            config,
-            resolved.path,
-            resolve_aux_layer_ids(config.layers, info.num_layers),
-            info.num_layers,
-            info.hidden_size,
-            load_prepared(config.prepared, config.max_samples),
-            store,
-            model_dtype,
-        )
+        loaded["engine"] = vllm_engine(config)
     else:
+        resolved = resolve_target(config.target, config.trust_remote_code)
         loaded["model"] = load_model(resolved.path, "cuda", config.dtype, config.trust_remote_code, config, 1)
     runs = []
     for _ in range(repeats):
@@ -180,18 +193,16 @@ def prefill(
     repeats: int,
     route: bool,
 ) -> dict:
-    """vLLM's prefill over the samples, ``max_tokens=1``. ``route``: the vllm backend's own engine (the
-    ``extract_hidden_states`` method capturing eaglet's layers, eaglet's connector, no chunked prefill), its requests
-    asking for nothing to be saved: what vLLM's route costs before eaglet's connector does any work."""
+    """vLLM's prefill over the samples, ``max_tokens=1``. ``route``: the vllm backend's own engine, opened as
+    `eaglet extract` opens it (the ``extract_hidden_states`` method capturing eaglet's layers, eaglet's connector, no
+    chunked prefill), its requests asking for nothing to be saved: what vLLM's route costs before eaglet's connector
+    does any work."""
     import os
     import tempfile
 
     from vllm import LLM, SamplingParams
 
-    from eaglet.formats.layers import default_aux_layer_ids
     from eaglet.formats.prepared import load_prepared
-    from eaglet.model.target import load_tokenizer, resolve_target, target_info
-    from eaglet.model.vllm_engine import EngineSettings, HiddenStateEngine
 
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # as eaglet's engine
 
@@ -199,24 +210,10 @@ def prefill(
     tokens = [data.sample(i)[0].tolist() for i in range(len(data))]
     longest = max(len(t) for t in tokens)
     if route:
-        resolved = resolve_target(target, False)
-        info = target_info(resolved, load_tokenizer(resolved.path, False))
-        llm = HiddenStateEngine(
-            EngineSettings(
-                model=target,
-                aux_layer_ids=default_aux_layer_ids(info.num_layers),
-                num_layers=info.num_layers,
-                hidden_size=info.hidden_size,
-                spool=Path(tempfile.mkdtemp()),
-                storage_dtype="bf16",
-                tensor_parallel_size=1,
-                dtype="bfloat16",
-                max_model_len=longest + 1,
-                max_num_batched_tokens=max(batch_tokens, longest + 1),
-                gpu_memory_utilization=memory_share,
-                trust_remote_code=False,
-            )
-        ).llm
+        values = {"target": target, "prepared": prepared, "out": str(Path(tempfile.mkdtemp()) / "store"),
+                  "backend": "vllm", "max_samples": max_samples, "batch_tokens": batch_tokens,
+                  "gpu_memory_utilization": memory_share}  # fmt: skip
+        llm = vllm_engine(extract_config({k: v for k, v in values.items() if v is not None})).llm
     else:
         llm = LLM(
             model=target,
