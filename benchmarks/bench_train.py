@@ -15,6 +15,9 @@ Usage: python benchmarks/bench_train.py --shape 8b|smollm [--tokens 2048] [--ttt
              CUDA graph ("LAYOUT+graph"): the host launches one graph per step instead of ~1,200 kernels
   [--deferred]: GPU, also each compiled layout (and its graph, with --graph) with the shared layers' weight
              gradients made once per step over the K TTT calls ("LAYOUT+deferred", "LAYOUT+graph+deferred")
+  [--train-step]: also the step `eaglet train` runs ("train_step", its defaults for this device: on a GPU recorded
+             as two CUDA graphs, train.graphed): the batch copied from pinned host memory each step and the teacher
+             over the target's whole vocabulary included, which the other variants leave out
 The demo's step: --shape smollm --tokens 16384 --draft-vocab 32000 --kernels one --skip-naive
 """
 
@@ -78,6 +81,7 @@ def main() -> None:
     parser.add_argument("--find-syncs", action="store_true", help="print where a step makes the host wait for the GPU")
     parser.add_argument("--graph", action="store_true", help="GPU: also the whole step replayed as one CUDA graph")
     parser.add_argument("--deferred", action="store_true", help="GPU: also one weight-gradient matmul over K calls")
+    parser.add_argument("--train-step", action="store_true", help="also the step `eaglet train` runs, batch included")
     args = parser.parse_args()
 
     import torch
@@ -118,6 +122,63 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    def time_steps(step, warmup: int):
+        """(median seconds of ``args.steps`` steps after ``warmup``, the last step's output)."""
+        times = []
+        for index in range(warmup + args.steps):
+            sync()
+            started = time.perf_counter()
+            out = step()
+            sync()
+            if index >= warmup:
+                times.append(time.perf_counter() - started)
+        times.sort()
+        return times[len(times) // 2], out
+
+    def measure_train_step() -> dict:
+        """`eaglet train`'s step on this device (``train.graphed.step_function``), fed a pinned host batch."""
+        from eaglet.config import TrainConfig
+        from eaglet.model.distributed import Dist
+        from eaglet.train.data import FeatureBatch, pad_to_budget
+        from eaglet.train.graphed import step_function
+        from eaglet.train.loss import TeacherHead
+        from eaglet.train.parallel import Parallel
+        from eaglet.train.setup import Model
+        from eaglet.train.ttt import TTTModule
+
+        train = TrainConfig(out="-", store="-", ttt_steps=args.ttt, token_budget=args.tokens)
+        torch.manual_seed(0)
+        draft = Eagle3Draft(config).to(device)
+        if device.type == "cuda":
+            draft.compile_pointwise()
+        module = TTTModule(draft, args.ttt, train.loss_decay, 0.0, "one")
+        parallel = Parallel("ddp", Dist(rank=0, world=1, local_rank=0), device)
+        parameters = [p for p in module.parameters() if p.requires_grad]
+        graphed = train.records_step(device.type, 1)
+        optimizer = torch.optim.AdamW(parameters, lr=1e-4, fused=device.type == "cuda", capturable=graphed)
+        head = torch.randn(shape["vocab_size"], shape["hidden_size"], device=device) * 0.02
+        teacher = TeacherHead(head.to(torch.bfloat16 if device.type == "cuda" else torch.float32),
+                              torch.zeros(vocab, dtype=torch.long, device=device))  # fmt: skip
+        model = Model(draft, module, module, parallel, teacher, parameters, optimizer, autocast, graphed)
+        step = step_function(model, train, device)
+        host = FeatureBatch(
+            input_ids=inputs.input_ids.cpu(),
+            loss_mask=inputs.loss_mask.cpu().to(torch.uint8),
+            aux=inputs.aux.cpu().to(torch.bfloat16),
+            last=torch.randn(args.tokens, shape["hidden_size"]).to(torch.bfloat16),
+            doc_offsets=offsets,
+            sample_index=torch.arange(len(lengths)),
+        )
+        batch = pad_to_budget(host, args.tokens, pin=device.type == "cuda")
+        median, stats = time_steps(lambda: step([batch]), args.warmup)
+        return {
+            "step_ms_median": round(median * 1e3, 2),
+            "tokens_per_s": round(args.tokens / median, 1),
+            "mfu": round(flops / median / H200_BF16_DENSE_FLOPS, 4) if device.type == "cuda" else None,
+            "final_loss": round(float(stats.loss), 4),
+            "recorded": graphed,
+        }
+
     def measure(attention, compile_pointwise: bool = False, graphed: bool = False, deferred: bool = False) -> dict:
         torch.manual_seed(0)
         draft = Eagle3Draft(config).to(device)
@@ -140,16 +201,7 @@ def main() -> None:
         step, warmup = train_step, args.warmup
         if graphed:  # the capture's warm-up steps count as warm-up: every variant runs as many steps
             step, warmup = captured(train_step), max(0, args.warmup - CAPTURE_WARMUP)
-        times = []
-        for index in range(warmup + args.steps):
-            sync()
-            started = time.perf_counter()
-            out = step()
-            sync()
-            if index >= warmup:
-                times.append(time.perf_counter() - started)
-        times.sort()
-        median = times[len(times) // 2]
+        median, out = time_steps(step, warmup)
         syncs = None
         if device.type == "cuda":  # one more step, counting the calls that make the host wait for the GPU
             with warnings.catch_warnings(record=True) as caught:
@@ -199,6 +251,9 @@ def main() -> None:
             except RuntimeError as exc:  # a variant that cannot run here is reported, the others still timed
                 timed[name] = {"error": str(exc).strip().splitlines()[0][:300] if str(exc).strip() else repr(exc)}
             print(json.dumps({name: timed[name]}), flush=True)
+    if args.train_step:
+        timed["train_step"] = measure_train_step()
+        print(json.dumps({"train_step": timed["train_step"]}), flush=True)
     ours, one_kernel = timed.get("per_step"), timed.get("one")
     naive = None if args.skip_naive else measure(ReferenceAttention)
     record = {

@@ -7,6 +7,8 @@
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh round   # the demo's draft: time per graphed round, per part
 #   DRAFT=/tmp/e2e/tau/draft bash scripts/device.sh bash benchmarks/e2e_h200.sh speedup  # issue 5's headline evals
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh train-anchor  # 8B-shape step beside speculators 0.9.0's only
+#   bash scripts/device.sh bash benchmarks/e2e_h200.sh train-graphs  # `eaglet train` at the demo's size, its step
+#                                                              #  recorded as CUDA graphs and not, same store, same steps
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh train   # training step, 8B shape (next to speculators 0.9.0) and demo size
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh loss     # the TTT loss alone, fused vs autograd, demo + 8B sizes
 #   bash scripts/device.sh bash benchmarks/e2e_h200.sh tau-data   # issue 4's τ run (configs/tau_h200.yaml):
@@ -38,12 +40,32 @@ case "${1:-}" in
     # train's GPU default; with one weight-gradient matmul per shared layer; replayed as one CUDA graph; both;
     # profiled) and speculators 0.9.0's step at the same shape, in one call. Needs
     # .device/specwhl and .device/specbench carried (../shared/anchors/speculators-0.9.0/README.md).
-    python3 benchmarks/bench_train.py --shape 8b --kernels one --pointwise compiled --graph --deferred --skip-naive --steps 20 \
+    python3 benchmarks/bench_train.py --shape 8b --kernels one --pointwise compiled --graph --deferred --train-step --skip-naive --steps 20 \
       --profile --out "$OUT/train_8b_h200.json" > "$OUT/train_8b_profile.txt" 2>&1
     grep -E '^\{"' "$OUT/train_8b_profile.txt"
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/specsite .device/specwhl/*.whl 2>&1 | tail -2
     PYTHONPATH=/tmp/specsite timeout "${SPEC_LIMIT_S:-240}" python3 .device/specbench/bench_eagle3.py --shape 8b --ttt 7 \
       --draft-vocab 32000 --optimizers adamw --out "$OUT/speculators_8b_h200.json" 2>&1 | tail -8
+    ;;
+  train-graphs)
+    # a small store of the embedded target's own answers (benchmarks/configs/train_graphs_h200.yaml), then `eaglet
+    # train` on it at the GPU demo's settings, GRAPH_STEPS steps each: the step recorded as CUDA graphs (train's GPU
+    # default) and --no-cuda-graphs, alternated REPEATS times; metrics.jsonl of each run copied to $OUT
+    config=benchmarks/configs/train_graphs_h200.yaml
+    for stage in regenerate prepare extract; do
+      /usr/bin/time -f "$stage %e s" eaglet run $config --out "$WORK/graphs" --only $stage 2>&1 | tail -2
+    done
+    mkdir -p "$OUT/train_graphs"
+    for repeat in $(seq "${REPEATS:-2}"); do
+      for graphs in cuda-graphs no-cuda-graphs; do
+        run="$WORK/graphs/train_${graphs}_$repeat"
+        rm -rf "$run"
+        /usr/bin/time -f "train --$graphs: %e s" eaglet train --store "$WORK/graphs/store" --out "$run" \
+          --token-budget 16384 --lr 5e-4 --max-steps "${GRAPH_STEPS:-300}" --log-every 20 --eval-every 100 \
+          --attention-kernels one --"$graphs" 2>&1 | tail -2
+        cp "$run/metrics.jsonl" "$OUT/train_graphs/${graphs}_$repeat.jsonl"
+      done
+    done
     ;;
   evals)
     # the demo's draft on EVAL_PROMPTS held-out prompts, 128 new tokens, greedy, chain and tree, with the static

@@ -372,12 +372,16 @@ def train_checks(cfg: Any) -> list[Check]:
     device, dtype_bytes = _device_bytes(cfg.device)
     teacher = info.vocab_size * info.hidden_size * dtype_bytes
     step = train_step_bytes(draft, cfg.token_budget, cfg.ttt_steps, dense_attention=not device.startswith("cuda"))
+    # a recorded step keeps its memory in its graph's pool: held-out forwards need their own beside it
+    beside = step if cfg.records_step(device, 1) and (cfg.eval_store or cfg.eval_fraction > 0) else 0
     online = weights_bytes(resolved.path, dtype_bytes) if cfg.prepared else 0
     checks.append(
         check_memory(
             device,
-            draft_params * 4 * OPTIMIZER_COPIES + teacher + step + online,
-            f"draft + optimizer + teacher head + a {cfg.token_budget:,}-token step" + (" + target" if online else ""),
+            draft_params * 4 * OPTIMIZER_COPIES + teacher + step + beside + online,
+            f"draft + optimizer + teacher head + a {cfg.token_budget:,}-token step"
+            + (" + held-out forwards beside the recorded step" if beside else "")
+            + (" + target" if online else ""),
         )
     )
     if not device.startswith("cuda"):

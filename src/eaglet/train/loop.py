@@ -30,11 +30,21 @@ from ..model.sizing import draft_train_flops_per_token
 from ..progress import progress_bar
 from .checkpoint import TrainerState, damaged_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import FeatureBatch, kept_length, non_finite_samples, pad_to_budget
+from .graphed import step_function
 from .heldout import evaluate
 from .metrics import H200_BF16_DENSE_FLOPS, MetricsLog, plot_run
 from .prefetch import prefetched
-from .setup import Model, Setup, build_model, build_setup, lr_schedule, total_steps
-from .step import NonFiniteStep, StepStats, train_step
+from .setup import (
+    Model,
+    Setup,
+    build_model,
+    build_setup,
+    lr_schedule,
+    optimizer_flags,
+    restore_optimizer_flags,
+    total_steps,
+)
+from .step import NonFiniteStep, StepStats
 
 PREFETCH_STEPS = 2  # optimizer steps' worth of micro-batches prepared ahead (packed, padded, pinned)
 MAX_SAMPLES_NAMED = 3  # samples a non-finite step's error line names
@@ -113,6 +123,7 @@ def _train(config: TrainConfig, console: Console, dist: Dist, run: Path) -> Trai
         mine = [pad_to_budget(batch, config.token_budget, pin) for batch in group[dist.rank :: dist.world]]
         return mine, len(group), sum(batch.tokens for batch in group)
 
+    step = step_function(model, config, device)
     stop = StopFlag()
     started = time.perf_counter()
     window_tokens, window_started = 0, time.perf_counter()
@@ -127,7 +138,7 @@ def _train(config: TrainConfig, console: Console, dist: Dist, run: Path) -> Trai
                 groups = prefetched(_in_groups(remaining, per_step), host_ready, PREFETCH_STEPS)
                 for mine, group_size, group_tokens in groups:
                     try:
-                        stats = train_step(model, mine, device, config.ttt_steps, config.clip)
+                        stats = step(mine)
                     except NonFiniteStep as exc:
                         groups.close()
                         raise _non_finite_error(exc, state.step + 1, setup, run) from None
@@ -236,12 +247,14 @@ def _resume(run: Path, model: Model, scheduler, setup: Setup, console: Console) 
     if checkpoint is None:
         return TrainerState()
     loaded = load_checkpoint(checkpoint, _checkpoint_keys(model), scheduler, setup.identity)
+    flags = optimizer_flags(model.optimizer)
     try:
         model.parallel.load_state(
             model.module, model.optimizer, model.draft, loaded.model_state, loaded.optimizer_state
         )
     except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # shapes or optimizer entries of another draft
         raise damaged_checkpoint(checkpoint, str(exc).splitlines()[0]) from None
+    restore_optimizer_flags(model.optimizer, flags)
     console.print(f"resuming from {checkpoint} (step {loaded.state.step})")
     return loaded.state
 

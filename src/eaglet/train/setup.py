@@ -191,6 +191,7 @@ class Model:
     parameters: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     autocast: Callable[[], Any]
+    graphed: bool = False  # the step is recorded as CUDA graphs (``train.graphed``); the optimizer is capturable
 
 
 def build_model(config: TrainConfig, setup: Setup, device: torch.device, dist: Dist) -> Model:
@@ -219,15 +220,38 @@ def build_model(config: TrainConfig, setup: Setup, device: torch.device, dist: D
     parallel = Parallel(config.parallel, dist, device)
     wrapped = parallel.wrap(module)
     parameters = [p for p in module.parameters() if p.requires_grad]
+    graphed = config.records_step(device.type, dist.world)
     optimizer = torch.optim.AdamW(
         parameters,
         lr=config.lr,
         betas=config.betas,
         weight_decay=config.weight_decay,
         fused=device.type == "cuda" and parallel.strategy != "fsdp2",  # one kernel for every tensor (FSDP2: foreach)
+        capturable=graphed,  # AdamW's step count on the device, so its step can be recorded
     )
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
-    return Model(draft, module, wrapped, parallel, teacher, parameters, optimizer, autocast)
+    return Model(draft, module, wrapped, parallel, teacher, parameters, optimizer, autocast, graphed)
+
+
+OPTIMIZER_FLAGS = ("fused", "capturable")  # how AdamW runs: this run's choice, whatever a checkpoint recorded
+
+
+def optimizer_flags(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{flag: group.get(flag) for flag in OPTIMIZER_FLAGS} for group in optimizer.param_groups]
+
+
+def restore_optimizer_flags(optimizer: torch.optim.Optimizer, flags: list[dict[str, Any]]) -> None:
+    """After loading a checkpoint: its parameter groups carry the saving run's ``fused``/``capturable`` (a GPU run
+    that recorded its step, resumed on a CPU, would ask for a capturable CPU step and fail), and AdamW's step counts
+    were placed by them. Put back this run's flags and move the step counts where they run: the parameter's device
+    (fused or capturable), else the host."""
+    for group, own in zip(optimizer.param_groups, flags):
+        group.update(own)
+        on_device = bool(own.get("fused") or own.get("capturable"))
+        for parameter in group["params"]:
+            state = optimizer.state.get(parameter, {})
+            if "step" in state:
+                state["step"] = state["step"].to(parameter.device if on_device else "cpu", torch.float32)
 
 
 def total_steps(config: TrainConfig, per_step: int, epoch_plan: list[list[int]], lengths: Any) -> int:

@@ -13,24 +13,73 @@ from .transfer import to_device
 from .ttt import TTTInputs, documents
 
 
+@dataclass
+class DeviceBatch:
+    """A packed micro-batch's tensors on the device, in the dtypes the host holds them (the casts and the teacher
+    run on the device: ``ttt_inputs``). A recorded step copies every batch into the same ``DeviceBatch``."""
+
+    input_ids: torch.Tensor  # [T] int64
+    loss_mask: torch.Tensor  # [T] uint8
+    aux: torch.Tensor  # [T, 3, H] the store's dtype
+    last: torch.Tensor  # [T, H]
+    doc_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    doc_end: torch.Tensor  # [T] int64
+
+    @classmethod
+    def from_host(cls, batch: FeatureBatch, device: torch.device) -> "DeviceBatch":
+        doc_ids, positions, doc_end = documents(batch.doc_offsets, device)
+        return cls(
+            to_device(batch.input_ids, device),
+            to_device(batch.loss_mask, device),
+            to_device(batch.aux, device),
+            to_device(batch.last, device),
+            doc_ids,
+            positions,
+            doc_end,
+        )
+
+    def copy_from(self, batch: FeatureBatch) -> None:
+        """``batch`` into these tensors (same shapes: batches padded to the token budget), without blocking."""
+        host = (batch.input_ids, batch.loss_mask, batch.aux, batch.last, *documents(batch.doc_offsets, _CPU))
+        for target, source in zip(self.tensors(), host):
+            if target.shape != source.shape or target.dtype != source.dtype:
+                raise ValueError(
+                    f"a recorded step takes {tuple(target.shape)} {target.dtype}, got "
+                    f"{tuple(source.shape)} {source.dtype}"
+                )
+            source = source.pin_memory() if target.device.type == "cuda" else source
+            target.copy_(source, non_blocking=True)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.input_ids, self.loss_mask, self.aux, self.last, self.doc_ids, self.positions, self.doc_end]
+
+
+_CPU = torch.device("cpu")
+
+
+def ttt_inputs(batch: DeviceBatch, teacher: TeacherHead, dtype: torch.dtype) -> TTTInputs:
+    """The TTT module's inputs from a batch on the device: features in ``dtype``, the teacher's logits."""
+    teacher_logits, in_vocab = teacher(batch.last)
+    return TTTInputs(
+        input_ids=batch.input_ids,
+        aux=batch.aux.to(dtype),
+        loss_mask=batch.loss_mask.bool(),
+        doc_ids=batch.doc_ids,
+        positions=batch.positions,
+        doc_end=batch.doc_end,
+        teacher_logits=teacher_logits,
+        teacher_in_vocab=in_vocab,
+    )
+
+
 def device_inputs(
     batch: FeatureBatch, teacher: TeacherHead, device: torch.device, dtype: torch.dtype, budget: int | None = None
 ) -> TTTInputs:
     """A packed batch on the device with its document layout and the teacher's logits (``budget``: padded first)."""
     if budget is not None:
         batch = pad_to_budget(batch, budget)
-    doc_ids, positions, doc_end = documents(batch.doc_offsets, device)
-    teacher_logits, in_vocab = teacher(to_device(batch.last, device))
-    return TTTInputs(
-        input_ids=to_device(batch.input_ids, device),
-        aux=to_device(batch.aux, device, dtype),
-        loss_mask=to_device(batch.loss_mask, device).bool(),
-        doc_ids=doc_ids,
-        positions=positions,
-        doc_end=doc_end,
-        teacher_logits=teacher_logits,
-        teacher_in_vocab=in_vocab,
-    )
+    return ttt_inputs(DeviceBatch.from_host(batch, device), teacher, dtype)
 
 
 @dataclass
@@ -56,7 +105,7 @@ class NonFiniteStep(Exception):
         self.batch = batch  # the first micro-batch with a non-finite loss (else the step's first)
 
 
-def _finite(tensor: torch.Tensor) -> bool:
+def finite(tensor: torch.Tensor) -> bool:
     """One host sync: whether every value is finite."""
     return bool(torch.isfinite(tensor).all())
 
@@ -88,9 +137,9 @@ def train_step(
         stats.correct += correct_k.float()
         stats.counts += counts_k.float()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters, clip)
-    if not _finite(torch.stack([stats.loss, _local(grad_norm).to(stats.loss.device)])):
+    if not finite(torch.stack([stats.loss, _local(grad_norm).to(stats.loss.device)])):
         model.optimizer.zero_grad(set_to_none=True)
-        bad = [index for index, loss in enumerate(losses) if not _finite(loss)]
+        bad = [index for index, loss in enumerate(losses) if not finite(loss)]
         raise NonFiniteStep("loss" if bad else "gradient", batches[bad[0] if bad else 0])
     model.optimizer.step()
     model.optimizer.zero_grad(set_to_none=True)

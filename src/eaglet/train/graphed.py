@@ -1,0 +1,137 @@
+"""The training step recorded as CUDA graphs: the host launches two graphs a step instead of ~1,200 kernels.
+
+At the 8B shape an eager step is host-bound (its launches take longer than the GPU's work: RESULTS "One CUDA graph
+per step"). The step is recorded in two parts so that a non-finite loss or gradient is still caught before AdamW
+applies it (``NonFiniteStep``, as in the eager step):
+
+    forward_backward: the batch (copied into the same device tensors every step) -> the teacher's logits, the TTT
+        forward and backward, gradient clipping; out: the step's statistics and [loss, gradient norm]
+    apply: AdamW, fused and capturable (its step count lives on the device), with the learning rate read from a
+        device tensor filled from the scheduler's float before each replay (the scheduler and checkpoints keep
+        floats)
+
+Both share one memory pool. Recording needs every step to have the same shapes (batches are padded to the token
+budget), one micro-batch a step and one process; the first ``CAPTURE_WARMUP`` steps run eagerly on a side stream
+(compiles, AdamW's state, the allocator settle), as torch's CUDA-graph notes ask.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..config import TrainConfig
+from .data import FeatureBatch
+from .setup import Model
+from .step import DeviceBatch, NonFiniteStep, StepStats, finite, train_step, ttt_inputs
+
+CAPTURE_WARMUP = 3  # eager steps before recording: compiles, AdamW's state and the allocator settle
+
+
+class Recorded:
+    """``fn`` recorded as a CUDA graph on a GPU: ``replay`` relaunches its kernels, which write the same output
+    tensors each time. On other devices ``replay`` calls ``fn``: the same step without the recording (how the CPU
+    tests run it)."""
+
+    def __init__(self, fn: Callable[[], Any], device: torch.device, pool: Any = None):
+        self.fn = fn
+        self.graph = torch.cuda.CUDAGraph() if device.type == "cuda" else None
+        self.outputs: Any = None
+        if self.graph is not None:
+            # thread-local: the prefetch thread pins memory while this one records
+            with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+                self.outputs = fn()
+
+    def pool(self) -> Any:
+        return None if self.graph is None else self.graph.pool()
+
+    def replay(self) -> Any:
+        if self.graph is None:
+            self.outputs = self.fn()
+        else:
+            self.graph.replay()
+        return self.outputs
+
+
+class GraphedStep:
+    """``train_step``'s work for one micro-batch a step, replayed from recorded graphs after ``warmup`` eager steps.
+    Called like ``train_step`` (a list of one batch); returns the same statistics."""
+
+    def __init__(self, model: Model, device: torch.device, ttt_steps: int, clip: float, warmup: int = CAPTURE_WARMUP):
+        self.model, self.device, self.ttt_steps, self.clip = model, device, ttt_steps, clip
+        self.warmup_left = warmup
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.buffers: DeviceBatch | None = None
+        self.forward_backward: Recorded | None = None
+        self.apply: Recorded | None = None
+        self.rates: list[torch.Tensor] = []  # per parameter group: the learning rate the recorded AdamW reads
+
+    def __call__(self, batches: list[FeatureBatch]) -> StepStats:
+        if len(batches) != 1:
+            raise ValueError(f"a recorded step takes one micro-batch, got {len(batches)}")
+        if self.warmup_left > 0:
+            self.warmup_left -= 1
+            return self._eager(batches)
+        (batch,) = batches
+        if self.buffers is None:
+            self.buffers = DeviceBatch.from_host(batch, self.device)
+            self._record()
+        else:
+            self.buffers.copy_from(batch)
+        stats, check = self.forward_backward.replay()
+        if not finite(check):  # the one host sync of a step, as in the eager step
+            raise NonFiniteStep("loss" if not finite(check[0]) else "gradient", batch)
+        for rate, group in zip(self.rates, self.model.optimizer.param_groups):
+            rate.fill_(group["lr"])
+        self.apply.replay()
+        return StepStats(*(tensor.clone() for tensor in stats.tensors()))  # the graph rewrites its outputs
+
+    def _eager(self, batches: list[FeatureBatch]) -> StepStats:
+        if self.side is None:
+            return train_step(self.model, batches, self.device, self.ttt_steps, self.clip)
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.side):
+            stats = train_step(self.model, batches, self.device, self.ttt_steps, self.clip)
+        torch.cuda.current_stream(self.device).wait_stream(self.side)
+        return stats
+
+    def _record(self) -> None:
+        groups = self.model.optimizer.param_groups
+        self.rates = [torch.tensor(float(group["lr"]), dtype=torch.float32, device=self.device) for group in groups]
+        self.forward_backward = Recorded(self._forward_backward, self.device)
+        self.apply = Recorded(self._apply, self.device, self.forward_backward.pool())
+
+    def _forward_backward(self) -> tuple[StepStats, torch.Tensor]:
+        """Gradients start from none each step (recorded: the graph writes them afresh instead of adding)."""
+        model = self.model
+        model.optimizer.zero_grad(set_to_none=True)
+        inputs = ttt_inputs(self.buffers, model.teacher, torch.float32)
+        with model.parallel.weight_grads(model.draft):
+            with model.autocast():
+                loss, losses_k, correct_k, counts_k = model.wrapped(inputs)
+                loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters, self.clip)
+        loss = loss.detach()
+        counts = counts_k.float()
+        stats = StepStats(loss, losses_k.detach().float() * counts, correct_k.float(), counts)
+        return stats, torch.stack([loss, grad_norm.to(loss.device, loss.dtype)])
+
+    def _apply(self) -> None:
+        """AdamW reading the learning rate from ``rates`` (only while it runs: the scheduler keeps floats)."""
+        groups = self.model.optimizer.param_groups
+        floats = [group["lr"] for group in groups]
+        for group, rate in zip(groups, self.rates):
+            group["lr"] = rate
+        try:
+            self.model.optimizer.step()
+        finally:
+            for group, value in zip(groups, floats):
+                group["lr"] = value
+
+
+def step_function(model: Model, config: TrainConfig, device: torch.device) -> Callable[[list[FeatureBatch]], StepStats]:
+    """The run's step: recorded (``GraphedStep``) when ``model.graphed``, else the eager ``train_step``."""
+    if model.graphed:
+        return GraphedStep(model, device, config.ttt_steps, config.clip)
+    return lambda batches: train_step(model, batches, device, config.ttt_steps, config.clip)
