@@ -18,6 +18,8 @@ Usage: python benchmarks/bench_train.py --shape 8b|smollm [--tokens 2048] [--ttt
   [--train-step]: also the step `eaglet train` runs ("train_step", its defaults for this device: on a GPU recorded
              as two CUDA graphs, train.graphed): the batch copied from pinned host memory each step and the teacher
              over the target's whole vocabulary included, which the other variants leave out
+  [--freeze-lm-head]: every variant with the draft's LM head frozen (train's --freeze-lm-head; speculators 0.9.0
+             freezes it): no head weight gradient, no AdamW over its rows
 The demo's step: --shape smollm --tokens 16384 --draft-vocab 32000 --kernels one --skip-naive
 """
 
@@ -82,6 +84,9 @@ def main() -> None:
     parser.add_argument("--graph", action="store_true", help="GPU: also the whole step replayed as one CUDA graph")
     parser.add_argument("--deferred", action="store_true", help="GPU: also one weight-gradient matmul over K calls")
     parser.add_argument("--train-step", action="store_true", help="also the step `eaglet train` runs, batch included")
+    parser.add_argument(
+        "--freeze-lm-head", action="store_true", help="every variant with the draft's LM head frozen (speculators')"
+    )
     args = parser.parse_args()
 
     import torch
@@ -116,7 +121,16 @@ def main() -> None:
         teacher_in_vocab=torch.rand(args.tokens, device=device) > 0.1,
     )
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else nullcontext
-    flops = draft_train_flops_per_token(config, args.ttt, sum(L * L for L in lengths) / args.tokens / 2) * args.tokens
+    mean_context = sum(L * L for L in lengths) / args.tokens / 2
+    flops = draft_train_flops_per_token(config, args.ttt, mean_context, head_trainable=not args.freeze_lm_head)
+    flops *= args.tokens
+
+    def new_draft():
+        """The draft every variant starts from (the same seed); --freeze-lm-head: its head without gradients."""
+        torch.manual_seed(0)
+        draft = Eagle3Draft(config).to(device)
+        draft.lm_head.weight.requires_grad_(not args.freeze_lm_head)
+        return draft
 
     def sync():
         if device.type == "cuda":
@@ -147,8 +161,7 @@ def main() -> None:
         from eaglet.train.ttt import TTTModule
 
         train = TrainConfig(out="-", store="-", ttt_steps=args.ttt, token_budget=args.tokens)
-        torch.manual_seed(0)
-        draft = Eagle3Draft(config).to(device)
+        draft = new_draft()
         if device.type == "cuda":
             draft.compile_pointwise()
         module = TTTModule(draft, args.ttt, train.loss_decay, 0.0, "one")
@@ -180,8 +193,7 @@ def main() -> None:
         }
 
     def measure(attention, compile_pointwise: bool = False, graphed: bool = False, deferred: bool = False) -> dict:
-        torch.manual_seed(0)
-        draft = Eagle3Draft(config).to(device)
+        draft = new_draft()
         if compile_pointwise:
             draft.compile_pointwise()
         parameters = [p for p in draft.parameters() if p.requires_grad]
@@ -264,6 +276,7 @@ def main() -> None:
         "documents": len(lengths),
         "ttt_steps": args.ttt,
         "draft_vocab": vocab,
+        "lm_head_frozen": args.freeze_lm_head,
         "flops_per_step": flops,
         "eaglet": ours,
         "eaglet_one_kernel": one_kernel,

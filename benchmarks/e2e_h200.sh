@@ -40,7 +40,8 @@ case "${1:-}" in
     # train's GPU default; with one weight-gradient matmul per shared layer; replayed as one CUDA graph; both;
     # profiled) and speculators 0.9.0's step at the same shape, in one call. Needs
     # .device/specwhl and .device/specbench carried (../shared/anchors/speculators-0.9.0/README.md).
-    python3 benchmarks/bench_train.py --shape 8b --kernels one --pointwise compiled --graph --deferred --train-step --skip-naive --steps 20 \
+    # BENCH_EXTRA: more bench_train.py flags (--freeze-lm-head: speculators' frozen head, the same work per step)
+    python3 benchmarks/bench_train.py --shape 8b --kernels one --pointwise compiled --graph --deferred --train-step --skip-naive --steps 20 ${BENCH_EXTRA:-} \
       --profile --out "$OUT/train_8b_h200.json" > "$OUT/train_8b_profile.txt" 2>&1
     grep -E '^\{"' "$OUT/train_8b_profile.txt"
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/specsite .device/specwhl/*.whl 2>&1 | tail -2
@@ -53,14 +54,14 @@ case "${1:-}" in
     # default) and --no-cuda-graphs, alternated REPEATS times; metrics.jsonl of each run copied to $OUT
     config=benchmarks/configs/train_graphs_h200.yaml
     for stage in regenerate prepare extract; do
-      /usr/bin/time -f "$stage %e s" eaglet run $config --out "$WORK/graphs" --only $stage 2>&1 | tail -2
+      /usr/bin/time -f "$stage %e s" python3 -m eaglet.cli run $config --out "$WORK/graphs" --only $stage 2>&1 | tail -2
     done
     mkdir -p "$OUT/train_graphs"
     for repeat in $(seq "${REPEATS:-2}"); do
       for graphs in cuda-graphs no-cuda-graphs; do
         run="$WORK/graphs/train_${graphs}_$repeat"
         rm -rf "$run"
-        /usr/bin/time -f "train --$graphs: %e s" eaglet train --store "$WORK/graphs/store" --out "$run" \
+        /usr/bin/time -f "train --$graphs: %e s" python3 -m eaglet.cli train --store "$WORK/graphs/store" --out "$run" \
           --token-budget 16384 --lr 5e-4 --max-steps "${GRAPH_STEPS:-300}" --log-every 20 --eval-every 100 \
           --attention-kernels one --"$graphs" 2>&1 | tail -2
         cp "$run/metrics.jsonl" "$OUT/train_graphs/${graphs}_$repeat.jsonl"

@@ -176,7 +176,9 @@ def test_two_processes_equal_one_process_with_accumulation(tmp_path, capsys, tin
     from safetensors.torch import load_file
 
     single = tmp_path / "single"
-    assert run_cli(train_args(tiny_store, single, tiny_target, "--max-steps", "6", "--grad-accum", "2"), capsys)[0] == 0
+    on_cpu = ("--device", "cpu")  # gloo processes; on a machine with one GPU, two processes would share it
+    args = train_args(tiny_store, single, tiny_target, "--max-steps", "6", "--grad-accum", "2", *on_cpu)
+    assert run_cli(args, capsys)[0] == 0
     multi = tmp_path / parallel
     cmd = [
         sys.executable,
@@ -190,7 +192,9 @@ def test_two_processes_equal_one_process_with_accumulation(tmp_path, capsys, tin
         "eaglet.cli",
         *map(
             str,
-            train_args(tiny_store, multi, tiny_target, "--max-steps", "6", "--parallel", parallel, "--eval-every", "3"),
+            train_args(
+                tiny_store, multi, tiny_target, "--max-steps", "6", "--parallel", parallel, "--eval-every", "3", *on_cpu
+            ),
         ),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -205,6 +209,16 @@ def test_two_processes_equal_one_process_with_accumulation(tmp_path, capsys, tin
     assert again.returncode == 0 and "resuming from" in again.stderr, again.stderr[-3000:]
     for name, value in load_file(str(multi / "model.safetensors")).items():  # loaded, nothing left to train
         torch.testing.assert_close(value, b[name], rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a node's GPUs: on a GPU machine")
+def test_more_processes_than_gpus_is_a_one_line_error():
+    from eaglet.errors import EagletError
+    from eaglet.model.distributed import Dist
+
+    beyond = torch.cuda.device_count()
+    with pytest.raises(EagletError, match="--nproc-per-node"):
+        Dist(rank=beyond, world=beyond + 1, local_rank=beyond).device("auto")
 
 
 def test_store_from_another_target_is_refused(tmp_path, capsys, tiny_store):

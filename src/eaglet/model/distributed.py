@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..errors import EagletError
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -30,6 +32,12 @@ class Dist:
         if requested != "auto":
             return pick_device(requested)
         if torch.cuda.is_available():
+            if self.local_rank >= torch.cuda.device_count():
+                raise EagletError(
+                    f"process {self.local_rank} of this node has no GPU of its own: the node has "
+                    f"{torch.cuda.device_count()}; start at most that many (torchrun --nproc-per-node) or pass "
+                    "--device cpu"
+                )
             return f"cuda:{self.local_rank}"
         return "cpu"
 

@@ -62,6 +62,9 @@ class GraphedStep:
         self.model, self.device, self.ttt_steps, self.clip = model, device, ttt_steps, clip
         self.warmup_left = warmup
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # the batch's host-to-device copy runs here, beside the previous step's AdamW (the inputs' only reader, the
+        # forward/backward graph, has finished by then: the finite check waited for it)
+        self.copies = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.buffers: DeviceBatch | None = None
         self.forward_backward: Recorded | None = None
         self.apply: Recorded | None = None
@@ -78,7 +81,7 @@ class GraphedStep:
             self.buffers = DeviceBatch.from_host(batch, self.device)
             self._record()
         else:
-            self.buffers.copy_from(batch)
+            self._copy_in(batch)
         stats, check = self.forward_backward.replay()
         if not finite(check):  # the one host sync of a step, as in the eager step
             raise NonFiniteStep("loss" if not finite(check[0]) else "gradient", batch)
@@ -86,6 +89,14 @@ class GraphedStep:
             rate.fill_(group["lr"])
         self.apply.replay()
         return StepStats(*(tensor.clone() for tensor in stats.tensors()))  # the graph rewrites its outputs
+
+    def _copy_in(self, batch: FeatureBatch) -> None:
+        if self.copies is None:
+            self.buffers.copy_from(batch)
+            return
+        with torch.cuda.stream(self.copies):
+            self.buffers.copy_from(batch)
+        torch.cuda.current_stream(self.device).wait_stream(self.copies)
 
     def _eager(self, batches: list[FeatureBatch]) -> StepStats:
         if self.side is None:
