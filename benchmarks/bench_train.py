@@ -16,7 +16,7 @@ Usage: python benchmarks/bench_train.py --shape 8b|smollm [--tokens 2048] [--ttt
   [--deferred]: GPU, also each compiled layout (and its graph, with --graph) with the shared layers' weight
              gradients made once per step over the K TTT calls ("LAYOUT+deferred", "LAYOUT+graph+deferred")
   [--train-step]: also the step `eaglet train` runs ("train_step", its defaults for this device: on a GPU recorded
-             as two CUDA graphs, train.graphed): the batch copied from pinned host memory each step and the teacher
+             as two CUDA graphs, train.graphed; and on a GPU "train_step+no_cuda_graphs", the same step eager): the batch copied from pinned host memory each step and the teacher
              over the target's whole vocabulary included, which the other variants leave out
   [--freeze-lm-head]: every variant with the draft's LM head frozen (train's --freeze-lm-head; speculators 0.9.0
              freezes it): no head weight gradient, no AdamW over its rows
@@ -136,6 +136,8 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    spread = [None]  # [min, max] ms of the last timed variant
+
     def time_steps(step, warmup: int):
         """(median seconds of ``args.steps`` steps after ``warmup``, the last step's output)."""
         times = []
@@ -147,9 +149,10 @@ def main() -> None:
             if index >= warmup:
                 times.append(time.perf_counter() - started)
         times.sort()
+        spread[0] = [round(times[0] * 1e3, 2), round(times[-1] * 1e3, 2)]  # the variant's fastest and slowest step
         return times[len(times) // 2], out
 
-    def measure_train_step() -> dict:
+    def measure_train_step(cuda_graphs: bool = True) -> dict:
         """`eaglet train`'s step on this device (``train.graphed.step_function``), fed a pinned host batch."""
         from eaglet.config import TrainConfig
         from eaglet.model.distributed import Dist
@@ -160,7 +163,7 @@ def main() -> None:
         from eaglet.train.setup import Model
         from eaglet.train.ttt import TTTModule
 
-        train = TrainConfig(out="-", store="-", ttt_steps=args.ttt, token_budget=args.tokens)
+        train = TrainConfig(out="-", store="-", ttt_steps=args.ttt, token_budget=args.tokens, cuda_graphs=cuda_graphs)
         draft = new_draft()
         if device.type == "cuda":
             draft.compile_pointwise()
@@ -188,6 +191,7 @@ def main() -> None:
             "step_ms_median": round(median * 1e3, 2),
             "tokens_per_s": round(args.tokens / median, 1),
             "mfu": round(flops / median / H200_BF16_DENSE_FLOPS, 4) if device.type == "cuda" else None,
+            "step_ms_spread": spread[0],
             "final_loss": round(float(stats.loss), 4),
             "recorded": graphed,
         }
@@ -235,6 +239,7 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         return {
             "step_ms_median": round(median * 1e3, 2),
+            "step_ms_spread": spread[0],
             "tokens_per_s": round(args.tokens / median, 1),
             "mfu": round(flops / median / H200_BF16_DENSE_FLOPS, 4) if device.type == "cuda" else None,
             "peak_gib": round(peak, 2) if peak else None,
@@ -263,9 +268,12 @@ def main() -> None:
             except RuntimeError as exc:  # a variant that cannot run here is reported, the others still timed
                 timed[name] = {"error": str(exc).strip().splitlines()[0][:300] if str(exc).strip() else repr(exc)}
             print(json.dumps({name: timed[name]}), flush=True)
-    if args.train_step:
-        timed["train_step"] = measure_train_step()
-        print(json.dumps({"train_step": timed["train_step"]}), flush=True)
+    if args.train_step:  # as train runs it on this device, and on a GPU also with --no-cuda-graphs
+        for name, graphs in [("train_step", True)] + (
+            [("train_step+no_cuda_graphs", False)] if device.type == "cuda" else []
+        ):
+            timed[name] = measure_train_step(graphs)
+            print(json.dumps({name: timed[name]}), flush=True)
     ours, one_kernel = timed.get("per_step"), timed.get("one")
     naive = None if args.skip_naive else measure(ReferenceAttention)
     record = {
