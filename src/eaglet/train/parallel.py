@@ -14,6 +14,11 @@ import torch
 
 from ..model.distributed import Dist
 
+# above this many tokens a micro-batch, one call's weight-gradient matmul is already large enough: deferring only adds
+# the copies that join the K calls (H200, RESULTS: 2,048 tokens at the 8B shape gained 1.0-2.1 ms a step; 16,384 at
+# the demo's lost 4.5-4.8 ms)
+DEFERRED_MAX_TOKENS = 4096
+
 
 class Parallel:
     def __init__(self, strategy: str, dist: Dist, device: torch.device):
@@ -43,12 +48,13 @@ class Parallel:
             )
         return module
 
-    def weight_grads(self, draft: torch.nn.Module):
-        """Around a micro-batch's forward and backward: in one process on a GPU, the draft's shared layers make
-        their weight gradients once over the K TTT calls (``model.shared_linear``; RESULTS: 1.0–1.8 ms of a 74 ms
-        8B-shaped step). DDP and FSDP2 reduce gradients from autograd's per-weight hooks, and on the CPU (float32,
-        no casts to save) the kept gradients cost more than they save: there autograd makes them call by call."""
-        if self.strategy == "none" and self.device.type == "cuda":
+    def weight_grads(self, draft: torch.nn.Module, tokens: int):
+        """Around a micro-batch's forward and backward: in one process on a GPU, with at most DEFERRED_MAX_TOKENS
+        tokens a micro-batch, the draft's shared layers make their weight gradients once over the K TTT calls
+        (``model.shared_linear``). DDP and FSDP2 reduce gradients from autograd's per-weight hooks; on the CPU (float32,
+        no casts to save) and past the token bound, the kept gradients cost more than they save: there autograd makes
+        them call by call."""
+        if self.strategy == "none" and self.device.type == "cuda" and tokens <= DEFERRED_MAX_TOKENS:
             from ..model.shared_linear import deferred_weight_grads
 
             return deferred_weight_grads(draft)
