@@ -253,38 +253,48 @@ def test_rows_gathered_by_slot_are_what_vllms_cache_only_layer_wrote(tmp_path, v
 
 
 def _spool_setup(tmp_path, lengths, storage="bf16", hidden=8):
-    """A shard's spool file for requests of ``lengths`` tokens and each request's formed tensors (from random
-    captured rows of 3 aux layers + the last, through ``form_rows`` with an RMS norm), as vLLM's worker makes them."""
+    """A shard's spool file for requests of ``lengths`` tokens (eaglet's part written: header, ids, mask, offsets,
+    sample index) and each request's formed tensors (from random captured rows of 3 aux layers + the last, through
+    ``form_rows`` with an RMS norm), as vLLM's worker makes them."""
     from eaglet.model.vllm_rows import RowsTarget, create_spool, form_rows, spool_layout
 
-    total = sum(lengths)
-    spool = tmp_path / "spool" / "shard-00000.rows"
-    partial = create_spool(spool, total, spool_layout(storage, 3, hidden))
     generator = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 50_000, (length,), generator=generator) for length in lengths]
+    host = {
+        "input_ids": torch.cat(ids).to(torch.int32),
+        "loss_mask": (torch.arange(sum(lengths)) % 3 > 0).to(torch.uint8),
+        "offsets": torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64),
+        "sample_index": torch.arange(len(lengths), dtype=torch.int64) * 2,
+    }
+    spool = tmp_path / "spool" / "shard-00000.rows"
+    partial, file = create_spool(spool, host, spool_layout(storage, 3, hidden))
     norm = torch.nn.RMSNorm(hidden, eps=1e-6)
     requests, row = [], 0
-    for length in lengths:
-        ids = torch.randint(0, 50_000, (length,), generator=generator).numpy()
+    for length, request_ids in zip(lengths, ids):
         captured = torch.randn(length, 4, hidden, generator=generator).to(torch.bfloat16)
         finite, stored = form_rows(captured, (2, 0, 1), norm.to(torch.bfloat16), storage)
-        target = RowsTarget(str(partial), row, total, (2, 0, 1), storage, hidden)
-        requests.append((target, ids, finite.numpy().astype(np.uint8), stored))
+        target = RowsTarget.for_rows(partial, file, row, (2, 0, 1), storage, hidden)
+        requests.append((target, request_ids.numpy(), finite.numpy().astype(np.uint8), stored))
         row += length
-    return spool, partial, requests
+    return spool, partial, file, host, requests
 
 
 @pytest.mark.parametrize("storage", ["bf16", "fp8", "fp8-aux"])
 def test_a_shards_rows_written_in_any_order_by_several_threads_read_back_exactly(tmp_path, storage):
     """Requests finish in any order and several writer threads put their stored tensors in place; the file appears
-    under its final name only when its last row is in, and maps back as the shard's tensors in request order (every
-    region viewable in place, whatever the storage dtype and an odd token count)."""
+    under its final name only when its last row is in; with its checks cut off it is the shard's safetensors file,
+    byte for byte what eaglet's own writer makes of the same tensors (whatever the storage dtype, an odd token
+    count)."""
     import random
     from concurrent.futures import ThreadPoolExecutor
 
-    from eaglet.model.vllm_rows import RowsWriter, read_rows, spool_layout, wait_for_rows
+    from safetensors.torch import load_file
+
+    from eaglet.model.shards import write_safetensors
+    from eaglet.model.vllm_rows import RowsWriter, cut_checks, read_checks, wait_for_rows
 
     lengths = [5, 1, 33, 12, 7, 64, 2, 19]
-    spool, partial, requests = _spool_setup(tmp_path, lengths, storage, hidden=7)
+    spool, partial, file, host, requests = _spool_setup(tmp_path, lengths, storage, hidden=7)
     assert partial.exists() and not spool.exists()
     writer = RowsWriter()
     order = list(range(len(requests)))
@@ -295,14 +305,17 @@ def test_a_shards_rows_written_in_any_order_by_several_threads_read_back_exactly
         list(pool.map(lambda i: writer.write(*requests[i]), order[1:]))
     wait_for_rows(spool, timeout_s=5)
     assert not partial.exists() and not writer.open_files
-    rows = read_rows(spool, sum(lengths), spool_layout(storage, 3, 7))
-    spool.unlink()  # the reader drops the file while its tensors are in use
-    assert torch.equal(rows.token_ids, torch.from_numpy(np.concatenate([r[1] for r in requests]).astype(np.int32)))
-    assert rows.finite.numpy().all()
-    assert list(rows.stored) == list(requests[0][3])
-    for name, tensor in rows.stored.items():
-        expected = torch.cat([r[3][name] for r in requests])
-        assert tensor.dtype == expected.dtype and torch.equal(tensor.view(torch.uint8), expected.view(torch.uint8))
+    checks = read_checks(spool, file)
+    assert torch.equal(checks.token_ids, host["input_ids"]) and checks.finite.numpy().all()
+    cut_checks(spool, file)
+    expected = host | {name: torch.cat([r[3][name] for r in requests]) for name in requests[0][3]}
+    loaded = load_file(str(spool))
+    assert loaded.keys() == expected.keys()
+    for name, tensor in loaded.items():
+        assert tensor.dtype == expected[name].dtype
+        assert torch.equal(tensor.view(torch.uint8), expected[name].contiguous().view(torch.uint8)), name
+    size, _ = write_safetensors(tmp_path / "ours.safetensors", expected)
+    assert spool.read_bytes() == (tmp_path / "ours.safetensors").read_bytes() and size == spool.stat().st_size
 
 
 def test_form_rows_stores_the_aux_columns_in_eaglets_order_and_the_normed_last_layer():
@@ -325,7 +338,7 @@ def test_rows_of_the_wrong_width_leave_an_error_the_reader_names(tmp_path):
     completed, the worker leaves NAME.error, and the reader stops with its reason instead of waiting."""
     from eaglet.model.vllm_rows import RowsWriter, wait_for_rows
 
-    spool, partial, requests = _spool_setup(tmp_path, [4, 4])
+    spool, partial, _, _, requests = _spool_setup(tmp_path, [4, 4])
     target, ids, finite, stored = requests[0]
     writer = RowsWriter()
     writer.write(target, ids, finite, {name: torch.cat([t, t], dim=-1) for name, t in stored.items()})
@@ -341,19 +354,19 @@ def test_a_spool_file_the_worker_never_completes_is_refused_not_waited_on_foreve
     eaglet waits a bounded time and names the file and the cause."""
     from eaglet.model.vllm_rows import RowsWriter, wait_for_rows
 
-    spool, _, requests = _spool_setup(tmp_path, [3, 3])
+    spool, _, _, _, requests = _spool_setup(tmp_path, [3, 3])
     RowsWriter().write(*requests[0])
     with pytest.raises(EagletError, match=r"shard-00000\.rows: vLLM's worker has not finished writing it after 0 s"):
         wait_for_rows(spool, timeout_s=0.2)
 
 
 def test_a_finished_spool_file_of_the_wrong_size_is_refused(tmp_path):
-    from eaglet.model.vllm_rows import read_rows, spool_layout
+    from eaglet.model.vllm_rows import read_checks
 
-    spool = tmp_path / "shard-00000.rows"
+    spool, _, file, _, _ = _spool_setup(tmp_path, [1, 1])
     spool.write_bytes(b"\0" * 100)
-    with pytest.raises(EagletError, match=r"shard-00000\.rows: 100 bytes, expected 138; extract again"):
-        read_rows(spool, 2, spool_layout("bf16", 3, 8))
+    with pytest.raises(EagletError, match=rf"shard-00000\.rows: 100 bytes, expected {file.size}; extract again"):
+        read_checks(spool, file)
 
 
 @pytest.mark.parametrize(
@@ -412,17 +425,18 @@ class TransformersRowsEngine:
         self.calls = 0
         self.most_spool_files = 0  # spool files that existed at once, seen at each call
 
-    def requests(self, token_lists, name):
+    def requests(self, host, token_lists, name):
         """eaglet's own spool and targets; the targets stand where vLLM's sampling parameters carry them."""
         from eaglet.model.vllm_engine import spool_targets
 
-        spool, targets = spool_targets(self.settings, token_lists, name)
-        return spool, [{"prompt_token_ids": ids} for ids in token_lists], targets
+        spool, file, targets = spool_targets(self.settings, host, token_lists, name)
+        return spool, file, [{"prompt_token_ids": ids} for ids in token_lists], targets
 
     def generate(self, prompts, params, doing):
+        import json
         import threading
 
-        from eaglet.model.vllm_rows import form_rows
+        from eaglet.model.vllm_rows import RowsTarget, form_rows
 
         self.calls += 1
         if self.calls == self.fail_on_call:
@@ -430,7 +444,9 @@ class TransformersRowsEngine:
         self.most_spool_files = max(self.most_spool_files, len(list(self.settings.spool.iterdir())))
         layers = captured_layers(self.settings.aux_layer_ids, self.settings.num_layers)
         done = []
-        for prompt, target in zip(prompts, params):
+        for prompt, sent in zip(prompts, params):
+            # as vLLM carries it: the request's kv_transfer_params, serialised to the engine core and the worker
+            target = RowsTarget.from_params(json.loads(json.dumps(sent.to_params())))
             ids = torch.tensor([prompt["prompt_token_ids"]])
             with torch.inference_mode():
                 states = self.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
@@ -514,26 +530,23 @@ def test_an_engine_that_dies_mid_store_is_one_error_and_the_store_resumes(tmp_pa
 
 def test_a_token_vllms_worker_flagged_non_finite_is_refused_naming_its_sample(tmp_path):
     """The worker formed a NaN for one token (its flag is 0): the shard is refused with the sample it belongs to,
-    and its spool slot is given back all the same."""
+    its spool file removed and its spool slot given back all the same."""
     import threading
 
     from eaglet.extract.vllm_extractor import SPOOLED_SHARDS, Feed, SpooledShard
     from eaglet.formats.store_manifest import ShardPlan
-    from eaglet.model.vllm_rows import RowsWriter, spool_layout
+    from eaglet.model.vllm_rows import RowsWriter
 
     lengths = [3, 4]
-    spool, _, requests = _spool_setup(tmp_path, lengths)
+    spool, _, file, host, requests = _spool_setup(tmp_path, lengths)
     requests[1][2][2] = 0  # the second sample's third token
     writer = RowsWriter()
     for request in requests:
         writer.write(*request)
-    ids = torch.from_numpy(np.concatenate([r[1] for r in requests]).astype(np.int32))
     feed = Feed()
     feed.slots.acquire()
-    shard = SpooledShard(
-        ShardPlan(0, (0, 1), 7), {"input_ids": ids, "offsets": torch.tensor([0, 3, 7])}, spool,
-        spool_layout("bf16", 3, 8), ["first", "second"], feed, threading.Event(),
-    )  # fmt: skip
+    shard = SpooledShard(ShardPlan(0, (0, 1), 7), host, spool, file, ["first", "second"], feed, threading.Event())
     with pytest.raises(EagletError, match="non-finite features for sample 'second'"):
         shard.wait()
+    assert not spool.exists()
     assert all(feed.slots.acquire(blocking=False) for _ in range(SPOOLED_SHARDS))  # every slot free again

@@ -94,6 +94,10 @@ class ExtractedShard:
                 "check the target's dtype (--dtype float32) and weights"
             )
 
+    def write(self, store: Path) -> dict[str, Any]:
+        """The shard written into ``store``; its record."""
+        return write_shard(store, self.plan, self.tensors)
+
 
 class ShardExtractor:
     """One shard's stored tensors from the target: ids, mask, offsets, sample index and features."""
@@ -240,7 +244,7 @@ class ShardWriter:
                     started = time.perf_counter()
                     shard.wait()
                     waited = time.perf_counter()
-                    record = write_shard(self.store, shard.plan, shard.tensors)
+                    record = shard.write(self.store)
                     self.release(shard.pooled)
                     phases = {"wait": waited - started, "write": time.perf_counter() - waited}
                     phases |= getattr(shard, "phases", {})

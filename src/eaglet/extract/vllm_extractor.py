@@ -1,10 +1,12 @@
 """`eaglet extract --backend vllm`: a shard's features from vLLM's hidden-state capture, stored as the hf backend stores them.
 
 A feeder thread hands vLLM the requests of ``SHARDS_PER_GENERATE`` shards per ``generate`` call (``model.vllm_engine``),
-so vLLM's steps run across shard boundaries and the next call is ready when one returns; the writer thread that takes a
-shard waits for its spool file (vLLM's worker forms the stored tensors on its GPU and writes them there,
-``model.vllm_rows``), maps it and writes the shard from it, while vLLM computes the next ones. At most ``SPOOLED_SHARDS`` spool files exist at once: the feeder waits for the
-writers to read one before it creates another.
+so vLLM's steps run across shard boundaries and the next call is ready when one returns. Each shard's spool file is
+the shard's own safetensors file: vLLM's worker forms the stored tensors on its GPU and writes them in place
+(``model.vllm_rows``); the writer thread that takes the shard waits for the file, checks the tokens and finite flags
+the worker wrote after the data, cuts them off and moves the file into the store (hashed as it is read once), while
+vLLM computes the next ones. At most ``SPOOLED_SHARDS`` spool files exist at once: the feeder waits for the writers
+to move one before it creates another.
 The shard's other tensors (ids, mask, offsets, sample index) and its order are the hf backend's, so a store from
 either backend is the same format, resumed and trained on the same way.
 """
@@ -24,8 +26,9 @@ import torch
 from ..errors import EagletError
 from ..formats.prepared import PreparedSet
 from ..formats.store_manifest import ShardPlan
+from ..model.shards import adopt_shard
 from ..model.vllm_engine import SPOOL_WAIT_S, HiddenStateEngine
-from ..model.vllm_rows import SPOOL_SUFFIX, SpoolField, read_rows, wait_for_rows
+from ..model.vllm_rows import SPOOL_SUFFIX, ShardFile, cut_checks, read_checks, wait_for_rows
 
 SHARDS_PER_GENERATE = 4  # shards whose requests vLLM gets in one call: its last part-filled step once per 4 shards
 SPOOLED_SHARDS = 2 * SHARDS_PER_GENERATE  # spool files at once: one call's being read while the next one's fill
@@ -45,17 +48,19 @@ class Feed:
 
 @dataclass
 class SpooledShard:
-    """A shard whose features are still in vLLM's spool file: ``wait()`` (in a writer thread) fills ``tensors``."""
+    """A shard vLLM's worker is filling in its spool file: ``wait()`` (in a writer thread) checks it once complete,
+    ``write(store)`` moves it into the store."""
 
     plan: ShardPlan
-    tensors: dict[str, torch.Tensor]  # ids, mask, offsets, sample index now; the features after wait()
-    spool: Path  # the shard's stored tensors, formed and written by vLLM's worker
-    layout: tuple[SpoolField, ...]  # what the spool holds per token beside its id and finite flag
+    tensors: dict[str, torch.Tensor]  # ids, mask, offsets, sample index (also in the file)
+    spool: Path  # the shard's file, its stored tensors formed and written by vLLM's worker
+    file: ShardFile  # where the file holds what
     sample_ids: list[str]
-    feed: Feed  # the feeder's state: its spool slot is given back once the file is mapped
+    feed: Feed  # the feeder's state: its spool slot is given back once the file has left the spool
     never_run: threading.Event  # set by the feeder when this shard's call to vLLM failed or was never made
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # no recycled buffers: nothing to release
-    phases: dict[str, float] = field(default_factory=dict)  # seconds of wait(): vLLM's worker, mapping the file
+    phases: dict[str, float] = field(default_factory=dict)  # seconds of wait(): vLLM's worker, the checks
+    slot_held: bool = True
 
     def wait(self) -> None:
         started = time.perf_counter()
@@ -67,23 +72,36 @@ class SpooledShard:
                     raise self.feed.error from None  # the cause, whichever thread reports first
                 raise
             written = time.perf_counter()
-            rows = read_rows(self.spool, len(self.tensors["input_ids"]), self.layout)
-            self.spool.unlink()  # its mapping stays readable until the tensors go
+            checks = read_checks(self.spool, self.file)
+            if not torch.equal(checks.token_ids, self.tensors["input_ids"]):
+                raise EagletError(
+                    f"{self.spool}: vLLM's hidden states are for other tokens than the shard's; extract again"
+                )
+            finite = checks.finite.numpy()
+            if not finite.all():
+                token = int(np.argmin(finite))
+                row = int(np.searchsorted(self.tensors["offsets"].numpy(), token, side="right")) - 1
+                raise EagletError(
+                    f"non-finite features for sample {self.sample_ids[row]!r}; check the target's dtype and weights"
+                )
+            cut_checks(self.spool, self.file)
+        except BaseException:
+            self.spool.unlink(missing_ok=True)
+            self._release()
+            raise
+        self.phases = {"spool_wait": written - started, "spool_check": time.perf_counter() - written}
+
+    def write(self, store: Path) -> dict[str, Any]:
+        """The checked file moved into ``store`` as the shard; its record."""
+        try:
+            return adopt_shard(store, self.plan, self.spool)
         finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self.slot_held:
+            self.slot_held = False
             self.feed.slots.release()
-        self.phases = {"spool_wait": written - started, "spool_read": time.perf_counter() - written}
-        if not torch.equal(rows.token_ids, self.tensors["input_ids"]):
-            raise EagletError(
-                f"{self.spool}: vLLM's hidden states are for other tokens than the shard's; extract again"
-            )
-        finite = rows.finite.numpy()
-        if not finite.all():
-            token = int(np.argmin(finite))
-            row = int(np.searchsorted(self.tensors["offsets"].numpy(), token, side="right")) - 1
-            raise EagletError(
-                f"non-finite features for sample {self.sample_ids[row]!r}; check the target's dtype and weights"
-            )
-        self.tensors.update(rows.stored)
 
 
 class VllmShardExtractor:
@@ -167,10 +185,6 @@ class VllmShardExtractor:
         samples = np.asarray(plan.samples)
         rows = [prepared.sample(int(s)) for s in samples]
         tokens = [ids for ids, _ in rows]
-        settings = self.engine.settings
-        spool, prompts, params = self.engine.requests(
-            [ids.tolist() for ids in tokens], f"shard-{plan.index:05d}{SPOOL_SUFFIX}"
-        )
         lengths = np.array([len(ids) for ids in tokens])
         tensors = {
             "input_ids": torch.from_numpy(np.concatenate(tokens).astype(np.int32)),
@@ -178,9 +192,10 @@ class VllmShardExtractor:
             "offsets": torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)),
             "sample_index": torch.from_numpy(samples.astype(np.int64)),
         }
-        shard = SpooledShard(
-            plan, tensors, spool, settings.layout(), [prepared.ids[int(s)] for s in samples], feed, never_run
+        spool, file, prompts, params = self.engine.requests(
+            tensors, [ids.tolist() for ids in tokens], f"shard-{plan.index:05d}{SPOOL_SUFFIX}"
         )
+        shard = SpooledShard(plan, tensors, spool, file, [prepared.ids[int(s)] for s in samples], feed, never_run)
         return shard, prompts, params
 
 

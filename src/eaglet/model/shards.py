@@ -4,7 +4,10 @@ How shards are planned, named and listed is ``formats.store``."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -15,7 +18,7 @@ import torch
 from ..errors import EagletError, shown
 from ..formats.files import record_name, shard_name
 from ..formats.store_manifest import STORAGE_FORMATS, ShardPlan, plan_shards
-from ..fsio import atomic_file, write_json_atomic
+from ..fsio import atomic_file, fsync_dir, write_json_atomic
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_MIN_SCALE = 1e-12
@@ -79,6 +82,31 @@ SAFETENSORS_HEADER_ALIGN = 8
 WRITE_CHUNK_BYTES = 64 << 20
 
 
+def safetensors_prefix(
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
+) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """The start of a safetensors file of tensors ``specs`` (name -> dtype, shape): the header's length and its JSON
+    (names sorted, space-padded to 8 bytes), and each tensor's [start, end) in the data after it. What
+    ``write_safetensors`` writes, and what vLLM's worker fills in place (``model.vllm_rows``)."""
+    import json as _json
+
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    spans, offset = {}, 0
+    for name in sorted(specs):
+        dtype, shape = specs[name]
+        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        spans[name] = (offset, offset + nbytes)
+        offset += nbytes
+    head = _json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % SAFETENSORS_HEADER_ALIGN)
+    return len(head).to_bytes(8, "little") + head, spans
+
+
 def write_safetensors(
     path: Path,
     tensors: dict[str, torch.Tensor],
@@ -93,34 +121,21 @@ def write_safetensors(
     several writer threads run in parallel. Files are read back with the safetensors library.
     Returns (bytes written, sha256 of the file).
     """
-    import json as _json
-
-    names = sorted(tensors)
-    views, offset = [], 0
-    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
-    for name in names:
-        tensor = tensors[name].detach().cpu().contiguous()
-        data = tensor.view(torch.uint8).reshape(-1).numpy() if tensor.numel() else np.empty(0, np.uint8)
-        header[name] = {
-            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + data.nbytes],
-        }
-        offset += data.nbytes
-        views.append(data)
-    head = _json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % SAFETENSORS_HEADER_ALIGN)
-    prefix = len(head).to_bytes(8, "little") + head
+    contiguous = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
+    prefix, spans = safetensors_prefix({name: (t.dtype, tuple(t.shape)) for name, t in contiguous.items()}, metadata)
     digest = hashlib.sha256(prefix)
     with open(path, "wb") as handle:
         handle.write(prefix)
-        for data in views:
-            memory = memoryview(data)
+        for name in sorted(contiguous):
+            tensor = contiguous[name]
+            if not tensor.numel():
+                continue
+            memory = memoryview(tensor.view(torch.uint8).reshape(-1).numpy())
             for begin in range(0, len(memory), WRITE_CHUNK_BYTES):
                 chunk = memory[begin : begin + WRITE_CHUNK_BYTES]
                 digest.update(chunk)  # hashlib and file writes release the GIL on large buffers
                 handle.write(chunk)
-    return len(prefix) + offset, digest.hexdigest()
+    return len(prefix) + (max(end for _, end in spans.values()) if spans else 0), digest.hexdigest()
 
 
 def write_shard(store: Path, plan: ShardPlan, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -128,6 +143,32 @@ def write_shard(store: Path, plan: ShardPlan, tensors: dict[str, torch.Tensor]) 
     final = store / shard_name(plan.index)
     with atomic_file(final) as tmp:
         size, digest = write_safetensors(tmp, tensors)
+    return _record(store, plan, size, digest)
+
+
+def adopt_shard(store: Path, plan: ShardPlan, path: Path) -> dict[str, Any]:
+    """A complete shard file written elsewhere (vLLM's worker filled it in place) moved into the store, hashed as it
+    is read once; then its record. On another filesystem it is copied (atomically) instead. Returns the record."""
+    final = store / shard_name(plan.index)
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(WRITE_CHUNK_BYTES):
+            digest.update(chunk)
+        os.fsync(handle.fileno())
+    size = path.stat().st_size
+    try:
+        os.replace(path, final)
+        fsync_dir(store)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        with atomic_file(final) as tmp:
+            shutil.copyfile(path, tmp)
+        path.unlink()
+    return _record(store, plan, size, digest.hexdigest())
+
+
+def _record(store: Path, plan: ShardPlan, size: int, digest: str) -> dict[str, Any]:
     record = {
         "file": shard_name(plan.index),
         "index": plan.index,

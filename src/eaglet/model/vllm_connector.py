@@ -8,8 +8,9 @@ kv_connector_module_path="eaglet.model.vllm_connector")``), through its public `
 - worker side (TP rank 0): in that step, gather every finished request's rows from the cache-only layer in one
   indexing per chunk and form the stored tensors on the GPU, on a side stream (``vllm_rows.form_rows``: the aux
   columns, the target's final norm over the last layer's output, the store's encoding, finite flags), copy them to
-  pinned host memory, and let writer threads put each request's tensors at their places in its shard's file; the
-  blocks are released once the copy is done. eaglet's writer stores the file's regions as they are.
+  pinned host memory, and let writer threads put each request's tensors at their places in its shard's file (the
+  shard's own safetensors file); the blocks are released once the copy is done. eaglet checks the file and moves it
+  into the store as it is.
 
 vLLM's own ``ExampleHiddenStatesConnector`` writes a safetensors file and a lock file per request, which eaglet then
 read back one by one: 0.13x vLLM's prefill on the embedded target (benchmarks/RESULTS.md). The cache layout of the

@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import torch
+
 from ..errors import EagletError
-from .vllm_rows import SAVED_KEY, RowsTarget, SpoolField, create_spool, spool_layout
+from .vllm_rows import SAVED_KEY, RowsTarget, ShardFile, SpoolField, create_spool, spool_layout
 
 CONNECTOR = "EagletRowsConnector"  # eaglet's KV connector class, in CONNECTOR_MODULE
 CONNECTOR_MODULE = "eaglet.model.vllm_connector"
@@ -132,17 +134,18 @@ def starting(model: str) -> Iterator[None]:
         raise EagletError(f"vLLM could not start on {model}: {said}") from None
 
 
-def spool_targets(settings: EngineSettings, token_lists: list[list[int]], name: str) -> tuple[Path, list[RowsTarget]]:
-    """The spool file ``name`` for these sequences, created empty, and where each sequence's rows go in it."""
-    spool = settings.spool / name
-    total = sum(len(ids) for ids in token_lists)
-    partial = create_spool(spool, total, settings.layout())
+def spool_targets(
+    settings: EngineSettings, host: dict[str, torch.Tensor], token_lists: list[list[int]], name: str
+) -> tuple[Path, ShardFile, list[RowsTarget]]:
+    """The spool file ``name`` of a shard (its ``host`` tensors: ids, mask, offsets, sample index), created with
+    everything but the features, its layout, and where each sequence's rows go in it."""
+    partial, file = create_spool(settings.spool / name, host, settings.layout())
     columns = tuple(aux_columns(settings.aux_layer_ids))
     targets, row = [], 0
     for ids in token_lists:
-        targets.append(RowsTarget(str(partial), row, total, columns, settings.storage_dtype, settings.hidden_size))
+        targets.append(RowsTarget.for_rows(partial, file, row, columns, settings.storage_dtype, settings.hidden_size))
         row += len(ids)
-    return spool, targets
+    return settings.spool / name, file, targets
 
 
 class HiddenStateEngine:
@@ -188,13 +191,15 @@ class HiddenStateEngine:
                 kv_transfer_config=transfer,
             )
 
-    def requests(self, token_lists: list[list[int]], name: str) -> tuple[Path, list[dict], list[Any]]:
-        """The spool file ``name`` for these sequences' rows, created, and one request per sequence (prompt, sampling
-        parameters) saying where its rows go; the file is complete once ``vllm_rows.wait_for_rows`` returns after
-        ``generate`` ran the requests."""
+    def requests(
+        self, host: dict[str, torch.Tensor], token_lists: list[list[int]], name: str
+    ) -> tuple[Path, ShardFile, list[dict], list[Any]]:
+        """The spool file ``name`` of a shard (``host``: its ids, mask, offsets, sample index) for these sequences'
+        rows, created, its layout, and one request per sequence (prompt, sampling parameters) saying where its rows
+        go; the file is complete once ``vllm_rows.wait_for_rows`` returns after ``generate`` ran the requests."""
         from vllm import SamplingParams
 
-        spool, targets = spool_targets(self.settings, token_lists, name)
+        spool, file, targets = spool_targets(self.settings, host, token_lists, name)
         params = [
             SamplingParams(
                 max_tokens=GENERATED_TOKENS,
@@ -204,7 +209,7 @@ class HiddenStateEngine:
             )
             for target in targets
         ]
-        return spool, [{"prompt_token_ids": ids} for ids in token_lists], params
+        return spool, file, [{"prompt_token_ids": ids} for ids in token_lists], params
 
     def generate(self, prompts: list[dict], params: list[Any], doing: str) -> None:
         """Run the requests (vLLM batches them across spool files); returns once vLLM has run them all."""

@@ -1,18 +1,19 @@
-"""The row spool between vLLM's worker and eaglet: one file per shard that vLLM's worker fills, request by request.
+"""The row spool between vLLM's worker and eaglet: each shard's own file, which vLLM's worker fills request by request.
 
 eaglet's connector (``model.vllm_connector``) runs inside vLLM's worker process, so the captured hidden states cross a
-process boundary. They cross it once, already in the form the store keeps: the worker gathers a finished request's
-rows on its GPU, forms the stored tensors there (``form_rows``: the aux columns in eaglet's order, the target's final
-norm over the last layer's output, the store's encoding, a finite flag per token) and writes each at the request's
-place in its shard's file (one ``pwrite`` per tensor). eaglet creates ``NAME.partial`` at its final size before the
-shard's requests are sent, each request carries where its rows go and how they are stored (``RowsTarget``), and the
-worker renames the file to ``NAME`` once every row of it is written. A worker that cannot write leaves ``NAME.error``
-with the reason. eaglet's writer then maps the file and stores its regions as they are: no copy back to a GPU.
+process boundary. They cross it once, already in the form and the place the store keeps them: the worker gathers a
+finished request's rows on its GPU, forms the stored tensors there (``form_rows``: the aux columns in eaglet's order,
+the target's final norm over the last layer's output, the store's encoding, a finite flag per token) and writes each
+at the request's place in its shard's file (one ``pwrite`` per tensor). eaglet creates ``NAME.partial`` at its final
+size — the shard's safetensors header and its ids, mask, offsets and sample index already written — before the
+shard's requests are sent; each request carries where its rows go (``RowsTarget``), and the worker renames the file to
+``NAME`` once every row is written. A worker that cannot write leaves ``NAME.error`` with the reason. eaglet then
+checks the tokens and finite flags the worker wrote after the shard's data, cuts them off, and moves the file into the
+store: the features are never copied again.
 
-File layout (``total`` rows; one region per stored tensor, in ``spool_layout`` order, each starting at a multiple of
-``REGION_ALIGN`` bytes so it can be viewed in place as its dtype)::
+File layout (``ShardFile``; T tokens)::
 
-    [total] int32 token ids | [total, *shape] each stored tensor (aux, last, scales) | [total] uint8 finite flags
+    the shard's safetensors file (header; then every tensor, names sorted) | [T] int32 token ids | [T] uint8 finite
 
 Nothing here imports vLLM: the frontend, the worker and the tests share it.
 """
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 from ..errors import EagletError
-from .shards import encode_features
+from .shards import encode_features, safetensors_prefix
 
 SPOOL_SUFFIX = ".rows"  # a shard's spool file: shard-00012.rows
 PARTIAL = ".partial"  # the file while vLLM's worker fills it
@@ -43,7 +44,7 @@ FINITE_BYTES = 1  # one uint8 flag per token
 PARAMS_KEY = "eaglet_rows"  # the key of a request's kv_transfer_params that says where its rows go
 SAVED_KEY = "rows_file"  # the key of a finished request's kv_transfer_params: the connector took its rows
 POLL_S = 0.002
-REGION_ALIGN = 8  # bytes: every region starts where any stored dtype can be viewed in place
+CHECKS_ALIGN = 8  # bytes: the check region starts where its token ids can be viewed in place
 
 
 @dataclass(frozen=True)
@@ -67,27 +68,49 @@ def spool_layout(storage_dtype: str, aux_layers: int, hidden_size: int) -> tuple
     return tuple(SpoolField(name, tensor.dtype, tuple(tensor.shape[1:])) for name, tensor in encoded.items())
 
 
-def _aligned(offset: int) -> int:
-    return -(-offset // REGION_ALIGN) * REGION_ALIGN
+@dataclass(frozen=True)
+class ShardFile:
+    """Where a shard's spool file holds what: ``spans`` each tensor's absolute [start, end) (the shard's safetensors
+    file ends at ``data_end``), then the worker's token ids at ``ids_at`` and finite flags at ``finite_at``."""
+
+    prefix: bytes  # the safetensors header's length and JSON
+    spans: dict[str, tuple[int, int]]
+    total: int  # tokens
+    data_end: int
+    ids_at: int
+    finite_at: int
+
+    @property
+    def size(self) -> int:
+        return self.finite_at + self.total * FINITE_BYTES
 
 
-def spool_regions(total: int, layout: tuple[SpoolField, ...]) -> tuple[list[int], int, int]:
-    """Where each stored tensor's region starts (the token ids start at 0), where the finite flags start, and the
-    file's size."""
-    start = _aligned(total * TOKEN_ID_BYTES)
-    fields_at = []
-    for field in layout:
-        fields_at.append(start)
-        start = _aligned(start + total * field.token_bytes)
-    return fields_at, start, start + total * FINITE_BYTES
+def shard_file(host: dict[str, torch.Tensor], layout: tuple[SpoolField, ...]) -> ShardFile:
+    """The spool file of a shard whose ``host`` tensors (ids, mask, offsets, sample index) eaglet has and whose
+    ``layout`` tensors vLLM's worker forms: the header ``model.shards.write_safetensors`` would write for all of them."""
+    total = len(host["input_ids"])
+    specs = {name: (tensor.dtype, tuple(tensor.shape)) for name, tensor in host.items()}
+    specs |= {field.name: (field.dtype, (total, *field.shape)) for field in layout}
+    prefix, spans = safetensors_prefix(specs)
+    data_end = len(prefix) + max(end for _, end in spans.values())
+    ids_at = -(-data_end // CHECKS_ALIGN) * CHECKS_ALIGN
+    return ShardFile(
+        prefix,
+        {name: (len(prefix) + start, len(prefix) + end) for name, (start, end) in spans.items()},
+        total,
+        data_end,
+        ids_at,
+        ids_at + total * TOKEN_ID_BYTES,
+    )
 
 
 @dataclass(frozen=True)
 class RowsTarget:
-    """Where one request's rows go: ``path`` (the ``.partial`` file), starting at ``row`` of ``total`` rows, and how
-    they are stored: ``columns`` (the aux ids' places among the captured layers, in eaglet's order; the last captured
-    layer is the last layer's output), ``storage`` (the store's storage dtype). Travels in the request's
-    ``kv_transfer_params`` (JSON-safe)."""
+    """Where one request's rows go: ``path`` (the ``.partial`` file), starting at ``row`` of ``total`` rows, each
+    stored tensor's region at ``fields_at`` (in ``layout()`` order), the token ids' at ``ids_at``, the finite flags' at
+    ``finite_at``; and how they are stored: ``columns`` (the aux ids' places among the captured layers, in eaglet's
+    order; the last captured layer is the last layer's output), ``storage`` (the store's storage dtype). Travels in
+    the request's ``kv_transfer_params`` (JSON-safe)."""
 
     path: str
     row: int
@@ -95,6 +118,9 @@ class RowsTarget:
     columns: tuple[int, ...]
     storage: str
     hidden_size: int
+    fields_at: tuple[int, ...]
+    ids_at: int
+    finite_at: int
 
     def to_params(self) -> dict[str, Any]:
         return {
@@ -105,6 +131,9 @@ class RowsTarget:
                 "columns": list(self.columns),
                 "storage": self.storage,
                 "hidden_size": self.hidden_size,
+                "fields_at": list(self.fields_at),
+                "ids_at": self.ids_at,
+                "finite_at": self.finite_at,
             }
         }
 
@@ -121,7 +150,19 @@ class RowsTarget:
             tuple(int(c) for c in value["columns"]),
             str(value["storage"]),
             int(value["hidden_size"]),
+            tuple(int(at) for at in value["fields_at"]),
+            int(value["ids_at"]),
+            int(value["finite_at"]),
         )
+
+    @classmethod
+    def for_rows(
+        cls, partial: Path, file: ShardFile, row: int, columns: tuple[int, ...], storage: str, hidden_size: int
+    ) -> RowsTarget:
+        """Rows from ``row`` on of ``file`` (being filled at ``partial``)."""
+        layout = spool_layout(storage, len(columns), hidden_size)
+        fields_at = tuple(file.spans[field.name][0] for field in layout)
+        return cls(str(partial), row, file.total, columns, storage, hidden_size, fields_at, file.ids_at, file.finite_at)
 
     @property
     def captured_layers(self) -> int:
@@ -132,11 +173,10 @@ class RowsTarget:
 
     def offsets(self, layout: tuple[SpoolField, ...]) -> tuple[int, int, list[int]]:
         """Byte offsets of this request's token ids, of its finite flags and of its row in each stored tensor."""
-        fields_at, finite_at, _ = spool_regions(self.total, layout)
         return (
-            self.row * TOKEN_ID_BYTES,
-            finite_at + self.row * FINITE_BYTES,
-            [at + self.row * field.token_bytes for at, field in zip(fields_at, layout)],
+            self.ids_at + self.row * TOKEN_ID_BYTES,
+            self.finite_at + self.row * FINITE_BYTES,
+            [at + self.row * field.token_bytes for at, field in zip(self.fields_at, layout)],
         )
 
 
@@ -153,15 +193,21 @@ def form_rows(
     return finite, encode_features(aux, last, storage_dtype)
 
 
-def create_spool(path: Path, total: int, layout: tuple[SpoolField, ...]) -> Path:
-    """The empty ``.partial`` file of ``total`` rows stored as ``layout`` (sparse until written); returns its path."""
+def create_spool(path: Path, host: dict[str, torch.Tensor], layout: tuple[SpoolField, ...]) -> tuple[Path, ShardFile]:
+    """The ``.partial`` file of a shard: its header and ``host`` tensors written, the rest at its final size (sparse
+    until vLLM's worker writes it); returns its path and layout."""
+    file = shard_file(host, layout)
     partial = path.with_name(path.name + PARTIAL)
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in (path, partial, path.with_name(path.name + ERROR)):
         stale.unlink(missing_ok=True)
     with open(partial, "wb") as handle:
-        handle.truncate(spool_regions(total, layout)[2])
-    return partial
+        handle.write(file.prefix)
+        for name, tensor in host.items():
+            handle.seek(file.spans[name][0])
+            handle.write(tensor.contiguous().view(torch.uint8).reshape(-1).numpy().data)
+        handle.truncate(file.size)
+    return partial, file
 
 
 def slot_indices(block_ids: list[int], block_size: int, num_tokens: int) -> np.ndarray:
@@ -254,12 +300,11 @@ class RowsWriter:
 
 
 @dataclass(frozen=True)
-class SpooledRows:
-    """One shard's spool file, read back: ``token_ids`` [T], ``finite`` [T] (uint8) and the stored tensors."""
+class RowChecks:
+    """What vLLM's worker wrote beside a shard's rows: ``token_ids`` [T] it computed and ``finite`` [T] (uint8)."""
 
     token_ids: torch.Tensor
     finite: torch.Tensor
-    stored: dict[str, torch.Tensor]
 
 
 def wait_for_rows(
@@ -282,17 +327,19 @@ def wait_for_rows(
         time.sleep(poll_s)
 
 
-def read_rows(path: Path, total: int, layout: tuple[SpoolField, ...]) -> SpooledRows:
-    """The finished file as tensors: views of a private mapping of it, so the file can be removed while they are in
-    use and the store's writer reads the stored tensors where they lie."""
-    fields_at, finite_at, expected = spool_regions(total, layout)
+def read_checks(path: Path, file: ShardFile) -> RowChecks:
+    """The finished file's check region (copied out: the file is cut and moved next)."""
     size = path.stat().st_size
-    if size != expected:
-        raise EagletError(f"{path}: {size} bytes, expected {expected}; extract again")
-    raw = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
-    token_ids = raw[: total * TOKEN_ID_BYTES].view(torch.int32)
-    stored = {
-        field.name: raw[at : at + total * field.token_bytes].view(field.dtype).reshape(total, *field.shape)
-        for field, at in zip(layout, fields_at)
-    }
-    return SpooledRows(token_ids, raw[finite_at : finite_at + total * FINITE_BYTES], stored)
+    if size != file.size:
+        raise EagletError(f"{path}: {size} bytes, expected {file.size}; extract again")
+    with open(path, "rb") as handle:
+        handle.seek(file.ids_at)
+        checks = handle.read(file.size - file.ids_at)
+    raw = torch.frombuffer(bytearray(checks), dtype=torch.uint8)
+    ids_bytes = file.total * TOKEN_ID_BYTES
+    return RowChecks(raw[:ids_bytes].view(torch.int32), raw[file.finite_at - file.ids_at :])
+
+
+def cut_checks(path: Path, file: ShardFile) -> None:
+    """Drop the check region: the file is now the shard's safetensors file."""
+    os.truncate(path, file.data_end)
