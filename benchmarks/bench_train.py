@@ -187,12 +187,16 @@ def main() -> None:
         )
         batch = pad_to_budget(host, args.tokens, pin=device.type == "cuda")
         median, stats = time_steps(lambda: step([batch]), args.warmup)
+        final_loss = round(float(stats.loss), 4)
+        if args.profile:
+            print(f"profile: train_step, cuda_graphs={cuda_graphs}")
+            profile_step(lambda: step([batch]), device)
         return {
             "step_ms_median": round(median * 1e3, 2),
             "tokens_per_s": round(args.tokens / median, 1),
             "mfu": round(flops / median / H200_BF16_DENSE_FLOPS, 4) if device.type == "cuda" else None,
             "step_ms_spread": spread[0],
-            "final_loss": round(float(stats.loss), 4),
+            "final_loss": final_loss,
             "recorded": graphed,
         }
 
