@@ -5,8 +5,8 @@ so vLLM's steps run across shard boundaries and the next call is ready when one 
 the shard's own safetensors file: vLLM's worker forms the stored tensors on its GPU and writes them in place
 (``model.vllm_rows``); the writer thread that takes the shard waits for the file, checks the tokens and finite flags
 the worker wrote after the data, cuts them off and moves the file into the store (hashed as it is read once), while
-vLLM computes the next ones. At most ``SPOOLED_SHARDS`` spool files exist at once: the feeder waits for the writers
-to move one before it creates another.
+vLLM computes the next ones; the next call's requests are made while vLLM runs the current one. At most
+``SPOOLED_SHARDS`` spool files exist at once: their maker waits for the writers to move one before it creates another.
 The shard's other tensors (ids, mask, offsets, sample index) and its order are the hf backend's, so a store from
 either backend is the same format, resumed and trained on the same way.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -43,7 +44,18 @@ class Feed:
     stop: threading.Event = field(default_factory=threading.Event)  # the main thread: no more calls to vLLM
     error: BaseException | None = None  # why the feeder stopped; a writer whose shard never ran raises it too
     slot_wait_s: float = 0.0  # vLLM idle because every spool slot was taken: the writers set the pace
-    between_calls_s: float = 0.0  # vLLM idle between one call's return and the next call: its requests being made
+    between_calls_s: float = 0.0  # vLLM idle between one call's return and the next: its requests not yet made
+
+
+@dataclass
+class Call:
+    """One call to vLLM: its requests, what it is doing (for errors), and the event its shards' writers watch."""
+
+    prompts: list[dict]
+    params: list
+    doing: str
+    never_run: threading.Event = field(default_factory=threading.Event)  # set when the call fails or never happens
+    slot_wait_s: float = 0.0  # waiting for spool slots while its requests were made
 
 
 @dataclass
@@ -115,8 +127,9 @@ class VllmShardExtractor:
 
     def waits(self, writer: Any) -> dict[str, float]:
         """Seconds vLLM was idle, by cause: writing the last shards after its last call (``drain``), every spool
-        slot taken (``spool_slots``), the next call's requests being made (``between_calls``). vLLM's shards are
-        handed to the writers before they are computed, so a writer queue that fills does not idle it."""
+        slot taken (``spool_slots``), the next call's requests not yet made (``between_calls``; they are made while
+        the previous call runs). vLLM's shards are handed to the writers before they are computed, so a writer queue
+        that fills does not idle it."""
         return {"drain": writer.close_wait_s, "spool_slots": self.slot_wait_s, "between_calls": self.between_calls_s}
 
     def release(self, buffers: dict[str, torch.Tensor]) -> None:
@@ -143,40 +156,68 @@ class VllmShardExtractor:
             self.between_calls_s += feed.between_calls_s
 
     def _feed(self, prepared: PreparedSet, plans: list[ShardPlan], feed: Feed, ready: queue.Queue) -> None:
-        never_run = threading.Event()  # the current call's shards'
+        """Calls vLLM with ``SHARDS_PER_GENERATE`` shards' requests at a time; the next call's requests (its spool
+        files created, its shards handed to the writers) are made by a second thread while vLLM runs this one."""
+        groups = [plans[first : first + SHARDS_PER_GENERATE] for first in range(0, len(plans), SHARDS_PER_GENERATE)]
+        made: list[Call] = []  # every call whose shards went to the writers
         returned: float | None = None  # when the previous call to vLLM returned
-        try:
-            for first in range(0, len(plans), SHARDS_PER_GENERATE):
-                group = plans[first : first + SHARDS_PER_GENERATE]
-                never_run = threading.Event()
-                slot_wait_before = feed.slot_wait_s  # this call's spool-slot waits are counted apart
-                prompts: list[dict] = []
-                params: list = []
-                for plan in group:
+        with ThreadPoolExecutor(1, thread_name_prefix="eaglet-vllm-requests") as maker:
+            following = maker.submit(self._call, prepared, groups[0], feed, ready) if groups else None
+            try:
+                for index in range(len(groups)):
                     waiting = time.perf_counter()
-                    while not feed.slots.acquire(timeout=PERMIT_POLL_S):
-                        if feed.stop.is_set():
-                            return
-                    feed.slot_wait_s += time.perf_counter() - waiting
-                    shard, shard_prompts, shard_params = self._shard(prepared, plan, feed, never_run)
-                    prompts += shard_prompts
-                    params += shard_params
-                    ready.put(shard)
-                if feed.stop.is_set():
-                    return
-                names = f"shards {group[0].index}..{group[-1].index}"
-                if returned is not None:
-                    slot_wait = feed.slot_wait_s - slot_wait_before
-                    feed.between_calls_s += time.perf_counter() - returned - slot_wait
-                self.engine.generate(prompts, params, f"computing the hidden states of {names}")
-                returned = time.perf_counter()
-        except BaseException as exc:  # raised in the main thread
-            feed.error = exc
-            never_run.set()  # the writers waiting on this call's spool files stop waiting (feed.error first)
-        finally:
-            if feed.stop.is_set():
-                never_run.set()
-            ready.put(None)
+                    call = following.result()
+                    if call is None:  # stopped while waiting for a spool slot
+                        return
+                    made.append(call)
+                    if returned is not None:  # vLLM idle since its last call returned: by cause
+                        idle = time.perf_counter() - waiting
+                        on_slots = min(idle, call.slot_wait_s)
+                        feed.slot_wait_s += on_slots
+                        feed.between_calls_s += idle - on_slots
+                    following = None
+                    if index + 1 < len(groups):
+                        following = maker.submit(self._call, prepared, groups[index + 1], feed, ready)
+                    if feed.stop.is_set():
+                        return
+                    self.engine.generate(call.prompts, call.params, call.doing)
+                    returned = time.perf_counter()
+            except BaseException as exc:  # raised in the main thread
+                feed.error = exc
+            finally:
+                stopped_early = feed.error is not None or feed.stop.is_set()
+                feed.stop.set()  # the request maker gives up waiting for a spool slot
+                if following is not None:
+                    try:
+                        if (pending := following.result()) is not None:
+                            made.append(pending)
+                    except BaseException as exc:  # noqa: BLE001 - the first error is the one reported
+                        feed.error = feed.error or exc
+                if stopped_early:
+                    for call in made:  # the writers waiting on these calls' spool files stop waiting
+                        call.never_run.set()
+                ready.put(None)
+
+    def _call(self, prepared: PreparedSet, group: list[ShardPlan], feed: Feed, ready: queue.Queue) -> Call | None:
+        """One call's requests: a spool slot taken, the spool file created and the shard handed to the writers, for
+        each shard of ``group``; None when the extraction stopped while a slot was awaited."""
+        call = Call([], [], f"computing the hidden states of shards {group[0].index}..{group[-1].index}")
+        try:
+            for plan in group:
+                waiting = time.perf_counter()
+                while not feed.slots.acquire(timeout=PERMIT_POLL_S):
+                    if feed.stop.is_set():
+                        call.never_run.set()
+                        return None
+                call.slot_wait_s += time.perf_counter() - waiting
+                shard, prompts, params = self._shard(prepared, plan, feed, call.never_run)
+                call.prompts += prompts
+                call.params += params
+                ready.put(shard)
+        except BaseException:
+            call.never_run.set()
+            raise
+        return call
 
     def _shard(
         self, prepared: PreparedSet, plan: ShardPlan, feed: Feed, never_run: threading.Event
