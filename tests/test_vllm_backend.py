@@ -424,6 +424,7 @@ class TransformersRowsEngine:
         self.fail_on_call = fail_on_call
         self.calls = 0
         self.most_spool_files = 0  # spool files that existed at once, seen at each call
+        self.next_made_during_first: bool | None = None
 
     def requests(self, host, token_lists, name):
         """eaglet's own spool and targets; the targets stand where vLLM's sampling parameters carry them."""
@@ -454,7 +455,30 @@ class TransformersRowsEngine:
                 finite, stored = form_rows(torch.stack(captured, dim=1), target.columns, self.norm, target.storage)
             done.append((target, ids[0].numpy(), finite.numpy().astype(np.uint8), stored))
         # the worker's writer threads finish after the call returns
+        if self.calls == 1:  # while vLLM runs its first call, eaglet makes the second call's requests
+            self.next_made_during_first = self._spool_files_appear(
+                first_index=len(done) and _shard_index(params[-1]) + 1
+            )
         threading.Thread(target=lambda: [self.writer.write(*request) for request in done]).start()
+
+    def _spool_files_appear(self, first_index: int, timeout_s: float = 10.0) -> bool:
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(_spool_index(path) >= first_index for path in self.settings.spool.iterdir()):
+                return True
+            time.sleep(0.01)
+        return False
+
+
+def _spool_index(path: Path) -> int:
+    """shard-00012.rows(.partial) -> 12"""
+    return int(path.name.split(".")[0].removeprefix("shard-"))
+
+
+def _shard_index(target) -> int:
+    return _spool_index(Path(target.path))
 
 
 LAYERS = (1, 3, 5)  # aux ids; the last layer's output is captured after them
@@ -491,6 +515,7 @@ def test_the_vllm_pipeline_stores_what_the_hf_backend_stores(tmp_path, tiny_prep
     assert shards > 2 * SHARDS_PER_GENERATE  # several calls, and the spool slots ran out at least once
     assert engine.calls == -(-shards // SHARDS_PER_GENERATE)
     assert 0 < engine.most_spool_files <= SPOOLED_SHARDS
+    assert engine.next_made_during_first  # the second call's spool files were made while vLLM ran the first
     assert not engine.settings.spool.exists()  # eaglet's own spool folder goes with the stage
     for ours, theirs in zip(_features(tmp_path / "vllm"), _features(tmp_path / "hf"), strict=True):
         assert ours.keys() == theirs.keys()
