@@ -575,3 +575,42 @@ def test_a_token_vllms_worker_flagged_non_finite_is_refused_naming_its_sample(tm
         shard.wait()
     assert not spool.exists()
     assert all(feed.slots.acquire(blocking=False) for _ in range(SPOOLED_SHARDS))  # every slot free again
+
+
+@pytest.mark.parametrize("elsewhere", [False, True])
+def test_a_finished_spool_file_moves_into_the_store_as_its_shard(tmp_path, elsewhere):
+    """The checked spool file becomes the store's shard: renamed on the same filesystem, copied atomically from
+    another one (``--set spool_dir=`` on a local disk, the store on shared storage); the record's size and sha256
+    are the file's, the store reads it back, and no spool or temporary file is left."""
+    import hashlib
+    import os
+    import tempfile
+
+    from eaglet.formats.store_manifest import ShardPlan
+    from eaglet.model.shards import adopt_shard, read_shard
+    from eaglet.model.vllm_rows import RowsWriter, cut_checks, read_checks, wait_for_rows
+
+    other_filesystem = Path("/dev/shm")
+    if elsewhere and not (other_filesystem.is_dir() and os.stat(other_filesystem).st_dev != os.stat(tmp_path).st_dev):
+        pytest.skip("no second filesystem here")
+    root = Path(tempfile.mkdtemp(dir=other_filesystem)) if elsewhere else tmp_path
+    try:
+        spool, _, file, host, requests = _spool_setup(root, [5, 9])
+        writer = RowsWriter()
+        for request in requests:
+            writer.write(*request)
+        wait_for_rows(spool, timeout_s=5)
+        read_checks(spool, file)
+        cut_checks(spool, file)
+        digest = hashlib.sha256(spool.read_bytes()).hexdigest()
+        store = tmp_path / "store"
+        store.mkdir()
+        record = adopt_shard(store, ShardPlan(0, (0, 2), 14), spool)
+        assert not spool.exists() and record["sha256"] == digest and record["bytes"] == file.data_end
+        assert sorted(p.name for p in store.iterdir()) == ["shard-00000.json", "shard-00000.safetensors"]
+        assert torch.equal(read_shard(store, record)["input_ids"], host["input_ids"])
+    finally:
+        if elsewhere:
+            import shutil
+
+            shutil.rmtree(root, ignore_errors=True)
