@@ -6,6 +6,7 @@ through a tensor, the finite check between them); on a GPU they are recorded and
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -145,4 +146,6 @@ def test_recorded_training_on_gpu_takes_the_eager_runs_steps(tmp_path, capsys, t
         return [r["loss"] for r in read_metrics(run) if r["kind"] == "train"]
 
     assert len(losses(tmp_path / "graphed")) == 12
+    assert json.loads((tmp_path / "graphed" / "train_config.json").read_text())["step"] == "cuda_graphs"
+    assert json.loads((tmp_path / "eager" / "train_config.json").read_text())["step"] == "eager"
     assert losses(tmp_path / "graphed") == pytest.approx(losses(tmp_path / "eager"), rel=2e-2)

@@ -45,6 +45,7 @@ def test_train_offline_learns_and_writes_everything(tmp_path, capsys, tiny_store
     ):
         assert (out / name).is_file(), name
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000020", "step-000030"]  # keep_last 2
+    assert json.loads((out / "train_config.json").read_text())["step"] == "eager"  # CPU: nothing recorded
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5] and config["target_hidden_size"] == 64

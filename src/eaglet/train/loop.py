@@ -107,6 +107,8 @@ def _train(config: TrainConfig, console: Console, dist: Dist, run: Path) -> Trai
                 "config": config.model_dump(),
                 "identity": setup.identity,
                 "total_steps": steps,
+                # how each step runs: recorded CUDA graphs (train.graphed) after the warm-up steps, or eagerly
+                "step": "cuda_graphs" if model.graphed else "eager",
                 "eaglet_version": __version__,
             },
         )
