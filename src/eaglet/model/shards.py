@@ -84,10 +84,10 @@ WRITE_CHUNK_BYTES = 64 << 20
 
 def safetensors_prefix(
     specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
-) -> tuple[bytes, dict[str, tuple[int, int]]]:
+) -> tuple[bytes, dict[str, tuple[int, int]], int]:
     """The start of a safetensors file of tensors ``specs`` (name -> dtype, shape): the header's length and its JSON
-    (names sorted, space-padded to 8 bytes), and each tensor's [start, end) in the data after it. What
-    ``write_safetensors`` writes, and what vLLM's worker fills in place (``model.vllm_rows``)."""
+    (names sorted, space-padded to 8 bytes), each tensor's [start, end) in the data after it, and the data's length.
+    What ``write_safetensors`` writes, and what vLLM's worker fills in place (``model.vllm_rows``)."""
     import json as _json
 
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
@@ -104,7 +104,7 @@ def safetensors_prefix(
         offset += nbytes
     head = _json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % SAFETENSORS_HEADER_ALIGN)
-    return len(head).to_bytes(8, "little") + head, spans
+    return len(head).to_bytes(8, "little") + head, spans, offset
 
 
 def write_safetensors(
@@ -122,7 +122,8 @@ def write_safetensors(
     Returns (bytes written, sha256 of the file).
     """
     contiguous = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
-    prefix, spans = safetensors_prefix({name: (t.dtype, tuple(t.shape)) for name, t in contiguous.items()}, metadata)
+    specs = {name: (tensor.dtype, tuple(tensor.shape)) for name, tensor in contiguous.items()}
+    prefix, _, data_bytes = safetensors_prefix(specs, metadata)
     digest = hashlib.sha256(prefix)
     with open(path, "wb") as handle:
         handle.write(prefix)
@@ -135,7 +136,7 @@ def write_safetensors(
                 chunk = memory[begin : begin + WRITE_CHUNK_BYTES]
                 digest.update(chunk)  # hashlib and file writes release the GIL on large buffers
                 handle.write(chunk)
-    return len(prefix) + (max(end for _, end in spans.values()) if spans else 0), digest.hexdigest()
+    return len(prefix) + data_bytes, digest.hexdigest()
 
 
 def write_shard(store: Path, plan: ShardPlan, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:

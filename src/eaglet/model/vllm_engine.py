@@ -139,13 +139,14 @@ def spool_targets(
 ) -> tuple[Path, ShardFile, list[RowsTarget]]:
     """The spool file ``name`` of a shard (its ``host`` tensors: ids, mask, offsets, sample index), created with
     everything but the features, its layout, and where each sequence's rows go in it."""
-    partial, file = create_spool(settings.spool / name, host, settings.layout())
+    spool = settings.spool / name
+    partial, file = create_spool(spool, host, settings.layout())
     columns = tuple(aux_columns(settings.aux_layer_ids))
     targets, row = [], 0
     for ids in token_lists:
         targets.append(RowsTarget.for_rows(partial, file, row, columns, settings.storage_dtype, settings.hidden_size))
         row += len(ids)
-    return settings.spool / name, file, targets
+    return spool, file, targets
 
 
 class HiddenStateEngine:

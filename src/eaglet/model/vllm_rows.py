@@ -91,8 +91,8 @@ def shard_file(host: dict[str, torch.Tensor], layout: tuple[SpoolField, ...]) ->
     total = len(host["input_ids"])
     specs = {name: (tensor.dtype, tuple(tensor.shape)) for name, tensor in host.items()}
     specs |= {field.name: (field.dtype, (total, *field.shape)) for field in layout}
-    prefix, spans = safetensors_prefix(specs)
-    data_end = len(prefix) + max(end for _, end in spans.values())
+    prefix, spans, data_bytes = safetensors_prefix(specs)
+    data_end = len(prefix) + data_bytes
     ids_at = -(-data_end // CHECKS_ALIGN) * CHECKS_ALIGN
     return ShardFile(
         prefix,
