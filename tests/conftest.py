@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,30 @@ def tiny_llama_dir(root: Path, tokenizer_family: str = "qwen3", layers: int = 8)
     model.save_pretrained(root)
     tokenizer.save_pretrained(root)
     return root
+
+
+@pytest.fixture
+def mounts(tmp_path):
+    """Mount helpers (root only): ``mount("full")`` a tmpfs with few inodes (fills up), ``mount("full", size)`` one of
+    ``size`` (``"1m"``), ``mount("ro")`` a read-only bind mount; unmounted after the test."""
+    mounted: list[Path] = []
+
+    def mount(kind: str, size: str = "64m") -> Path:
+        point = tmp_path / f"mnt-{kind}"
+        point.mkdir()
+        args = (
+            ["-t", "tmpfs", "-o", f"size={size},nr_inodes=24", "tmpfs"]
+            if kind == "full"
+            else ["-o", "bind,ro", str(point)]
+        )
+        if subprocess.run(["mount", *args, str(point)], capture_output=True).returncode != 0:
+            pytest.skip("mounting needs root (CAP_SYS_ADMIN) here")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", str(point)], capture_output=True)
 
 
 @pytest.fixture(scope="session")

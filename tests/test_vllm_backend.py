@@ -279,6 +279,37 @@ def _spool_setup(tmp_path, lengths, storage="bf16", hidden=8):
     return spool, partial, file, host, requests
 
 
+def test_a_spool_file_has_its_room_before_vllms_worker_writes_it(tmp_path):
+    """The shard's whole file is allocated when eaglet makes it (not page by page inside the worker's writes, which
+    the filesystem serialises per file), and reads back as the header and eaglet's tensors with zeros for the rows."""
+    import os
+
+    spool, partial, file, host, _ = _spool_setup(tmp_path, [5, 9])
+    assert os.stat(partial).st_size == file.size
+    assert os.stat(partial).st_blocks * 512 >= file.size  # allocated, not sparse
+    raw = partial.read_bytes()
+    assert raw.startswith(file.prefix)
+    start, end = file.spans["input_ids"]
+    assert raw[start:end] == host["input_ids"].numpy().tobytes()
+    assert raw[file.ids_at :] == bytes(file.size - file.ids_at)  # the worker's part: not yet written
+
+
+def test_a_spool_file_without_room_is_refused_naming_it_and_leaves_nothing(tmp_path, mounts):
+    """A spool folder with less room than the next shard (1 MiB for a ~4.6 MiB shard): the refusal comes when eaglet
+    makes the file, before vLLM computes the shard, as the one-line disk-full error naming the file; no file is left
+    behind."""
+    from eaglet.fsio import os_error_line
+
+    small = mounts("full", "1m")
+    with pytest.raises(OSError) as refused:
+        _spool_setup(small, [300, 300], hidden=1024)
+    partial = small / "spool" / "shard-00000.rows.partial"
+    assert refused.value.filename == str(partial)
+    line = os_error_line(refused.value)
+    assert str(partial) in line and "the disk is full" in line and "\n" not in line
+    assert list((small / "spool").iterdir()) == []
+
+
 @pytest.mark.parametrize("storage", ["bf16", "fp8", "fp8-aux"])
 def test_a_shards_rows_written_in_any_order_by_several_threads_read_back_exactly(tmp_path, storage):
     """Requests finish in any order and several writer threads put their stored tensors in place; the file appears
@@ -525,9 +556,11 @@ def test_the_vllm_pipeline_stores_what_the_hf_backend_stores(tmp_path, tiny_prep
             torch.testing.assert_close(ours[name].float(), theirs[name].float(), atol=2e-2, rtol=2e-2)
     assert len(hf.manifest["shards"]) == shards
     # where vLLM sat idle, by cause; the writers' share is what `extract` reports as time lost to the disk
-    assert result.waits.keys() == {"drain", "spool_slots", "between_calls"}
+    assert result.waits.keys() == {"drain_rows", "drain", "spool_slots", "between_calls"}
     assert all(0 <= seconds < result.seconds for seconds in result.waits.values())
-    assert result.writer_stall_s == result.waits["drain"] + result.waits["spool_slots"]
+    assert result.writer_stall_s == pytest.approx(sum(result.waits[w] for w in ("drain_rows", "drain", "spool_slots")))
+    # the double's worker writes each call's rows only after the call returned: part of the drain is its writing
+    assert result.waits["drain_rows"] > 0
     assert hf.waits.keys() == {"writers"} and hf.writer_stall_s == hf.waits["writers"]
 
 

@@ -186,27 +186,6 @@ def test_the_file_size_limit_during_checkpointing(tmp_path, tiny_store, tiny_tar
     assert not run.exists()  # nothing to resume from: no directory holding only train_config.json
 
 
-@pytest.fixture
-def mounts(tmp_path):
-    """Mount helpers (root only): a tmpfs with few inodes (fills up), a read-only bind mount."""
-    mounted: list[Path] = []
-
-    def mount(kind: str) -> Path:
-        point = tmp_path / f"mnt-{kind}"
-        point.mkdir()
-        args = (
-            ["-t", "tmpfs", "-o", "size=64m,nr_inodes=24", "tmpfs"] if kind == "full" else ["-o", "bind,ro", str(point)]
-        )
-        if subprocess.run(["mount", *args, str(point)], capture_output=True).returncode != 0:
-            pytest.skip("mounting needs root (CAP_SYS_ADMIN) here")
-        mounted.append(point)
-        return point
-
-    yield mount
-    for point in mounted:
-        subprocess.run(["umount", str(point)], capture_output=True)
-
-
 def test_a_full_disk_during_extract_and_checkpointing(tmp_path, tiny_prepared, tiny_store, tiny_target, mounts):
     full = mounts("full")
     proc = run_limited(extract_args(tiny_prepared, full / "store", tiny_target))

@@ -61,7 +61,7 @@ from ..progress import progress_bar
 from .vllm_extractor import VllmShardExtractor
 
 WRITE_QUEUE_DEPTH = 3  # finished shards waiting for a writer while the next one computes
-WRITER_WAITS = ("writers", "drain", "spool_slots")  # the extractors' waits that the shard writers cause
+WRITER_WAITS = ("writers", "drain", "drain_rows", "spool_slots")  # the extractors' waits that the shard writers cause
 WRITER_THREADS = 4  # shards written (hashed, written, fsynced) in parallel: one stream does not fill the disk
 
 

@@ -45,6 +45,17 @@ class Feed:
     error: BaseException | None = None  # why the feeder stopped; a writer whose shard never ran raises it too
     slot_wait_s: float = 0.0  # vLLM idle because every spool slot was taken: the writers set the pace
     between_calls_s: float = 0.0  # vLLM idle between one call's return and the next: its requests not yet made
+    returned_at: float = 0.0  # perf_counter when vLLM's last call so far returned
+    rows_done_at: float = 0.0  # perf_counter when the last spool file so far was complete (vLLM's worker wrote it all)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def rows_done(self, at: float) -> None:
+        with self.lock:
+            self.rows_done_at = max(self.rows_done_at, at)
+
+    def drain_rows_s(self) -> float:
+        """How long after its last call returned vLLM's worker was still writing rows (0 before any call)."""
+        return max(0.0, self.rows_done_at - self.returned_at) if self.returned_at else 0.0
 
 
 @dataclass
@@ -84,6 +95,7 @@ class SpooledShard:
                     raise self.feed.error from None  # the cause, whichever thread reports first
                 raise
             written = time.perf_counter()
+            self.feed.rows_done(written)
             checks = read_checks(self.spool, self.file)
             if not torch.equal(checks.token_ids, self.tensors["input_ids"]):
                 raise EagletError(
@@ -124,13 +136,21 @@ class VllmShardExtractor:
         self.engine = engine
         self.slot_wait_s = 0.0  # over every ``shards`` call
         self.between_calls_s = 0.0
+        self.feeds: list[Feed] = []  # each ``shards`` call's: its drain is known once the writers are done
 
     def waits(self, writer: Any) -> dict[str, float]:
-        """Seconds vLLM was idle, by cause: writing the last shards after its last call (``drain``), every spool
-        slot taken (``spool_slots``), the next call's requests not yet made (``between_calls``; they are made while
-        the previous call runs). vLLM's shards are handed to the writers before they are computed, so a writer queue
-        that fills does not idle it."""
-        return {"drain": writer.close_wait_s, "spool_slots": self.slot_wait_s, "between_calls": self.between_calls_s}
+        """Seconds vLLM was idle, by cause, once the writers are done: after its last call, its worker still writing
+        the last rows (``drain_rows``), then eaglet checking and moving the last files into the store (``drain``);
+        every spool slot taken (``spool_slots``); the next call's requests not yet made (``between_calls``; they are
+        made while the previous call runs). vLLM's shards are handed to the writers before they are computed, so a
+        writer queue that fills does not idle it."""
+        drain_rows = min(writer.close_wait_s, sum(feed.drain_rows_s() for feed in self.feeds))
+        return {
+            "drain_rows": drain_rows,
+            "drain": writer.close_wait_s - drain_rows,
+            "spool_slots": self.slot_wait_s,
+            "between_calls": self.between_calls_s,
+        }
 
     def release(self, buffers: dict[str, torch.Tensor]) -> None:
         """Nothing is recycled: each shard's host tensors are its own."""
@@ -139,6 +159,7 @@ class VllmShardExtractor:
         """Every plan's shard in plan order, each as soon as its requests are ready for vLLM (not yet computed).
         ``check()`` raises the writers' error: waiting for the feeder, this one is asked every ``PERMIT_POLL_S``."""
         feed = Feed()
+        self.feeds.append(feed)
         ready: queue.Queue = queue.Queue()  # SpooledShard, then None when the feeder ends
         feeder = threading.Thread(
             target=self._feed, args=(prepared, plans, feed, ready), name="eaglet-vllm-feeder", daemon=True
@@ -181,7 +202,7 @@ class VllmShardExtractor:
                     if feed.stop.is_set():
                         return
                     self.engine.generate(call.prompts, call.params, call.doing)
-                    returned = time.perf_counter()
+                    returned = feed.returned_at = time.perf_counter()
             except BaseException as exc:  # raised in the main thread
                 feed.error = exc
             finally:

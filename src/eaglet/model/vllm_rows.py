@@ -20,6 +20,7 @@ Nothing here imports vLLM: the frontend, the worker and the tests share it.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import threading
@@ -194,20 +195,44 @@ def form_rows(
 
 
 def create_spool(path: Path, host: dict[str, torch.Tensor], layout: tuple[SpoolField, ...]) -> tuple[Path, ShardFile]:
-    """The ``.partial`` file of a shard: its header and ``host`` tensors written, the rest at its final size (sparse
-    until vLLM's worker writes it); returns its path and layout."""
+    """The ``.partial`` file of a shard: its header and ``host`` tensors written, its whole size allocated; returns its
+    path and layout.
+
+    Allocated here, in eaglet's request-making thread ahead of vLLM, rather than page by page by vLLM's worker: the
+    worker's writes into one file are serialised by the filesystem, and into a sparse tmpfs file they ran at less than
+    half the speed (allocation inside the write; benchmarks/RESULTS.md). A disk without room for the shard says so
+    here, naming the file, before vLLM computes it. Nothing is left of a file that could not be made."""
     file = shard_file(host, layout)
     partial = path.with_name(path.name + PARTIAL)
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in (path, partial, path.with_name(path.name + ERROR)):
         stale.unlink(missing_ok=True)
-    with open(partial, "wb") as handle:
-        handle.write(file.prefix)
-        for name, tensor in host.items():
-            handle.seek(file.spans[name][0])
-            handle.write(tensor.contiguous().view(torch.uint8).reshape(-1).numpy().data)
-        handle.truncate(file.size)
+    try:
+        with open(partial, "wb") as handle:
+            _allocate(handle.fileno(), file.size, partial)
+            handle.write(file.prefix)
+            for name, tensor in host.items():
+                handle.seek(file.spans[name][0])
+                handle.write(tensor.contiguous().view(torch.uint8).reshape(-1).numpy().data)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     return partial, file
+
+
+UNALLOCATABLE = (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS)  # a filesystem that cannot allocate ahead
+
+
+def _allocate(fd: int, size: int, path: Path) -> None:
+    """``size`` bytes of the file allocated now; a filesystem that cannot allocate ahead gets a sparse file (its
+    writes allocate); a refusal for want of room names the file (``os.posix_fallocate`` does not)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in UNALLOCATABLE:
+            os.ftruncate(fd, size)
+            return
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
 
 
 def slot_indices(block_ids: list[int], block_size: int, num_tokens: int) -> np.ndarray:
