@@ -21,14 +21,18 @@ from typing import Any, Iterator, Sequence
 
 from .errors import EagletError
 
-HASH_CHUNK_BYTES = 1 << 20
+HASH_CHUNK_BYTES = 4 << 20
 
 
 def sha256_file(path: str | Path) -> str:
+    """The file's sha256, read into one reused buffer: a new buffer per chunk costs its page faults each time (a
+    shard hashed at 0.9 GB/s that way, 1.5 GB/s this way; benchmarks/bench_adopt.py)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(HASH_CHUNK_BYTES):
-            digest.update(chunk)
+    buffer = bytearray(HASH_CHUNK_BYTES)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as handle:
+        while read := handle.readinto(buffer):
+            digest.update(view[:read])
     return digest.hexdigest()
 
 

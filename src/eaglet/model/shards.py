@@ -18,7 +18,7 @@ import torch
 from ..errors import EagletError, shown
 from ..formats.files import record_name, shard_name
 from ..formats.store_manifest import STORAGE_FORMATS, ShardPlan, plan_shards
-from ..fsio import atomic_file, fsync_dir, write_json_atomic
+from ..fsio import atomic_file, fsync_dir, sha256_file, write_json_atomic
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_MIN_SCALE = 1e-12
@@ -151,10 +151,8 @@ def adopt_shard(store: Path, plan: ShardPlan, path: Path) -> dict[str, Any]:
     """A complete shard file written elsewhere (vLLM's worker filled it in place) moved into the store, hashed as it
     is read once; then its record. On another filesystem it is copied (atomically) instead. Returns the record."""
     final = store / shard_name(plan.index)
-    digest = hashlib.sha256()
+    digest = sha256_file(path)
     with open(path, "rb") as handle:
-        while chunk := handle.read(WRITE_CHUNK_BYTES):
-            digest.update(chunk)
         os.fsync(handle.fileno())
     size = path.stat().st_size
     try:
@@ -166,7 +164,7 @@ def adopt_shard(store: Path, plan: ShardPlan, path: Path) -> dict[str, Any]:
         with atomic_file(final) as tmp:
             shutil.copyfile(path, tmp)
         path.unlink()
-    return _record(store, plan, size, digest.hexdigest())
+    return _record(store, plan, size, digest)
 
 
 def _record(store: Path, plan: ShardPlan, size: int, digest: str) -> dict[str, Any]:

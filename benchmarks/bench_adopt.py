@@ -1,0 +1,122 @@
+"""The vllm backend's host side of one shard, without vLLM: eaglet makes the spool file, the worker's writer puts the
+rows in, eaglet checks it and moves it into the store (hashed as it is read). Prints one JSON line per variant.
+
+    python benchmarks/bench_adopt.py --dir /dev/shm/adopt [--tokens 16540 --hidden 4096 --repeats 5]
+
+Variants: the spool file allocated when made (eaglet's) vs left sparse (the worker's writes allocate it), and the
+shard hashed through one reused buffer (eaglet's ``sha256_file``) vs a new buffer per 64 MiB chunk. Defaults: a
+shard of the 8B-shape vLLM runs (215,012 tokens in 13 shards, bf16: ~540 MB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from eaglet.formats.store_manifest import ShardPlan
+from eaglet.fsio import sha256_file
+from eaglet.model.shards import adopt_shard
+from eaglet.model.vllm_rows import RowsTarget, RowsWriter, create_spool, cut_checks, read_checks, spool_layout
+
+SAMPLE_TOKENS = 236  # the 8B runs' mean sample length
+NEW_BUFFER_CHUNK = 64 << 20
+
+
+def spool_once(folder: Path, tokens: int, hidden: int, sparse: bool) -> dict[str, float]:
+    """One shard through the host path; seconds of each part."""
+    lengths = [SAMPLE_TOKENS] * (tokens // SAMPLE_TOKENS)
+    total = sum(lengths)
+    host = {
+        "input_ids": torch.zeros(total, dtype=torch.int32),
+        "loss_mask": torch.ones(total, dtype=torch.uint8),
+        "offsets": torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64),
+        "sample_index": torch.arange(len(lengths), dtype=torch.int64),
+    }
+    layout = spool_layout("bf16", 3, hidden)
+    stored = {f.name: torch.ones((SAMPLE_TOKENS, *f.shape), dtype=f.dtype) for f in layout}
+    started = time.perf_counter()
+    partial, file = create_spool(folder / "spool" / "shard-00000.rows", host, layout)
+    if sparse:  # as before the allocation: the file's blocks freed again, its size kept
+        os.truncate(partial, 0)
+        with open(partial, "r+b") as handle:
+            handle.write(file.prefix)
+            for name, tensor in host.items():
+                handle.seek(file.spans[name][0])
+                handle.write(tensor.view(torch.uint8).reshape(-1).numpy().data)
+        os.truncate(partial, file.size)
+    made = time.perf_counter()
+    writer, row = RowsWriter(), 0
+    for _ in lengths:
+        target = RowsTarget.for_rows(partial, file, row, (2, 0, 1), "bf16", hidden)
+        ids = np.zeros(SAMPLE_TOKENS, dtype=np.int32)
+        writer.write(target, ids, np.ones(SAMPLE_TOKENS, dtype=np.uint8), stored)
+        row += SAMPLE_TOKENS
+    written = time.perf_counter()
+    spool = folder / "spool" / "shard-00000.rows"
+    read_checks(spool, file)
+    cut_checks(spool, file)
+    store = folder / "store"
+    store.mkdir(exist_ok=True)
+    checked = time.perf_counter()
+    adopt_shard(store, ShardPlan(0, (0, len(lengths)), total), spool)
+    adopted = time.perf_counter()
+    shard = store / "shard-00000.safetensors"
+    naive = hashlib.sha256()
+    with open(shard, "rb") as handle:
+        while chunk := handle.read(NEW_BUFFER_CHUNK):
+            naive.update(chunk)
+    hashed_naive = time.perf_counter()
+    sha256_file(shard)
+    hashed = time.perf_counter()
+    shutil.rmtree(store)
+    return {
+        "make_s": made - started,
+        "worker_write_s": written - made,
+        "check_s": checked - written,
+        "adopt_s": adopted - checked,
+        "hash_new_buffers_s": hashed_naive - adopted,
+        "hash_reused_buffer_s": hashed - hashed_naive,
+        "bytes": file.data_end,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, required=True, help="where the spool and the store go (/dev/shm/...)")
+    parser.add_argument("--tokens", type=int, default=16_540)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    try:
+        for sparse in (True, False):
+            runs = [spool_once(args.dir, args.tokens, args.hidden, sparse) for _ in range(args.repeats)]
+            medians = {key: round(statistics.median(r[key] for r in runs), 4) for key in runs[0]}
+            spreads = {
+                key: [round(min(r[key] for r in runs), 4), round(max(r[key] for r in runs), 4)] for key in runs[0]
+            }
+            shard_gb = runs[0]["bytes"] / 1e9
+            print(json.dumps({
+                "spool": "sparse (worker's writes allocate)" if sparse else "allocated when made",
+                "shard_gb": round(shard_gb, 3),
+                "median_s": medians,
+                "min_max_s": spreads,
+                "worker_write_gb_s": round(shard_gb / medians["worker_write_s"], 2),
+                "hash_gb_s": {"new_buffers": round(shard_gb / medians["hash_new_buffers_s"], 2),
+                              "reused_buffer": round(shard_gb / medians["hash_reused_buffer_s"], 2)},
+            }))  # fmt: skip
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
