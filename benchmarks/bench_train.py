@@ -16,8 +16,10 @@ Usage: python benchmarks/bench_train.py --shape 8b|smollm [--tokens 2048] [--ttt
   [--deferred]: GPU, also each compiled layout (and its graph, with --graph) with the shared layers' weight
              gradients made once per step over the K TTT calls ("LAYOUT+deferred", "LAYOUT+graph+deferred")
   [--train-step]: also the step `eaglet train` runs ("train_step", its defaults for this device: on a GPU recorded
-             as two CUDA graphs, train.graphed; and on a GPU "train_step+no_cuda_graphs", the same step eager): the batch copied from pinned host memory each step and the teacher
-             over the target's whole vocabulary included, which the other variants leave out
+             as two CUDA graphs, train.graphed, its batches copied to the GPU ahead by the prefetch thread as train's
+             loop does; on a GPU also "train_step+copied_in", the batch copied from pinned host memory by the
+             step itself, and "train_step+no_cuda_graphs", the step eager): the batch's copy and the teacher over
+             the target's whole vocabulary included, which the other variants leave out
   [--freeze-lm-head]: every variant with the draft's LM head frozen (train's --freeze-lm-head; speculators 0.9.0
              freezes it): no head weight gradient, no AdamW over its rows
 The demo's step: --shape smollm --tokens 16384 --draft-vocab 32000 --kernels one --skip-naive
@@ -152,14 +154,19 @@ def main() -> None:
         spread[0] = [round(times[0] * 1e3, 2), round(times[-1] * 1e3, 2)]  # the variant's fastest and slowest step
         return times[len(times) // 2], out
 
-    def measure_train_step(cuda_graphs: bool = True) -> dict:
-        """`eaglet train`'s step on this device (``train.graphed.step_function``), fed a pinned host batch."""
+    def measure_train_step(cuda_graphs: bool = True, staged: bool = True) -> dict:
+        """`eaglet train`'s step on this device (``train.graphed.step_function``), fed a pinned host batch: copied to
+        the GPU ahead by a prefetch thread (``staged``, as train's loop does for a recorded step) or by the step."""
+        from itertools import repeat
+
         from eaglet.config import TrainConfig
         from eaglet.model.distributed import Dist
+        from eaglet.model.sizing import PREFETCH_STEPS
         from eaglet.train.data import FeatureBatch, pad_to_budget
-        from eaglet.train.graphed import step_function
+        from eaglet.train.graphed import Stager, step_function
         from eaglet.train.loss import TeacherHead
         from eaglet.train.parallel import Parallel
+        from eaglet.train.prefetch import prefetched
         from eaglet.train.setup import Model
         from eaglet.train.ttt import TTTModule
 
@@ -186,11 +193,18 @@ def main() -> None:
             sample_index=torch.arange(len(lengths)),
         )
         batch = pad_to_budget(host, args.tokens, pin=device.type == "cuda")
-        median, stats = time_steps(lambda: step([batch]), args.warmup)
+        feed = prefetched(repeat(batch), Stager(device), PREFETCH_STEPS) if staged and graphed else None
+
+        def run():
+            return step([next(feed) if feed is not None else batch])
+
+        median, stats = time_steps(run, args.warmup)
         final_loss = round(float(stats.loss), 4)
         if args.profile:
-            print(f"profile: train_step, cuda_graphs={cuda_graphs}")
-            profile_step(lambda: step([batch]), device)
+            print(f"profile: train_step, cuda_graphs={cuda_graphs}, staged={feed is not None}")
+            profile_step(run, device)
+        if feed is not None:
+            feed.close()
         return {
             "step_ms_median": round(median * 1e3, 2),
             "tokens_per_s": round(args.tokens / median, 1),
@@ -273,10 +287,12 @@ def main() -> None:
                 timed[name] = {"error": str(exc).strip().splitlines()[0][:300] if str(exc).strip() else repr(exc)}
             print(json.dumps({name: timed[name]}), flush=True)
     if args.train_step:  # as train runs it on this device, and on a GPU also with --no-cuda-graphs
-        for name, graphs in [("train_step", True)] + (
-            [("train_step+no_cuda_graphs", False)] if device.type == "cuda" else []
+        for name, graphs, staged in [("train_step", True, True)] + (
+            [("train_step+copied_in", True, False), ("train_step+no_cuda_graphs", False, False)]
+            if device.type == "cuda"
+            else []
         ):
-            timed[name] = measure_train_step(graphs)
+            timed[name] = measure_train_step(graphs, staged)
             print(json.dumps({name: timed[name]}), flush=True)
     ours, one_kernel = timed.get("per_step"), timed.get("one")
     naive = None if args.skip_naive else measure(ReferenceAttention)

@@ -76,6 +76,34 @@ def test_the_recorded_steps_work_equals_the_eager_step(tmp_path, tiny_store, tin
     assert want.keys() == have.keys() and all(torch.allclose(want[k], have[k], rtol=1e-5, atol=1e-7) for k in want)
 
 
+def test_batches_copied_to_the_device_ahead_give_the_same_steps(tmp_path, tiny_store, tiny_target):
+    """The training loop's prefetch thread copies a recorded step's batches to the device ahead (``Stager``): the
+    steps are those of host batches copied in by the step itself, warm-up steps included; a batch of another shape
+    is refused, not copied into the recorded inputs."""
+    from eaglet.train.graphed import Stager
+
+    config, setup, host_model = built(tiny_store, tiny_target, tmp_path)
+    staged_model = copy.deepcopy(host_model)
+    staged_model.optimizer = torch.optim.AdamW(
+        staged_model.parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+    )
+    cpu = torch.device("cpu")
+    from_host = GraphedStep(host_model, cpu, config.ttt_steps, config.clip, warmup=2)
+    from_stage = GraphedStep(staged_model, cpu, config.ttt_steps, config.clip, warmup=2)
+    stage = Stager(cpu)
+    batches = padded_batches(setup, 6)
+    assert len({tuple(b.input_ids.tolist()) for b in batches}) > 1  # the inputs change between steps
+    for index, batch in enumerate(batches):
+        want, got = from_host([batch]), from_stage([stage(batch)])
+        for a, b in zip(want.tensors(), got.tensors()):
+            assert torch.equal(a, b), index
+    want, have = parameters_of(host_model), parameters_of(staged_model)
+    assert all(torch.equal(want[k], have[k]) for k in want)
+    longer = pad_to_budget(next(iter(setup.source.batches(0))), 2 * BUDGET)
+    with pytest.raises(ValueError, match="a recorded step takes"):
+        from_stage([stage(longer)])
+
+
 def test_a_non_finite_batch_stops_the_recorded_step_before_adamw(tmp_path, tiny_store, tiny_target):
     config, setup, model = built(tiny_store, tiny_target, tmp_path)
     good, bad = padded_batches(setup, 2)

@@ -179,3 +179,25 @@ def test_eval_preflight_checks_the_static_cache_before_any_load(capsys, tmp_path
     assert results[tiny_target]["static cache"]["status"] == "pass"
     check = results[sliding]["static cache"]
     assert check["status"] == "fail" and "sliding-window" in check["detail"] and "--cuda-graphs off" in check["fix"]
+
+
+def test_train_preflight_counts_the_batches_a_recorded_step_keeps_on_the_gpu(tmp_path, tiny_store):
+    """On a GPU the recorded step's next batches wait on the device (``train.graphed.Stager``): preflight's memory
+    sum counts them, and only where the step is recorded."""
+    from eaglet.config import TrainConfig
+    from eaglet.formats.draft_config import DraftConfig
+    from eaglet.model.sizing import STAGED_BATCHES, staged_batch_bytes
+    from eaglet.preflight.stages import train_memory
+
+    llama_8b = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+                "vocab_size": 128_256}  # fmt: skip
+    draft = DraftConfig.from_target(llama_8b, 32_000, (2, 16, 29))
+    # no held-out split: its forwards beside a recorded step are counted apart
+    config = TrainConfig(out=str(tmp_path / "run"), store=str(tiny_store), token_budget=2048, eval_fraction=0)
+    recorded = train_memory(config, "cuda:0", 2, draft, 128_256, 0)
+    eager = train_memory(config.model_copy(update={"cuda_graphs": False}), "cuda:0", 2, draft, 128_256, 0)
+    on_cpu = train_memory(config, "cpu", 4, draft, 128_256, 0)
+    assert f"{STAGED_BATCHES} batches copied ahead" in recorded[1]
+    assert "copied ahead" not in eager[1] and "copied ahead" not in on_cpu[1]
+    assert recorded[0] - eager[0] == STAGED_BATCHES * staged_batch_bytes(2048, 4096)
+    assert staged_batch_bytes(2048, 4096) == 2048 * (8 + 1 + 4 * 4096 * 2 + 3 * 8)  # ids, mask, features, documents

@@ -495,6 +495,17 @@ def train_step_bytes(config: Any, tokens: int, steps: int, dense_attention: bool
     return loss + teacher + activations + attention + kept
 
 
+PREFETCH_STEPS = 2  # optimizer steps' worth of micro-batches `eaglet train` prepares ahead (train.loop)
+STAGED_BATCHES = PREFETCH_STEPS + 1  # on the device ahead of a recorded step: the queue's and the one being made
+INDEX_BYTES = 8  # int64: input ids, and the three document tensors per token
+
+
+def staged_batch_bytes(tokens: int, hidden_size: int, feature_bytes: int = 2) -> int:
+    """One padded micro-batch on the device (``train.step.DeviceBatch``): ids, loss mask, aux [T, 3, H] and last
+    [T, H] in the store's dtype (bf16 at most), and the document ids, positions and ends."""
+    return tokens * (INDEX_BYTES + 1 + 4 * hidden_size * feature_bytes + 3 * INDEX_BYTES)
+
+
 PROBE_SIZE = 1024  # the matrix multiply that measures this CPU's float32 rate
 PROBE_REPEATS = 3
 

@@ -13,7 +13,7 @@ from ..formats.draft_config import DraftConfig, read_draft_config
 from ..formats.files import MANIFEST_FILE, VOCAB_FILE
 from ..formats.layers import default_aux_layer_ids
 from ..formats.store_manifest import prepared_path, read_manifest
-from ..model.sizing import draft_parameters, train_step_bytes
+from ..model.sizing import STAGED_BATCHES, draft_parameters, staged_batch_bytes, train_step_bytes
 from ..model.support import compiles_draft_round, draft_compile_problem, static_cache_problem, uses_static_cache
 from .checks import (
     ACTIVATION_FACTOR,
@@ -370,23 +370,33 @@ def train_checks(cfg: Any) -> list[Check]:
     draft_params = draft_parameters(info.hidden_size, draft.draft_vocab_size)
     checks.append(check_disk(Path(cfg.out), draft_params * 4 * (1 + 3 * (cfg.keep_last + 1)), "draft + checkpoints"))
     device, dtype_bytes = _device_bytes(cfg.device)
-    teacher = info.vocab_size * info.hidden_size * dtype_bytes
-    step = train_step_bytes(draft, cfg.token_budget, cfg.ttt_steps, dense_attention=not device.startswith("cuda"))
-    # a recorded step keeps its memory in its graph's pool: held-out forwards need their own beside it
-    beside = step if cfg.records_step(device, 1) and (cfg.eval_store or cfg.eval_fraction > 0) else 0
     online = weights_bytes(resolved.path, dtype_bytes) if cfg.prepared else 0
-    checks.append(
-        check_memory(
-            device,
-            draft_params * 4 * OPTIMIZER_COPIES + teacher + step + beside + online,
-            f"draft + optimizer + teacher head + a {cfg.token_budget:,}-token step"
-            + (" + held-out forwards beside the recorded step" if beside else "")
-            + (" + target" if online else ""),
-        )
-    )
+    checks.append(check_memory(device, *train_memory(cfg, device, dtype_bytes, draft, info.vocab_size, online)))
     if not device.startswith("cuda"):
         checks.append(_cpu_step_time(cfg, draft, info))
     return checks
+
+
+def train_memory(
+    cfg: Any, device: str, dtype_bytes: int, draft: Any, target_vocab: int, online: int
+) -> tuple[int, str]:
+    """(bytes, what they hold) of `eaglet train` on ``device``: the draft and AdamW's copies, the teacher head, one
+    step, and where the step is recorded its companions; ``online`` the target's weights (online training)."""
+    teacher = target_vocab * draft.hidden_size * dtype_bytes
+    step = train_step_bytes(draft, cfg.token_budget, cfg.ttt_steps, dense_attention=not device.startswith("cuda"))
+    # a recorded step keeps its memory in its graph's pool: held-out forwards need their own beside it
+    recorded = cfg.records_step(device, 1)
+    beside = step if recorded and (cfg.eval_store or cfg.eval_fraction > 0) else 0
+    # a recorded step's next batches wait on the device (train.graphed.Stager)
+    staged = STAGED_BATCHES * staged_batch_bytes(cfg.token_budget, draft.hidden_size) if recorded else 0
+    draft_params = draft_parameters(draft.hidden_size, draft.draft_vocab_size)
+    return (
+        draft_params * 4 * OPTIMIZER_COPIES + teacher + step + beside + staged + online,
+        f"draft + optimizer + teacher head + a {cfg.token_budget:,}-token step"
+        + (" + held-out forwards beside the recorded step" if beside else "")
+        + (f" + {STAGED_BATCHES} batches copied ahead" if staged else "")
+        + (" + target" if online else ""),
+    )
 
 
 def _draft_vocab_size(vocab_file: Path, target_vocab: int) -> int:

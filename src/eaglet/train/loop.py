@@ -26,11 +26,11 @@ from ..formats.files import TRAIN_CONFIG_FILE
 from ..fsio import check_output_apart, check_output_dir, output_lock, write_json_atomic
 from ..model.distributed import Dist, all_reduce_sum, any_rank, init_distributed
 from ..model.draft import FROZEN_PREFIX, save_draft
-from ..model.sizing import draft_train_flops_per_token
+from ..model.sizing import PREFETCH_STEPS, draft_train_flops_per_token
 from ..progress import progress_bar
 from .checkpoint import TrainerState, damaged_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import FeatureBatch, kept_length, non_finite_samples, pad_to_budget
-from .graphed import step_function
+from .graphed import StagedBatch, Stager, step_function
 from .heldout import evaluate
 from .metrics import H200_BF16_DENSE_FLOPS, MetricsLog, plot_run
 from .prefetch import prefetched
@@ -46,7 +46,6 @@ from .setup import (
 )
 from .step import NonFiniteStep, StepStats
 
-PREFETCH_STEPS = 2  # optimizer steps' worth of micro-batches prepared ahead (packed, padded, pinned)
 MAX_SAMPLES_NAMED = 3  # samples a non-finite step's error line names
 
 
@@ -119,11 +118,14 @@ def _train(config: TrainConfig, console: Console, dist: Dist, run: Path) -> Trai
     )
     deadline = time.monotonic() + config.max_minutes * 60 if config.max_minutes else None
     pin = device.type == "cuda"
+    stage = Stager(device) if model.graphed else None  # a recorded step's batches go to the GPU ahead, too
 
-    def host_ready(group: list[FeatureBatch]) -> tuple[list[FeatureBatch], int, int]:
-        """(this rank's micro-batches padded and pinned, the group's size and tokens): run ahead by a thread."""
+    def host_ready(group: list[FeatureBatch]) -> tuple[list[FeatureBatch | StagedBatch], int, int]:
+        """(this rank's micro-batches padded and pinned — and for a recorded step on the device already —, the
+        group's size and tokens): run ahead by a thread."""
         mine = [pad_to_budget(batch, config.token_budget, pin) for batch in group[dist.rank :: dist.world]]
-        return mine, len(group), sum(batch.tokens for batch in group)
+        tokens = sum(batch.tokens for batch in group)
+        return ([stage(batch) for batch in mine] if stage else mine), len(group), tokens
 
     step = step_function(model, config, device)
     stop = StopFlag()
