@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `eaglet extract --backend vllm` beside `--backend hf` and vLLM's own prefill, on the H200 (one part per device call).
 # Staged first: the embedded target (scripts/device.sh) and vLLM (scripts/device/vllm_install.sh; README "GPU checks").
-#   bash scripts/device.sh bash benchmarks/vllm_extract_h200.sh data|smoke|regen|embedded|8b|route|ratio|moe|int4|train|serve
+#   bash scripts/device.sh bash benchmarks/vllm_extract_h200.sh data|smoke|regen|embedded|8b|route|ratio|profile|moe|int4|train|serve
 # Results: one JSON object per line in $OUT/vllm_extract.jsonl (python benchmarks/vllm_extract_parity.py prints them).
 set -euo pipefail
 export PYTHONPATH=/tmp/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
@@ -80,6 +80,20 @@ case "$1" in
     bench prefill --repeats "$repeats" --target "$work/llama8b" --prepared "$work/prepared" --max-samples "${SAMPLES:-912}"
     rm -rf "$stores/llama8b-vllm"
     ;;
+  profile)  # where the vllm backend's time goes: vLLM's profiler on its worker during one more run of the backend
+    # and of plain prefill, each after a timed run; traces under $OUT/profile-*, their summaries in the jsonl
+    [ -f "$work/llama8b/config.json" ] || bench make-8b "$work/llama8b" --tokenizer "$embedded"
+    rm -rf "$stores/llama8b-vllm" "$OUT/profile-extract" "$OUT/profile-prefill"
+    bench extract --repeats 1 --profile "$OUT/profile-extract" --backend vllm --target "$work/llama8b" \
+      --prepared "$work/prepared" --out "$stores/llama8b-vllm" --max-samples "${SAMPLES:-912}"
+    bench prefill --repeats 1 --profile "$OUT/profile-prefill" --target "$work/llama8b" --prepared "$work/prepared" \
+      --max-samples "${SAMPLES:-912}"
+    for part in extract prefill; do
+      python3 benchmarks/vllm_profile_summary.py "$OUT/profile-$part" | sed "s/^{/{\"profiled\": \"$part\", /" \
+        | tee -a "$OUT/vllm_extract.jsonl"
+    done
+    rm -rf "$stores/llama8b-vllm"
+    ;;
   moe)
     [ -f "$work/moe/config.json" ] || bench make-moe "$work/moe" --tokenizer "$embedded"
     pair moe "$work/moe" 500
@@ -118,5 +132,5 @@ print(json.dumps({'draft_from': '$backend', 'acceptance_length': r['acceptance_l
       --dtype bfloat16 --out "$work/eval-serve" | tail -4
     cp "$work/eval-serve/report.json" "$OUT/eaglet_eval_serve_prompts.json"
     ;;
-  *) echo "usage: $0 data|smoke|regen|embedded|8b|route|ratio|moe|int4|train|serve" >&2; exit 2 ;;
+  *) echo "usage: $0 data|smoke|regen|embedded|8b|route|ratio|profile|moe|int4|train|serve" >&2; exit 2 ;;
 esac

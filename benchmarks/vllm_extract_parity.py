@@ -6,12 +6,14 @@ Subcommands (each a fresh process, so one engine holds the GPU at a time):
                                   + routed experts, a dense first layer)
   make-int4 DIR --tokenizer DIR   a small random Llama saved as a compressed-tensors INT4 checkpoint (packed
                                   symmetric groups of 128: Kimi-K2's weight format, at widths vLLM's Marlin takes)
-  extract [--repeats N] --backend hf|vllm ...
+  extract [--repeats N] [--profile DIR] --backend hf|vllm ...
                                   `eaglet extract` N times in one process, the target loaded once; prints the
                                   median tok/s and every run's (load excluded)
-  prefill --target DIR --prepared DIR [--repeats N] [--route]
+  prefill --target DIR --prepared DIR [--repeats N] [--route] [--profile DIR]
                                   vLLM alone, no connector, max_tokens=1 over the same samples: the ceiling;
                                   --route: the vllm backend's engine with requests that save nothing
+  --profile DIR (vllm): vLLM's torch profiler records its worker during one more run after the timed ones, traces in
+                                  DIR; `python benchmarks/vllm_profile_summary.py DIR` says where the time went
   compare STORE_A STORE_B         per-token cosine of every aux layer and of `last`, sample by sample
   answers A.jsonl B.jsonl         two regenerate outputs of the same prompts: tok/s each, answers identical
 Each prints one JSON object on stdout (the device call collects them).
@@ -123,7 +125,7 @@ def extract_config(values: dict):
     )
 
 
-def vllm_engine(config):
+def vllm_engine(config, profile_dir: str | None = None):
     """The vllm backend's engine for ``config``, opened as `eaglet extract` opens it (its checks included)."""
     from eaglet.extract.extractor import open_vllm_engine
     from eaglet.formats.layers import resolve_aux_layer_ids
@@ -141,11 +143,13 @@ def vllm_engine(config):
         load_prepared(config.prepared, config.max_samples),
         Path(config.out),
         str(pick_dtype(config.dtype, "cuda")).replace("torch.", ""),
+        profile_dir,
     )
 
 
-def extract(argv: list[str], repeats: int) -> dict:
-    """`eaglet extract` ``repeats`` times into fresh stores (the last one kept at --out), the target loaded once."""
+def extract(argv: list[str], repeats: int, profile_dir: str | None = None) -> dict:
+    """`eaglet extract` ``repeats`` times into fresh stores (the last one kept at --out), the target loaded once;
+    ``profile_dir``: one more run (not timed) with vLLM's profiler recording its worker."""
     import shutil
 
     from eaglet.extract.extractor import run_extract
@@ -155,7 +159,7 @@ def extract(argv: list[str], repeats: int) -> dict:
     store = Path(config.out)
     loaded: dict = {}
     if config.backend == "vllm":
-        loaded["engine"] = vllm_engine(config)
+        loaded["engine"] = vllm_engine(config, profile_dir)
     else:
         resolved = resolve_target(config.target, config.trust_remote_code)
         loaded["model"] = load_model(resolved.path, "cuda", config.dtype, config.trust_remote_code, config, 1)
@@ -166,6 +170,11 @@ def extract(argv: list[str], repeats: int) -> dict:
         runs.append({"seconds": result.seconds, "tok_per_s": result.tokens_computed / result.seconds,
                      "writer_stall_s": result.writer_stall_s, "writer_seconds": result.writer_seconds,
                      "waits": result.waits})  # fmt: skip
+    if profile_dir is not None and "engine" in loaded:
+        shutil.rmtree(store, ignore_errors=True)
+        loaded["engine"].llm.start_profile()
+        run_extract(config, **loaded)
+        loaded["engine"].llm.stop_profile()
     rates = sorted(r["tok_per_s"] for r in runs)
     return {
         "backend": config.backend,
@@ -192,6 +201,7 @@ def prefill(
     memory_share: float,
     repeats: int,
     route: bool,
+    profile_dir: str | None = None,
 ) -> dict:
     """vLLM's prefill over the samples, ``max_tokens=1``. ``route``: the vllm backend's own engine, opened as
     `eaglet extract` opens it (the ``extract_hidden_states`` method capturing eaglet's layers, eaglet's connector, no
@@ -213,7 +223,7 @@ def prefill(
         values = {"target": target, "prepared": prepared, "out": str(Path(tempfile.mkdtemp()) / "store"),
                   "backend": "vllm", "max_samples": max_samples, "batch_tokens": batch_tokens,
                   "gpu_memory_utilization": memory_share}  # fmt: skip
-        llm = vllm_engine(extract_config({k: v for k, v in values.items() if v is not None})).llm
+        llm = vllm_engine(extract_config({k: v for k, v in values.items() if v is not None}), profile_dir).llm
     else:
         llm = LLM(
             model=target,
@@ -224,6 +234,13 @@ def prefill(
             enable_prefix_caching=False,
             gpu_memory_utilization=memory_share,
             seed=0,
+            profiler_config=None
+            if profile_dir is None
+            else {
+                "profiler": "torch",
+                "torch_profiler_dir": str(Path(profile_dir).resolve()),
+                "torch_profiler_with_stack": False,
+            },  # fmt: skip
         )
     sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     llm.generate([{"prompt_token_ids": t} for t in tokens[:8]], sampling, use_tqdm=False)  # warm-up
@@ -233,6 +250,10 @@ def prefill(
         started = time.perf_counter()
         llm.generate([{"prompt_token_ids": t} for t in tokens], sampling, use_tqdm=False)
         rates.append(total / (time.perf_counter() - started))
+    if profile_dir is not None:
+        llm.start_profile()
+        llm.generate([{"prompt_token_ids": t} for t in tokens], sampling, use_tqdm=False)
+        llm.stop_profile()
     return {
         "backend": "vllm prefill, extract route, nothing saved" if route else "vllm prefill only",
         "tokens": total,
@@ -319,6 +340,7 @@ def main() -> None:
     int4.add_argument("--tokenizer", type=Path, required=True)
     ext = sub.add_parser("extract", help="the rest of the line: `eaglet extract` options")
     ext.add_argument("--repeats", type=int, default=1)
+    ext.add_argument("--profile", default=None, help="vllm: profile one more run, traces in this folder")
     pre = sub.add_parser("prefill")
     pre.add_argument("--target", required=True)
     pre.add_argument("--prepared", required=True)
@@ -327,6 +349,7 @@ def main() -> None:
     pre.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     pre.add_argument("--repeats", type=int, default=1)
     pre.add_argument("--route", action="store_true", help="the vllm backend's engine, requests saving nothing")
+    pre.add_argument("--profile", default=None, help="profile one more run, traces in this folder")
     ans = sub.add_parser("answers")
     ans.add_argument("a", type=Path)
     ans.add_argument("b", type=Path)
@@ -343,7 +366,7 @@ def main() -> None:
     elif args.command == "make-int4":
         result = make_int4(args.out, args.tokenizer)
     elif args.command == "extract":
-        result = extract(rest, args.repeats)
+        result = extract(rest, args.repeats, args.profile)
     elif args.command == "prefill":
         result = prefill(
             args.target,
@@ -353,6 +376,7 @@ def main() -> None:
             args.gpu_memory_utilization,
             args.repeats,
             args.route,
+            args.profile,
         )
     elif args.command == "answers":
         result = answers(args.a, args.b)

@@ -542,8 +542,10 @@ def open_vllm_engine(
     prepared: PreparedSet,
     store: Path,
     model_dtype: str,
+    profile_dir: str | None = None,
 ) -> HiddenStateEngine:
-    """vLLM on the target, sized for the longest sample and a forward of ``--batch-tokens``."""
+    """vLLM on the target, sized for the longest sample and a forward of ``--batch-tokens``; ``profile_dir``: where
+    vLLM's torch profiler writes its worker's traces (benchmarks/vllm_extract_parity.py; off in `eaglet extract`)."""
     if not config.device.startswith(("auto", "cuda")) or not torch.cuda.is_available():
         raise EagletError("--backend vllm needs CUDA GPUs; use --backend hf on this machine")
     problem = config_problem(target_path)
@@ -567,6 +569,7 @@ def open_vllm_engine(
         max_num_batched_tokens=max(config.batch_tokens or GPU_BATCH_TOKENS, longest + GENERATED_TOKENS),
         gpu_memory_utilization=config.gpu_memory_utilization,
         trust_remote_code=config.trust_remote_code,
+        profile_dir=profile_dir,
     )
     return HiddenStateEngine(settings)
 

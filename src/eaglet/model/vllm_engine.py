@@ -64,6 +64,15 @@ class EngineSettings:
     trust_remote_code: bool
     seed: int = 0
     enforce_eager: bool = False  # compiled and CUDA-graphed, as vLLM serves
+    profile_dir: str | None = None  # vLLM's torch profiler writes the worker's traces here between start/stop_profile
+
+    def profiler_config(self) -> dict[str, Any] | None:
+        """``LLM``'s profiler settings: the worker's CPU and GPU activity, without Python stacks (their overhead would
+        be what the trace shows)."""
+        if self.profile_dir is None:
+            return None
+        return {"profiler": "torch", "torch_profiler_dir": str(Path(self.profile_dir).resolve()),
+                "torch_profiler_with_stack": False}  # fmt: skip
 
     def layout(self) -> tuple[SpoolField, ...]:
         """The stored tensors vLLM's worker writes for each token (``vllm_rows.spool_layout``)."""
@@ -190,6 +199,7 @@ class HiddenStateEngine:
                     },
                 },
                 kv_transfer_config=transfer,
+                profiler_config=settings.profiler_config(),
             )
 
     def requests(
