@@ -5,6 +5,7 @@ calls into vLLM bound against released vLLM sources."""
 
 from __future__ import annotations
 
+import json
 import zipfile
 from pathlib import Path
 
@@ -130,6 +131,34 @@ def test_extract_with_vllm_where_it_is_not_installed_is_refused_before_any_store
     assert code != 0
     assert "vLLM is not installed" in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_a_spool_folder_that_cannot_hold_the_shards_is_refused_before_vllm_loads(
+    tmp_path, capsys, tiny_prepared, tiny_target, mounts
+):
+    """`--set spool_dir=` names a file, or a folder on another filesystem with less room than the shards vLLM's
+    worker fills at once (allocated whole when made): preflight fails on it, and with preflight skipped the
+    extraction refuses in one line before any engine or store (here, before vLLM would even be imported)."""
+    from eaglet.extract.spool import SPOOLED_SHARDS, spool_problem
+
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("")
+    small = mounts("full", "64k")  # another filesystem, less than eight of these shards
+    for spool, said in ((a_file, "a file, not a folder"), (small / "spool", "GiB are free")):
+        out = tmp_path / "store"
+        args = extract_args(tiny_prepared, out, tiny_target, "--backend", "vllm", "--set", f"spool_dir={spool}")
+        code, stdout, err = run_cli(["preflight", "--json", *args], capsys)
+        (check,) = [c for c in json.loads(stdout)["checks"] if c["name"] == "spool"]
+        assert code != 0 and check["status"] == "fail" and said in check["detail"], check
+        code, _, err = run_cli([*args, "--skip-preflight"], capsys)
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert code != 0 and len(errors) == 1 and said in errors[0] and "Traceback" not in err, err
+        assert not out.exists() and not (spool.is_dir() and any(spool.iterdir()))
+    # beside the store (the default), the spool's files are the store's own shards: no extra room asked
+    assert spool_problem(tmp_path / ".store.vllm-spool", tmp_path / "store", [2**40] * SPOOLED_SHARDS) is None
+    # elsewhere, the largest SPOOLED_SHARDS shards must fit: 64 KiB holds eight 4 KB shards, not eight 10 KB ones
+    assert spool_problem(small / "spool", tmp_path / "store", [4_000] * 20) is None
+    assert "GiB are free" in spool_problem(small / "spool", tmp_path / "store", [1] * 20 + [10_000] * 8)
 
 
 def _release(version: str, root: Path) -> Path:
@@ -535,7 +564,7 @@ def test_the_vllm_pipeline_stores_what_the_hf_backend_stores(tmp_path, tiny_prep
     """Shards handed to the engine four per call, at most SPOOLED_SHARDS spool files at once, written by other
     threads after each call: the store has every shard, in order, with the hf backend's ids, masks and features."""
     from eaglet.extract.extractor import run_extract
-    from eaglet.extract.vllm_extractor import SHARDS_PER_GENERATE, SPOOLED_SHARDS
+    from eaglet.extract.spool import SHARDS_PER_GENERATE, SPOOLED_SHARDS
 
     config = _vllm_config(tiny_prepared, tmp_path / "vllm", tiny_target)
     engine = TransformersRowsEngine(tiny_target, LAYERS, tmp_path / ".vllm.vllm-spool")
@@ -570,7 +599,7 @@ def test_an_engine_that_dies_mid_store_is_one_error_and_the_store_resumes(tmp_pa
     import time
 
     from eaglet.extract.extractor import run_extract
-    from eaglet.extract.vllm_extractor import SHARDS_PER_GENERATE
+    from eaglet.extract.spool import SHARDS_PER_GENERATE
 
     config = _vllm_config(tiny_prepared, tmp_path / "store", tiny_target)
     spool = tmp_path / ".store.vllm-spool"
@@ -591,7 +620,8 @@ def test_a_token_vllms_worker_flagged_non_finite_is_refused_naming_its_sample(tm
     its spool file removed and its spool slot given back all the same."""
     import threading
 
-    from eaglet.extract.vllm_extractor import SPOOLED_SHARDS, Feed, SpooledShard
+    from eaglet.extract.spool import SPOOLED_SHARDS
+    from eaglet.extract.vllm_extractor import Feed, SpooledShard
     from eaglet.formats.store_manifest import ShardPlan
     from eaglet.model.vllm_rows import RowsWriter
 

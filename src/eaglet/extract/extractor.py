@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from ..formats.store_manifest import (
     plan_shards,
     read_manifest,
     read_record,
+    shard_tokens,
 )
 from ..formats.target_record import require_same_target, stage_target, target_source
 from ..fsio import check_output_apart, check_output_dir, free_disk_bytes, output_lock, write_json_atomic
@@ -58,6 +58,7 @@ from ..model.vllm_capture import installed_capture
 from ..model.vllm_engine import GENERATED_TOKENS, EngineSettings, HiddenStateEngine, config_problem, vllm_version
 from ..model.vllm_rows import SPOOL_SUFFIX
 from ..progress import progress_bar
+from .spool import remove_spool, spool_dir, spool_problem
 from .vllm_extractor import VllmShardExtractor
 
 WRITE_QUEUE_DEPTH = 3  # finished shards waiting for a writer while the next one computes
@@ -426,7 +427,7 @@ def _extract(
     layers = resolve_aux_layer_ids(config.layers, info.num_layers)
     place = topology(config, dist.rank, dist.world)
     per_token = bytes_per_token(info.hidden_size, config.storage_dtype)
-    tokens_per_shard = max(1, int(config.shard_mb * 1e6 / per_token))
+    tokens_per_shard = shard_tokens(config.shard_mb, per_token)
     plans = plan_shards(prepared.lengths, tokens_per_shard)
     device = dist.device(config.device)
     model_dtype = str(pick_dtype(config.dtype, device)).replace("torch.", "")
@@ -440,6 +441,10 @@ def _extract(
     ]
     mine = [p for p in todo_all if p.index % place.replicas == place.replica]
     _check_disk(store, sum(p.tokens for p in todo_all) * per_token, config.reserve_gb)
+    if mine and config.backend == "vllm":
+        problem = spool_problem(spool_dir(config.spool_dir, store), store, [p.tokens * per_token for p in mine])
+        if problem:
+            raise EagletError(problem)
     # vLLM starts its own workers; before the store: a failed load leaves none
     if mine and config.backend == "vllm" and engine is None:
         if dist.world > 1:
@@ -501,7 +506,7 @@ def _extract(
                     writer_seconds = writer.seconds
                 finally:
                     if engine is not None:  # vLLM's files of a failed shard are not kept: resumed, it is recomputed
-                        remove_spool(engine.settings.spool, own=not config.spool_dir)
+                        remove_spool(engine.settings.spool, not config.spool_dir, f"shard-*{SPOOL_SUFFIX}*")
     seconds = time.perf_counter() - started
     dist.barrier()
     manifest = _manifest(store, identity, plans, config, source)
@@ -511,26 +516,6 @@ def _extract(
     return ExtractResult(
         store, manifest, len(mine), sum(p.tokens for p in mine), seconds, stall_s, writer_seconds, waits
     )
-
-
-VLLM_SPOOL_SUFFIX = ".vllm-spool"  # `.STORE.vllm-spool` beside the store unless --spool-dir says otherwise
-
-
-def spool_dir(config: ExtractConfig, store: Path) -> Path:
-    """Where vLLM's connector writes: beside the store (not in it: a failed load must leave no store behind)."""
-    return Path(config.spool_dir) if config.spool_dir else store.parent / f".{store.name}{VLLM_SPOOL_SUFFIX}"
-
-
-def remove_spool(spool: Path, own: bool) -> None:
-    """eaglet's own spool folder goes whole; in a folder the user named, only the shards' spool files (a failed
-    shard's are not kept: resumed, it is recomputed), and the folder once it is empty."""
-    if own:
-        shutil.rmtree(spool, ignore_errors=True)
-        return
-    for leftover in spool.glob(f"shard-*{SPOOL_SUFFIX}*"):
-        leftover.unlink(missing_ok=True)
-    with contextlib.suppress(OSError):
-        spool.rmdir()
 
 
 def open_vllm_engine(
@@ -561,7 +546,7 @@ def open_vllm_engine(
         aux_layer_ids=layers,
         num_layers=num_layers,
         hidden_size=hidden_size,
-        spool=spool_dir(config, store),
+        spool=spool_dir(config.spool_dir, store),
         storage_dtype=config.storage_dtype,
         tensor_parallel_size=config.tensor_parallel_size,
         dtype=model_dtype,

@@ -30,9 +30,8 @@ from ..formats.store_manifest import ShardPlan
 from ..model.shards import adopt_shard
 from ..model.vllm_engine import SPOOL_WAIT_S, HiddenStateEngine
 from ..model.vllm_rows import SPOOL_SUFFIX, ShardFile, cut_checks, read_checks, wait_for_rows
+from .spool import SHARDS_PER_GENERATE, SPOOLED_SHARDS
 
-SHARDS_PER_GENERATE = 4  # shards whose requests vLLM gets in one call: its last part-filled step once per 4 shards
-SPOOLED_SHARDS = 2 * SHARDS_PER_GENERATE  # spool files at once: one call's being read while the next one's fill
 PERMIT_POLL_S = 0.5  # how often a feeder waiting for a spool slot checks that the extraction still runs
 
 

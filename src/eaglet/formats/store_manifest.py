@@ -79,6 +79,11 @@ def _cut(samples: list[int], lengths: np.ndarray, tokens: int) -> list[list[int]
     return [run for run in runs if run]
 
 
+def shard_tokens(shard_mb: float, per_token: int) -> int:
+    """Tokens a shard of about ``shard_mb`` MB holds at ``per_token`` bytes a token (at least one)."""
+    return max(1, int(shard_mb * 1e6 / per_token))
+
+
 def plan_shards(lengths: np.ndarray, tokens_per_shard: int, window_shards: int = SORT_WINDOW_SHARDS) -> list[ShardPlan]:
     """Windows of consecutive samples, each sorted longest first (stable) and cut into shards of
     about ``tokens_per_shard`` tokens."""

@@ -232,10 +232,11 @@ def extract_checks(cfg: Any) -> list[Check]:
         )
     else:
         checks.append(check_output_dir(store, overwrite=False, resumable=True))
-    needed = int(prepared.lengths.sum()) * bytes_per_token(info.hidden_size, cfg.storage_dtype)
+    per_token = bytes_per_token(info.hidden_size, cfg.storage_dtype)
+    needed = int(prepared.lengths.sum()) * per_token
     checks.append(check_disk(store, int(needed + cfg.reserve_gb * GIB), f"store ({cfg.storage_dtype}) + reserve"))
     if cfg.backend == "vllm":  # its fit is vLLM's own (check_vllm_backend): transformers' does not apply
-        return checks
+        return checks + [_spool_check(cfg, store, prepared, per_token)]
     device, dtype_bytes = _device_bytes(cfg.device, cfg.dtype)
     batch_tokens = cfg.batch_tokens or (GPU_BATCH_TOKENS if device.startswith("cuda") else CPU_BATCH_TOKENS)
     checks += check_fit(resolved.path, cfg, device, dtype_bytes, batch_tokens)
@@ -249,6 +250,19 @@ def extract_checks(cfg: Any) -> list[Check]:
             )
         )
     return checks
+
+
+def _spool_check(cfg: Any, store: Path, prepared: Any, per_token: int) -> Check:
+    """The vllm backend's spool folder holds the shards vLLM's worker fills (``extract.spool``)."""
+    from ..extract.spool import spool_dir, spool_problem
+    from ..formats.store_manifest import plan_shards, shard_tokens
+
+    spool = spool_dir(cfg.spool_dir, store)
+    plans = plan_shards(prepared.lengths, shard_tokens(cfg.shard_mb, per_token))
+    problem = spool_problem(spool, store, [plan.tokens * per_token for plan in plans])
+    if problem:
+        return Check("spool", FAIL, problem)
+    return Check("spool", PASS, f"{spool}" + ("" if cfg.spool_dir else " (beside the store, removed at the end)"))
 
 
 def _target_check(
