@@ -136,15 +136,19 @@ def test_extract_with_vllm_where_it_is_not_installed_is_refused_before_any_store
 def test_a_spool_folder_that_cannot_hold_the_shards_is_refused_before_vllm_loads(
     tmp_path, capsys, tiny_prepared, tiny_target, mounts
 ):
-    """`--set spool_dir=` names a file, or a folder on another filesystem with less room than the shards vLLM's
-    worker fills at once (allocated whole when made): preflight fails on it, and with preflight skipped the
-    extraction refuses in one line before any engine or store (here, before vLLM would even be imported)."""
-    from eaglet.extract.spool import SPOOLED_SHARDS, spool_problem
+    """`--set spool_dir=` names a file (or a folder inside one), or a folder on another filesystem with less room
+    than the shards vLLM's worker fills at once (allocated whole when made): preflight fails on it, and with preflight
+    skipped the extraction refuses in one line before any engine or store (here, before vLLM would be imported)."""
+    from eaglet.formats.spool import SPOOLED_SHARDS, spool_problem
 
     a_file = tmp_path / "not-a-folder"
     a_file.write_text("")
     small = mounts("full", "64k")  # another filesystem, less than eight of these shards
-    for spool, said in ((a_file, "a file, not a folder"), (small / "spool", "GiB are free")):
+    for spool, said in (
+        (a_file, "is a file, not a folder"),
+        (a_file / "spool", "is a file"),
+        (small / "spool", "GiB are free"),
+    ):
         out = tmp_path / "store"
         args = extract_args(tiny_prepared, out, tiny_target, "--backend", "vllm", "--set", f"spool_dir={spool}")
         code, stdout, err = run_cli(["preflight", "--json", *args], capsys)
@@ -564,7 +568,7 @@ def test_the_vllm_pipeline_stores_what_the_hf_backend_stores(tmp_path, tiny_prep
     """Shards handed to the engine four per call, at most SPOOLED_SHARDS spool files at once, written by other
     threads after each call: the store has every shard, in order, with the hf backend's ids, masks and features."""
     from eaglet.extract.extractor import run_extract
-    from eaglet.extract.spool import SHARDS_PER_GENERATE, SPOOLED_SHARDS
+    from eaglet.formats.spool import SHARDS_PER_GENERATE, SPOOLED_SHARDS
 
     config = _vllm_config(tiny_prepared, tmp_path / "vllm", tiny_target)
     engine = TransformersRowsEngine(tiny_target, LAYERS, tmp_path / ".vllm.vllm-spool")
@@ -599,7 +603,7 @@ def test_an_engine_that_dies_mid_store_is_one_error_and_the_store_resumes(tmp_pa
     import time
 
     from eaglet.extract.extractor import run_extract
-    from eaglet.extract.spool import SHARDS_PER_GENERATE
+    from eaglet.formats.spool import SHARDS_PER_GENERATE
 
     config = _vllm_config(tiny_prepared, tmp_path / "store", tiny_target)
     spool = tmp_path / ".store.vllm-spool"
@@ -620,8 +624,8 @@ def test_a_token_vllms_worker_flagged_non_finite_is_refused_naming_its_sample(tm
     its spool file removed and its spool slot given back all the same."""
     import threading
 
-    from eaglet.extract.spool import SPOOLED_SHARDS
     from eaglet.extract.vllm_extractor import Feed, SpooledShard
+    from eaglet.formats.spool import SPOOLED_SHARDS
     from eaglet.formats.store_manifest import ShardPlan
     from eaglet.model.vllm_rows import RowsWriter
 

@@ -22,6 +22,7 @@ from typing import Any, Iterator, Sequence
 from .errors import EagletError
 
 HASH_CHUNK_BYTES = 4 << 20
+GIB = 1 << 30  # bytes in the GiB every size message is given in
 
 
 def sha256_file(path: str | Path) -> str:

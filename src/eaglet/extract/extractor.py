@@ -28,6 +28,7 @@ from ..errors import EagletError
 from ..formats.files import MANIFEST_FILE, STORE_SCHEMA
 from ..formats.layers import AUX_CONVENTION, resolve_aux_layer_ids
 from ..formats.prepared import PreparedSet, load_prepared
+from ..formats.spool import remove_spool, spool_dir, spool_problem
 from ..formats.store_manifest import (
     SORT_WINDOW_SHARDS,
     ShardPlan,
@@ -58,7 +59,6 @@ from ..model.vllm_capture import installed_capture
 from ..model.vllm_engine import GENERATED_TOKENS, EngineSettings, HiddenStateEngine, config_problem, vllm_version
 from ..model.vllm_rows import SPOOL_SUFFIX
 from ..progress import progress_bar
-from .spool import remove_spool, spool_dir, spool_problem
 from .vllm_extractor import VllmShardExtractor
 
 WRITE_QUEUE_DEPTH = 3  # finished shards waiting for a writer while the next one computes

@@ -26,11 +26,11 @@ import torch
 
 from ..errors import EagletError
 from ..formats.prepared import PreparedSet
+from ..formats.spool import SHARDS_PER_GENERATE, SPOOLED_SHARDS
 from ..formats.store_manifest import ShardPlan
 from ..model.shards import adopt_shard
 from ..model.vllm_engine import SPOOL_WAIT_S, HiddenStateEngine
 from ..model.vllm_rows import SPOOL_SUFFIX, ShardFile, cut_checks, read_checks, wait_for_rows
-from .spool import SHARDS_PER_GENERATE, SPOOLED_SHARDS
 
 PERMIT_POLL_S = 0.5  # how often a feeder waiting for a spool slot checks that the extraction still runs
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import EagletError
+from ..fsio import GIB
 
-GIB = 1 << 30
 BF16_BYTES = 2
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "bf16": 2, "fp32": 4, "fp16": 2}
 # model_type aliases for configs whose own code is remote: the architecture transformers has built in

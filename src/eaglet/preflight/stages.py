@@ -253,8 +253,8 @@ def extract_checks(cfg: Any) -> list[Check]:
 
 
 def _spool_check(cfg: Any, store: Path, prepared: Any, per_token: int) -> Check:
-    """The vllm backend's spool folder holds the shards vLLM's worker fills (``extract.spool``)."""
-    from ..extract.spool import spool_dir, spool_problem
+    """The vllm backend's spool folder holds the shards vLLM's worker fills (``formats.spool``)."""
+    from ..formats.spool import spool_dir, spool_problem
     from ..formats.store_manifest import plan_shards, shard_tokens
 
     spool = spool_dir(cfg.spool_dir, store)

@@ -1,6 +1,7 @@
 """The vllm backend's spool folder: where vLLM's worker fills each shard's file before eaglet moves it into the store.
 
-Torch-free: preflight asks the same questions as the extraction, before anything loads.
+Its place, how many shard files it holds at once and whether it can: torch-free, so preflight asks the extraction's
+own questions before anything loads.
 """
 
 from __future__ import annotations
@@ -10,12 +11,11 @@ import os
 import shutil
 from pathlib import Path
 
-from ..fsio import free_disk_bytes
+from ..fsio import GIB, free_disk_bytes
 
 SHARDS_PER_GENERATE = 4  # shards whose requests vLLM gets in one call: its last part-filled step once per 4 shards
 SPOOLED_SHARDS = 2 * SHARDS_PER_GENERATE  # spool files at once: one call's being read while the next one's fill
 VLLM_SPOOL_SUFFIX = ".vllm-spool"  # `.STORE.vllm-spool` beside the store unless --set spool_dir says otherwise
-GIB = 2**30
 
 
 def spool_dir(spool_setting: str | None, store: Path) -> Path:
@@ -48,9 +48,10 @@ def spool_problem(spool: Path, store: Path, shard_bytes: list[int]) -> str | Non
     another filesystem than the store's, too little room for the ``SPOOLED_SHARDS`` largest shards (their files are
     allocated whole when eaglet makes them). Beside the store, the spool's files are the store's own shards, which the
     store's disk check counts. Known in milliseconds, before vLLM loads the target (minutes)."""
-    if spool.exists() and not spool.is_dir():
-        return f"--set spool_dir={spool}: a file, not a folder; name a folder (or leave spool_dir unset)"
-    if os.stat(_existing(spool)).st_dev == os.stat(_existing(store)).st_dev:
+    there = _existing(spool)  # the spool itself, or the ancestor it will be made in
+    if not there.is_dir():
+        return f"--set spool_dir={spool}: {there} is a file, not a folder; name a folder (or leave spool_dir unset)"
+    if os.stat(there).st_dev == os.stat(_existing(store)).st_dev:
         return None
     needed = sum(sorted(shard_bytes, reverse=True)[:SPOOLED_SHARDS])
     free = free_disk_bytes(spool)
