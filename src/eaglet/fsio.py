@@ -50,12 +50,17 @@ def sha256_json(obj: Any) -> str:
     return sha256_bytes(canonical_json(obj).encode("utf-8"))
 
 
-def free_disk_bytes(path: str | Path) -> int:
-    """Free bytes on the filesystem that holds ``path`` (or would, once created)."""
+def nearest_existing(path: str | Path) -> Path:
+    """``path`` or its nearest existing ancestor: where a path not yet made will live."""
     probe = Path(path).resolve()
     while not probe.exists():
         probe = probe.parent
-    return shutil.disk_usage(probe).free
+    return probe
+
+
+def free_disk_bytes(path: str | Path) -> int:
+    """Free bytes on the filesystem that holds ``path`` (or would, once created)."""
+    return shutil.disk_usage(nearest_existing(path)).free
 
 
 def fsync_dir(path: str | Path) -> None:

@@ -11,7 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..fsio import GIB, free_disk_bytes
+from ..fsio import GIB, free_disk_bytes, nearest_existing
 
 SHARDS_PER_GENERATE = 4  # shards whose requests vLLM gets in one call: its last part-filled step once per 4 shards
 SPOOLED_SHARDS = 2 * SHARDS_PER_GENERATE  # spool files at once: one call's being read while the next one's fill
@@ -35,23 +35,15 @@ def remove_spool(spool: Path, own: bool, files: str) -> None:
         spool.rmdir()
 
 
-def _existing(path: Path) -> Path:
-    """``path`` or its nearest existing ancestor (what a folder not yet made will live on)."""
-    probe = path.resolve()
-    while not probe.exists():
-        probe = probe.parent
-    return probe
-
-
 def spool_problem(spool: Path, store: Path, shard_bytes: list[int]) -> str | None:
     """Why vLLM's spool cannot hold this extraction's shards, or None: a file where the folder should be, or, on
     another filesystem than the store's, too little room for the ``SPOOLED_SHARDS`` largest shards (their files are
     allocated whole when eaglet makes them). Beside the store, the spool's files are the store's own shards, which the
     store's disk check counts. Known in milliseconds, before vLLM loads the target (minutes)."""
-    there = _existing(spool)  # the spool itself, or the ancestor it will be made in
+    there = nearest_existing(spool)  # the spool itself, or the ancestor it will be made in
     if not there.is_dir():
         return f"--set spool_dir={spool}: {there} is a file, not a folder; name a folder (or leave spool_dir unset)"
-    if os.stat(there).st_dev == os.stat(_existing(store)).st_dev:
+    if os.stat(there).st_dev == os.stat(nearest_existing(store)).st_dev:
         return None
     needed = sum(sorted(shard_bytes, reverse=True)[:SPOOLED_SHARDS])
     free = free_disk_bytes(spool)

@@ -143,15 +143,10 @@ class GraphedStep:
         current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if current is not None and staged.ready is not None:
             current.wait_event(staged.ready)
-        for target, source in zip(self.buffers.tensors(), staged.on_device.tensors(), strict=True):
-            if target.shape != source.shape or target.dtype != source.dtype:
-                raise ValueError(
-                    f"a recorded step takes {tuple(target.shape)} {target.dtype}, got {tuple(source.shape)} "
-                    f"{source.dtype}"
-                )
-            target.copy_(source, non_blocking=True)
-            if current is not None:
-                source.record_stream(current)  # made on the stager's stream: kept until this copy is done
+        self.buffers.copy_from(staged.on_device)
+        if current is not None:
+            for source in staged.on_device.tensors():  # made on the stager's stream: kept until this copy is done
+                source.record_stream(current)
 
     def _eager(self, batches: list[FeatureBatch]) -> StepStats:
         if self.side is None:

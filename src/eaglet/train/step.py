@@ -39,16 +39,20 @@ class DeviceBatch:
             doc_end,
         )
 
-    def copy_from(self, batch: FeatureBatch) -> None:
-        """``batch`` into these tensors (same shapes: batches padded to the token budget), without blocking."""
-        host = (batch.input_ids, batch.loss_mask, batch.aux, batch.last, *documents(batch.doc_offsets, _CPU))
-        for target, source in zip(self.tensors(), host):
+    def copy_from(self, batch: FeatureBatch | DeviceBatch) -> None:
+        """``batch`` (from the host, or already on the device) into these tensors (same shapes: batches padded to the
+        token budget), without blocking."""
+        if isinstance(batch, DeviceBatch):
+            sources = batch.tensors()
+        else:
+            sources = [batch.input_ids, batch.loss_mask, batch.aux, batch.last, *documents(batch.doc_offsets, _CPU)]
+        for target, source in zip(self.tensors(), sources, strict=True):
             if target.shape != source.shape or target.dtype != source.dtype:
                 raise ValueError(
                     f"a recorded step takes {tuple(target.shape)} {target.dtype}, got "
                     f"{tuple(source.shape)} {source.dtype}"
                 )
-            source = source.pin_memory() if target.device.type == "cuda" else source
+            source = source.pin_memory() if target.device.type == "cuda" and source.device.type == "cpu" else source
             target.copy_(source, non_blocking=True)
 
     def tensors(self) -> list[torch.Tensor]:
