@@ -289,7 +289,7 @@ def _spool_setup(tmp_path, lengths, storage="bf16", hidden=8):
     """A shard's spool file for requests of ``lengths`` tokens (eaglet's part written: header, ids, mask, offsets,
     sample index) and each request's formed tensors (from random captured rows of 3 aux layers + the last, through
     ``form_rows`` with an RMS norm), as vLLM's worker makes them."""
-    from eaglet.model.vllm_rows import RowsTarget, create_spool, form_rows, spool_layout
+    from eaglet.model.vllm_rows import RowsTarget, column_index, create_spool, form_rows, spool_layout
 
     generator = torch.Generator().manual_seed(1)
     ids = [torch.randint(0, 50_000, (length,), generator=generator) for length in lengths]
@@ -300,12 +300,13 @@ def _spool_setup(tmp_path, lengths, storage="bf16", hidden=8):
         "sample_index": torch.arange(len(lengths), dtype=torch.int64) * 2,
     }
     spool = tmp_path / "spool" / "shard-00000.rows"
+    cpu = torch.device("cpu")
     partial, file = create_spool(spool, host, spool_layout(storage, 3, hidden))
     norm = torch.nn.RMSNorm(hidden, eps=1e-6)
     requests, row = [], 0
     for length, request_ids in zip(lengths, ids):
         captured = torch.randn(length, 4, hidden, generator=generator).to(torch.bfloat16)
-        finite, stored = form_rows(captured, (2, 0, 1), norm.to(torch.bfloat16), storage)
+        finite, stored = form_rows(captured, column_index((2, 0, 1), cpu), norm.to(torch.bfloat16), storage)
         target = RowsTarget.for_rows(partial, file, row, (2, 0, 1), storage, hidden)
         requests.append((target, request_ids.numpy(), finite.numpy().astype(np.uint8), stored))
         row += length
@@ -382,19 +383,114 @@ def test_a_shards_rows_written_in_any_order_by_several_threads_read_back_exactly
     assert spool.read_bytes() == (tmp_path / "ours.safetensors").read_bytes() and size == spool.stat().st_size
 
 
+def test_a_chunk_of_requests_from_two_shards_is_written_run_by_run_and_reads_back_exactly(tmp_path):
+    """The worker writes a chunk's requests (two shards' interleaved, rows missing between them) in file and row order,
+    each run of rows that follow one another in one file at once: both files come out byte for byte what eaglet's own
+    writer makes of the same tensors."""
+    import random
+
+    from eaglet.model.shards import write_safetensors
+    from eaglet.model.vllm_rows import (
+        RowsWriter,
+        contiguous_runs,
+        cut_checks,
+        read_checks,
+        row_order,
+        wait_for_rows,
+    )
+
+    shards = [_spool_setup(tmp_path / name, lengths) for name, lengths in (("a", [5, 1, 33, 12]), ("b", [7, 64, 2]))]
+    requests = [request for _, _, _, _, made in shards for request in made]
+    random.Random(3).shuffle(requests)
+    writer = RowsWriter()
+    for chunk in (requests[:4], requests[4:]):
+        chunk = sorted(chunk, key=lambda request: row_order(request[0]))
+        writer.write_chunk(
+            [target for target, *_ in chunk],
+            [ids.tolist() for _, ids, _, _ in chunk],
+            np.concatenate([finite for _, _, finite, _ in chunk]),
+            {name: torch.cat([stored[name] for *_, stored in chunk]) for name in chunk[0][3]},
+        )
+    for spool, _, file, host, made in shards:
+        wait_for_rows(spool, timeout_s=5)
+        assert torch.equal(read_checks(spool, file).token_ids, host["input_ids"])
+        cut_checks(spool, file)
+        expected = host | {name: torch.cat([r[3][name] for r in made]) for name in made[0][3]}
+        write_safetensors(spool.parent / "ours.safetensors", expected)
+        assert spool.read_bytes() == (spool.parent / "ours.safetensors").read_bytes()
+
+    _, _, _, _, made = shards[0]
+    targets = [target for target, *_ in made]  # rows 0, 5, 6, 39 of one file
+    assert contiguous_runs(targets, [5, 1, 33, 12]) == [(0, 4)]
+    assert contiguous_runs([targets[0], targets[2], targets[3]], [5, 33, 12]) == [(0, 1), (1, 3)]  # rows 5.. missing
+    other = shards[1][4][0][0]
+    assert contiguous_runs([targets[0], other], [5, 7]) == [(0, 1), (1, 2)]  # another file
+
+
 def test_form_rows_stores_the_aux_columns_in_eaglets_order_and_the_normed_last_layer():
     """What vLLM's worker keeps of a token's captured layers (the aux ids ascending, then the last layer's output):
     aux in the order eaglet lists the ids, the final norm over the last capture, a finite flag per token."""
-    from eaglet.model.vllm_rows import form_rows
+    from eaglet.model.vllm_rows import column_index, form_rows
 
     captured = torch.randn(6, 4, 8)
     captured[4, 1, 3] = float("nan")
     norm = torch.nn.RMSNorm(8, eps=1e-6)
-    finite, stored = form_rows(captured, (2, 0, 1), norm, "bf16")
+    finite, stored = form_rows(captured, column_index((2, 0, 1), captured.device), norm, "bf16")
     exactly = {"rtol": 0, "atol": 0, "equal_nan": True}
     torch.testing.assert_close(stored["aux"], captured[:, [2, 0, 1]].to(torch.bfloat16), **exactly)
     torch.testing.assert_close(stored["last"], norm(captured[:, 3]).to(torch.bfloat16), **exactly)
     assert finite.tolist() == [True, True, True, True, False, True]
+
+
+GPU_SLEEP_CYCLES = 2_000_000_000  # ~1 s of a GPU kernel: the forward the worker's saving is queued behind
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="stream synchronisation is a GPU matter")
+@pytest.mark.parametrize("storage", ["bf16", "fp8-aux"])
+def test_the_worker_queues_a_chunks_rows_to_host_without_waiting_for_the_forward(storage):
+    """vLLM's step thread saves finished requests' rows right after queuing a forward, on a side stream that waits
+    for it. Nothing it calls may wait for the GPU: with async scheduling the host would stop preparing the next step
+    and the GPU would idle between steps. The slots go up, the rows are gathered, formed and copied to pinned memory
+    while the forward still runs (no synchronising call), and the host tensors equal the rows formed on the CPU."""
+    from eaglet.model.vllm_rows import column_index, form_rows, index_to_device, rows_to_host, slot_indices
+
+    cuda = torch.device("cuda")
+    block_size, hidden = 16, 64
+    cache = torch.randn(8, block_size, 4, hidden, device=cuda).to(torch.bfloat16)  # blocks x slots x layers x H
+    norm = torch.nn.RMSNorm(hidden, eps=1e-6).to(cuda, torch.bfloat16)
+    slots = slot_indices([5, 2, 7], block_size, 40)
+    side = torch.cuda.Stream()
+
+    def save(columns):
+        ready = torch.cuda.Event()
+        ready.record()
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            on_device = index_to_device(slots, cuda)
+            rows = cache[on_device // block_size, on_device % block_size]  # as vLLM's extract_from_kv_cache
+            finite, host = rows_to_host(rows, columns, norm, storage)
+            copied = torch.cuda.Event()
+            copied.record()
+        return finite, host, copied
+
+    columns = column_index((2, 0, 1), cuda)
+    save(columns)[2].synchronize()  # warm-up: pinned-memory blocks and kernels
+    torch.cuda._sleep(GPU_SLEEP_CYCLES)  # the forward
+    forward_done = torch.cuda.Event()
+    forward_done.record()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        finite, host, copied = save(columns)
+        still_running = not forward_done.query()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert still_running, "the save waited for the forward"
+    copied.synchronize()
+    on_cpu = cache.cpu()[torch.from_numpy(slots) // block_size, torch.from_numpy(slots) % block_size]
+    expected_finite, expected = form_rows(on_cpu, column_index((2, 0, 1), on_cpu.device), norm.cpu(), storage)
+    assert finite.tolist() == expected_finite.to(torch.uint8).tolist()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(host[name].float(), tensor.float(), rtol=0.02, atol=0.02, msg=name)
 
 
 def test_rows_of_the_wrong_width_leave_an_error_the_reader_names(tmp_path):
@@ -501,7 +597,7 @@ class TransformersRowsEngine:
         import json
         import threading
 
-        from eaglet.model.vllm_rows import RowsTarget, form_rows
+        from eaglet.model.vllm_rows import RowsTarget, column_index, form_rows
 
         self.calls += 1
         if self.calls == self.fail_on_call:
@@ -516,7 +612,8 @@ class TransformersRowsEngine:
             with torch.inference_mode():
                 states = self.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
                 captured = [states[layer][0] for layer in layers[:-1]] + [_last_layer_output(self.model, ids)[0]]
-                finite, stored = form_rows(torch.stack(captured, dim=1), target.columns, self.norm, target.storage)
+                rows = torch.stack(captured, dim=1)
+                finite, stored = form_rows(rows, column_index(target.columns, rows.device), self.norm, target.storage)
             done.append((target, ids[0].numpy(), finite.numpy().astype(np.uint8), stored))
         # the worker's writer threads finish after the call returns
         if self.calls == 1:  # while vLLM runs its first call, eaglet makes the second call's requests

@@ -6,11 +6,11 @@ kv_connector_module_path="eaglet.model.vllm_connector")``), through its public `
 - scheduler side: when an eaglet request finishes (its prompt's prefill ran, its one token sampled), keep its blocks
   and pass its slots' blocks, token ids and ``RowsTarget`` to the workers in the next step's metadata;
 - worker side (TP rank 0): in that step, gather every finished request's rows from the cache-only layer in one
-  indexing per chunk and form the stored tensors on the GPU, on a side stream (``vllm_rows.form_rows``: the aux
-  columns, the target's final norm over the last layer's output, the store's encoding, finite flags), copy them to
-  pinned host memory, and let writer threads put each request's tensors at their places in its shard's file (the
-  shard's own safetensors file); the blocks are released once the copy is done. eaglet checks the file and moves it
-  into the store as it is.
+  indexing per chunk (requests in file and row order) and form the stored tensors on the GPU, on a side stream
+  (``vllm_rows.form_rows``: the aux columns, the target's final norm over the last layer's output, the store's
+  encoding, finite flags), copy them to pinned host memory — all queued, the step thread never waits for the GPU —
+  and let writer threads put each run of rows at its place in its shard's file (the shard's own safetensors file);
+  the blocks are released once the copy is done. eaglet checks the file and moves it into the store as it is.
 
 vLLM's own ``ExampleHiddenStatesConnector`` writes a safetensors file and a lock file per request, which eaglet then
 read back one by one: 0.13x vLLM's prefill on the embedded target (benchmarks/RESULTS.md). The cache layout of the
@@ -42,7 +42,16 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
 
 from .final_norm import load_final_norm
-from .vllm_rows import SAVED_KEY, RowsTarget, RowsWriter, form_rows, slot_indices
+from .vllm_rows import (
+    SAVED_KEY,
+    RowsTarget,
+    RowsWriter,
+    column_index,
+    index_to_device,
+    row_order,
+    rows_to_host,
+    slot_indices,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -104,6 +113,7 @@ class EagletRowsConnector(KVConnectorBase_V1, SupportsHMA):
         self.writer = RowsWriter()
         self.pool = ThreadPoolExecutor(WRITER_THREADS, thread_name_prefix="eaglet-rows")
         self.norm: torch.nn.Module | None = None  # the target's final norm, loaded on the cache's device at first use
+        self.column_indices: dict[tuple[int, ...], torch.Tensor] = {}  # a form's aux columns -> its index on the GPU
 
     @property
     def prefer_cross_layer_blocks(self) -> bool:
@@ -166,12 +176,13 @@ class EagletRowsConnector(KVConnectorBase_V1, SupportsHMA):
         self.copy_stream.wait_event(ready)
         row_bytes = self.kv_cache[0].numel() // self.block_size * self.kv_cache.element_size()
         for chunk in _chunks(finished, row_bytes):
+            chunk.sort(key=lambda request: row_order(request.target))  # runs of rows written at once
             form = chunk[0].target  # the stored form of every request in the chunk
             slots = np.concatenate(
                 [slot_indices(r.block_ids, self.block_size, len(r.token_ids)) for r in chunk]
             )  # [rows of the chunk]
             with torch.cuda.stream(self.copy_stream):
-                on_device = torch.from_numpy(slots).pin_memory().to(self.kv_cache.device, non_blocking=True)
+                on_device = index_to_device(slots, self.kv_cache.device)
                 rows = extract_from_kv_cache(self.kv_cache, on_device, len(slots))  # [rows, layers, H]
                 if rows.shape[1] != form.captured_layers or rows.shape[2] != form.hidden_size:
                     for request in chunk:  # its file gets NAME.error; its blocks are released at once
@@ -179,9 +190,9 @@ class EagletRowsConnector(KVConnectorBase_V1, SupportsHMA):
                                          f"eaglet asked for {(form.captured_layers, form.hidden_size)}")  # fmt: skip
                         self.reported.add(request.req_id)
                     continue
-                finite, stored = form_rows(rows, form.columns, self._final_norm(rows), form.storage)
-                host = {name: _pinned_copy(tensor) for name, tensor in stored.items()}
-                host_finite = _pinned_copy(finite.to(torch.uint8))
+                host_finite, host = rows_to_host(
+                    rows, self._columns(form.columns), self._final_norm(rows), form.storage
+                )
                 copied = torch.cuda.Event()
                 copied.record()
             for request in chunk:
@@ -189,6 +200,12 @@ class EagletRowsConnector(KVConnectorBase_V1, SupportsHMA):
                 self.reported.add(request.req_id)
             future = self.pool.submit(self._write, chunk, host, host_finite, copied)
             future.add_done_callback(_surface)
+
+    def _columns(self, columns: tuple[int, ...]) -> torch.Tensor:
+        """The aux columns' index on the cache's device, made at a form's first chunk."""
+        if columns not in self.column_indices:
+            self.column_indices[columns] = column_index(columns, self.kv_cache.device)
+        return self.column_indices[columns]
 
     def _final_norm(self, rows: torch.Tensor) -> torch.nn.Module:
         """The target's own final norm (vLLM loaded the target from this path), in the rows' device and dtype."""
@@ -210,16 +227,9 @@ class EagletRowsConnector(KVConnectorBase_V1, SupportsHMA):
     def _write_requests(
         self, chunk: list[FinishedRequest], host: dict[str, torch.Tensor], finite: torch.Tensor
     ) -> None:
-        start = 0
-        for request in chunk:
-            count = len(request.token_ids)
-            self.writer.write(
-                request.target,
-                np.asarray(request.token_ids),
-                finite[start : start + count].numpy(),
-                {name: tensor[start : start + count] for name, tensor in host.items()},
-            )
-            start += count
+        self.writer.write_chunk(
+            [request.target for request in chunk], [request.token_ids for request in chunk], finite.numpy(), host
+        )
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=True)
@@ -280,10 +290,3 @@ def _surface(future: Future) -> None:
         import logging
 
         logging.getLogger("eaglet.vllm_connector").error("eaglet rows write failed: %r", future.exception())
-
-
-def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """An asynchronous device-to-host copy of ``tensor`` into new pinned memory (on the current stream)."""
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    return host
