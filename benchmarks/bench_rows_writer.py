@@ -15,7 +15,7 @@ import argparse
 import json
 import shutil
 import statistics
-import threading
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,17 +25,13 @@ import torch
 
 from eaglet.model.vllm_rows import RowsTarget, RowsWriter, create_spool, spool_layout, wait_for_rows
 
+sys.path.insert(0, str(Path(__file__).parent))
+from contention import busy_python_thread  # noqa: E402
+
 SAMPLE_TOKENS = 236  # the 8B runs' mean sample length
 CAPTURED_LAYERS = 4  # three aux layers and the last
 COPY_CHUNK_BYTES = 256 * 2**20  # eaglet.model.vllm_connector's (that module imports vLLM)
 WRITER_THREADS = 4  # eaglet.model.vllm_connector's
-
-
-def busy_python(stop: threading.Event) -> None:
-    """Python bytecode without pause, as an engine loop: it holds the GIL but for the switch interval."""
-    count = 0
-    while not stop.is_set():
-        count += 1
 
 
 def write_shard(folder: Path, tokens: int, hidden: int, by_chunk: bool) -> float:
@@ -90,11 +86,7 @@ def main() -> None:
     args.dir.mkdir(parents=True, exist_ok=True)
     try:
         for beside_busy in (False, True):
-            stop = threading.Event()
-            busy = threading.Thread(target=busy_python, args=(stop,), daemon=True)
-            if beside_busy:
-                busy.start()
-            try:
+            with busy_python_thread(beside_busy):
                 for by_chunk in (False, True):
                     runs = [write_shard(args.dir, args.tokens, args.hidden, by_chunk) for _ in range(args.repeats)]
                     print(json.dumps({
@@ -103,10 +95,6 @@ def main() -> None:
                         "median_s": round(statistics.median(runs), 4),
                         "min_max_s": [round(min(runs), 4), round(max(runs), 4)],
                     }))  # fmt: skip
-            finally:
-                stop.set()
-                if beside_busy:
-                    busy.join()
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
 

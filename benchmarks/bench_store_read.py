@@ -7,6 +7,8 @@ cache (this measures the CPU work; a disk adds the same read time to every row).
   - second pass:   sha256 of the file, then load_file (a verify pass before the read)
   - StoreReader:   what training runs now: read_shard, then the content checks (layout, offsets, planned samples,
                    ids in the vocabulary, ids and masks equal to the prepared rows)
+  - beside a busy Python thread: read_shard while another thread runs Python without pause, as the training loop's
+                   does when it launches kernels (each read or hash call gives the GIL up and waits to have it back)
 
     python benchmarks/bench_store_read.py --mb 512 --runs 5 --out benchmarks/results/store_read_cpu.json
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +29,9 @@ from safetensors.torch import load_file
 from eaglet.formats.prepared import PreparedSet
 from eaglet.fsio import sha256_file
 from eaglet.model.shards import StoreReader, read_shard, write_safetensors
+
+sys.path.insert(0, str(Path(__file__).parent))
+from contention import busy_python_thread  # noqa: E402
 
 HIDDEN = 4096  # an 8B target's hidden size: features dominate the shard
 SAMPLES = 32  # samples in the shard (about 490 tokens each at 512 MB)
@@ -90,6 +96,8 @@ def main() -> None:
             ),
             "StoreReader.read (streamed sha256 + content checks)": best_of(args.runs, lambda: reader.read(entry)),
         }
+        with busy_python_thread():
+            rows["read_shard beside a busy Python thread"] = best_of(args.runs, lambda: read_shard(Path(tmp), entry))
         read = read_shard(Path(tmp), entry)
         rows["content checks alone (on the read tensors)"] = best_of(
             args.runs,

@@ -239,6 +239,20 @@ def test_store_and_live_sources_give_the_same_batches(tiny_store, tiny_prepared,
     assert seen.tolist() == list(range(60))  # every sample exactly once per epoch
 
 
+def test_a_file_hashed_from_its_mapping_or_read_in_chunks_has_its_sha256(tmp_path):
+    """The two ways eaglet hashes a file (read through one buffer; an own file mapped, hashed in one call) both give
+    the file's sha256, for a file of several read chunks and for an empty one."""
+    import hashlib
+
+    from eaglet.fsio import HASH_CHUNK_BYTES, sha256_file, sha256_mapped
+
+    data = torch.randint(0, 256, (2 * HASH_CHUNK_BYTES + 123,), dtype=torch.uint8).numpy().tobytes()
+    for name, content in (("full", data), ("empty", b"")):
+        (tmp_path / name).write_bytes(content)
+        expected = hashlib.sha256(content).hexdigest()
+        assert sha256_file(tmp_path / name) == expected and sha256_mapped(tmp_path / name) == expected, name
+
+
 def test_shard_writer_output_reads_back_with_safetensors(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file
