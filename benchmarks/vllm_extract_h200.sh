@@ -28,8 +28,9 @@ pair() {  # pair NAME TARGET SAMPLES: both backends, vLLM's prefill alone over t
   bench compare "$stores/$name-hf" "$stores/$name-vllm"
 }
 case "$1" in
-  data)  # the target's own answers to the demo's train prompts (1 each) and its greedy held-out answers
-    python3 -m eaglet.cli regenerate demo --split train --n 1 --temperature 0.7 --top-p 0.95 \
+  data)  # the target's own answers to the demo's train prompts (ANSWERS each, default 1: 912 samples; 4 gives 3,648
+    # for rates that the fixed costs of a run — the engine's ramp, the last shard's drain — weigh less on)
+    python3 -m eaglet.cli regenerate demo --split train --n "${ANSWERS:-1}" --temperature 0.7 --top-p 0.95 \
       --max-new-tokens 256 --batch-size 2048 --out "$work/answers.jsonl"
     python3 -m eaglet.cli prepare "$work/answers.jsonl" --out "$work/prepared"
     ;;
