@@ -6,10 +6,10 @@ finished request's rows on its GPU, forms the stored tensors there (``form_rows`
 the target's final norm over the last layer's output, the store's encoding, a finite flag per token) and writes each
 at the request's place in its shard's file (one ``pwrite`` per tensor for each run of requests whose rows follow
 one another). eaglet creates ``NAME.partial`` at its final size — the shard's safetensors header and its ids, mask,
-offsets and sample index already written — before the shard's requests are sent; each request carries where its rows go (``RowsTarget``), and the worker renames the file to
-``NAME`` once every row is written. A worker that cannot write leaves ``NAME.error`` with the reason. eaglet then
-checks the tokens and finite flags the worker wrote after the shard's data, cuts them off, and moves the file into the
-store: the features are never copied again.
+offsets and sample index already written — before the shard's requests are sent; each request carries where its rows
+go (``RowsTarget``), and the worker renames the file to ``NAME`` once every row is written. A worker that cannot
+write leaves ``NAME.error`` with the reason. eaglet then checks the tokens and finite flags the worker wrote after the
+shard's data, cuts them off, and moves the file into the store: the features are never copied again.
 
 File layout (``ShardFile``; T tokens)::
 
@@ -352,7 +352,8 @@ class RowsWriter:
 
         Fewer calls matter more than their size: vLLM's engine core loops in Python in the process these writes run
         in, and a thread that gave up the GIL for a system call waits up to the switch interval (5 ms) to have it back
-        (a 280 MB chunk written as 35 requests: 0.79 s beside a busy thread, as one run 0.08 s; benchmarks/RESULTS.md)."""
+        (a 541 MB shard written request by request took 2.21 s beside a busy thread, by runs 0.19 s;
+        benchmarks/bench_rows_writer.py)."""
         counts = [len(ids) for ids in token_ids]
         starts = np.cumsum([0, *counts])
         for first, last in contiguous_runs(targets, counts):
