@@ -561,13 +561,14 @@ def test_a_vllm_model_that_never_captures_the_last_layer_is_refused_from_its_sou
 
 
 class TransformersRowsEngine:
-    """Stands in for vLLM's worker in eaglet's feeder/writer pipeline: the same calls as ``HiddenStateEngine``
-    (``requests``, ``generate``), the captured rows computed by transformers on the tiny target, formed by eaglet's
-    ``form_rows`` with the target's final norm and written through ``RowsWriter`` from another thread after
-    ``generate`` returns, as eaglet's connector does in vLLM. What it proves is eaglet's side (order, slots, the
-    stored form, failures); vLLM's own capture is compared on the H200."""
+    """Stands in for vLLM's worker in eaglet's maker/feeder/writer pipeline: the same calls as ``HiddenStateEngine``
+    (``requests``, ``submit``, ``finished``), the captured rows computed by transformers on the tiny target, formed by
+    eaglet's ``form_rows`` with the target's final norm and written through ``RowsWriter`` from another thread after
+    ``finished`` returns, as eaglet's connector does in vLLM. Each ``finished`` runs every request submitted so far.
+    What it proves is eaglet's side (order, slots, the stored form, failures); vLLM's own capture is compared on the
+    H200."""
 
-    def __init__(self, target: Path, layers: tuple[int, ...], spool: Path, fail_on_call: int | None = None):
+    def __init__(self, target: Path, layers: tuple[int, ...], spool: Path, fail_on_step: int | None = None):
         from eaglet.model.vllm_engine import EngineSettings
         from eaglet.model.vllm_rows import RowsWriter
 
@@ -581,9 +582,12 @@ class TransformersRowsEngine:
             trust_remote_code=False,
         )  # fmt: skip
         self.writer = RowsWriter()
-        self.fail_on_call = fail_on_call
-        self.calls = 0
-        self.most_spool_files = 0  # spool files that existed at once, seen at each call
+        self.fail_on_step = fail_on_step
+        self.steps = 0
+        self.pending: list[tuple] = []  # (request id, prompt, its rows' target) not yet run
+        self.submitted = 0
+        self.most_shards_queued = 0  # shards with requests waiting at once
+        self.most_spool_files = 0  # spool files that existed at once, seen at each step
         self.next_made_during_first: bool | None = None
 
     def requests(self, host, token_lists, name):
@@ -593,21 +597,34 @@ class TransformersRowsEngine:
         spool, file, targets = spool_targets(self.settings, host, token_lists, name)
         return spool, file, [{"prompt_token_ids": ids} for ids in token_lists], targets
 
-    def generate(self, prompts, params, doing):
+    def submit(self, prompts, params, doing):
         import json
+
+        from eaglet.model.vllm_rows import RowsTarget
+
+        ids = []
+        for prompt, sent in zip(prompts, params, strict=True):
+            # as vLLM carries it: the request's kv_transfer_params, serialised to the engine core and the worker
+            target = RowsTarget.from_params(json.loads(json.dumps(sent.to_params())))
+            ids.append(f"request-{self.submitted}")
+            self.submitted += 1
+            self.pending.append((ids[-1], prompt, target))
+        self.most_shards_queued = max(self.most_shards_queued, len({_shard_index(t) for *_, t in self.pending}))
+        return ids
+
+    def finished(self, doing):
         import threading
 
-        from eaglet.model.vllm_rows import RowsTarget, column_index, form_rows
+        from eaglet.model.vllm_rows import column_index, form_rows
 
-        self.calls += 1
-        if self.calls == self.fail_on_call:
+        self.steps += 1
+        if self.steps == self.fail_on_step:
             raise EagletError(f"vLLM's engine on {self.settings.model} died while {doing}")
         self.most_spool_files = max(self.most_spool_files, len(list(self.settings.spool.iterdir())))
         layers = captured_layers(self.settings.aux_layer_ids, self.settings.num_layers)
-        done = []
-        for prompt, sent in zip(prompts, params):
-            # as vLLM carries it: the request's kv_transfer_params, serialised to the engine core and the worker
-            target = RowsTarget.from_params(json.loads(json.dumps(sent.to_params())))
+        done, ran = [], self.pending
+        self.pending = []
+        for _, prompt, target in ran:
             ids = torch.tensor([prompt["prompt_token_ids"]])
             with torch.inference_mode():
                 states = self.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
@@ -615,12 +632,11 @@ class TransformersRowsEngine:
                 rows = torch.stack(captured, dim=1)
                 finite, stored = form_rows(rows, column_index(target.columns, rows.device), self.norm, target.storage)
             done.append((target, ids[0].numpy(), finite.numpy().astype(np.uint8), stored))
-        # the worker's writer threads finish after the call returns
-        if self.calls == 1:  # while vLLM runs its first call, eaglet makes the second call's requests
-            self.next_made_during_first = self._spool_files_appear(
-                first_index=len(done) and _shard_index(params[-1]) + 1
-            )
+        if self.steps == 1:  # while vLLM runs its first requests, eaglet makes the next shards' files
+            self.next_made_during_first = self._spool_files_appear(first_index=_shard_index(ran[-1][2]) + 1)
+        # the worker's writer threads finish after the step's outputs are out
         threading.Thread(target=lambda: [self.writer.write(*request) for request in done]).start()
+        return [request_id for request_id, *_ in ran]
 
     def _spool_files_appear(self, first_index: int, timeout_s: float = 10.0) -> bool:
         import time
@@ -662,10 +678,11 @@ def _features(store: Path) -> list[dict[str, torch.Tensor]]:
 
 
 def test_the_vllm_pipeline_stores_what_the_hf_backend_stores(tmp_path, tiny_prepared, tiny_target):
-    """Shards handed to the engine four per call, at most SPOOLED_SHARDS spool files at once, written by other
-    threads after each call: the store has every shard, in order, with the hf backend's ids, masks and features."""
+    """Shards' requests kept in the engine a few at a time (the next added as one finishes), at most SPOOLED_SHARDS
+    spool files at once, written by other threads after the engine reports them: the store has every shard, in order,
+    with the hf backend's ids, masks and features."""
     from eaglet.extract.extractor import run_extract
-    from eaglet.formats.spool import SHARDS_PER_GENERATE, SPOOLED_SHARDS
+    from eaglet.formats.spool import SHARDS_IN_VLLM, SPOOLED_SHARDS
 
     config = _vllm_config(tiny_prepared, tmp_path / "vllm", tiny_target)
     engine = TransformersRowsEngine(tiny_target, LAYERS, tmp_path / ".vllm.vllm-spool")
@@ -673,10 +690,10 @@ def test_the_vllm_pipeline_stores_what_the_hf_backend_stores(tmp_path, tiny_prep
     hf = run_extract(build_config(ExtractConfig, "extract", cli_values={**config.model_dump(), "backend": "hf",
                                                                         "out": str(tmp_path / "hf")}))  # fmt: skip
     shards = len(result.manifest["shards"])
-    assert shards > 2 * SHARDS_PER_GENERATE  # several calls, and the spool slots ran out at least once
-    assert engine.calls == -(-shards // SHARDS_PER_GENERATE)
+    assert shards > SPOOLED_SHARDS  # the spool slots ran out at least once
+    assert engine.steps > 1 and 0 < engine.most_shards_queued <= SHARDS_IN_VLLM
     assert 0 < engine.most_spool_files <= SPOOLED_SHARDS
-    assert engine.next_made_during_first  # the second call's spool files were made while vLLM ran the first
+    assert engine.next_made_during_first  # the next shards' spool files were made while the engine ran the first
     assert not engine.settings.spool.exists()  # eaglet's own spool folder goes with the stage
     for ours, theirs in zip(_features(tmp_path / "vllm"), _features(tmp_path / "hf"), strict=True):
         assert ours.keys() == theirs.keys()
@@ -686,34 +703,35 @@ def test_the_vllm_pipeline_stores_what_the_hf_backend_stores(tmp_path, tiny_prep
             torch.testing.assert_close(ours[name].float(), theirs[name].float(), atol=2e-2, rtol=2e-2)
     assert len(hf.manifest["shards"]) == shards
     # where vLLM sat idle, by cause; the writers' share is what `extract` reports as time lost to the disk
-    assert result.waits.keys() == {"drain_rows", "drain", "spool_slots", "between_calls"}
+    assert result.waits.keys() == {"drain_rows", "drain", "spool_slots", "making"}
     assert all(0 <= seconds < result.seconds for seconds in result.waits.values())
     assert result.writer_stall_s == pytest.approx(sum(result.waits[w] for w in ("drain_rows", "drain", "spool_slots")))
-    # the double's worker writes each call's rows only after the call returned: part of the drain is its writing
+    # the double's worker writes each step's rows only after the step's outputs: part of the drain is its writing
     assert result.waits["drain_rows"] > 0
     assert hf.waits.keys() == {"writers"} and hf.writer_stall_s == hf.waits["writers"]
 
 
 def test_an_engine_that_dies_mid_store_is_one_error_and_the_store_resumes(tmp_path, tiny_prepared, tiny_target):
-    """vLLM's engine dies in its second call: the error is the engine's (not a writer's 'never ran' or a 600 s
-    wait), the first call's shards are kept, no spool file is left, and extracting again completes the store."""
+    """vLLM's engine dies at its second step: the error is the engine's (not a writer's 'never ran' or a 600 s
+    wait), the shards finished before are kept (the plan's first ones), no spool file is left, and extracting again
+    computes exactly the rest."""
+    import json
     import time
 
     from eaglet.extract.extractor import run_extract
-    from eaglet.formats.spool import SHARDS_PER_GENERATE
 
     config = _vllm_config(tiny_prepared, tmp_path / "store", tiny_target)
     spool = tmp_path / ".store.vllm-spool"
     started = time.perf_counter()
-    with pytest.raises(EagletError, match="died while computing the hidden states of shards 4..7"):
-        run_extract(config, engine=TransformersRowsEngine(tiny_target, LAYERS, spool, fail_on_call=2))
+    with pytest.raises(EagletError, match=r"died while computing the hidden states of shards \d+\.\.\d+"):
+        run_extract(config, engine=TransformersRowsEngine(tiny_target, LAYERS, spool, fail_on_step=2))
     assert time.perf_counter() - started < 60
     assert not spool.exists()
-    kept = sorted(p.name for p in (tmp_path / "store").glob("*.json") if p.name != "manifest.json")
-    assert len(kept) == SHARDS_PER_GENERATE, kept
+    kept = sorted(json.loads(p.read_text())["index"] for p in (tmp_path / "store").glob("shard-*.json"))
+    assert kept == list(range(len(kept)))
     again = TransformersRowsEngine(tiny_target, LAYERS, spool)
     result = run_extract(config, engine=again)
-    assert result.shards_computed == len(result.manifest["shards"]) - SHARDS_PER_GENERATE
+    assert result.shards_computed == len(result.manifest["shards"]) - len(kept) > 0
 
 
 def test_a_token_vllms_worker_flagged_non_finite_is_refused_naming_its_sample(tmp_path):

@@ -1,14 +1,14 @@
 """`eaglet extract --backend vllm`: a shard's features from vLLM's hidden-state capture, stored as the hf backend stores them.
 
-A feeder thread hands vLLM the requests of ``SHARDS_PER_GENERATE`` shards per ``generate`` call (``model.vllm_engine``),
-so vLLM's steps run across shard boundaries and the next call is ready when one returns. Each shard's spool file is
-the shard's own safetensors file: vLLM's worker forms the stored tensors on its GPU and writes them in place
+A maker thread makes each shard's spool file and requests ahead (at most ``SPOOLED_SHARDS`` spool files exist at once:
+it waits for the writers to move one before it creates another) and hands the shard to the writers; a feeder thread
+keeps ``SHARDS_IN_VLLM`` shards' requests in vLLM, adding the next shard's as one finishes (``model.vllm_engine``), so
+vLLM's steps run across shard boundaries and never wait for a call to end or begin. Each shard's spool file is the
+shard's own safetensors file: vLLM's worker forms the stored tensors on its GPU and writes them in place
 (``model.vllm_rows``); the writer thread that takes the shard waits for the file, checks the tokens and finite flags
-the worker wrote after the data, cuts them off and moves the file into the store (hashed as it is read once), while
-vLLM computes the next ones; the next call's requests are made while vLLM runs the current one. At most
-``SPOOLED_SHARDS`` spool files exist at once: their maker waits for the writers to move one before it creates another.
-The shard's other tensors (ids, mask, offsets, sample index) and its order are the hf backend's, so a store from
-either backend is the same format, resumed and trained on the same way.
+the worker wrote after the data, cuts them off and moves the file into the store (hashed in one pass), while vLLM
+computes the next ones. The shard's other tensors (ids, mask, offsets, sample index) and its order are the hf
+backend's, so a store from either backend is the same format, resumed and trained on the same way.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -26,25 +25,26 @@ import torch
 
 from ..errors import EagletError
 from ..formats.prepared import PreparedSet
-from ..formats.spool import SHARDS_PER_GENERATE, SPOOLED_SHARDS
+from ..formats.spool import SHARDS_IN_VLLM, SPOOLED_SHARDS
 from ..formats.store_manifest import ShardPlan
 from ..model.shards import adopt_shard
 from ..model.vllm_engine import SPOOL_WAIT_S, HiddenStateEngine
 from ..model.vllm_rows import SPOOL_SUFFIX, ShardFile, cut_checks, read_checks, wait_for_rows
 
-PERMIT_POLL_S = 0.5  # how often a feeder waiting for a spool slot checks that the extraction still runs
+NOT_YET = object()  # the maker's next shard is still being made
+PERMIT_POLL_S = 0.5  # how often a thread waiting for a spool slot or a shard checks that the extraction still runs
 
 
 @dataclass
 class Feed:
-    """What the feeder thread shares with the main thread and the writers."""
+    """What the maker and feeder threads share with the main thread and the writers."""
 
     slots: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(SPOOLED_SHARDS))
-    stop: threading.Event = field(default_factory=threading.Event)  # the main thread: no more calls to vLLM
+    stop: threading.Event = field(default_factory=threading.Event)  # the main thread: no more requests to vLLM
     error: BaseException | None = None  # why the feeder stopped; a writer whose shard never ran raises it too
-    slot_wait_s: float = 0.0  # vLLM idle because every spool slot was taken: the writers set the pace
-    between_calls_s: float = 0.0  # vLLM idle between one call's return and the next: its requests not yet made
-    returned_at: float = 0.0  # perf_counter when vLLM's last call so far returned
+    slot_wait_s: float = 0.0  # vLLM had nothing to run because every spool slot was taken: the writers set the pace
+    making_s: float = 0.0  # vLLM had nothing to run while eaglet made the next shard's file and requests
+    returned_at: float = 0.0  # perf_counter when vLLM last reported finished requests (its last, once the feed ends)
     rows_done_at: float = 0.0  # perf_counter when the last spool file so far was complete (vLLM's worker wrote it all)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -53,19 +53,19 @@ class Feed:
             self.rows_done_at = max(self.rows_done_at, at)
 
     def drain_rows_s(self) -> float:
-        """How long after its last call returned vLLM's worker was still writing rows (0 before any call)."""
+        """How long after vLLM finished its last requests its worker was still writing rows (0 before any)."""
         return max(0.0, self.rows_done_at - self.returned_at) if self.returned_at else 0.0
 
 
 @dataclass
-class Call:
-    """One call to vLLM: its requests, what it is doing (for errors), and the event its shards' writers watch."""
+class MadeShard:
+    """A shard's requests for vLLM, made after its spool file (the shard already handed to the writers)."""
 
+    index: int
     prompts: list[dict]
     params: list
-    doing: str
-    never_run: threading.Event = field(default_factory=threading.Event)  # set when the call fails or never happens
-    slot_wait_s: float = 0.0  # waiting for spool slots while its requests were made
+    never_run: threading.Event  # set when its requests fail in vLLM or never go there: its writer stops waiting
+    slot_wait_s: float  # the maker's wait for its spool slot
 
 
 @dataclass
@@ -128,35 +128,35 @@ class SpooledShard:
 
 
 class VllmShardExtractor:
-    """Shards' requests through vLLM, several per call; vLLM's worker forms their stored tensors, whoever waits on a
+    """Shards' requests through vLLM, several at once; vLLM's worker forms their stored tensors, whoever waits on a
     shard maps them."""
 
     def __init__(self, engine: HiddenStateEngine):
         self.engine = engine
         self.slot_wait_s = 0.0  # over every ``shards`` call
-        self.between_calls_s = 0.0
+        self.making_s = 0.0
         self.feeds: list[Feed] = []  # each ``shards`` call's: its drain is known once the writers are done
 
     def waits(self, writer: Any) -> dict[str, float]:
-        """Seconds vLLM was idle, by cause, once the writers are done: after its last call, its worker still writing
-        the last rows (``drain_rows``), then eaglet checking and moving the last files into the store (``drain``);
-        every spool slot taken (``spool_slots``); the next call's requests not yet made (``between_calls``; they are
-        made while the previous call runs). vLLM's shards are handed to the writers before they are computed, so a
-        writer queue that fills does not idle it."""
+        """Seconds vLLM was idle, by cause, once the writers are done: after its last requests, its worker still
+        writing the last rows (``drain_rows``), then eaglet checking and moving the last files into the store
+        (``drain``); nothing queued because every spool slot was taken (``spool_slots``) or the next shard's file and
+        requests were still being made (``making``; they are made ahead). vLLM's shards are handed to the writers
+        before they are computed, so a writer queue that fills does not idle it."""
         drain_rows = min(writer.close_wait_s, sum(feed.drain_rows_s() for feed in self.feeds))
         return {
             "drain_rows": drain_rows,
             "drain": writer.close_wait_s - drain_rows,
             "spool_slots": self.slot_wait_s,
-            "between_calls": self.between_calls_s,
+            "making": self.making_s,
         }
 
     def release(self, buffers: dict[str, torch.Tensor]) -> None:
         """Nothing is recycled: each shard's host tensors are its own."""
 
     def shards(self, prepared: PreparedSet, plans: list[ShardPlan], check: Any) -> Iterator[SpooledShard]:
-        """Every plan's shard in plan order, each as soon as its requests are ready for vLLM (not yet computed).
-        ``check()`` raises the writers' error: waiting for the feeder, this one is asked every ``PERMIT_POLL_S``."""
+        """Every plan's shard in plan order, each as soon as its requests are made (not yet computed). ``check()``
+        raises the writers' error: waiting for the maker, this one is asked every ``PERMIT_POLL_S``."""
         feed = Feed()
         self.feeds.append(feed)
         ready: queue.Queue = queue.Queue()  # SpooledShard, then None when the feeder ends
@@ -170,74 +170,110 @@ class VllmShardExtractor:
             if feed.error is not None:
                 raise feed.error
         finally:
-            feed.stop.set()  # a feeder still running stops after its current call
+            feed.stop.set()  # a feeder still running stops at vLLM's next outputs
             feeder.join()
             self.slot_wait_s += feed.slot_wait_s
-            self.between_calls_s += feed.between_calls_s
+            self.making_s += feed.making_s
 
     def _feed(self, prepared: PreparedSet, plans: list[ShardPlan], feed: Feed, ready: queue.Queue) -> None:
-        """Calls vLLM with ``SHARDS_PER_GENERATE`` shards' requests at a time; the next call's requests (its spool
-        files created, its shards handed to the writers) are made by a second thread while vLLM runs this one."""
-        groups = [plans[first : first + SHARDS_PER_GENERATE] for first in range(0, len(plans), SHARDS_PER_GENERATE)]
-        made: list[Call] = []  # every call whose shards went to the writers
-        returned: float | None = None  # when the previous call to vLLM returned
-        with ThreadPoolExecutor(1, thread_name_prefix="eaglet-vllm-requests") as maker:
-            following = maker.submit(self._call, prepared, groups[0], feed, ready) if groups else None
-            try:
-                for index in range(len(groups)):
-                    waiting = time.perf_counter()
-                    call = following.result()
-                    if call is None:  # stopped while waiting for a spool slot
-                        return
-                    made.append(call)
-                    if returned is not None:  # vLLM idle since its last call returned: by cause
-                        idle = time.perf_counter() - waiting
-                        on_slots = min(idle, call.slot_wait_s)
-                        feed.slot_wait_s += on_slots
-                        feed.between_calls_s += idle - on_slots
-                    following = None
-                    if index + 1 < len(groups):
-                        following = maker.submit(self._call, prepared, groups[index + 1], feed, ready)
-                    if feed.stop.is_set():
-                        return
-                    self.engine.generate(call.prompts, call.params, call.doing)
-                    returned = feed.returned_at = time.perf_counter()
-            except BaseException as exc:  # raised in the main thread
-                feed.error = exc
-            finally:
-                stopped_early = feed.error is not None or feed.stop.is_set()
-                feed.stop.set()  # the request maker gives up waiting for a spool slot
-                if following is not None:
-                    try:
-                        if (pending := following.result()) is not None:
-                            made.append(pending)
-                    except BaseException as exc:  # noqa: BLE001 - the first error is the one reported
-                        feed.error = feed.error or exc
-                if stopped_early:
-                    for call in made:  # the writers waiting on these calls' spool files stop waiting
-                        call.never_run.set()
-                ready.put(None)
-
-    def _call(self, prepared: PreparedSet, group: list[ShardPlan], feed: Feed, ready: queue.Queue) -> Call | None:
-        """One call's requests: a spool slot taken, the spool file created and the shard handed to the writers, for
-        each shard of ``group``; None when the extraction stopped while a slot was awaited."""
-        call = Call([], [], f"computing the hidden states of shards {group[0].index}..{group[-1].index}")
+        """Keeps ``SHARDS_IN_VLLM`` shards' requests in vLLM: a made shard's go in as soon as fewer are unfinished
+        there; the maker thread makes them ahead."""
+        made: queue.Queue = queue.Queue()  # MadeShard, an exception, then None once every shard is made
+        maker = threading.Thread(
+            target=self._make, args=(prepared, plans, feed, ready, made), name="eaglet-vllm-requests", daemon=True
+        )
+        maker.start()
+        handed: list[MadeShard] = []  # every shard whose requests were made
+        unfinished: dict[int, int] = {}  # shard index -> its requests vLLM has not finished
+        owner: dict[str, int] = {}  # request id -> its shard's index
+        all_made = False
         try:
-            for plan in group:
+            while not feed.stop.is_set():
+                while not all_made and len(unfinished) < SHARDS_IN_VLLM:
+                    shard = self._next_made(made, feed, wait=not unfinished)
+                    if shard is NOT_YET:
+                        break
+                    if shard is None:
+                        all_made = True
+                        break
+                    handed.append(shard)
+                    ids = self.engine.submit(shard.prompts, shard.params, _doing([shard.index]))
+                    unfinished[shard.index] = len(ids)
+                    owner.update(dict.fromkeys(ids, shard.index))
+                if not unfinished:
+                    break
+                for request in self.engine.finished(_doing(list(unfinished))):
+                    index = owner.pop(request)
+                    unfinished[index] -= 1
+                    if not unfinished[index]:
+                        del unfinished[index]
+                feed.returned_at = time.perf_counter()
+        except BaseException as exc:  # raised in the main thread
+            feed.error = exc
+        finally:
+            stopped_early = feed.error is not None or feed.stop.is_set()
+            feed.stop.set()  # the maker gives up waiting for a spool slot
+            maker.join()
+            while not made.empty():
+                item = made.get()
+                if isinstance(item, MadeShard):
+                    handed.append(item)
+                elif isinstance(item, BaseException):
+                    feed.error = feed.error or item
+            if stopped_early:
+                for shard in handed:  # the writers waiting on these shards' spool files stop waiting
+                    shard.never_run.set()
+            ready.put(None)
+
+    def _next_made(self, made: queue.Queue, feed: Feed, wait: bool) -> MadeShard | object | None:
+        """The maker's next shard; ``NOT_YET`` when none is made yet and vLLM still has work (``wait`` false); None
+        when there are no more (or the extraction stops). Waiting, vLLM is idle: the time is counted by cause (a
+        spool slot, or the making)."""
+        idle_from = time.perf_counter()
+        while True:
+            try:
+                item = made.get(timeout=PERMIT_POLL_S) if wait else made.get_nowait()
+                break
+            except queue.Empty:
+                if not wait:
+                    return NOT_YET
+                if feed.stop.is_set():
+                    return None
+        if isinstance(item, BaseException):
+            raise item
+        if item is not None and wait and feed.returned_at:  # vLLM idle since its last outputs: by cause
+            idle = time.perf_counter() - idle_from
+            on_slots = min(idle, item.slot_wait_s)
+            feed.slot_wait_s += on_slots
+            feed.making_s += idle - on_slots
+        return item
+
+    def _make(
+        self, prepared: PreparedSet, plans: list[ShardPlan], feed: Feed, ready: queue.Queue, made: queue.Queue
+    ) -> None:
+        """Each plan's shard in order: a spool slot taken, the spool file created, the shard handed to the writers and
+        its requests to the feeder; ends with None (or the exception that stopped it)."""
+        try:
+            for plan in plans:
+                if feed.stop.is_set():
+                    return
                 waiting = time.perf_counter()
                 while not feed.slots.acquire(timeout=PERMIT_POLL_S):
                     if feed.stop.is_set():
-                        call.never_run.set()
-                        return None
-                call.slot_wait_s += time.perf_counter() - waiting
-                shard, prompts, params = self._shard(prepared, plan, feed, call.never_run)
-                call.prompts += prompts
-                call.params += params
+                        return
+                slot_wait_s = time.perf_counter() - waiting
+                never_run = threading.Event()
+                try:
+                    shard, prompts, params = self._shard(prepared, plan, feed, never_run)
+                except BaseException:
+                    feed.slots.release()
+                    raise
                 ready.put(shard)
-        except BaseException:
-            call.never_run.set()
-            raise
-        return call
+                made.put(MadeShard(plan.index, prompts, params, never_run, slot_wait_s))
+        except BaseException as exc:  # noqa: BLE001 - handed to the feeder, raised in the main thread
+            made.put(exc)
+        finally:
+            made.put(None)
 
     def _shard(
         self, prepared: PreparedSet, plan: ShardPlan, feed: Feed, never_run: threading.Event
@@ -267,3 +303,8 @@ def _next(ready: queue.Queue, check: Any) -> SpooledShard | None:
             return ready.get(timeout=PERMIT_POLL_S)
         except queue.Empty:
             check()
+
+
+def _doing(shards: list[int]) -> str:
+    """What vLLM is doing, for an engine's death."""
+    return f"computing the hidden states of shards {min(shards)}..{max(shards)}"

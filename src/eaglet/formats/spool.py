@@ -13,8 +13,8 @@ from pathlib import Path
 
 from ..fsio import GIB, free_disk_bytes, nearest_existing
 
-SHARDS_PER_GENERATE = 4  # shards whose requests vLLM gets in one call: its last part-filled step once per 4 shards
-SPOOLED_SHARDS = 2 * SHARDS_PER_GENERATE  # spool files at once: one call's being read while the next one's fill
+SHARDS_IN_VLLM = 4  # shards whose requests vLLM holds at once: the next one's go in as one finishes
+SPOOLED_SHARDS = 2 * SHARDS_IN_VLLM  # spool files at once: those vLLM fills, and as many being checked and moved
 VLLM_SPOOL_SUFFIX = ".vllm-spool"  # `.STORE.vllm-spool` beside the store unless --set spool_dir says otherwise
 
 

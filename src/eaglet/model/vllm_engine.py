@@ -15,6 +15,7 @@ backend's ``last_hidden_state`` is.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,6 +169,7 @@ class HiddenStateEngine:
         except ImportError as exc:
             raise vllm_missing(exc) from None
         self.settings = settings
+        self.request_ids = itertools.count()
         transfer = KVTransferConfig(
             kv_connector=CONNECTOR,
             kv_connector_module_path=CONNECTOR_MODULE,
@@ -207,7 +209,7 @@ class HiddenStateEngine:
     ) -> tuple[Path, ShardFile, list[dict], list[Any]]:
         """The spool file ``name`` of a shard (``host``: its ids, mask, offsets, sample index) for these sequences'
         rows, created, its layout, and one request per sequence (prompt, sampling parameters) saying where its rows
-        go; the file is complete once ``vllm_rows.wait_for_rows`` returns after ``generate`` ran the requests."""
+        go; the file is complete once ``vllm_rows.wait_for_rows`` returns after vLLM finished the requests."""
         from vllm import SamplingParams
 
         spool, file, targets = spool_targets(self.settings, host, token_lists, name)
@@ -222,13 +224,35 @@ class HiddenStateEngine:
         ]
         return spool, file, [{"prompt_token_ids": ids} for ids in token_lists], params
 
-    def generate(self, prompts: list[dict], params: list[Any], doing: str) -> None:
-        """Run the requests (vLLM batches them across spool files); returns once vLLM has run them all."""
+    def submit(self, prompts: list[dict], params: list[Any], doing: str) -> list[str]:
+        """Queue requests in vLLM (its engine core starts them at its next step, beside whatever it runs); their ids.
+        vLLM's own ``LLMEngine`` calls, as ``LLM.generate`` makes them, so eaglet can add a shard's requests while
+        the previous ones run: a ``generate`` call per batch of shards idled the GPU at each call's end and start."""
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        engine: LLMEngine = self.llm.llm_engine  # typed: `eaglet preflight` binds these calls to the installed vLLM
         with engine_alive(self.settings.model, doing):
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            return [
+                engine.add_request(f"eaglet-{next(self.request_ids)}", prompt, param)
+                for prompt, param in zip(prompts, params, strict=True)
+            ]
+
+    def finished(self, doing: str) -> list[str]:
+        """vLLM's next outputs (waited for): the ids of the requests they finish, each checked to have had its rows
+        taken by eaglet's connector."""
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        engine: LLMEngine = self.llm.llm_engine
+        with engine_alive(self.settings.model, doing):
+            outputs = engine.step()
+        done = []
         for output in outputs:
+            if not output.finished:
+                continue
             if SAVED_KEY not in (output.kv_transfer_params or {}):
                 raise EagletError(
                     f"vLLM returned no hidden states for request {output.request_id}: its {CONNECTOR} did not run "
                     f"(check the vLLM version: {', '.join(TESTED_VLLM)} are tested)"
                 )
+            done.append(output.request_id)
+        return done
