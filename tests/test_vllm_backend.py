@@ -564,9 +564,9 @@ class TransformersRowsEngine:
     """Stands in for vLLM's worker in eaglet's maker/feeder/writer pipeline: the same calls as ``HiddenStateEngine``
     (``requests``, ``submit``, ``finished``), the captured rows computed by transformers on the tiny target, formed by
     eaglet's ``form_rows`` with the target's final norm and written through ``RowsWriter`` from another thread after
-    ``finished`` returns, as eaglet's connector does in vLLM. Each ``finished`` runs every request submitted so far.
-    What it proves is eaglet's side (order, slots, the stored form, failures); vLLM's own capture is compared on the
-    H200."""
+    ``finished`` returns, as eaglet's connector does in vLLM. Each ``finished`` is one step: it runs the requests of
+    the oldest shard submitted. What it proves is eaglet's side (order, slots, the stored form, failures); vLLM's own
+    capture is compared on the H200."""
 
     def __init__(self, target: Path, layers: tuple[int, ...], spool: Path, fail_on_step: int | None = None):
         from eaglet.model.vllm_engine import EngineSettings
@@ -587,8 +587,8 @@ class TransformersRowsEngine:
         self.pending: list[tuple] = []  # (request id, prompt, its rows' target) not yet run
         self.submitted = 0
         self.most_shards_queued = 0  # shards with requests waiting at once
+        self.added_while_busy = 0  # submissions made while earlier requests were still waiting
         self.most_spool_files = 0  # spool files that existed at once, seen at each step
-        self.next_made_during_first: bool | None = None
 
     def requests(self, host, token_lists, name):
         """eaglet's own spool and targets; the targets stand where vLLM's sampling parameters carry them."""
@@ -602,6 +602,7 @@ class TransformersRowsEngine:
 
         from eaglet.model.vllm_rows import RowsTarget
 
+        self.added_while_busy += bool(self.pending)
         ids = []
         for prompt, sent in zip(prompts, params, strict=True):
             # as vLLM carries it: the request's kv_transfer_params, serialised to the engine core and the worker
@@ -622,8 +623,10 @@ class TransformersRowsEngine:
             raise EagletError(f"vLLM's engine on {self.settings.model} died while {doing}")
         self.most_spool_files = max(self.most_spool_files, len(list(self.settings.spool.iterdir())))
         layers = captured_layers(self.settings.aux_layer_ids, self.settings.num_layers)
-        done, ran = [], self.pending
-        self.pending = []
+        oldest = _shard_index(self.pending[0][2])
+        ran = [request for request in self.pending if _shard_index(request[2]) == oldest]
+        self.pending = [request for request in self.pending if _shard_index(request[2]) != oldest]
+        done = []
         for _, prompt, target in ran:
             ids = torch.tensor([prompt["prompt_token_ids"]])
             with torch.inference_mode():
@@ -632,21 +635,19 @@ class TransformersRowsEngine:
                 rows = torch.stack(captured, dim=1)
                 finite, stored = form_rows(rows, column_index(target.columns, rows.device), self.norm, target.storage)
             done.append((target, ids[0].numpy(), finite.numpy().astype(np.uint8), stored))
-        if self.steps == 1:  # while vLLM runs its first requests, eaglet makes the next shards' files
-            self.next_made_during_first = self._spool_files_appear(first_index=_shard_index(ran[-1][2]) + 1)
-        # the worker's writer threads finish after the step's outputs are out
-        threading.Thread(target=lambda: [self.writer.write(*request) for request in done]).start()
+        # the worker's writer threads finish after the step's outputs are out (a disk's time later)
+        threading.Thread(target=self._write_later, args=(done,)).start()
         return [request_id for request_id, *_ in ran]
 
-    def _spool_files_appear(self, first_index: int, timeout_s: float = 10.0) -> bool:
+    def _write_later(self, requests):
         import time
 
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if any(_spool_index(path) >= first_index for path in self.settings.spool.iterdir()):
-                return True
-            time.sleep(0.01)
-        return False
+        time.sleep(WORKER_WRITE_DELAY_S)
+        for request in requests:
+            self.writer.write(*request)
+
+
+WORKER_WRITE_DELAY_S = 0.1  # the double's worker writes a step's rows this long after its outputs are out
 
 
 def _spool_index(path: Path) -> int:
@@ -678,11 +679,11 @@ def _features(store: Path) -> list[dict[str, torch.Tensor]]:
 
 
 def test_the_vllm_pipeline_stores_what_the_hf_backend_stores(tmp_path, tiny_prepared, tiny_target):
-    """Shards' requests kept in the engine a few at a time (the next added as one finishes), at most SPOOLED_SHARDS
-    spool files at once, written by other threads after the engine reports them: the store has every shard, in order,
-    with the hf backend's ids, masks and features."""
+    """Shards' requests added to the engine as their spool files are made, while it runs earlier ones, at most
+    SPOOLED_SHARDS spool files at once, written by other threads after the engine reports them: the store has every
+    shard, in order, with the hf backend's ids, masks and features."""
     from eaglet.extract.extractor import run_extract
-    from eaglet.formats.spool import SHARDS_IN_VLLM, SPOOLED_SHARDS
+    from eaglet.formats.spool import SPOOLED_SHARDS
 
     config = _vllm_config(tiny_prepared, tmp_path / "vllm", tiny_target)
     engine = TransformersRowsEngine(tiny_target, LAYERS, tmp_path / ".vllm.vllm-spool")
@@ -691,9 +692,9 @@ def test_the_vllm_pipeline_stores_what_the_hf_backend_stores(tmp_path, tiny_prep
                                                                         "out": str(tmp_path / "hf")}))  # fmt: skip
     shards = len(result.manifest["shards"])
     assert shards > SPOOLED_SHARDS  # the spool slots ran out at least once
-    assert engine.steps > 1 and 0 < engine.most_shards_queued <= SHARDS_IN_VLLM
+    assert engine.steps == shards and 0 < engine.most_shards_queued <= SPOOLED_SHARDS
     assert 0 < engine.most_spool_files <= SPOOLED_SHARDS
-    assert engine.next_made_during_first  # the next shards' spool files were made while the engine ran the first
+    assert engine.added_while_busy > 0  # shards' requests went in while the engine still had earlier ones
     assert not engine.settings.spool.exists()  # eaglet's own spool folder goes with the stage
     for ours, theirs in zip(_features(tmp_path / "vllm"), _features(tmp_path / "hf"), strict=True):
         assert ours.keys() == theirs.keys()

@@ -2,8 +2,8 @@
 
 A maker thread makes each shard's spool file and requests ahead (at most ``SPOOLED_SHARDS`` spool files exist at once:
 it waits for the writers to move one before it creates another) and hands the shard to the writers; a feeder thread
-keeps ``SHARDS_IN_VLLM`` shards' requests in vLLM, adding the next shard's as one finishes (``model.vllm_engine``), so
-vLLM's steps run across shard boundaries and never wait for a call to end or begin. Each shard's spool file is the
+adds each made shard's requests to vLLM at once (``model.vllm_engine``), so vLLM's steps run across shard boundaries
+and never wait for a call to end or begin. Each shard's spool file is the
 shard's own safetensors file: vLLM's worker forms the stored tensors on its GPU and writes them in place
 (``model.vllm_rows``); the writer thread that takes the shard waits for the file, checks the tokens and finite flags
 the worker wrote after the data, cuts them off and moves the file into the store (hashed in one pass), while vLLM
@@ -25,7 +25,7 @@ import torch
 
 from ..errors import EagletError
 from ..formats.prepared import PreparedSet
-from ..formats.spool import SHARDS_IN_VLLM, SPOOLED_SHARDS
+from ..formats.spool import SPOOLED_SHARDS
 from ..formats.store_manifest import ShardPlan
 from ..model.shards import adopt_shard
 from ..model.vllm_engine import SPOOL_WAIT_S, HiddenStateEngine
@@ -176,8 +176,8 @@ class VllmShardExtractor:
             self.making_s += feed.making_s
 
     def _feed(self, prepared: PreparedSet, plans: list[ShardPlan], feed: Feed, ready: queue.Queue) -> None:
-        """Keeps ``SHARDS_IN_VLLM`` shards' requests in vLLM: a made shard's go in as soon as fewer are unfinished
-        there; the maker thread makes them ahead."""
+        """Adds each shard's requests to vLLM as soon as the maker thread has made them (it makes them ahead, as spool
+        slots allow), and collects vLLM's finished requests until every shard's are."""
         made: queue.Queue = queue.Queue()  # MadeShard, an exception, then None once every shard is made
         maker = threading.Thread(
             target=self._make, args=(prepared, plans, feed, ready, made), name="eaglet-vllm-requests", daemon=True
@@ -189,7 +189,7 @@ class VllmShardExtractor:
         all_made = False
         try:
             while not feed.stop.is_set():
-                while not all_made and len(unfinished) < SHARDS_IN_VLLM:
+                while not all_made:
                     shard = self._next_made(made, feed, wait=not unfinished)
                     if shard is NOT_YET:
                         break

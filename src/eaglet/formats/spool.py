@@ -13,8 +13,9 @@ from pathlib import Path
 
 from ..fsio import GIB, free_disk_bytes, nearest_existing
 
-SHARDS_IN_VLLM = 4  # shards whose requests vLLM holds at once: the next one's go in as one finishes
-SPOOLED_SHARDS = 2 * SHARDS_IN_VLLM  # spool files at once: those vLLM fills, and as many being checked and moved
+# spool files at once: the shards whose requests vLLM holds or whose rows its worker writes, and those eaglet checks
+# and moves into the store; a shard's requests go to vLLM as soon as its file is made
+SPOOLED_SHARDS = 8
 VLLM_SPOOL_SUFFIX = ".vllm-spool"  # `.STORE.vllm-spool` beside the store unless --set spool_dir says otherwise
 
 

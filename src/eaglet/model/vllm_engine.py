@@ -211,6 +211,8 @@ class HiddenStateEngine:
         rows, created, its layout, and one request per sequence (prompt, sampling parameters) saying where its rows
         go; the file is complete once ``vllm_rows.wait_for_rows`` returns after vLLM finished the requests."""
         from vllm import SamplingParams
+        from vllm.inputs import tokens_input
+        from vllm.sampling_params import RequestOutputKind
 
         spool, file, targets = spool_targets(self.settings, host, token_lists, name)
         params = [
@@ -218,11 +220,12 @@ class HiddenStateEngine:
                 max_tokens=GENERATED_TOKENS,
                 temperature=0.0,
                 detokenize=False,
+                output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request, when it is done (as LLM sets)
                 extra_args={"kv_transfer_params": target.to_params()},
             )
             for target in targets
         ]
-        return spool, file, [{"prompt_token_ids": ids} for ids in token_lists], params
+        return spool, file, [tokens_input(ids) for ids in token_lists], params  # rendered, as LLM hands the engine
 
     def submit(self, prompts: list[dict], params: list[Any], doing: str) -> list[str]:
         """Queue requests in vLLM (its engine core starts them at its next step, beside whatever it runs); their ids.
