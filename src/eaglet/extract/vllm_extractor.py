@@ -183,7 +183,7 @@ class VllmShardExtractor:
             target=self._make, args=(prepared, plans, feed, ready, made), name="eaglet-vllm-requests", daemon=True
         )
         maker.start()
-        handed: list[MadeShard] = []  # every shard whose requests were made
+        never_runs: list[threading.Event] = []  # every made shard's (its requests are not kept once in vLLM)
         unfinished: dict[int, int] = {}  # shard index -> its requests vLLM has not finished
         owner: dict[str, int] = {}  # request id -> its shard's index
         all_made = False
@@ -196,10 +196,11 @@ class VllmShardExtractor:
                     if shard is None:
                         all_made = True
                         break
-                    handed.append(shard)
+                    never_runs.append(shard.never_run)
                     ids = self.engine.submit(shard.prompts, shard.params, _doing([shard.index]))
                     unfinished[shard.index] = len(ids)
                     owner.update(dict.fromkeys(ids, shard.index))
+                    del shard  # its prompts and parameters are vLLM's now
                 if not unfinished:
                     break
                 for request in self.engine.finished(_doing(list(unfinished))):
@@ -217,12 +218,12 @@ class VllmShardExtractor:
             while not made.empty():
                 item = made.get()
                 if isinstance(item, MadeShard):
-                    handed.append(item)
+                    never_runs.append(item.never_run)
                 elif isinstance(item, BaseException):
                     feed.error = feed.error or item
             if stopped_early:
-                for shard in handed:  # the writers waiting on these shards' spool files stop waiting
-                    shard.never_run.set()
+                for never_run in never_runs:  # the writers waiting on these shards' spool files stop waiting
+                    never_run.set()
             ready.put(None)
 
     def _next_made(self, made: queue.Queue, feed: Feed, wait: bool) -> MadeShard | object | None:
