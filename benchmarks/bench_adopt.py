@@ -95,12 +95,19 @@ def spool_once(folder: Path, tokens: int, hidden: int, sparse: bool) -> dict[str
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", type=Path, required=True, help="where the spool and the store go (/dev/shm/...)")
+def shard_parser(description: str, where: str) -> argparse.ArgumentParser:
+    """The options of the benchmarks of one shard's host path: ``--dir`` (``where``), its tokens and hidden size,
+    repeats."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--dir", type=Path, required=True, help=where)
     parser.add_argument("--tokens", type=int, default=16_540)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
+    return parser
+
+
+def main() -> None:
+    parser = shard_parser(__doc__.splitlines()[0], "where the spool and the store go (/dev/shm/...)")
     parser.add_argument("--beside-busy", action="store_true", help="with a thread running Python without pause")
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,6 @@ Defaults: a shard of the 8B-shape vLLM runs (bf16, 236-token requests, ~540 MB),
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import statistics
@@ -26,9 +25,9 @@ import torch
 from eaglet.model.vllm_rows import RowsTarget, RowsWriter, create_spool, spool_layout, wait_for_rows
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_adopt import SAMPLE_TOKENS, shard_parser  # noqa: E402
 from contention import busy_python_thread  # noqa: E402
 
-SAMPLE_TOKENS = 236  # the 8B runs' mean sample length
 CAPTURED_LAYERS = 4  # three aux layers and the last
 COPY_CHUNK_BYTES = 256 * 2**20  # eaglet.model.vllm_connector's (that module imports vLLM)
 WRITER_THREADS = 4  # eaglet.model.vllm_connector's
@@ -77,12 +76,7 @@ def write_shard(folder: Path, tokens: int, hidden: int, by_chunk: bool) -> float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", type=Path, required=True, help="where the spool goes (/dev/shm/...)")
-    parser.add_argument("--tokens", type=int, default=16_540)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    args = shard_parser(__doc__.splitlines()[0], "where the spool goes (/dev/shm/...)").parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     try:
         for beside_busy in (False, True):
