@@ -568,7 +568,14 @@ class TransformersRowsEngine:
     the oldest shard submitted. What it proves is eaglet's side (order, slots, the stored form, failures); vLLM's own
     capture is compared on the H200."""
 
-    def __init__(self, target: Path, layers: tuple[int, ...], spool: Path, fail_on_step: int | None = None):
+    def __init__(
+        self,
+        target: Path,
+        layers: tuple[int, ...],
+        spool: Path,
+        fail_on_step: int | None = None,
+        fill_disk_before: tuple[int, Path] | None = None,
+    ):
         from eaglet.model.vllm_engine import EngineSettings
         from eaglet.model.vllm_rows import RowsWriter
 
@@ -583,6 +590,7 @@ class TransformersRowsEngine:
         )  # fmt: skip
         self.writer = RowsWriter()
         self.fail_on_step = fail_on_step
+        self.fill_disk_before = fill_disk_before  # (shard, file): another process fills the disk before that shard
         self.steps = 0
         self.pending: list[tuple] = []  # (request id, prompt, its rows' target) not yet run
         self.submitted = 0
@@ -594,6 +602,8 @@ class TransformersRowsEngine:
         """eaglet's own spool and targets; the targets stand where vLLM's sampling parameters carry them."""
         from eaglet.model.vllm_engine import spool_targets
 
+        if self.fill_disk_before and _spool_index(Path(name)) == self.fill_disk_before[0]:
+            _fill_disk(self.fill_disk_before[1])
         spool, file, targets = spool_targets(self.settings, host, token_lists, name)
         return spool, file, [{"prompt_token_ids": ids} for ids in token_lists], targets
 
@@ -648,6 +658,17 @@ class TransformersRowsEngine:
 
 
 WORKER_WRITE_DELAY_S = 0.1  # the double's worker writes a step's rows this long after its outputs are out
+
+
+def _fill_disk(hog: Path) -> None:
+    """Another process writes ``hog`` until its disk is full."""
+    with open(hog, "wb") as handle:
+        try:
+            while True:
+                handle.write(bytes(64 << 10))
+                handle.flush()
+        except OSError:
+            pass
 
 
 def _spool_index(path: Path) -> int:
@@ -733,6 +754,37 @@ def test_an_engine_that_dies_mid_store_is_one_error_and_the_store_resumes(tmp_pa
     again = TransformersRowsEngine(tiny_target, LAYERS, spool)
     result = run_extract(config, engine=again)
     assert result.shards_computed == len(result.manifest["shards"]) - len(kept) > 0
+
+
+def test_a_spool_disk_that_fills_mid_store_is_one_line_and_the_store_resumes(
+    tmp_path, tiny_prepared, tiny_target, mounts
+):
+    """Another process fills the spool's disk while the store is being extracted (a run that died at sample 80,000 on
+    a full disk): the shard whose file eaglet makes next is refused as the one-line disk-full error naming that file,
+    before vLLM computes it; the shards finished before are kept (the plan's first ones), no spool file is left, and
+    with room again, extracting again computes exactly the rest."""
+    import json
+
+    from eaglet.extract.extractor import run_extract
+    from eaglet.fsio import os_error_line
+
+    disk = mounts("full", "2m")  # room for the spool's eight shards when the stage starts (preflight passes)
+    spool = disk / "spool"
+    config = build_config(ExtractConfig, "extract", cli_values={
+        **_vllm_config(tiny_prepared, tmp_path / "store", tiny_target).model_dump(), "spool_dir": str(spool),
+    })  # fmt: skip
+    hog = disk / "another-process.bin"
+    engine = TransformersRowsEngine(tiny_target, LAYERS, spool, fill_disk_before=(3, hog))
+    with pytest.raises(OSError) as full:
+        run_extract(config, engine=engine)
+    line = os_error_line(full.value)
+    assert "shard-00003.rows.partial" in line and "the disk is full" in line and "\n" not in line, line
+    assert not spool.exists()  # nothing half-written left behind: the spool folder went once empty
+    kept = sorted(json.loads(p.read_text())["index"] for p in (tmp_path / "store").glob("shard-*.json"))
+    assert kept == list(range(len(kept))) and len(kept) <= 3
+    hog.unlink()
+    result = run_extract(config, engine=TransformersRowsEngine(tiny_target, LAYERS, spool))
+    assert result.shards_computed == len(result.manifest["shards"]) - len(kept)
 
 
 def test_a_token_vllms_worker_flagged_non_finite_is_refused_naming_its_sample(tmp_path):
