@@ -203,8 +203,10 @@ def test_preflight_names_the_broken_call_before_the_load(tmp_path, monkeypatch):
     finally:
         check_library_api.cache_clear()
     assert check.status == FAIL
-    assert "vllm_connector.py:" in check.detail and "example_hidden_states_connector" in check.detail
-    assert "vllm 0.16.0" in check.detail
+    report = check_calls([EAGLET], "vllm", [_release(BREAKING_VLLM, tmp_path / "again")], f"vllm {BREAKING_VLLM}")
+    first = report.errors[0]  # the first of eaglet's broken calls, named with its place and what changed
+    assert f"{len(report.errors)} of eaglet's calls break on vllm 0.16.0" in check.detail
+    assert f"{Path(first.path).name}:{first.line} {first.target}: {first.message}" in check.detail
     assert "vllm==0.24.0" in check.fix
 
 
@@ -785,6 +787,55 @@ def test_a_spool_disk_that_fills_mid_store_is_one_line_and_the_store_resumes(
     hog.unlink()
     result = run_extract(config, engine=TransformersRowsEngine(tiny_target, LAYERS, spool))
     assert result.shards_computed == len(result.manifest["shards"]) - len(kept)
+
+
+class StepQueue:
+    """vLLM's engine as ``EngineQueue`` sees it: requests in; each step finishes one to three of those inside, in any
+    order."""
+
+    def __init__(self, total: int):
+        import random
+
+        self.total = total  # items the stream will submit
+        self.inside: dict[str, tuple] = {}
+        self.submitted = 0
+        self.sizes_while_more: list[int] = []  # requests inside at each step, while items were left to submit
+        self.rng = random.Random(0)
+
+    def submit(self, prompts, params, doing):
+        ids = []
+        for prompt, param in zip(prompts, params, strict=True):
+            ids.append(f"request-{self.submitted}")
+            self.inside[ids[-1]] = (prompt, param)
+            self.submitted += 1
+        return ids
+
+    def finished(self, doing):
+        from types import SimpleNamespace
+
+        if self.submitted < self.total:
+            self.sizes_while_more.append(len(self.inside))
+        done = self.rng.sample(sorted(self.inside), k=min(len(self.inside), self.rng.randint(1, 3)))
+        return [SimpleNamespace(request_id=r, finished=True, outputs=self.inside.pop(r)) for r in done]
+
+
+def test_streamed_requests_stay_in_flight_and_each_comes_back_once_with_its_own_output():
+    """The engine finishes requests in any order, a few a step: every item comes back exactly once with its own
+    output, the engine holds exactly ``in_flight`` requests while items are left (the next goes in as one finishes),
+    and the finished pairs come in groups over ``group_s`` (all in one at the end when that is long)."""
+    from eaglet.model.vllm_engine import stream_requests
+
+    def made(item):
+        return f"prompt {item}", item * 10
+
+    queue = StepQueue(total=20)
+    groups = list(stream_requests(queue, range(20), made, in_flight=4, doing="test", group_s=0.0))
+    pairs = [pair for group in groups for pair in group]
+    assert sorted(item for item, _ in pairs) == list(range(20))
+    assert all(output.outputs == made(item) for item, output in pairs)
+    assert queue.sizes_while_more and set(queue.sizes_while_more) == {4}
+    assert len(groups) > 1 and not queue.inside
+    assert len(list(stream_requests(StepQueue(20), range(20), made, 4, "test", group_s=3600.0))) == 1
 
 
 def test_a_token_vllms_worker_flagged_non_finite_is_refused_naming_its_sample(tmp_path):

@@ -139,8 +139,8 @@ class RegenerateConfig(VllmFields, PlacementFields):
     batch_size: int = Field(
         default=0,
         ge=0,
-        description="prompts per batch, each written when done (0: hf 64 on GPU, 8 on CPU; vllm 2048 per call, "
-        "which vLLM batches itself)",
+        description="prompts per batch, each written when done (0: hf 64 on GPU, 8 on CPU; vllm: 2048 in vLLM at "
+        "once, the next added as one is answered)",
     )
     max_prompts: int | None = Field(default=None, ge=1, description="only the first N selected prompts")
     split: Split = Field(default="all", description="rows whose `split` field matches")

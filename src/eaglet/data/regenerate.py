@@ -4,9 +4,10 @@ A draft learns to predict what the *target* would write; answers written by anot
 the wrong distribution. Each prompt (the conversation up to its last user turn) is answered ``n``
 times, greedily or by sampling. Output rows are OpenAI ``messages`` plus provenance.
 
-Crash safety: rows are appended in whole batches with fsync; a restarted run reads the file,
-drops a torn last line, and skips every (prompt id, sample) already written. The finished file is
-rewritten once in plan order, so a resumed run ends byte-identical to an uninterrupted one.
+Crash safety: rows are appended in groups with fsync (a batch; the vllm backend's answers of the last second; a
+server's each answer); a restarted run reads the file, drops a torn last line, and skips every (prompt id, sample)
+already written. The finished file is rewritten once in plan order, so a resumed run ends byte-identical to an
+uninterrupted one.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from rich.console import Console
 
@@ -236,9 +237,10 @@ class HFBackend:
 
 
 class VllmBackend:
-    """vLLM in process: each batch of prompts is one ``LLM.generate`` call, continuously batched by vLLM, with the
-    target's native weights (quantized, MoE) over ``--tensor-parallel-size`` GPUs. Every request has its own seed, so
-    a sampled answer does not depend on which batch it is in; the plan of batches is fixed, as the hf backend's."""
+    """vLLM in process, with the target's native weights (quantized, MoE) over ``--tensor-parallel-size`` GPUs: up to
+    ``--batch-size`` prompts in vLLM at once, the next added as soon as one is answered (vLLM's continuous batching
+    kept full: fixed batches each ended with a few long answers decoding alone). Every request has its own seed, so a
+    sampled answer does not depend on what it ran beside."""
 
     writes = True
 
@@ -275,36 +277,38 @@ class VllmBackend:
                 gpu_memory_utilization=config.gpu_memory_utilization,
             )
 
-    def plan(self, requests: list[Request]) -> tuple[list[list[Request]], dict[int, list[int]]]:
-        encoded = {r.order: encode_prompt(self.tokenizer, r) for r in requests}
-        size = self.config.batch_size or VLLM_BATCH
-        return [requests[i : i + size] for i in range(0, len(requests), size)], encoded
+    def answers(self, requests: list[Request]) -> Iterator[tuple[list[Request], list[Answer]]]:
+        """The requests' answers, in groups as they finish (each group written durably at once)."""
+        from vllm.inputs import tokens_input
 
-    def generate(self, batch: list[Request], encoded: dict[int, list[int]], batch_seed: int) -> list[Answer]:
+        from ..model.vllm_engine import EngineQueue, stream_requests
+
+        queue = EngineQueue(self.llm, self.model)
+        in_flight = self.config.batch_size or VLLM_IN_FLIGHT
+        doing = f"answering {len(requests)} prompts"
+        made = lambda r: (tokens_input(encode_prompt(self.tokenizer, r)), self._params(r))  # noqa: E731
+        for group in stream_requests(queue, requests, made, in_flight, doing, WRITE_EVERY_S):
+            yield [request for request, _ in group], [self._answer(output) for _, output in group]
+
+    def _params(self, request: Request) -> Any:
         from vllm import SamplingParams
-
-        from ..model.vllm_engine import engine_alive
+        from vllm.sampling_params import RequestOutputKind
 
         sampling = self.config.temperature > 0
-        params = [
-            SamplingParams(
-                max_tokens=self.config.max_new_tokens,
-                temperature=self.config.temperature,
-                top_p=self.config.top_p if sampling else 1.0,
-                seed=self.config.seed * 1_000_003 + r.order if sampling else None,
-                stop_token_ids=self.stop_ids,
-                detokenize=False,
-            )
-            for r in batch
-        ]
-        with engine_alive(self.model, f"answering {len(batch)} prompts"):
-            outputs = self.llm.generate([{"prompt_token_ids": encoded[r.order]} for r in batch], params, use_tqdm=False)
-        answers = []
-        for output in outputs:
-            kept, stopped = until_stop(list(output.outputs[0].token_ids), self.stop_ids)
-            text = self.tokenizer.decode(kept, skip_special_tokens=True)
-            answers.append(Answer(text, "stop" if stopped else "length", len(kept) + stopped))
-        return answers
+        return SamplingParams(
+            max_tokens=self.config.max_new_tokens,
+            temperature=self.config.temperature,
+            top_p=self.config.top_p if sampling else 1.0,
+            seed=self.config.seed * 1_000_003 + request.order if sampling else None,
+            stop_token_ids=self.stop_ids,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,  # the answer once, when it is done (as LLM sets)
+        )
+
+    def _answer(self, output: Any) -> Answer:
+        kept, stopped = until_stop(list(output.outputs[0].token_ids), self.stop_ids)
+        text = self.tokenizer.decode(kept, skip_special_tokens=True)
+        return Answer(text, "stop" if stopped else "length", len(kept) + stopped)
 
 
 class OpenAIBackend:
@@ -365,7 +369,8 @@ class OpenAIBackend:
 
 
 IN_PROCESS = {"hf": HFBackend, "vllm": VllmBackend}  # the backends that load the target here
-VLLM_BATCH = 2048  # requests per LLM.generate call: vLLM batches them; each call's answers are written when done
+VLLM_IN_FLIGHT = 2048  # the vllm backend's prompts in vLLM at once unless --batch-size says
+WRITE_EVERY_S = 1.0  # the vllm backend's answers are written durably at most this often (a kill loses no more)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,20 +387,19 @@ class RegenerateResult:
     manifest: dict[str, Any]
 
 
-def _run_batches(
-    batches: Iterable[tuple[int, list[Request]]],
-    produce: Callable[[int, list[Request]], list[Answer]],
+def _write_answers(
+    groups: Iterable[tuple[list[Request], list[Answer]]],
     settings: dict[str, Any],
     out: Path,
     done: dict[tuple[str, int], str],
     advance: Callable[[int], None],
     writes: bool = True,
 ) -> int:
+    """Each group of answers appended durably as it comes (a batch, a second's answers, one answer); the new tokens."""
     new_tokens = 0
-    for index, batch in batches:
-        answers = produce(index, batch)
+    for batch, answers in groups:
         lines = []
-        for request, answer in zip(batch, answers):
+        for request, answer in zip(batch, answers, strict=True):
             if request.key in done:
                 continue
             line = json.dumps(output_row(request, answer, settings), ensure_ascii=False)
@@ -438,33 +442,21 @@ def _regenerate(config: RegenerateConfig, out: Path, console: Console) -> Regene
         with progress_bar("answers", console) as progress:
             task = progress.add_task("regenerate", total=len(requests), completed=skipped)
             advance = lambda n: progress.advance(task, n)  # noqa: E731
-            if backend is not None:
+            if isinstance(backend, VllmBackend):
+                new_tokens = _write_answers(backend.answers(todo), settings, out, done, advance)
+            elif backend is not None:
                 batches, encoded = backend.plan(requests)  # plan over all requests: fixed batch seeds
                 pending = [(i, b) for i, b in enumerate(batches) if any(r.key not in done for r in b)]
-                new_tokens = _run_batches(
-                    pending,
-                    lambda i, b: backend.generate(b, encoded, config.seed * 1_000_003 + i),
-                    settings,
-                    out,
-                    done,
-                    advance,
-                    backend.writes,
-                )
+                groups = ((b, backend.generate(b, encoded, config.seed * 1_000_003 + i)) for i, b in pending)
+                new_tokens = _write_answers(groups, settings, out, done, advance, backend.writes)
             else:
                 client = OpenAIBackend(config)
                 with ThreadPoolExecutor(max_workers=config.concurrency) as pool:
                     futures = {pool.submit(client.complete, r): r for r in todo}
-                    finished = {}
-
-                    def completed() -> Iterable[tuple[int, list[Request]]]:
-                        for future in as_completed(futures):  # write each answer as soon as it arrives
-                            finished[futures[future].order] = future
-                            yield futures[future].order, [futures[future]]
-
+                    # each answer written as soon as it arrives
+                    arrived = (([futures[f]], [f.result()]) for f in as_completed(futures))
                     try:
-                        new_tokens = _run_batches(
-                            completed(), lambda i, b: [finished[i].result()], settings, out, done, advance
-                        )
+                        new_tokens = _write_answers(arrived, settings, out, done, advance)
                     except BaseException:
                         pool.shutdown(wait=False, cancel_futures=True)
                         raise

@@ -17,9 +17,10 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 
@@ -159,6 +160,81 @@ def spool_targets(
     return spool, file, targets
 
 
+class EngineQueue:
+    """Requests into a started vLLM ``LLM``'s engine and its finished outputs out, one engine step at a time: the calls
+    ``LLM.generate`` makes itself, so requests go in while earlier ones run (a ``generate`` call per batch idled the
+    GPU at each call's end and start, and ran each call's last requests in a part-empty batch). Typed, so `eaglet
+    preflight` binds these calls to the installed vLLM."""
+
+    def __init__(self, llm: Any, model: str):
+        self.llm = llm
+        self.model = model
+        self.request_ids = itertools.count()
+
+    def submit(self, prompts: list[Any], params: list[Any], doing: str) -> list[str]:
+        """Queue requests (vLLM's engine core starts them at its next step, beside whatever it runs); their ids."""
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        engine: LLMEngine = self.llm.llm_engine
+        with engine_alive(self.model, doing):
+            return [
+                engine.add_request(f"eaglet-{next(self.request_ids)}", prompt, param)
+                for prompt, param in zip(prompts, params, strict=True)
+            ]
+
+    def finished(self, doing: str) -> list[Any]:
+        """vLLM's next outputs (waited for): those of the requests they finish."""
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        engine: LLMEngine = self.llm.llm_engine
+        with engine_alive(self.model, doing):
+            return [output for output in engine.step() if output.finished]
+
+
+Item = TypeVar("Item")
+
+
+def stream_requests(
+    queue: Any,
+    items: Iterable[Item],
+    request: Callable[[Item], tuple[Any, Any]],
+    in_flight: int,
+    doing: str,
+    group_s: float,
+) -> Iterator[list[tuple[Item, Any]]]:
+    """Each item's request (``request(item)``: prompt, parameters) kept in vLLM through ``queue`` (``EngineQueue``),
+    at most ``in_flight`` at once, the next added as soon as one finishes; yields the finished (item, output) pairs
+    gathered over ``group_s`` seconds (each group is written durably at once), the last group when all are done."""
+    pending = iter(items)
+    waiting: dict[str, Item] = {}
+    group: list[tuple[Item, Any]] = []
+    since = time.monotonic()
+    more = True
+    while True:
+        adding: list[Item] = []
+        while more and len(waiting) + len(adding) < in_flight:
+            item = next(pending, _END)
+            if item is _END:
+                more = False
+            else:
+                adding.append(item)
+        if adding:
+            made = [request(item) for item in adding]
+            ids = queue.submit([prompt for prompt, _ in made], [params for _, params in made], doing)
+            waiting.update(zip(ids, adding, strict=True))
+        if not waiting:
+            break
+        group += [(waiting.pop(output.request_id), output) for output in queue.finished(doing)]
+        if group and time.monotonic() - since >= group_s:
+            yield group
+            group, since = [], time.monotonic()
+    if group:
+        yield group
+
+
+_END = object()
+
+
 class HiddenStateEngine:
     """A vLLM engine that turns token sequences into one spool file of their captured hidden states."""
 
@@ -169,7 +245,6 @@ class HiddenStateEngine:
         except ImportError as exc:
             raise vllm_missing(exc) from None
         self.settings = settings
-        self.request_ids = itertools.count()
         transfer = KVTransferConfig(
             kv_connector=CONNECTOR,
             kv_connector_module_path=CONNECTOR_MODULE,
@@ -203,6 +278,7 @@ class HiddenStateEngine:
                 kv_transfer_config=transfer,
                 profiler_config=settings.profiler_config(),
             )
+        self.queue = EngineQueue(self.llm, settings.model)
 
     def requests(
         self, host: dict[str, torch.Tensor], token_lists: list[list[int]], name: str
@@ -228,30 +304,14 @@ class HiddenStateEngine:
         return spool, file, [tokens_input(ids) for ids in token_lists], params  # rendered, as LLM hands the engine
 
     def submit(self, prompts: list[dict], params: list[Any], doing: str) -> list[str]:
-        """Queue requests in vLLM (its engine core starts them at its next step, beside whatever it runs); their ids.
-        vLLM's own ``LLMEngine`` calls, as ``LLM.generate`` makes them, so eaglet can add a shard's requests while
-        the previous ones run: a ``generate`` call per batch of shards idled the GPU at each call's end and start."""
-        from vllm.v1.engine.llm_engine import LLMEngine
-
-        engine: LLMEngine = self.llm.llm_engine  # typed: `eaglet preflight` binds these calls to the installed vLLM
-        with engine_alive(self.settings.model, doing):
-            return [
-                engine.add_request(f"eaglet-{next(self.request_ids)}", prompt, param)
-                for prompt, param in zip(prompts, params, strict=True)
-            ]
+        """Queue a shard's requests in vLLM, beside those it runs; their ids."""
+        return self.queue.submit(prompts, params, doing)
 
     def finished(self, doing: str) -> list[str]:
         """vLLM's next outputs (waited for): the ids of the requests they finish, each checked to have had its rows
         taken by eaglet's connector."""
-        from vllm.v1.engine.llm_engine import LLMEngine
-
-        engine: LLMEngine = self.llm.llm_engine
-        with engine_alive(self.settings.model, doing):
-            outputs = engine.step()
         done = []
-        for output in outputs:
-            if not output.finished:
-                continue
+        for output in self.queue.finished(doing):
             if SAVED_KEY not in (output.kv_transfer_params or {}):
                 raise EagletError(
                     f"vLLM returned no hidden states for request {output.request_id}: its {CONNECTOR} did not run "
