@@ -454,7 +454,8 @@ def test_the_worker_queues_a_chunks_rows_to_host_without_waiting_for_the_forward
     for it. Nothing it calls may wait for the GPU: with async scheduling the host would stop preparing the next step
     and the GPU would idle between steps. The slots go up, the rows are gathered, formed and copied to pinned memory
     while the forward still runs (no synchronising call), and the host tensors equal the rows formed on the CPU."""
-    from eaglet.model.vllm_rows import column_index, form_rows, index_to_device, rows_to_host, slot_indices
+    from eaglet.model.transfer import to_device
+    from eaglet.model.vllm_rows import column_index, form_rows, rows_to_host, slot_indices
 
     cuda = torch.device("cuda")
     block_size, hidden = 16, 64
@@ -468,7 +469,7 @@ def test_the_worker_queues_a_chunks_rows_to_host_without_waiting_for_the_forward
         ready.record()
         side.wait_event(ready)
         with torch.cuda.stream(side):
-            on_device = index_to_device(slots, cuda)
+            on_device = to_device(torch.from_numpy(slots), cuda)
             rows = cache[on_device // block_size, on_device % block_size]  # as vLLM's extract_from_kv_cache
             finite, host = rows_to_host(rows, columns, norm, storage)
             copied = torch.cuda.Event()

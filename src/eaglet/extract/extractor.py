@@ -55,6 +55,7 @@ from ..model.target import (
     resolve_target,
     target_info,
 )
+from ..model.transfer import to_device
 from ..model.vllm_capture import installed_capture
 from ..model.vllm_engine import GENERATED_TOKENS, EngineSettings, HiddenStateEngine, config_problem, vllm_version
 from ..model.vllm_rows import SPOOL_SUFFIX
@@ -140,9 +141,7 @@ class ShardExtractor:
         self.free_buffers.put(buffers)
 
     def _to_device(self, array: np.ndarray, device: torch.device | None = None) -> torch.Tensor:
-        device = device or self.device
-        tensor = torch.from_numpy(array)
-        return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
+        return to_device(torch.from_numpy(array), device or self.device)
 
     def shards(self, prepared: PreparedSet, plans: list[ShardPlan], check: Any = None) -> Iterator[ExtractedShard]:
         """Every plan's shard in order, each queued on the device (not yet computed) when it is yielded. (``check``

@@ -3,11 +3,10 @@
 A maker thread makes each shard's spool file and requests ahead (at most ``SPOOLED_SHARDS`` spool files exist at once:
 it waits for the writers to move one before it creates another) and hands the shard to the writers; a feeder thread
 adds each made shard's requests to vLLM at once (``model.vllm_engine``), so vLLM's steps run across shard boundaries
-and never wait for a call to end or begin. Each shard's spool file is the
-shard's own safetensors file: vLLM's worker forms the stored tensors on its GPU and writes them in place
-(``model.vllm_rows``); the writer thread that takes the shard waits for the file, checks the tokens and finite flags
-the worker wrote after the data, cuts them off and moves the file into the store (hashed in one pass), while vLLM
-computes the next ones. The shard's other tensors (ids, mask, offsets, sample index) and its order are the hf
+and never wait for a call to end or begin. Each shard's spool file is the shard's own safetensors file: vLLM's worker
+forms the stored tensors on its GPU and writes them in place (``model.vllm_rows``); the writer thread that takes the
+shard waits for the file, checks the tokens and finite flags the worker wrote after the data, cuts them off and moves
+the file into the store (hashed in one pass), while vLLM computes the next ones. The shard's other tensors (ids, mask, offsets, sample index) and its order are the hf
 backend's, so a store from either backend is the same format, resumed and trained on the same way.
 """
 

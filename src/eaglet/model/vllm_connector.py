@@ -42,12 +42,12 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
 
 from .final_norm import load_final_norm
+from .transfer import to_device
 from .vllm_rows import (
     SAVED_KEY,
     RowsTarget,
     RowsWriter,
     column_index,
-    index_to_device,
     row_order,
     rows_to_host,
     slot_indices,
@@ -182,7 +182,7 @@ class EagletRowsConnector(KVConnectorBase_V1, SupportsHMA):
                 [slot_indices(r.block_ids, self.block_size, len(r.token_ids)) for r in chunk]
             )  # [rows of the chunk]
             with torch.cuda.stream(self.copy_stream):
-                on_device = index_to_device(slots, self.kv_cache.device)
+                on_device = to_device(torch.from_numpy(slots), self.kv_cache.device)
                 rows = extract_from_kv_cache(self.kv_cache, on_device, len(slots))  # [rows, layers, H]
                 if rows.shape[1] != form.captured_layers or rows.shape[2] != form.hidden_size:
                     for request in chunk:  # its file gets NAME.error; its blocks are released at once

@@ -35,6 +35,7 @@ from torch import nn
 
 from ..errors import EagletError
 from .shards import encode_features, safetensors_prefix
+from .transfer import to_device
 
 SPOOL_SUFFIX = ".rows"  # a shard's spool file: shard-00012.rows
 PARTIAL = ".partial"  # the file while vLLM's worker fills it
@@ -185,16 +186,7 @@ def column_index(columns: tuple[int, ...], device: torch.device) -> torch.Tensor
     """The aux columns as an index tensor on ``device``, made once per form: indexing a GPU tensor with a Python list
     copies the list from pageable memory, which waits for everything queued on the stream (in vLLM's worker, the
     forward the rows' forming is overlapped with)."""
-    return index_to_device(np.asarray(columns, dtype=np.int64), device)
-
-
-def index_to_device(indices: np.ndarray, device: torch.device) -> torch.Tensor:
-    """``indices`` on ``device``; to a GPU through pinned memory, queued on the current stream: the host does not
-    wait."""
-    on_host = torch.from_numpy(indices)
-    if device.type == "cpu":
-        return on_host
-    return on_host.pin_memory().to(device, non_blocking=True)
+    return to_device(torch.tensor(columns, dtype=torch.long), device)
 
 
 @torch.inference_mode()

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.transfer import to_device
 from .data import FeatureBatch, pad_to_budget
 from .loss import TeacherHead
 from .setup import Model
-from .transfer import to_device
 from .ttt import TTTInputs, documents
 
 

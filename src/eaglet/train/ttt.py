@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..model.draft import Eagle3Draft
+from ..model.transfer import to_device
 from .loss import soft_cross_entropy
-from .transfer import to_device
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 A plain ``tensor.to("cuda")`` from pageable memory synchronises with the stream: the training loop would
 wait for the previous step's kernels to finish before it could queue the next step, leaving the GPU idle
-while it copies the batch and launches the first kernels. Copies from pinned memory with
+while it copies the batch and launches the first kernels (the extraction's forward and vLLM's worker the
+same). Copies from pinned memory with
 ``non_blocking=True`` are queued like kernels (the caching host allocator keeps the pinned buffer until
 the copy is done)."""
 
