@@ -101,9 +101,9 @@ def library_roots(
                 f"{site_packages}: not a directory; pass the site-packages (or source) directory holding {package}"
             )
         return [site_packages], str(site_packages)
-    roots = [
+    roots = [  # in the order `import` searches them (site-packages last too, should sys.path lack it)
         Path(p)
-        for p in dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *sys.path])
+        for p in dict.fromkeys([*sys.path, sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
         if p and Path(p).is_dir()
     ]
     return roots, "installed"

@@ -84,6 +84,7 @@ class Library:
     texts: dict[str, str | None] = field(default_factory=dict)  # module name -> source text (None: unreadable)
     exports: dict[str, set[str] | None] = field(default_factory=dict)  # module name -> names `import *` binds
     star_bindings: dict[tuple[str, str], Any] = field(default_factory=dict)  # (module, name) -> _star_binding's answer
+    package_roots: dict[str, list[Path]] = field(default_factory=dict)  # top-level name -> the roots it imports from
 
     @property
     def version(self) -> str:
@@ -105,9 +106,29 @@ class Library:
 
     # ------------------------------------------------------------------ modules
 
+    def _package_roots(self, top: str) -> list[Path]:
+        """The roots `import top` reads, as Python's path finder picks them: the first root holding a regular package
+        or a module of that name (its submodules come from there alone, whatever later roots hold), else every root
+        holding a namespace portion of it."""
+        if top not in self.package_roots:
+            portions: list[Path] = []
+            for root in self.roots:
+                base = root / top
+                regular = any((base / init).is_file() for init in ("__init__.py", "__init__.pyi"))
+                module = any(base.with_suffix(suffix).is_file() for suffix in (".py", ".pyi")) or any(
+                    p.name.startswith(top + ".") and p.suffix in COMPILED_SUFFIXES for p in root.iterdir()
+                )
+                if regular or module:
+                    portions = [root]
+                    break
+                if base.is_dir():
+                    portions.append(root)
+            self.package_roots[top] = portions
+        return self.package_roots[top]
+
     def _file(self, name: str) -> Path | str | None:
         relative = Path(*name.split("."))
-        for root in self.roots:
+        for root in self._package_roots(name.split(".")[0]):
             base = root / relative
             for candidate in (
                 base / "__init__.pyi",
