@@ -64,7 +64,7 @@ def build_tokenizer(family: str):
     return tokenizer
 
 
-def tiny_llama_dir(root: Path, tokenizer_family: str = "qwen3", layers: int = 8):
+def tiny_llama_dir(root: Path, tokenizer_family: str = "qwen3", layers: int = 8, head_dim: int = 16):
     """A random 8-layer Llama saved with a family tokenizer: an HF directory eaglet can use as a target."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -73,8 +73,8 @@ def tiny_llama_dir(root: Path, tokenizer_family: str = "qwen3", layers: int = 8)
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=4 * head_dim,
+        intermediate_size=8 * head_dim,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,

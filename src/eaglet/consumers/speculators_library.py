@@ -8,12 +8,12 @@ must give eaglet's logits at every TTT step.
 
 from __future__ import annotations
 
-import importlib.metadata
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .. import packages
 from ..errors import EagletError
 
 PACKAGE = "speculators"
@@ -24,10 +24,7 @@ CONFORMANCE_SPLIT = 29  # where the second document starts
 
 
 def installed_version() -> str | None:
-    try:
-        return importlib.metadata.version(PACKAGE)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return packages.installed_version(PACKAGE)
 
 
 @dataclass

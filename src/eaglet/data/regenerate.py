@@ -248,7 +248,7 @@ class VllmBackend:
         from transformers import GenerationConfig
 
         from ..model.target import load_tokenizer, pick_dtype, resolve_target
-        from ..model.vllm_engine import config_problem, starting, vllm_missing
+        from ..model.vllm_engine import config_problem, starting, vllm_missing, vllm_runs_on
 
         try:
             from vllm import LLM
@@ -272,7 +272,7 @@ class VllmBackend:
                 skip_tokenizer_init=True,  # eaglet renders and decodes with the target's own tokenizer
                 trust_remote_code=config.trust_remote_code,
                 tensor_parallel_size=config.tensor_parallel_size,
-                dtype=str(pick_dtype(config.dtype, "cuda")).removeprefix("torch."),  # as the hf backend computes
+                dtype=str(pick_dtype(config.dtype, vllm_runs_on() or "cuda")).removeprefix("torch."),  # as hf does
                 seed=config.seed,
                 gpu_memory_utilization=config.gpu_memory_utilization,
             )

@@ -57,7 +57,14 @@ from ..model.target import (
 )
 from ..model.transfer import to_device
 from ..model.vllm_capture import installed_capture
-from ..model.vllm_engine import GENERATED_TOKENS, EngineSettings, HiddenStateEngine, config_problem, vllm_version
+from ..model.vllm_engine import (
+    GENERATED_TOKENS,
+    EngineSettings,
+    HiddenStateEngine,
+    config_problem,
+    vllm_device_problem,
+    vllm_version,
+)
 from ..model.vllm_rows import SPOOL_SUFFIX
 from ..progress import progress_bar
 from .vllm_extractor import VllmShardExtractor
@@ -530,8 +537,9 @@ def open_vllm_engine(
 ) -> HiddenStateEngine:
     """vLLM on the target, sized for the longest sample and a forward of ``--batch-tokens``; ``profile_dir``: where
     vLLM's torch profiler writes its worker's traces (benchmarks/vllm_extract_parity.py; off in `eaglet extract`)."""
-    if not config.device.startswith(("auto", "cuda")) or not torch.cuda.is_available():
-        raise EagletError("--backend vllm needs CUDA GPUs; use --backend hf on this machine")
+    problem = vllm_device_problem(config.device)
+    if problem:
+        raise EagletError(problem)
     problem = config_problem(target_path)
     if problem is None:
         verdict = installed_capture(read_config(target_path), vllm_version() or "?")

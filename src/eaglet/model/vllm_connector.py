@@ -20,6 +20,7 @@ layers x slots x H), so the rows are read with vLLM's own ``extract_from_kv_cach
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,11 +170,13 @@ class EagletRowsConnector(KVConnectorBase_V1, SupportsHMA):
             self._save_chunks(finished)
 
     def _save_chunks(self, finished: list[FinishedRequest]) -> None:
-        if self.copy_stream is None:
-            self.copy_stream = torch.cuda.Stream(self.kv_cache.device)
-        ready = torch.cuda.Event()
-        ready.record()
-        self.copy_stream.wait_event(ready)
+        on_gpu = self.kv_cache.device.type == "cuda"  # else vLLM's CPU build: rows formed in host memory at once
+        if on_gpu:
+            if self.copy_stream is None:
+                self.copy_stream = torch.cuda.Stream(self.kv_cache.device)
+            ready = torch.cuda.Event()
+            ready.record()
+            self.copy_stream.wait_event(ready)
         row_bytes = self.kv_cache[0].numel() // self.block_size * self.kv_cache.element_size()
         for chunk in _chunks(finished, row_bytes):
             chunk.sort(key=lambda request: row_order(request.target))  # runs of rows written at once
@@ -181,7 +184,7 @@ class EagletRowsConnector(KVConnectorBase_V1, SupportsHMA):
             slots = np.concatenate(
                 [slot_indices(r.block_ids, self.block_size, len(r.token_ids)) for r in chunk]
             )  # [rows of the chunk]
-            with torch.cuda.stream(self.copy_stream):
+            with torch.cuda.stream(self.copy_stream) if on_gpu else contextlib.nullcontext():
                 on_device = to_device(torch.from_numpy(slots), self.kv_cache.device)
                 rows = extract_from_kv_cache(self.kv_cache, on_device, len(slots))  # [rows, layers, H]
                 if rows.shape[1] != form.captured_layers or rows.shape[2] != form.hidden_size:
@@ -193,10 +196,10 @@ class EagletRowsConnector(KVConnectorBase_V1, SupportsHMA):
                 host_finite, host = rows_to_host(
                     rows, self._columns(form.columns), self._final_norm(rows), form.storage
                 )
-                copied = torch.cuda.Event()
-                copied.record()
+                copied = _recorded_event() if on_gpu else None
             for request in chunk:
-                self.copies[request.req_id] = copied
+                if copied is not None:
+                    self.copies[request.req_id] = copied
                 self.reported.add(request.req_id)
             future = self.pool.submit(self._write, chunk, host, host_finite, copied)
             future.add_done_callback(_surface)
@@ -218,10 +221,11 @@ class EagletRowsConnector(KVConnectorBase_V1, SupportsHMA):
         chunk: list[FinishedRequest],
         host: dict[str, torch.Tensor],
         finite: torch.Tensor,
-        copied: torch.cuda.Event,
+        copied: torch.cuda.Event | None,
     ) -> None:
         with torch.profiler.record_function(WRITE_RANGE):
-            copied.synchronize()
+            if copied is not None:
+                copied.synchronize()
             self._write_requests(chunk, host, finite)
 
     def _write_requests(
@@ -281,6 +285,13 @@ def _chunks(finished: list[FinishedRequest], row_bytes: int) -> list[list[Finish
         chunks[-1].append(request)
         size += rows
     return chunks
+
+
+def _recorded_event() -> torch.cuda.Event:
+    """An event recorded on the current stream: passed once the work queued before it is done."""
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _surface(future: Future) -> None:

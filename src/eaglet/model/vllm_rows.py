@@ -208,8 +208,10 @@ def rows_to_host(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``form_rows`` on the GPU, then copies of the finite flags [n] (uint8) and the stored tensors into new pinned
     host memory, all queued on the current stream: the caller records an event after them and reads the host tensors
-    once it has passed."""
+    once it has passed. Rows in host memory (vLLM's CPU build) are formed there, ready at return."""
     finite, stored = form_rows(rows, columns, norm, storage_dtype)
+    if rows.device.type == "cpu":
+        return finite.to(torch.uint8), stored
     return _pinned_copy(finite.to(torch.uint8)), {name: _pinned_copy(tensor) for name, tensor in stored.items()}
 
 

@@ -282,7 +282,7 @@ def check_vllm_backend(
     model load (minutes)."""
     from ..model.sizing import this_machine, vllm_layout, weights_of
     from ..model.target import read_config
-    from ..model.vllm_engine import TESTED_VLLM, config_problem, vllm_version
+    from ..model.vllm_engine import TESTED_VLLM, config_problem, vllm_runs_on, vllm_version
 
     problem = config_problem(target_path)
     checks = [
@@ -310,6 +310,8 @@ def check_vllm_backend(
     ]
     if captures:
         checks.append(check_vllm_capture(target_path, version))
+    if vllm_runs_on() == "cpu":
+        return checks + [check_vllm_on_cpu(weights_of(read_config(target_path)))]
     machine = this_machine()
     if machine.gpus < tensor_parallel_size:
         return checks + [
@@ -323,6 +325,22 @@ def check_vllm_backend(
     fit = vllm_layout(weights_of(read_config(target_path)), machine, tensor_parallel_size, memory_share)
     checks.append(Check("fit", FAIL if fit.problems else PASS, "; ".join((fit.describe(), *fit.problems))))
     return checks
+
+
+def check_vllm_on_cpu(weights: Any) -> Check:
+    """vLLM's CPU build: the checkpoint and vLLM's caches in this machine's free memory."""
+    from ..model.vllm_engine import CPU_CACHE_GIB
+
+    cache_gib = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or CPU_CACHE_GIB)
+    needed = (weights.checkpoint_bytes or weights.bytes) + cache_gib * GIB
+    free, measured = available_memory("cpu")
+    detail = (
+        f"vLLM's CPU build: {(weights.checkpoint_bytes or weights.bytes) / GIB:,.2f} GiB of weights + {cache_gib:g} "
+        f"GiB for its caches (VLLM_CPU_KVCACHE_SPACE) of {free / GIB:,.1f} GiB ({measured})"
+    )
+    if needed > free:
+        return Check("fit", FAIL, detail, "free memory, or set VLLM_CPU_KVCACHE_SPACE lower (GiB)")
+    return Check("fit", PASS, detail)
 
 
 def check_vllm_capture(target_path: Path, version: str) -> Check:

@@ -522,11 +522,10 @@ def check_static_cache(target_path: Any, mode: str, graphs: bool, trust_remote_c
 def check_engine_coverage(fmt: str, declared: list[str]) -> list[Check]:
     """Each engine release the export will meet (installed here, or declared with --engine) is one whose
     loader eaglet's readers were made from; warn for any other."""
-    import importlib.metadata
-
     from ..consumers.fixtures import covered_versions
     from ..export import ENGINES
     from ..export.speculators import VERSION as SPECULATORS_VERSION
+    from ..packages import installed_version
 
     engines = FORMATS[fmt].engines
     wanted: dict[str, set[str]] = {}
@@ -543,10 +542,9 @@ def check_engine_coverage(fmt: str, declared: list[str]) -> list[Check]:
             ]
         wanted.setdefault(engine, set()).add(version)
     for engine in engines:
-        try:
-            wanted.setdefault(engine, set()).add(importlib.metadata.version(engine))
-        except importlib.metadata.PackageNotFoundError:
-            pass
+        version = installed_version(engine)
+        if version is not None:
+            wanted.setdefault(engine, set()).add(version)
     checks = []
     for engine in engines:
         covered = [SPECULATORS_VERSION] if engine == "speculators" else covered_versions(engine)

