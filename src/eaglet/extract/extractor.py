@@ -537,7 +537,7 @@ def open_vllm_engine(
 ) -> HiddenStateEngine:
     """vLLM on the target, sized for the longest sample and a forward of ``--batch-tokens``; ``profile_dir``: where
     vLLM's torch profiler writes its worker's traces (benchmarks/vllm_extract_parity.py; off in `eaglet extract`)."""
-    problem = vllm_device_problem(config.device)
+    problem = vllm_device_problem(config.device, target_path)
     if problem:
         raise EagletError(problem)
     problem = config_problem(target_path)

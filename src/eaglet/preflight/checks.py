@@ -282,7 +282,14 @@ def check_vllm_backend(
     model load (minutes)."""
     from ..model.sizing import this_machine, vllm_layout, weights_of
     from ..model.target import read_config
-    from ..model.vllm_engine import TESTED_VLLM, config_problem, vllm_runs_on, vllm_version
+    from ..model.vllm_engine import (
+        TESTED_VLLM,
+        TESTED_VLLM_CPU,
+        config_problem,
+        installed_cpu_attention_problem,
+        vllm_runs_on,
+        vllm_version,
+    )
 
     problem = config_problem(target_path)
     checks = [
@@ -298,20 +305,29 @@ def check_vllm_backend(
                 "pip install vllm (README, 'GPU checks', stages it on a machine without network), or --backend hf",
             )
         ]
-    tested = version in TESTED_VLLM
+    on_cpu = vllm_runs_on() == "cpu"
+    releases = TESTED_VLLM_CPU if on_cpu else TESTED_VLLM
+    tested = version in releases
+    build = "'s CPU build" if on_cpu else ""
     checks += [
         Check(
             "vllm",
             PASS if tested else WARN,
-            f"vLLM {version}" + ("" if tested else f"; eaglet's route is tested on {', '.join(TESTED_VLLM)}"),
+            f"vLLM {version}{build}" + ("" if tested else f"; eaglet's route is tested on {', '.join(releases)}"),
             "" if tested else "the API check below says whether eaglet's calls still bind",
         ),
         check_library_api("vllm"),
     ]
     if captures:
         checks.append(check_vllm_capture(target_path, version))
-    if vllm_runs_on() == "cpu":
-        return checks + [check_vllm_on_cpu(weights_of(read_config(target_path)))]
+    if on_cpu:
+        problem = installed_cpu_attention_problem(target_path)
+        return checks + [
+            Check("vllm cpu attention", FAIL, problem)
+            if problem
+            else Check("vllm cpu attention", PASS, "head size runs"),
+            check_vllm_on_cpu(weights_of(read_config(target_path))),
+        ]
     machine = this_machine()
     if machine.gpus < tensor_parallel_size:
         return checks + [
