@@ -16,7 +16,9 @@ stores=${STORES:-$work}
 mkdir -p "$work" "$stores" "${OUT:=/tmp/out}"
 echo "stores in $stores ($(df -h --output=avail "$stores" | tail -1) free)" >&2
 embedded=$(python3 -m eaglet.cli target info --json | python3 -c "import json,sys; print(json.load(sys.stdin)['path'])")
-bench() { python3 benchmarks/vllm_extract_parity.py "$@" | tail -1 | tee -a "$OUT/vllm_extract.jsonl"; }
+bench() {  # the result is the one JSON line (vLLM logs its shutdown to stdout after it)
+  python3 benchmarks/vllm_extract_parity.py "$@" | grep "^{" | tail -1 | tee -a "$OUT/vllm_extract.jsonl"
+}
 pair() {  # pair NAME TARGET SAMPLES: both backends, vLLM's prefill alone over the same samples, the features compared
   local name=$1 target=$2 samples=$3
   rm -rf "$stores/$name-hf" "$stores/$name-vllm"

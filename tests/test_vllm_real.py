@@ -29,6 +29,8 @@ pytestmark = [
     pytest.mark.skipif(not _vllm_can_start(), reason="needs vLLM installed (its CPU build runs anywhere)"),
 ]
 FEATURE_COSINE = 0.999  # per token, every stored layer: both backends compute the same float32 forward
+KILL_AFTER_SHARDS = 3  # shards in the store when the extraction is killed
+KILL_WAIT_S = 300  # for the engine's start (a first compile takes ~1.5 min on 2 cores) and those shards
 VLLM_HEAD_DIM = 64  # vLLM's CPU attention has kernels for 32, 64, 80, 96, ... (not the tiny target's 16)
 
 
@@ -58,6 +60,19 @@ def _by_sample(store) -> dict[int, dict[str, torch.Tensor]]:
     return samples
 
 
+def _assert_same_features(ours: dict, theirs: dict) -> None:
+    """Every sample once in each, with equal ids and masks and features to FEATURE_COSINE per token."""
+    assert ours.keys() == theirs.keys()
+    for sample, tensors in ours.items():
+        assert torch.equal(tensors["input_ids"], theirs[sample]["input_ids"])
+        assert torch.equal(tensors["loss_mask"], theirs[sample]["loss_mask"])
+        for layer in range(3):
+            cosine = torch.cosine_similarity(tensors["aux"][:, layer], theirs[sample]["aux"][:, layer], dim=-1)
+            assert cosine.min() >= FEATURE_COSINE, (sample, layer, cosine.min())
+        cosine = torch.cosine_similarity(tensors["last"], theirs[sample]["last"], dim=-1)
+        assert cosine.min() >= FEATURE_COSINE, (sample, "last", cosine.min())
+
+
 def test_vllms_engine_stores_what_the_hf_backend_stores(tmp_path, capsys, tiny_prepared, vllm_target):
     """Shards streamed into vLLM's own engine (more than the spool holds at once), its worker running eaglet's
     connector: every sample stored once, with the hf backend's ids and masks and its features to a cosine of 0.999
@@ -72,16 +87,7 @@ def test_vllms_engine_stores_what_the_hf_backend_stores(tmp_path, capsys, tiny_p
     manifest = json.loads((vllm_store / "manifest.json").read_text())
     assert len(manifest["shards"]) > SPOOLED_SHARDS  # the spool slots ran out at least once
     assert not (tmp_path / ".vllm.vllm-spool").exists()
-    ours, theirs = _by_sample(vllm_store), _by_sample(hf_store)
-    assert ours.keys() == theirs.keys()
-    for sample, tensors in ours.items():
-        assert torch.equal(tensors["input_ids"], theirs[sample]["input_ids"])
-        assert torch.equal(tensors["loss_mask"], theirs[sample]["loss_mask"])
-        for layer in range(3):
-            cosine = torch.cosine_similarity(tensors["aux"][:, layer], theirs[sample]["aux"][:, layer], dim=-1)
-            assert cosine.min() >= FEATURE_COSINE, (sample, layer, cosine.min())
-        cosine = torch.cosine_similarity(tensors["last"], theirs[sample]["last"], dim=-1)
-        assert cosine.min() >= FEATURE_COSINE, (sample, "last", cosine.min())
+    _assert_same_features(_by_sample(vllm_store), _by_sample(hf_store))
     code, out, err = run_cli(extract_args(tiny_prepared, vllm_store, vllm_target, *small, "--backend", "vllm"), capsys)
     assert code == 0 and "computed 0 shard(s)" in out, out + err
 
@@ -106,3 +112,41 @@ def test_vllms_engine_answers_every_prompt_once_streamed_past_the_batch_size(tmp
     assert [row["id"] for row in ours] == [f"p{i}" for i in range(10)]
     assert all(row["provenance"]["backend"] == "vllm" for row in ours)
     assert [row["messages"][-1]["content"] for row in ours] == [row["messages"][-1]["content"] for row in theirs]
+
+
+def test_a_vllm_extraction_killed_mid_store_resumes_with_nothing_lost_or_twice(tmp_path, tiny_prepared, vllm_target):
+    """eaglet, vLLM's engine core and its worker SIGKILLed together once some shards are in the store (the worker may
+    be mid-write into the next spool files): the same command again keeps the stored shards, computes only the rest,
+    and the store holds every sample once, as the hf backend computes it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    small = ("--shard-mb", "0.02", "--device", "cpu", "--dtype", "float32")
+    store = tmp_path / "vllm"
+    cmd = [sys.executable, "-m", "eaglet.cli",
+           *map(str, extract_args(tiny_prepared, store, vllm_target, *small, "--backend", "vllm"))]  # fmt: skip
+    run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + KILL_WAIT_S
+    while time.time() < deadline and run.poll() is None and len(list(store.glob("shard-*.json"))) < KILL_AFTER_SHARDS:
+        time.sleep(0.01)
+    assert run.poll() is None, "the extraction ended before it could be killed"
+    os.killpg(run.pid, signal.SIGKILL)  # eaglet and the vLLM processes it started
+    run.wait()
+    records = list(store.glob("shard-*.json"))  # a shard is stored once its record is (its data goes in first)
+    kept = {path.name: path.read_bytes() for path in store.glob("shard-*") if path.with_suffix(".json").is_file()}
+    assert len(records) >= KILL_AFTER_SHARDS
+    resumed = subprocess.run(cmd, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    manifest = json.loads((store / "manifest.json").read_text())
+    computed = int(resumed.stdout.split("computed ")[1].split(" shard")[0])
+    assert computed == len(manifest["shards"]) - len(records)
+    assert all((store / name).read_bytes() == data for name, data in kept.items())  # the kept shards untouched
+    hf_store = tmp_path / "hf"
+    hf = subprocess.run([sys.executable, "-m", "eaglet.cli", *map(str, extract_args(tiny_prepared, hf_store,
+                                                                                    vllm_target, *small))],
+                        capture_output=True, text=True)  # fmt: skip
+    assert hf.returncode == 0, hf.stderr[-2000:]
+    _assert_same_features(_by_sample(store), _by_sample(hf_store))
