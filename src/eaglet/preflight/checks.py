@@ -325,7 +325,7 @@ def check_vllm_backend(
         return checks + [
             Check("vllm cpu attention", FAIL, problem)
             if problem
-            else Check("vllm cpu attention", PASS, "head size runs"),
+            else Check("vllm cpu attention", PASS, "its CPU attention runs the target's head size"),
             check_vllm_on_cpu(weights_of(read_config(target_path))),
         ]
     machine = this_machine()
@@ -348,13 +348,13 @@ def check_vllm_on_cpu(weights: Any) -> Check:
     from ..model.vllm_engine import CPU_CACHE_GIB
 
     cache_gib = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or CPU_CACHE_GIB)
-    needed = (weights.checkpoint_bytes or weights.bytes) + cache_gib * GIB
+    stored = weights.checkpoint_bytes or weights.bytes  # as vLLM holds it (INT4 stays INT4)
     free, measured = available_memory("cpu")
     detail = (
-        f"vLLM's CPU build: {(weights.checkpoint_bytes or weights.bytes) / GIB:,.2f} GiB of weights + {cache_gib:g} "
-        f"GiB for its caches (VLLM_CPU_KVCACHE_SPACE) of {free / GIB:,.1f} GiB ({measured})"
+        f"vLLM's CPU build: {stored / GIB:,.2f} GiB of weights + {cache_gib:g} GiB for its caches "
+        f"(VLLM_CPU_KVCACHE_SPACE) of {free / GIB:,.1f} GiB ({measured})"
     )
-    if needed > free:
+    if stored + cache_gib * GIB > free:
         return Check("fit", FAIL, detail, "free memory, or set VLLM_CPU_KVCACHE_SPACE lower (GiB)")
     return Check("fit", PASS, detail)
 

