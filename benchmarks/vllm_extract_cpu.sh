@@ -9,6 +9,10 @@ cd "$(dirname "$0")/.."
 py=${EAGLET_VLLM_VENV:-.venv-vllm-cpu}/bin/python
 work=${WORK:-/tmp/eaglet-vllm-cpu}
 repeats=${REPEATS:-3}
+# every engine's worker on every core: vLLM binds its CPU worker to the cores it does not reserve for the engine loop
+# (one per rank, one more with a KV connector), and on a machine this small falls back to all of them for eaglet's
+# engine only; unbound, its plain prefill ran on one of two cores (427 tok/s against 740 bound)
+export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-$(($(nproc) - 1))}
 mkdir -p "$work" "${OUT:=benchmarks/results}"
 bench() {  # the result is the one JSON line (vLLM logs its shutdown to stdout after it)
   "$py" benchmarks/vllm_extract_parity.py "$@" > "$work/last.out" 2>&1 || { tail -20 "$work/last.out" >&2; exit 1; }
