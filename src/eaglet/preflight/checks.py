@@ -287,11 +287,12 @@ def check_vllm_backend(
         TESTED_VLLM_CPU,
         config_problem,
         installed_cpu_attention_problem,
+        tensor_parallel_problem,
         vllm_runs_on,
         vllm_version,
     )
 
-    problem = config_problem(target_path)
+    problem = config_problem(target_path) or tensor_parallel_problem(read_config(target_path), tensor_parallel_size)
     checks = [
         Check("vllm load", FAIL, problem) if problem else Check("vllm load", PASS, "config.json as vLLM reads it")
     ]
