@@ -32,8 +32,12 @@ pair() {  # pair NAME TARGET SAMPLES: both backends, vLLM's prefill alone over t
 case "$1" in
   data)  # the target's own answers to the demo's train prompts (ANSWERS each, default 1: 912 samples; 4 gives 3,648
     # for rates that the fixed costs of a run — the engine's ramp, the last shard's drain — weigh less on)
-    python3 -m eaglet.cli regenerate demo --split train --n "${ANSWERS:-1}" --temperature 0.7 --top-p 0.95 \
-      --max-new-tokens 256 --batch-size 2048 --out "$work/answers.jsonl"
+    # REGEN_BACKEND=vllm writes them through vLLM's engine (the streamed feed), hf (default) through transformers
+    rm -f "$work/answers.jsonl" "$work/answers.jsonl.manifest.json"
+    /usr/bin/time -f "regenerate --backend ${REGEN_BACKEND:-hf}: %e s" python3 -m eaglet.cli regenerate demo \
+      --split train --n "${ANSWERS:-1}" --temperature 0.7 --top-p 0.95 --max-new-tokens 256 --batch-size 2048 \
+      --backend "${REGEN_BACKEND:-hf}" --out "$work/answers.jsonl" 2>&1 | tail -2
+    [ -s "$work/answers.jsonl" ]
     python3 -m eaglet.cli prepare "$work/answers.jsonl" --out "$work/prepared"
     ;;
   smoke)  # the vllm backend on 64 samples: the connector's path end to end, before the long runs
