@@ -284,7 +284,7 @@ def main() -> None:
                     deferred="deferred" in mode,
                 )
             except RuntimeError as exc:  # a variant that cannot run here is reported, the others still timed
-                timed[name] = {"error": str(exc).strip().splitlines()[0][:300] if str(exc).strip() else repr(exc)}
+                timed[name] = failed(exc)
             print(json.dumps({name: timed[name]}), flush=True)
     if args.train_step:  # as train runs it on this device, and on a GPU also with --no-cuda-graphs
         for name, graphs, staged in [("train_step", True, True)] + (
@@ -292,7 +292,10 @@ def main() -> None:
             if device.type == "cuda"
             else []
         ):
-            timed[name] = measure_train_step(graphs, staged)
+            try:
+                timed[name] = measure_train_step(graphs, staged)
+            except RuntimeError as exc:  # the H200 once refused the second recording in a process: keep the rest
+                timed[name] = failed(exc)
             print(json.dumps({name: timed[name]}), flush=True)
     ours, one_kernel = timed.get("per_step"), timed.get("one")
     naive = None if args.skip_naive else measure(ReferenceAttention)
@@ -321,6 +324,15 @@ def main() -> None:
 
 
 PROFILE_ROWS = 15
+ERROR_CHARS = 300  # a failed variant's entry: the first line of its error
+
+
+def failed(exc: BaseException) -> dict:
+    """A variant that could not run, as its entry in the results (the other variants are still timed)."""
+    text = str(exc).strip()
+    return {"error": text.splitlines()[0][:ERROR_CHARS] if text else repr(exc)}
+
+
 CAPTURE_WARMUP = 3  # eager steps on a side stream before capture (compiles, AdamW's state, the allocator settle)
 
 
