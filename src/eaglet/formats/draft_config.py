@@ -16,6 +16,13 @@ from .files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, EXPORTED_DRAFT_CONFIG_
 from .layers import AUX_CONVENTION, validate_aux_layer_ids
 from .records import RECORD_CONFIG, Positive, validation_line
 
+
+def attention_head_dim(text: dict[str, Any]) -> int:
+    """The width of one (non-latent) attention head in a text model's config: its ``head_dim``, or the hidden size
+    over the heads where the config leaves it out (Llama's convention)."""
+    return int(text.get("head_dim") or int(text["hidden_size"]) // int(text["num_attention_heads"]))
+
+
 DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 FIRST_LAYER_PREFIX = "midlayer."  # the EAGLE-3 layer's serving name (vLLM's and SGLang's checkpoints)
 EXPORT_ONLY_KEYS = ("export_format",)  # what an export adds to eaglet's config
@@ -91,7 +98,7 @@ class DraftConfig:
             hidden_size=hidden,
             num_attention_heads=heads,
             num_key_value_heads=int(target_config.get("num_key_value_heads") or heads),
-            head_dim=int(target_config.get("head_dim") or hidden // heads),
+            head_dim=attention_head_dim(target_config),
             intermediate_size=int(target_config["intermediate_size"]),
             vocab_size=int(target_config["vocab_size"]),
             draft_vocab_size=draft_vocab_size,

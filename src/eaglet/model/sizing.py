@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import EagletError
+from ..formats.draft_config import attention_head_dim
 from ..fsio import GIB
 
 BF16_BYTES = 2
@@ -222,9 +223,8 @@ def activation_bytes_per_token(config: dict[str, Any], tp_size: int = 1, dtype_b
         qk = int(text.get("qk_nope_head_dim", 0)) + int(text.get("qk_rope_head_dim", 0))
         attention = heads * (2 * qk + 2 * int(text.get("v_head_dim", qk)))
     else:
-        head_dim = int(text.get("head_dim") or hidden // heads)
         kv_heads = int(text.get("num_key_value_heads") or heads)
-        attention = 2 * heads * head_dim + 2 * kv_heads * head_dim
+        attention = 2 * (heads + kv_heads) * attention_head_dim(text)
     top_k = int(text.get("num_experts_per_tok") or 0)
     moe_width = int(text.get("moe_intermediate_size") or 0)
     dense_width = int(text.get("intermediate_size") or 4 * hidden)
@@ -269,8 +269,7 @@ def kv_bytes_per_token(config: dict[str, Any], tp_size: int = 1, dtype_bytes: in
             int(text.get("qk_nope_head_dim", 0)) + int(text.get("qk_rope_head_dim", 0)) + int(text.get("v_head_dim", 0))
         )
     else:
-        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
-        width = 2 * int(text.get("num_key_value_heads") or heads) * head_dim
+        width = 2 * int(text.get("num_key_value_heads") or heads) * attention_head_dim(text)
     return dtype_bytes * int(text["num_hidden_layers"]) * width // tp_size
 
 

@@ -9,6 +9,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..formats.draft_config import attention_head_dim
+
 CPU_ATTENTION = "vllm/v1/attention/backends/cpu_attn.py"
 SUPPORTED_HEAD_SIZES = re.compile(r"def get_supported_head_sizes\(.*?\).*?return\s*\[([\d,\s]*)\]", re.S)
 
@@ -28,10 +30,9 @@ def head_dim(config: dict[str, Any]) -> int | None:
     text = config.get("text_config") or config
     if text.get("kv_lora_rank"):
         return None
-    if text.get("head_dim"):
-        return int(text["head_dim"])
-    heads = text.get("num_attention_heads")
-    return int(text["hidden_size"]) // int(heads) if heads and text.get("hidden_size") else None
+    if text.get("head_dim") or (text.get("num_attention_heads") and text.get("hidden_size")):
+        return attention_head_dim(text)
+    return None
 
 
 def cpu_attention_problem(config: dict[str, Any], root: Path, version: str) -> str | None:
