@@ -14,9 +14,9 @@ repeats=${REPEATS:-3}
 # engine only; unbound, its plain prefill ran on one of two cores (427 tok/s against 740 bound)
 export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-$(($(nproc) - 1))}
 mkdir -p "$work" "${OUT:=benchmarks/results}"
-bench() {  # the result is the one JSON line (vLLM logs its shutdown to stdout after it)
+bench() {  # the results are the JSON lines (vLLM logs its shutdown to stdout after them)
   "$py" benchmarks/vllm_extract_parity.py "$@" > "$work/last.out" 2>&1 || { tail -20 "$work/last.out" >&2; exit 1; }
-  grep "^{" "$work/last.out" | tail -1 | tee -a "$OUT/vllm_extract_cpu.jsonl"
+  grep '^{"' "$work/last.out" | tee -a "$OUT/vllm_extract_cpu.jsonl"
 }
 if [ ! -f "$work/prepared/manifest.json" ]; then
   rm -f "$work/answers.jsonl" "$work/answers.jsonl.manifest.json"

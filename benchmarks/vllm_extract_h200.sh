@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `eaglet extract --backend vllm` beside `--backend hf` and vLLM's own prefill, on the H200 (one part per device call).
 # Staged first: the embedded target (scripts/device.sh) and vLLM (scripts/device/vllm_install.sh; README "GPU checks").
-#   bash scripts/device.sh bash benchmarks/vllm_extract_h200.sh data|smoke|regen|embedded|8b|route|ratio|profile|moe|int4|train|serve
+#   bash scripts/device.sh bash benchmarks/vllm_extract_h200.sh data|smoke|regen|embedded|8b|route|ratio|ratios|profile|moe|int4|train|serve
 # Results: one JSON object per line in $OUT/vllm_extract.jsonl (python benchmarks/vllm_extract_parity.py prints them).
 set -euo pipefail
 export PYTHONPATH=/tmp/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
@@ -16,8 +16,8 @@ stores=${STORES:-$work}
 mkdir -p "$work" "$stores" "${OUT:=/tmp/out}"
 echo "stores in $stores ($(df -h --output=avail "$stores" | tail -1) free)" >&2
 embedded=$(python3 -m eaglet.cli target info --json | python3 -c "import json,sys; print(json.load(sys.stdin)['path'])")
-bench() {  # the result is the one JSON line (vLLM logs its shutdown to stdout after it)
-  python3 benchmarks/vllm_extract_parity.py "$@" | grep "^{" | tail -1 | tee -a "$OUT/vllm_extract.jsonl"
+bench() {  # the results are the JSON lines, one per size (vLLM logs its shutdown to stdout after them)
+  python3 benchmarks/vllm_extract_parity.py "$@" | grep '^{"' | tee -a "$OUT/vllm_extract.jsonl"
 }
 pair() {  # pair NAME TARGET SAMPLES: both backends, vLLM's prefill alone over the same samples, the features compared
   local name=$1 target=$2 samples=$3
@@ -77,6 +77,15 @@ case "$1" in
       bench prefill --repeats "$repeats" --target "$work/llama8b" --prepared "$work/prepared" \
         --max-samples "${SAMPLES:-912}" $route
     done
+    rm -rf "$stores/llama8b-vllm"
+    ;;
+  ratios)  # the vllm backend and vLLM's plain prefill at each of SIZES samples (default 912,3648): each through one
+    # engine started once, so both sizes fit one device call after `data` (an 8B engine's start is ~100 s)
+    [ -f "$work/llama8b/config.json" ] || bench make-8b "$work/llama8b" --tokenizer "$embedded"
+    rm -rf "$stores/llama8b-vllm"
+    bench extract --repeats "$repeats" --sizes "${SIZES:-912,3648}" --backend vllm --target "$work/llama8b" \
+      --prepared "$work/prepared" --out "$stores/llama8b-vllm"
+    bench prefill --repeats "$repeats" --sizes "${SIZES:-912,3648}" --target "$work/llama8b" --prepared "$work/prepared"
     rm -rf "$stores/llama8b-vllm"
     ;;
   ratio)  # the vllm backend and vLLM's plain prefill alone, side by side (route's two ends, one engine start fewer)
@@ -139,5 +148,5 @@ print(json.dumps({'draft_from': '$backend', 'acceptance_length': r['acceptance_l
       --dtype bfloat16 --out "$work/eval-serve" | tail -4
     cp "$work/eval-serve/report.json" "$OUT/eaglet_eval_serve_prompts.json"
     ;;
-  *) echo "usage: $0 data|smoke|regen|embedded|8b|route|ratio|profile|moe|int4|train|serve" >&2; exit 2 ;;
+  *) echo "usage: $0 data|smoke|regen|embedded|8b|route|ratio|ratios|profile|moe|int4|train|serve" >&2; exit 2 ;;
 esac

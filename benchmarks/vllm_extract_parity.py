@@ -7,12 +7,14 @@ Subcommands (each a fresh process, so one engine holds the GPU at a time):
                                   + routed experts, a dense first layer)
   make-int4 DIR --tokenizer DIR   a small random Llama saved as a compressed-tensors INT4 checkpoint (packed
                                   symmetric groups of 128: Kimi-K2's weight format, at widths vLLM's Marlin takes)
-  extract [--repeats N] [--profile DIR] --backend hf|vllm ...
+  extract [--repeats N] [--sizes N,M] [--profile DIR] --backend hf|vllm ...
                                   `eaglet extract` N times in one process, the target loaded once; prints the
                                   median tok/s and every run's (load excluded)
-  prefill --target DIR --prepared DIR [--repeats N] [--route] [--profile DIR]
+  prefill --target DIR --prepared DIR [--repeats N] [--sizes N,M] [--route] [--profile DIR]
                                   vLLM alone, no connector, max_tokens=1 over the same samples: the ceiling;
                                   --route: the vllm backend's engine with requests that save nothing
+  --sizes N,M (extract, prefill): the first N samples, then the first M, ... through one engine (one start, one
+                                  result line per size), in place of --max-samples
   --profile DIR (vllm): vLLM's torch profiler records its worker during one more run after the timed ones, traces in
                                   DIR; `python benchmarks/vllm_profile_summary.py DIR` says where the time went
   compare STORE_A STORE_B         per-token cosine of every aux layer and of `last`, sample by sample
@@ -155,22 +157,35 @@ def vllm_engine(config, profile_dir: str | None = None):
     )
 
 
-def extract(argv: list[str], repeats: int, profile_dir: str | None = None) -> dict:
-    """`eaglet extract` ``repeats`` times into fresh stores (the last one kept at --out), the target loaded once;
-    ``profile_dir``: one more run (not timed) with vLLM's profiler recording its worker."""
+def extract(argv: list[str], repeats: int, sizes: list[int | None], profile_dir: str | None = None) -> list[dict]:
+    """`eaglet extract` ``repeats`` times into fresh stores (the last one kept at --out) for each of ``sizes`` (the
+    first N samples; None: the options' own --max-samples), the target loaded once; ``profile_dir``: one more run
+    (not timed) with vLLM's profiler recording its worker. One result per size, printed as it is known."""
+    from eaglet.model.target import load_model, resolve_target
+
+    options = dict(zip(argv[0::2], argv[1::2]))
+    configs = [extract_config(options if size is None else {**options, "--max-samples": size}) for size in sizes]
+    widest = max(configs, key=lambda config: config.max_samples or float("inf"))  # the engine sized for them all
+    loaded: dict = {}
+    if widest.backend == "vllm":
+        loaded["engine"] = vllm_engine(widest, profile_dir)
+    else:
+        resolved = resolve_target(widest.target, widest.trust_remote_code)
+        loaded["model"] = load_model(resolved.path, compute_device(), widest.dtype, widest.trust_remote_code, widest, 1)
+    results = []
+    for number, config in enumerate(configs, 1):
+        results.append(timed_extract(config, loaded, repeats, profile_dir if number == len(configs) else None))
+        print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def timed_extract(config, loaded: dict, repeats: int, profile_dir: str | None) -> dict:
+    """One size's runs through the loaded target or engine."""
     import shutil
 
     from eaglet.extract.extractor import run_extract
-    from eaglet.model.target import load_model, resolve_target
 
-    config = extract_config(dict(zip(argv[0::2], argv[1::2])))
     store = Path(config.out)
-    loaded: dict = {}
-    if config.backend == "vllm":
-        loaded["engine"] = vllm_engine(config, profile_dir)
-    else:
-        resolved = resolve_target(config.target, config.trust_remote_code)
-        loaded["model"] = load_model(resolved.path, compute_device(), config.dtype, config.trust_remote_code, config, 1)
     runs = []
     for _ in range(repeats):
         shutil.rmtree(store, ignore_errors=True)
@@ -186,6 +201,7 @@ def extract(argv: list[str], repeats: int, profile_dir: str | None = None) -> di
     rates = sorted(r["tok_per_s"] for r in runs)
     return {
         "backend": config.backend,
+        "samples": config.max_samples,
         "store": str(store),
         "tokens": result.tokens_computed,
         "tok_per_s": round(rates[len(rates) // 2]),  # the median run
@@ -204,17 +220,17 @@ def extract(argv: list[str], repeats: int, profile_dir: str | None = None) -> di
 def prefill(
     target: str,
     prepared: str,
-    max_samples: int | None,
+    sizes: list[int | None],
     batch_tokens: int,
     memory_share: float,
     repeats: int,
     route: bool,
     profile_dir: str | None = None,
-) -> dict:
-    """vLLM's prefill over the samples, ``max_tokens=1``. ``route``: the vllm backend's own engine, opened as
-    `eaglet extract` opens it (the ``extract_hidden_states`` method capturing eaglet's layers, eaglet's connector, no
-    chunked prefill), its requests asking for nothing to be saved: what vLLM's route costs before eaglet's connector
-    does any work."""
+) -> list[dict]:
+    """vLLM's prefill over the first N samples for each N of ``sizes`` (None: all), ``max_tokens=1``, one engine for
+    them all. ``route``: the vllm backend's own engine, opened as `eaglet extract` opens it (the
+    ``extract_hidden_states`` method capturing eaglet's layers, eaglet's connector, no chunked prefill), its requests
+    asking for nothing to be saved: what vLLM's route costs before eaglet's connector does any work."""
     import tempfile
 
     from vllm import LLM, SamplingParams
@@ -223,9 +239,10 @@ def prefill(
     from eaglet.model.target import pick_dtype
     from eaglet.model.vllm_engine import starting
 
+    max_samples = None if None in sizes else max(sizes)
     data = load_prepared(prepared, max_samples)
-    tokens = [data.sample(i)[0].tolist() for i in range(len(data))]
-    longest = max(len(t) for t in tokens)
+    every = [data.sample(i)[0].tolist() for i in range(len(data))]
+    longest = max(len(t) for t in every)
     if route:
         values = {"target": target, "prepared": prepared, "out": str(Path(tempfile.mkdtemp()) / "store"),
                   "backend": "vllm", "max_samples": max_samples, "batch_tokens": batch_tokens,
@@ -251,23 +268,29 @@ def prefill(
                 },  # fmt: skip
             )
     sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-    llm.generate([{"prompt_token_ids": t} for t in tokens[:8]], sampling, use_tqdm=False)  # warm-up
-    total = sum(len(t) for t in tokens)
-    rates = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        llm.generate([{"prompt_token_ids": t} for t in tokens], sampling, use_tqdm=False)
-        rates.append(total / (time.perf_counter() - started))
-    if profile_dir is not None:
-        llm.start_profile()
-        llm.generate([{"prompt_token_ids": t} for t in tokens], sampling, use_tqdm=False)
-        llm.stop_profile()
-    return {
-        "backend": "vllm prefill, extract route, nothing saved" if route else "vllm prefill only",
-        "tokens": total,
-        "tok_per_s": round(sorted(rates)[len(rates) // 2]),
-        "tok_per_s_runs": [round(r) for r in rates],
-    }
+    llm.generate([{"prompt_token_ids": t} for t in every[:8]], sampling, use_tqdm=False)  # warm-up
+    results = []
+    for number, size in enumerate(sizes, 1):
+        tokens = every[:size]
+        total = sum(len(t) for t in tokens)
+        rates = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            llm.generate([{"prompt_token_ids": t} for t in tokens], sampling, use_tqdm=False)
+            rates.append(total / (time.perf_counter() - started))
+        if profile_dir is not None and number == len(sizes):
+            llm.start_profile()
+            llm.generate([{"prompt_token_ids": t} for t in tokens], sampling, use_tqdm=False)
+            llm.stop_profile()
+        results.append({
+            "backend": "vllm prefill, extract route, nothing saved" if route else "vllm prefill only",
+            "samples": len(tokens),
+            "tokens": total,
+            "tok_per_s": round(sorted(rates)[len(rates) // 2]),
+            "tok_per_s_runs": [round(r) for r in rates],
+        })  # fmt: skip
+        print(json.dumps(results[-1]), flush=True)
+    return results
 
 
 def compare(store_a: Path, store_b: Path) -> dict:
@@ -334,6 +357,17 @@ def answers(a: Path, b: Path) -> dict:
     }
 
 
+def sample_counts(text: str) -> list[int]:
+    """``--sizes``: positive sample counts, comma-separated."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: sample counts separated by commas, e.g. 912,3648") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: each sample count must be at least 1")
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -348,11 +382,13 @@ def main() -> None:
     int4.add_argument("--tokenizer", type=Path, required=True)
     ext = sub.add_parser("extract", help="the rest of the line: `eaglet extract` options")
     ext.add_argument("--repeats", type=int, default=1)
+    ext.add_argument("--sizes", type=sample_counts, default=[None], help="first N samples, comma-separated")
     ext.add_argument("--profile", default=None, help="vllm: profile one more run, traces in this folder")
     pre = sub.add_parser("prefill")
     pre.add_argument("--target", required=True)
     pre.add_argument("--prepared", required=True)
     pre.add_argument("--max-samples", type=int, default=None)
+    pre.add_argument("--sizes", type=sample_counts, default=None, help="first N samples, comma-separated")
     pre.add_argument("--batch-tokens", type=int, default=32768)
     pre.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     pre.add_argument("--repeats", type=int, default=1)
@@ -374,18 +410,22 @@ def main() -> None:
     elif args.command == "make-int4":
         result = make_int4(args.out, args.tokenizer)
     elif args.command == "extract":
-        result = extract(rest, args.repeats, args.profile)
+        extract(rest, args.repeats, args.sizes, args.profile)  # printed size by size
+        return
     elif args.command == "prefill":
-        result = prefill(
+        if args.sizes and args.max_samples:
+            parser.error("--sizes replaces --max-samples: give one")
+        prefill(
             args.target,
             args.prepared,
-            args.max_samples,
+            args.sizes or [args.max_samples],
             args.batch_tokens,
             args.gpu_memory_utilization,
             args.repeats,
             args.route,
             args.profile,
         )
+        return
     elif args.command == "answers":
         result = answers(args.a, args.b)
     else:
