@@ -128,6 +128,42 @@ def extract_config(values: dict):
     )
 
 
+def useful_forward_flops(target: str | Path, lengths) -> float | None:
+    """bench_extract.py's useful forward FLOPs — 2 x the non-embedding parameters per token + causal attention
+    2 x layers x hidden x L^2 per sample — with the parameters counted from the checkpoint's safetensors headers;
+    None where they do not count them (a GGUF, a quantized checkpoint's packed weights)."""
+    import math
+
+    from safetensors import safe_open
+
+    target = Path(target)
+    config = json.loads((target / "config.json").read_text()) if (target / "config.json").is_file() else {}
+    text = config.get("text_config") or config
+    files = sorted(target.glob("*.safetensors"))
+    if not files or text.get("quantization_config") or config.get("quantization_config"):
+        return None
+    params = 0
+    for file in files:
+        with safe_open(file, "pt") as handle:
+            for name in handle.keys():
+                if "embed" not in name and "lm_head" not in name:
+                    params += math.prod(handle.get_slice(name).get_shape())
+    squares = sum(int(length) ** 2 for length in lengths)
+    return 2 * params * int(sum(lengths)) + 2 * int(text["num_hidden_layers"]) * int(text["hidden_size"]) * squares
+
+
+def mfu(flops: float | None, tok_per_s: float, tokens: int) -> float | None:
+    """The share of the GPU's dense bf16 peak that ``flops`` over ``tokens`` at ``tok_per_s`` is (None off a GPU)."""
+    import torch
+
+    from eaglet.model.sizing import Machine, peak_flops
+
+    if flops is None or not torch.cuda.is_available():
+        return None
+    peak = peak_flops(Machine(gpus=1, gpu_memory=0, name=torch.cuda.get_device_name()))
+    return round(flops * tok_per_s / tokens / peak, 4)
+
+
 def compute_device() -> str:
     """Where both backends compute: the GPU, else the CPU (vLLM's CPU build)."""
     import torch
@@ -198,13 +234,17 @@ def timed_extract(config, loaded: dict, repeats: int, profile_dir: str | None) -
         loaded["engine"].llm.start_profile()
         run_extract(config, **loaded)
         loaded["engine"].llm.stop_profile()
+    from eaglet.formats.prepared import load_prepared
+
     rates = sorted(r["tok_per_s"] for r in runs)
+    flops = useful_forward_flops(config.target, load_prepared(config.prepared, config.max_samples).lengths)
     return {
         "backend": config.backend,
         "samples": config.max_samples,
         "store": str(store),
         "tokens": result.tokens_computed,
         "tok_per_s": round(rates[len(rates) // 2]),  # the median run
+        "mfu": mfu(flops, rates[len(rates) // 2], result.tokens_computed),
         "tok_per_s_runs": [round(r["tok_per_s"]) for r in runs],
         "writer_stall_s_runs": [round(r["writer_stall_s"], 3) for r in runs],
         # seconds the compute was idle, by cause (vllm: the drain, spool slots, between calls), per run
@@ -282,11 +322,13 @@ def prefill(
             llm.start_profile()
             llm.generate([{"prompt_token_ids": t} for t in tokens], sampling, use_tqdm=False)
             llm.stop_profile()
+        median = sorted(rates)[len(rates) // 2]
         results.append({
             "backend": "vllm prefill, extract route, nothing saved" if route else "vllm prefill only",
             "samples": len(tokens),
             "tokens": total,
-            "tok_per_s": round(sorted(rates)[len(rates) // 2]),
+            "tok_per_s": round(median),
+            "mfu": mfu(useful_forward_flops(target, [len(t) for t in tokens]), median, total),
             "tok_per_s_runs": [round(r) for r in rates],
         })  # fmt: skip
         print(json.dumps(results[-1]), flush=True)
