@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from synthetic import LLAMA_8B_SHAPE, write_conversations  # noqa: E402
+from synthetic import LLAMA_8B_SHAPE, useful_forward_flops, write_conversations  # noqa: E402
 
 H200_BF16_DENSE_FLOPS = 989.4e12
 
@@ -38,11 +38,9 @@ def llama_8b_dir(root: Path, tokenizer_dir: Path) -> Path:
 
 
 def forward_flops(model, lengths) -> float:
-    """Useful forward FLOPs: 2 x non-embedding params per token + causal attention 2*N*H*L^2 per sample."""
+    """``useful_forward_flops`` of the model's non-embedding parameters (embeddings and LM head left out)."""
     params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n and "lm_head" not in n)
-    config = model.config
-    tokens = sum(lengths)
-    return 2 * params * tokens + 2 * config.num_hidden_layers * config.hidden_size * sum(L * L for L in lengths)
+    return useful_forward_flops(params, model.config.num_hidden_layers, model.config.hidden_size, lengths)
 
 
 def measure_host_copy(device: str, gib: int = 1) -> dict | None:

@@ -17,6 +17,14 @@ LLAMA_8B_SHAPE = dict(  # Llama-3.1-8B's shape: the 8B-shaped random targets of 
     rope_theta=500000.0,
 )
 
+
+def useful_forward_flops(params: int, num_layers: int, hidden_size: int, lengths) -> float:
+    """Useful forward FLOPs of the extraction benchmarks' MFU: 2 x the non-embedding ``params`` per token + causal
+    attention 2 x layers x hidden x L^2 per sample."""
+    squares = sum(int(length) ** 2 for length in lengths)
+    return 2 * params * int(sum(lengths)) + 2 * num_layers * hidden_size * squares
+
+
 WORDS = (
     "the model answers each question with care and detail while keeping the style clear and the facts "
     "right so that a reader can follow every step of the reasoning from start to end"

@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from quantized import quantized_target  # noqa: E402
-from synthetic import LLAMA_8B_SHAPE  # noqa: E402
+from synthetic import LLAMA_8B_SHAPE, useful_forward_flops  # noqa: E402
 
 INIT_STD = 0.02
 SMALL_DEEPSEEK_V3 = dict(  # MLA at DeepSeek-V3's / Kimi-K2's ranks (what vLLM's MLA kernels expect), few experts
@@ -128,10 +128,9 @@ def extract_config(values: dict):
     )
 
 
-def useful_forward_flops(target: str | Path, lengths) -> float | None:
-    """bench_extract.py's useful forward FLOPs — 2 x the non-embedding parameters per token + causal attention
-    2 x layers x hidden x L^2 per sample — with the parameters counted from the checkpoint's safetensors headers;
-    None where they do not count them (a GGUF, a quantized checkpoint's packed weights)."""
+def checkpoint_forward_flops(target: str | Path, lengths) -> float | None:
+    """``useful_forward_flops`` (bench_extract.py's MFU count) with the parameters counted from the checkpoint's
+    safetensors headers; None where they do not count them (a GGUF, a quantized checkpoint's packed weights)."""
     import math
 
     from safetensors import safe_open
@@ -148,8 +147,7 @@ def useful_forward_flops(target: str | Path, lengths) -> float | None:
             for name in handle.keys():
                 if "embed" not in name and "lm_head" not in name:
                     params += math.prod(handle.get_slice(name).get_shape())
-    squares = sum(int(length) ** 2 for length in lengths)
-    return 2 * params * int(sum(lengths)) + 2 * int(text["num_hidden_layers"]) * int(text["hidden_size"]) * squares
+    return useful_forward_flops(params, int(text["num_hidden_layers"]), int(text["hidden_size"]), lengths)
 
 
 def mfu(flops: float | None, tok_per_s: float, tokens: int) -> float | None:
@@ -237,7 +235,7 @@ def timed_extract(config, loaded: dict, repeats: int, profile_dir: str | None) -
     from eaglet.formats.prepared import load_prepared
 
     rates = sorted(r["tok_per_s"] for r in runs)
-    flops = useful_forward_flops(config.target, load_prepared(config.prepared, config.max_samples).lengths)
+    flops = checkpoint_forward_flops(config.target, load_prepared(config.prepared, config.max_samples).lengths)
     return {
         "backend": config.backend,
         "samples": config.max_samples,
@@ -328,7 +326,7 @@ def prefill(
             "samples": len(tokens),
             "tokens": total,
             "tok_per_s": round(median),
-            "mfu": mfu(useful_forward_flops(target, [len(t) for t in tokens]), median, total),
+            "mfu": mfu(checkpoint_forward_flops(target, [len(t) for t in tokens]), median, total),
             "tok_per_s_runs": [round(r) for r in rates],
         })  # fmt: skip
         print(json.dumps(results[-1]), flush=True)

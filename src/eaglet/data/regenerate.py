@@ -247,15 +247,8 @@ class VllmBackend:
     def __init__(self, config: RegenerateConfig):
         from transformers import GenerationConfig
 
-        from ..model.target import load_tokenizer, pick_dtype, read_config, resolve_target
-        from ..model.vllm_engine import (
-            config_problem,
-            starting,
-            tensor_parallel_problem,
-            vllm_device_problem,
-            vllm_missing,
-            vllm_runs_on,
-        )
+        from ..model.target import load_tokenizer, pick_dtype, resolve_target
+        from ..model.vllm_engine import start_problem, starting, vllm_missing, vllm_runs_on
 
         try:
             from vllm import LLM
@@ -263,11 +256,7 @@ class VllmBackend:
             raise vllm_missing(exc) from None
         self.config = config
         resolved = resolve_target(config.target, config.trust_remote_code)
-        problem = (
-            config_problem(resolved.path)
-            or vllm_device_problem(config.device, resolved.path)
-            or tensor_parallel_problem(read_config(resolved.path), config.tensor_parallel_size)
-        )
+        problem = start_problem(resolved.path, config.device, config.tensor_parallel_size)
         if problem:
             raise EagletError(problem)
         self.tokenizer = load_tokenizer(resolved.path, config.trust_remote_code)

@@ -61,9 +61,7 @@ from ..model.vllm_engine import (
     GENERATED_TOKENS,
     EngineSettings,
     HiddenStateEngine,
-    config_problem,
-    tensor_parallel_problem,
-    vllm_device_problem,
+    start_problem,
     vllm_version,
 )
 from ..model.vllm_rows import SPOOL_SUFFIX
@@ -538,12 +536,7 @@ def open_vllm_engine(
 ) -> HiddenStateEngine:
     """vLLM on the target, sized for the longest sample and a forward of ``--batch-tokens``; ``profile_dir``: where
     vLLM's torch profiler writes its worker's traces (benchmarks/vllm_extract_parity.py; off in `eaglet extract`)."""
-    problem = vllm_device_problem(config.device, target_path) or tensor_parallel_problem(
-        read_config(target_path), config.tensor_parallel_size
-    )
-    if problem:
-        raise EagletError(problem)
-    problem = config_problem(target_path)
+    problem = start_problem(target_path, config.device, config.tensor_parallel_size)
     if problem is None:
         verdict = installed_capture(read_config(target_path), vllm_version() or "?")
         problem = verdict.problem if verdict is not None else None

@@ -50,6 +50,12 @@ class Weights:
     tp_sharded_bytes: int = 0  # of ``bytes``, what the architecture's tensor-parallel plan splits over the ranks
     checkpoint_bytes: int = 0  # on disk (what a load reads)
 
+    @property
+    def stored_bytes(self) -> int:
+        """What the checkpoint holds (what a load reads, and what vLLM keeps: INT4 stays INT4); the loaded bytes
+        where the checkpoint's are unknown."""
+        return self.checkpoint_bytes or self.bytes
+
     def per_rank(self, tp_size: int) -> int:
         """Bytes one rank holds under tensor parallelism: what the plan splits, over the ranks; the rest whole."""
         return self.bytes - self.tp_sharded_bytes + -(-self.tp_sharded_bytes // max(1, tp_size))
@@ -379,7 +385,7 @@ class VllmLayout:
 
 
 def vllm_layout(weights: Weights, machine: Machine, tensor_parallel_size: int, memory_share: float) -> VllmLayout:
-    per_gpu = (weights.checkpoint_bytes or weights.bytes) / tensor_parallel_size
+    per_gpu = weights.stored_bytes / tensor_parallel_size
     share = machine.gpu_memory * memory_share
     problems = []
     if tensor_parallel_size > machine.gpus:
@@ -430,7 +436,7 @@ DEFAULT_HBM_BYTES_PER_S = 3.35e12
 
 
 def load_seconds(weights: Weights) -> float:
-    return (weights.checkpoint_bytes or weights.bytes) / WEIGHT_LOAD_BYTES_PER_S
+    return weights.stored_bytes / WEIGHT_LOAD_BYTES_PER_S
 
 
 def decode_seconds_per_token(

