@@ -135,6 +135,42 @@ def test_resume_with_other_settings_refused(tmp_path, capsys, tiny_store, tiny_p
     assert store_bytes(store) == store_bytes(tiny_store)  # nothing of the bf16 store touched
 
 
+def test_a_store_planned_before_tail_pieces_resumes_by_its_own_plan(
+    tmp_path, capsys, monkeypatch, tiny_prepared, tiny_target
+):
+    """A store an earlier eaglet began (no ``tail_pieces`` in its manifest: its last shard whole), killed before its
+    last shards: this eaglet finishes it by that store's plan, and training's reader plans it the same way."""
+    import json
+
+    import eaglet.extract.extractor as extractor
+    from eaglet.formats.store_manifest import LEGACY_TAIL_PIECES
+
+    monkeypatch.setattr(extractor, "TAIL_PIECES", LEGACY_TAIL_PIECES)  # this eaglet as it planned before pieces
+    legacy = tmp_path / "legacy"
+    code, _, err = run_cli(extract_args(tiny_prepared, legacy, tiny_target), capsys)
+    assert code == 0, err
+    monkeypatch.undo()
+    manifest = json.loads((legacy / "manifest.json").read_text())
+    del manifest["tail_pieces"]
+    (legacy / "manifest.json").write_text(json.dumps(manifest))
+    code, _, err = run_cli(["store", "verify", legacy], capsys)  # the reader plans it as it was planned
+    assert code == 0, err
+    whole = store_bytes(legacy)
+    last = manifest["num_shards"] - 1
+    for name in (f"shard-{last:05d}.safetensors", f"shard-{last:05d}.json", f"shard-{last - 1:05d}.json"):
+        (legacy / name).unlink()
+
+    code, _, err = run_cli(extract_args(tiny_prepared, legacy, tiny_target), capsys)
+    assert code == 0, err
+    assert read_manifest(legacy)["num_shards"] == manifest["num_shards"] and read_manifest(legacy)["complete"]
+    assert {k: v for k, v in store_bytes(legacy).items() if k != "manifest.json"} == {
+        k: v for k, v in whole.items() if k != "manifest.json"
+    }
+    assert read_manifest(legacy)["tail_pieces"] == LEGACY_TAIL_PIECES
+    code, _, err = run_cli(["store", "verify", legacy], capsys)
+    assert code == 0, err
+
+
 def test_store_from_other_target_refused_by_source(tiny_store):
     from eaglet.errors import EagletError
     from eaglet.train.data import StoreSource
@@ -307,6 +343,28 @@ def test_shard_plan_partitions_samples_into_length_sorted_windows():
     assert padding_overhead(plans) < 0.02
     assert padding_overhead(plan_shards(lengths, 16000, window_shards=1)) > 0.25  # unsorted shards: the waste
     assert plan_shards(lengths, 16000) == plans  # a pure function of the lengths
+
+
+def test_shard_plan_cuts_the_last_shards_worth_into_pieces():
+    """After the last forward only one piece of a shard is left to write, hash and move: the last window's shortest
+    samples, a shard's worth of tokens, are cut into TAIL_PIECES shards; everything before is planned as without."""
+    from eaglet.formats.store_manifest import TAIL_PIECES, plan_shards
+
+    lengths = np.random.default_rng(0).integers(300, 2048, size=3000)
+    plans = plan_shards(lengths, tokens_per_shard=16000)
+    whole = plan_shards(lengths, tokens_per_shard=16000, tail_pieces=1)
+    assert plans[: len(whole) - 2] == whole[: len(whole) - 2]  # all but the last window's last shards as before
+    tail: list = []
+    while sum(p.tokens for p in tail) + plans[-1 - len(tail)].tokens <= 16000:
+        tail.insert(0, plans[-1 - len(tail)])
+    assert len(tail) >= TAIL_PIECES - 2 and all(p.tokens < 16000 // TAIL_PIECES + 2048 for p in tail)
+    for piece, after in zip(tail, tail[1:]):  # the window's order goes on through the pieces: shortest last
+        assert lengths[list(piece.samples)].min() >= lengths[list(after.samples)].max()
+    assert sorted(s for p in plans for s in p.samples) == list(range(len(lengths)))
+    assert [p.index for p in plans] == list(range(len(plans)))
+    a_shard = plan_shards(np.full(80, 100), tokens_per_shard=8000)  # a shard's worth: all of it in pieces
+    assert [p.tokens for p in a_shard] == [1000] * TAIL_PIECES
+    assert len(plan_shards(np.full(5, 100), tokens_per_shard=8000)) == 1  # less than a piece: one shard
 
 
 def test_verify_names_shard_holding_other_samples(tmp_path, capsys, tiny_store):

@@ -30,10 +30,13 @@ from ..formats.layers import AUX_CONVENTION, resolve_aux_layer_ids
 from ..formats.prepared import PreparedSet, load_prepared
 from ..formats.spool import remove_spool, spool_dir, spool_problem
 from ..formats.store_manifest import (
+    LEGACY_TAIL_PIECES,
     SORT_WINDOW_SHARDS,
+    TAIL_PIECES,
     ShardPlan,
     bytes_per_token,
     plan_shards,
+    plan_tail_pieces,
     read_manifest,
     read_record,
     shard_tokens,
@@ -333,6 +336,7 @@ def store_identity(
     layers: tuple[int, ...],
     prepared: PreparedSet,
     tokens_per_shard: int,
+    tail_pieces: int,
     model_dtype: str,
 ) -> dict[str, Any]:
     """Everything that decides the store's bytes; a resumed run must match it exactly."""
@@ -352,11 +356,21 @@ def store_identity(
         "hidden_size": info.hidden_size,
         "tokens_per_shard": tokens_per_shard,
         "sort_window_shards": SORT_WINDOW_SHARDS,
+        "tail_pieces": tail_pieces,
     }
+
+
+def _tail_pieces(store: Path) -> int:
+    """How the store's plan cuts its tail: a new store into ``TAIL_PIECES``, a resumed one as it was planned."""
+    if not (store / MANIFEST_FILE).is_file():
+        return TAIL_PIECES
+    pieces = plan_tail_pieces(read_manifest(store, check_shards=False))
+    return pieces if type(pieces) is int and pieces >= 1 else TAIL_PIECES  # anything else: ``_check_resume`` names it
 
 
 def _check_resume(store: Path, identity: dict[str, Any]) -> None:
     existing = read_manifest(store, check_shards=False)  # its shard list is rebuilt from the shard records
+    existing = {"tail_pieces": LEGACY_TAIL_PIECES} | existing  # a store planned before pieces has none
     for key, value in identity.items():
         was = existing.get(key)
         if key == "prepared" and isinstance(was, dict):  # the same prepared set (by manifest hash), perhaps moved
@@ -433,10 +447,11 @@ def _extract(
     place = topology(config, dist.rank, dist.world)
     per_token = bytes_per_token(info.hidden_size, config.storage_dtype)
     tokens_per_shard = shard_tokens(config.shard_mb, per_token)
-    plans = plan_shards(prepared.lengths, tokens_per_shard)
+    tail_pieces = _tail_pieces(store)
+    plans = plan_shards(prepared.lengths, tokens_per_shard, tail_pieces=tail_pieces)
     device = dist.device(config.device)
     model_dtype = str(pick_dtype(config.dtype, device)).replace("torch.", "")
-    identity = store_identity(config, info, layers, prepared, tokens_per_shard, model_dtype)
+    identity = store_identity(config, info, layers, prepared, tokens_per_shard, tail_pieces, model_dtype)
     source = target_source(resolved.spec, resolved.path, hub_id_of(resolved))
 
     if (store / MANIFEST_FILE).is_file():

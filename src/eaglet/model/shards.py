@@ -17,7 +17,7 @@ import torch
 
 from ..errors import EagletError, shown
 from ..formats.files import record_name, shard_name
-from ..formats.store_manifest import STORAGE_FORMATS, ShardPlan, plan_shards
+from ..formats.store_manifest import STORAGE_FORMATS, ShardPlan, store_plans
 from ..fsio import atomic_file, fsync_dir, sha256_mapped, write_json_atomic
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -362,10 +362,7 @@ class StoreReader:
         self.plans: dict[int, ShardPlan] | None = None
         if prepared is not None:  # the samples each shard must hold, planned again from the lengths
             lengths = prepared.lengths[: self.num_samples]
-            self.plans = {
-                plan.index: plan
-                for plan in plan_shards(lengths, manifest["tokens_per_shard"], manifest["sort_window_shards"])
-            }
+            self.plans = {plan.index: plan for plan in store_plans(lengths, manifest)}
             if len(self.plans) != manifest["num_shards"]:
                 raise EagletError(
                     f"{self.store}: plans {manifest['num_shards']} shards, its prepared set "
