@@ -22,6 +22,9 @@ Usage: python benchmarks/bench_train.py --shape 8b|smollm [--tokens 2048] [--ttt
              the target's whole vocabulary included, which the other variants leave out
   [--freeze-lm-head]: every variant with the draft's LM head frozen (train's --freeze-lm-head; speculators 0.9.0
              freezes it): no head weight gradient, no AdamW over its rows
+  [--only NAME,...]: time these variants alone (names as the output prints them). A recorded variant (train_step,
+             train_step+copied_in, LAYOUT+graph) recorded after another one in the same process once failed on the
+             H200 (cudaErrorStreamCaptureInvalidated), so benchmarks/e2e_h200.sh gives each its own process
 The demo's step: --shape smollm --tokens 16384 --draft-vocab 32000 --kernels one --skip-naive
 """
 
@@ -89,6 +92,7 @@ def main() -> None:
     parser.add_argument(
         "--freeze-lm-head", action="store_true", help="every variant with the draft's LM head frozen (speculators')"
     )
+    parser.add_argument("--only", default=None, help="comma-separated variant names: time those alone")
     args = parser.parse_args()
 
     import torch
@@ -271,32 +275,44 @@ def main() -> None:
         pointwise += ["deferred"] if args.deferred else []  # one weight-gradient matmul per shared layer
         pointwise += ["graph"] if args.graph else []  # the whole step one CUDA graph
         pointwise += ["graph+deferred"] if args.graph and args.deferred else []
+    layout_variants = [  # (name, attention layout, pointwise mode); the CPU runs one dense eager variant
+        (({"compiled": layout, "eager": f"{layout}+eager_pointwise"}.get(mode, f"{layout}+{mode}")), layout, mode)
+        if device.type == "cuda"
+        else (layout, layout, mode)
+        for layout in kernels
+        for mode in pointwise
+    ]
+    step_variants = [("train_step", True, True)] + (  # (name, CUDA graphs, batch staged by the prefetch thread)
+        [("train_step+copied_in", True, False), ("train_step+no_cuda_graphs", False, False)]
+        if device.type == "cuda"
+        else []
+    )
+    wanted = set(args.only.split(",")) if args.only else None
+    known = {name for name, _, _ in layout_variants + step_variants}
+    if wanted is not None and wanted - known:
+        parser.error(f"--only {','.join(sorted(wanted - known))}: not a variant here ({', '.join(sorted(known))})")
     timed = {}
-    for layout in kernels:  # each variant's numbers printed as soon as they exist (a cut-off run keeps them)
-        for mode in pointwise:
-            name = {"compiled": layout, "eager": f"{layout}+eager_pointwise"}.get(mode, f"{layout}+{mode}")
-            name = name if device.type == "cuda" else layout
-            try:
-                timed[name] = measure(
-                    attention_for(device, config.head_dim, layout),
-                    compile_pointwise=mode != "eager",
-                    graphed="graph" in mode,
-                    deferred="deferred" in mode,
-                )
-            except RuntimeError as exc:  # a variant that cannot run here is reported, the others still timed
-                timed[name] = failed(exc)
-            print(json.dumps({name: timed[name]}), flush=True)
-    if args.train_step:  # as train runs it on this device, and on a GPU also with --no-cuda-graphs
-        for name, graphs, staged in [("train_step", True, True)] + (
-            [("train_step+copied_in", True, False), ("train_step+no_cuda_graphs", False, False)]
-            if device.type == "cuda"
-            else []
-        ):
-            try:
-                timed[name] = measure_train_step(graphs, staged)
-            except RuntimeError as exc:  # the H200 once refused the second recording in a process: keep the rest
-                timed[name] = failed(exc)
-            print(json.dumps({name: timed[name]}), flush=True)
+    for name, layout, mode in layout_variants:  # each printed as soon as it is timed (a cut-off run keeps them)
+        if wanted is not None and name not in wanted:
+            continue
+        try:
+            timed[name] = measure(
+                attention_for(device, config.head_dim, layout),
+                compile_pointwise=mode != "eager",
+                graphed="graph" in mode,
+                deferred="deferred" in mode,
+            )
+        except RuntimeError as exc:  # a variant that cannot run here is reported, the others still timed
+            timed[name] = failed(exc)
+        print(json.dumps({name: timed[name]}), flush=True)
+    for name, graphs, staged in step_variants:  # as train runs it on this device; on a GPU also copied in, eager
+        if (name not in wanted) if wanted is not None else not args.train_step:
+            continue
+        try:
+            timed[name] = measure_train_step(graphs, staged)
+        except RuntimeError as exc:  # the H200 once refused the second recording in a process: keep the rest
+            timed[name] = failed(exc)
+        print(json.dumps({name: timed[name]}), flush=True)
     ours, one_kernel = timed.get("per_step"), timed.get("one")
     naive = None if args.skip_naive else measure(ReferenceAttention)
     record = {

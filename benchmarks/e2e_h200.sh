@@ -40,10 +40,14 @@ case "${1:-}" in
     # train's GPU default; with one weight-gradient matmul per shared layer; replayed as one CUDA graph; both;
     # profiled) and speculators 0.9.0's step at the same shape, in one call. Needs
     # .device/specwhl and .device/specbench carried (../shared/anchors/speculators-0.9.0/README.md).
-    # BENCH_EXTRA: more bench_train.py flags (--freeze-lm-head: speculators' frozen head, the same work per step)
-    python3 benchmarks/bench_train.py --shape 8b --kernels one --pointwise compiled --graph --deferred --train-step --skip-naive --steps 20 ${BENCH_EXTRA:-} \
-      --profile --out "$OUT/train_8b_h200.json" > "$OUT/train_8b_profile.txt" 2>&1
-    grep -E '^\{"' "$OUT/train_8b_profile.txt"
+    # BENCH_EXTRA: more bench_train.py flags (--freeze-lm-head: speculators' frozen head, the same work per step).
+    # Each variant in its own process (VARIANTS): a second CUDA-graph recording in one process once failed here.
+    for variant in ${VARIANTS:-train_step one train_step+copied_in one+graph+deferred}; do
+      python3 benchmarks/bench_train.py --shape 8b --kernels one --pointwise compiled --graph --deferred --skip-naive \
+        --steps 20 ${BENCH_EXTRA:-} --only "$variant" --profile --out "$OUT/train_8b_h200_${variant//+/_}.json" \
+        > "$OUT/train_8b_profile_${variant//+/_}.txt" 2>&1
+      grep -E '^\{"' "$OUT/train_8b_profile_${variant//+/_}.txt" | head -1
+    done
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/specsite .device/specwhl/*.whl 2>&1 | tail -2
     PYTHONPATH=/tmp/specsite timeout "${SPEC_LIMIT_S:-240}" python3 .device/specbench/bench_eagle3.py --shape 8b --ttt 7 \
       --draft-vocab 32000 --optimizers adamw --out "$OUT/speculators_8b_h200.json" 2>&1 | tail -8
