@@ -126,8 +126,12 @@ def test_a_tensor_parallel_size_vllm_cannot_split_the_heads_over_is_refused_from
     preflight says it from config.json, before anything loads."""
     from eaglet.model.vllm_engine import tensor_parallel_problem
 
-    problem = tensor_parallel_problem({"num_attention_heads": heads, "num_key_value_heads": kv_heads}, tp)
-    assert (problem is None) if refused is None else (refused in problem and f"--tensor-parallel-size {tp}" in problem)
+    text = {"num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    for config in (text, {"model_type": "kimi_k25", "text_config": text}):  # a multimodal wrapper's heads: its text's
+        problem = tensor_parallel_problem(config, tp)
+        assert (
+            (problem is None) if refused is None else (refused in problem and f"--tensor-parallel-size {tp}" in problem)
+        )
     if refused and heads == 4:  # the tiny target's own heads, through the command a user runs
         code, out, err = run_cli(["preflight", "extract", "--prepared", tiny_prepared, "--out", tmp_path / "store",
                                   "--backend", "vllm", "--tensor-parallel-size", str(tp), "--json"], capsys)  # fmt: skip

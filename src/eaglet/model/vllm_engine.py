@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 import torch
 
 from ..errors import EagletError
+from .sizing import text_config
 from .vllm_rows import SAVED_KEY, RowsTarget, ShardFile, SpoolField, create_spool, spool_layout
 
 CONNECTOR = "EagletRowsConnector"  # eaglet's KV connector class, in CONNECTOR_MODULE
@@ -117,10 +118,12 @@ def config_problem(target_path: Path) -> str | None:
 
 def tensor_parallel_problem(config: dict[str, Any], tensor_parallel_size: int) -> str | None:
     """Why vLLM cannot split the target's attention over ``tensor_parallel_size`` ranks (config.json's, as
-    ``read_config`` gives it), or None: its query heads must divide evenly, its key/value heads divide or be
-    replicated evenly (vLLM's ModelConfig and attention layers check these after the engine starts)."""
-    heads = config.get("num_attention_heads")
-    kv_heads = config.get("num_key_value_heads") or heads
+    ``read_config`` gives it; a multimodal wrapper's ``text_config``), or None: its query heads must divide evenly,
+    its key/value heads divide or be replicated evenly (vLLM's ModelConfig and attention layers check these after
+    the engine starts)."""
+    text = text_config(config)
+    heads = text.get("num_attention_heads")
+    kv_heads = text.get("num_key_value_heads") or heads
     if not heads or tensor_parallel_size == 1:
         return None
     fix = "choose a --tensor-parallel-size that divides them"
