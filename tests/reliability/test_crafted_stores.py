@@ -154,6 +154,8 @@ def test_manifest_keys_missing(tmp_path, capsys, store, tiny_target, key):
         (("target", "num_layers"), 8.0, "'target.num_layers': Input should be a valid integer"),
         (("storage_dtype",), "fp4", "storage_dtype 'fp4' is none of bf16, fp8, fp8-aux"),
         (("shards", 0, "sha256"), "not-a-hash", "'shards.0.sha256': String should match pattern"),
+        (("tail_pieces",), 0, "'tail_pieces': Input should be greater than or equal to 1"),
+        (("tail_pieces",), "8", "'tail_pieces': Input should be a valid integer"),
     ],
 )
 def test_manifest_values_out_of_their_range(tmp_path, capsys, store, tiny_target, path, value, message):
@@ -164,6 +166,16 @@ def test_manifest_values_out_of_their_range(tmp_path, capsys, store, tiny_target
     node[path[-1]] = value
     (store / "manifest.json").write_text(json.dumps(manifest))
     refused_everywhere(tmp_path, capsys, store, tiny_target, "manifest.json", message)
+
+
+def test_a_plan_other_than_its_shards_is_named_by_verify(capsys, store):
+    """A manifest whose plan parameters make other shards than it lists: `store verify` plans the shards again from
+    them and the prepared set and says the two disagree (training reads each shard's own samples and checks those)."""
+    manifest = manifest_of(store)
+    manifest["tail_pieces"] = 1  # the plan before pieces: its last shards whole, where this store's are in pieces
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    code, _, err = run_cli(["store", "verify", store], capsys)
+    assert code == 2 and "Traceback" not in err and "the store does not match its prepared set" in err, err
 
 
 def test_a_billion_planned_shards_is_refused_at_once(tmp_path, capsys, store):
