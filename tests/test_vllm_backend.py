@@ -530,6 +530,7 @@ def test_a_chunk_of_requests_from_two_shards_is_written_run_by_run_and_reads_bac
         RowsWriter,
         contiguous_runs,
         cut_checks,
+        file_groups,
         read_checks,
         row_order,
         wait_for_rows,
@@ -561,6 +562,7 @@ def test_a_chunk_of_requests_from_two_shards_is_written_run_by_run_and_reads_bac
     assert contiguous_runs([targets[0], targets[2], targets[3]], [5, 33, 12]) == [(0, 1), (1, 3)]  # rows 5.. missing
     other = shards[1][4][0][0]
     assert contiguous_runs([targets[0], other], [5, 7]) == [(0, 1), (1, 2)]  # another file
+    assert file_groups([targets[0], targets[2], targets[3], other]) == [(0, 3), (3, 4)]  # a writer thread each
 
 
 def test_form_rows_stores_the_aux_columns_in_eaglets_order_and_the_normed_last_layer():

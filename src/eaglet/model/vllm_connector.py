@@ -49,6 +49,7 @@ from .vllm_rows import (
     RowsTarget,
     RowsWriter,
     column_index,
+    file_groups,
     row_order,
     rows_to_host,
     slot_indices,
@@ -201,8 +202,14 @@ class EagletRowsConnector(KVConnectorBase_V1, SupportsHMA):
                 if copied is not None:
                     self.copies[request.req_id] = copied
                 self.reported.add(request.req_id)
-            future = self.pool.submit(self._write, chunk, host, host_finite, copied)
-            future.add_done_callback(_surface)
+            # each file's rows by a writer thread of its own: the last steps finish several small shards at once
+            # (the store's tail pieces), and one thread's writes would be the run's last wait
+            starts = np.cumsum([0, *(len(request.token_ids) for request in chunk)])
+            for first, last in file_groups([request.target for request in chunk]):
+                rows = slice(int(starts[first]), int(starts[last]))
+                part = {name: tensor[rows] for name, tensor in host.items()}
+                future = self.pool.submit(self._write, chunk[first:last], part, host_finite[rows], copied)
+                future.add_done_callback(_surface)
 
     def _columns(self, columns: tuple[int, ...]) -> torch.Tensor:
         """The aux columns' index on the cache's device, made at a form's first chunk."""

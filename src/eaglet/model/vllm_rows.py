@@ -292,6 +292,17 @@ def contiguous_runs(targets: list[RowsTarget], counts: list[int]) -> list[tuple[
     return runs
 
 
+def file_groups(targets: list[RowsTarget]) -> list[tuple[int, int]]:
+    """[first, last) ranges of ``targets`` (in ``row_order``) that go to one file."""
+    groups: list[tuple[int, int]] = []
+    for index, target in enumerate(targets):
+        if index and targets[index - 1].path == target.path:
+            groups[-1] = (groups[-1][0], index + 1)
+        else:
+            groups.append((index, index + 1))
+    return groups
+
+
 class RowsWriter:
     """The worker's side: writes requests' rows into their spool files and finishes each file when it is full.
 
