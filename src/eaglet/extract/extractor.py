@@ -30,7 +30,6 @@ from ..formats.layers import AUX_CONVENTION, resolve_aux_layer_ids
 from ..formats.prepared import PreparedSet, load_prepared
 from ..formats.spool import remove_spool, spool_dir, spool_problem
 from ..formats.store_manifest import (
-    LEGACY_TAIL_PIECES,
     SORT_WINDOW_SHARDS,
     TAIL_PIECES,
     ShardPlan,
@@ -370,7 +369,7 @@ def _tail_pieces(store: Path) -> int:
 
 def _check_resume(store: Path, identity: dict[str, Any]) -> None:
     existing = read_manifest(store, check_shards=False)  # its shard list is rebuilt from the shard records
-    existing = {"tail_pieces": LEGACY_TAIL_PIECES} | existing  # a store planned before pieces has none
+    existing = existing | {"tail_pieces": plan_tail_pieces(existing)}  # a store planned before pieces has none
     for key, value in identity.items():
         was = existing.get(key)
         if key == "prepared" and isinstance(was, dict):  # the same prepared set (by manifest hash), perhaps moved
