@@ -172,3 +172,20 @@ def test_a_damaged_raw_file_is_one_line_and_a_torn_last_batch_is_generated_again
     code, _, err = run_cli(["synthesize", "--out", out, "--target", tiny_target, "--device", "cpu"], capsys)
     assert code == 2 and f"{raw_path(out)}:1: not JSON; delete" in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("skip_preflight", [False, True])
+def test_a_file_synthesize_did_not_write_is_never_replaced(tmp_path, capsys, tiny_target, skip_preflight):
+    """--out is replaced whole at the end: a user's own prompt file there (no synthesis manifest beside it, or one
+    that is not a synthesis manifest) is refused before any generation, by the preflight and by the stage itself."""
+    out = tmp_path / "my_prompts.jsonl"
+    out.write_text('{"id": "mine", "prompt": "a prompt I wrote"}\n')
+    args = ["synthesize", "--out", out, "--target", tiny_target, "--device", "cpu", "--count", "1"]
+    for manifest in (None, "{not json", '{"schema": "eaglet.prepared/1"}'):
+        if manifest is not None:
+            (tmp_path / "my_prompts.jsonl.manifest.json").write_text(manifest)
+        code, _, err = run_cli([*args, *(["--skip-preflight"] if skip_preflight else [])], capsys)
+        assert code == 2 and "exists and was not written by `eaglet synthesize`" in err, err
+        error_lines = [line for line in err.strip().splitlines() if line.startswith("error:")]
+        assert "use another --out or delete the file" in err and len(error_lines) == 1, err
+        assert out.read_text() == '{"id": "mine", "prompt": "a prompt I wrote"}\n' and not raw_path(out).exists()

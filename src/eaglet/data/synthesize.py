@@ -45,6 +45,7 @@ SHINGLE = 3  # words per shingle of the near-duplicate test
 OPENING_WORDS = 2  # a message's opening, for the diversity cap ("can you ...", "what is ...")
 BATCH_SEED_STRIDE = 1_000_003
 SPLIT_BUCKETS = 10_000
+MANIFEST_SCHEMA = "eaglet.synthesized/1"
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,27 @@ def raw_path(out: Path) -> Path:
     return out.with_name(out.name.removesuffix(".jsonl") + ".raw.jsonl")
 
 
+def manifest_path(out: Path) -> Path:
+    return out.with_name(out.name + ".manifest.json")
+
+
+def foreign_output_problem(out: Path) -> str | None:
+    """Why writing ``out`` would destroy a file this stage did not write, or None. --out is replaced whole at the
+    end, so an existing file must be a finished synthesis (its manifest beside it), never the user's own data."""
+    if not out.exists():
+        return None
+    try:
+        schema = json.loads(manifest_path(out).read_text(encoding="utf-8")).get("schema")
+    except (OSError, ValueError, AttributeError, RecursionError):  # ValueError: JSONDecodeError and bad UTF-8
+        schema = None
+    if schema == MANIFEST_SCHEMA:
+        return None
+    return (
+        f"--out {out}: exists and was not written by `eaglet synthesize` (no {manifest_path(out).name} beside it); "
+        "it would be replaced: use another --out or delete the file"
+    )
+
+
 def load_raw(path: Path, settings: dict[str, Any]) -> dict[int, list[str | None]]:
     """Batches already generated (a torn last line is dropped); refused when made with other settings."""
     if not path.is_file():
@@ -247,6 +269,9 @@ def run_synthesize(config: SynthesizeConfig, console: Console | None = None) -> 
     check_output_apart(out, [config.target])
     check_output_dir(out.parent, "--out's directory")
     with output_lock(out):
+        problem = foreign_output_problem(out)
+        if problem:
+            raise EagletError(problem)
         return _synthesize(config, out, console)
 
 
@@ -295,7 +320,7 @@ def _synthesize(config: SynthesizeConfig, out: Path, console: Console) -> Synthe
     ]
     write_bytes_atomic(out, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode("utf-8"))
     manifest = {
-        "schema": "eaglet.synthesized/1",
+        "schema": MANIFEST_SCHEMA,
         "eaglet_version": __version__,
         "settings": settings,
         "config": config.model_dump(),
@@ -307,5 +332,5 @@ def _synthesize(config: SynthesizeConfig, out: Path, console: Console) -> Synthe
         },
         "seconds": round(time.perf_counter() - started, 1),
     }
-    write_json_atomic(out.with_name(out.name + ".manifest.json"), manifest)
+    write_json_atomic(manifest_path(out), manifest)
     return SynthesizeResult(out, len(rows), len(texts()), manifest["seconds"], manifest)

@@ -138,9 +138,16 @@ def _writing_target_checks(cfg: Any) -> list[Check]:
 
 
 def synthesize_checks(cfg: Any) -> list[Check]:
-    """The target has a chat template with a user turn to start, fits here, and --out is a .jsonl."""
-    checks = [Check("config", PASS, "valid"), _jsonl_output(Path(cfg.out), "exists, written again")]
-    return checks + _writing_target_checks(cfg)
+    """The target has a chat template with a user turn to start, fits here, and --out is a .jsonl that is new or
+    an earlier synthesis (it is replaced whole)."""
+    from ..data.synthesize import foreign_output_problem
+
+    out = Path(cfg.out)
+    output = _jsonl_output(out, "an earlier synthesis, written again")
+    problem = output.status != FAIL and foreign_output_problem(out)
+    if problem:
+        output = Check("output", FAIL, problem)
+    return [Check("config", PASS, "valid"), output] + _writing_target_checks(cfg)
 
 
 def regenerate_checks(cfg: Any) -> list[Check]:
