@@ -105,3 +105,33 @@ def test_an_unknown_engine_names_the_registrys(tmp_path, capsys, tiny_draft):
         ["export", "--draft", tiny_draft, "--format", "vllm", "--out", tmp_path / "x", "--engine", "trt==1.0"], capsys
     )
     assert code == 2 and f"ENGINE one of {', '.join(ENGINES)}" in err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--replica", "2/1"], "--replica 2/1: expected r/R with 0 <= r < R"),
+        (["--replica", "0/0"], "--replica 0/0: expected r/R with 0 <= r < R"),
+        (["--replica", "0/2"], "--replica 0/2 is for tensor-parallel groups (--placement tp)"),
+        (["--replica", "1/2", "--placement", "split"], "--replica 1/2 is for tensor-parallel groups"),
+    ],
+)
+def test_a_replica_outside_its_groups_is_refused_before_anything_runs(tmp_path, capsys, extra, message):
+    code, _, err = run_cli(["extract", "--prepared", tmp_path, "--out", tmp_path / "store", *extra], capsys)
+    assert code == 2 and message in err and err.count("\n") == 1 and not (tmp_path / "store").exists(), err
+
+
+@pytest.mark.parametrize(
+    "stage, args",
+    [
+        ("synthesize", ["--out", "p.jsonl"]),
+        ("regenerate", ["demo", "--out", "a.jsonl"]),
+        ("train", ["--store", "s", "--out", "run"]),
+        ("eval", ["--draft", "d", "--out", "report"]),
+    ],
+)
+def test_only_extract_takes_a_replica(tmp_path, capsys, stage, args):
+    """Only extract splits its work over tensor-parallel groups; the other stages took --replica and ignored it.
+    The option is refused while the command line is read: nothing is written."""
+    code, _, err = run_cli([stage, *args, "--replica", "0/2"], capsys)
+    assert code == 2 and "No such option: --replica" in err, err

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -261,6 +262,57 @@ def test_tensor_parallel_extraction_under_torchrun_writes_the_one_device_store(
             torch.testing.assert_close(sharded[key].float(), value.float(), rtol=2e-2, atol=2e-2)
         else:
             assert torch.equal(sharded[key], value), key
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_replicas_share_one_store_and_write_the_one_device_store(
+    tmp_path, capsys, targets, conversations
+):
+    """README's data parallel over TP groups: two torchrun jobs (two gloo ranks each, --replica 0/2 and 1/2) run at
+    once into one store; each computes its half of the shards, and the finished store is the one-device store."""
+    target = targets("llama")
+    prepared = tmp_path / "prepared"
+    assert run_cli(["prepare", conversations, "--out", prepared, "--target", target], capsys)[0] == 0
+    one, shared = tmp_path / "one", tmp_path / "shared"
+    assert run_cli(extract_args(prepared, one, target), capsys)[0] == 0
+    jobs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "2",
+                "--master-port",
+                str(29551 + replica),
+                "-m",
+                "eaglet.cli",
+                *map(str, extract_args(prepared, shared, target, "--placement", "tp", "--replica", f"{replica}/2")),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=os.environ | {"OMP_NUM_THREADS": "1"},
+        )
+        for replica in (0, 1)
+    ]
+    outputs = [job.communicate(timeout=600) for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0], [err[-3000:] for _, err in outputs]
+    assert all(f"extract replica {replica}" in err for replica, (_, err) in enumerate(outputs))
+    computed = [int(re.findall(r"computed (\d+) shard", out)[0]) for out, _ in outputs]  # each job's own shards
+    assert min(computed) >= 1 and sum(computed) == len(json.loads((one / "manifest.json").read_text())["shards"])
+    assert manifest_without_settings(shared) | {"shards": None} == manifest_without_settings(one) | {"shards": None}
+    assert [s["file"] for s in json.loads((shared / "manifest.json").read_text())["shards"]] == [
+        s["file"] for s in json.loads((one / "manifest.json").read_text())["shards"]
+    ]
+    assert run_cli(["store", "verify", shared], capsys)[0] == 0
+    reference, replicated = store_tensors(one), store_tensors(shared)
+    assert reference.keys() == replicated.keys()
+    for key, value in reference.items():
+        if key.endswith((":aux", ":last")):
+            torch.testing.assert_close(replicated[key].float(), value.float(), rtol=2e-2, atol=2e-2)
+        else:
+            assert torch.equal(replicated[key], value), key
 
 
 @pytest.fixture(scope="module")

@@ -72,13 +72,6 @@ class PlacementFields(StrictModel):
     offload_dir: str | None = Field(
         default=None, description="split: where weights past --max-memory are memory-mapped from disk"
     )
-    replica: str = Field(
-        default="0/1",
-        pattern=r"^\d+/\d+$",
-        description="tp: this torchrun job is replica r of R "
-        "(data parallel over tensor-parallel groups: one torchrun per group)",
-    )
-
     # the option that sets how much one target forward holds ({} the value, multiples of the step), named when a
     # layout does not fit; None where the stage has no such option
     FORWARD_OPTION: ClassVar[tuple[str, int] | None] = None
@@ -364,6 +357,32 @@ class ExtractConfig(VllmFields, PlacementFields):
         "the store (default: .STORE.vllm-spool beside --out, removed when the stage ends)",
     )
     trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
+    replica: str = Field(
+        default="0/1",
+        pattern=r"^\d+/\d+$",
+        description="tp: this torchrun job is replica r of R "
+        "(data parallel over tensor-parallel groups: one torchrun per group, all into one store)",
+    )
+
+    @property
+    def replicas(self) -> tuple[int, int]:
+        """(r, R): which of the R tensor-parallel groups sharing the store this job is."""
+        index, total = (int(part) for part in self.replica.split("/"))
+        return index, total
+
+    @model_validator(mode="after")
+    def _replica_of_tensor_parallel_groups(self) -> "ExtractConfig":
+        index, total = self.replicas
+        if not 0 <= index < total:
+            raise ValueError(
+                f"--replica {self.replica}: expected r/R with 0 <= r < R, e.g. 0/2 and 1/2 for two TP groups"
+            )
+        if total > 1 and self.placement != "tp":
+            raise ValueError(
+                f"--replica {self.replica} is for tensor-parallel groups (--placement tp); without it, torchrun's "
+                "ranks already split the work"
+            )
+        return self
 
 
 class TrainConfig(PlacementFields):

@@ -415,7 +415,7 @@ def run_extract(
     dist = init_distributed()
     check_output_dir(config.out)
     check_output_apart(config.out, [config.prepared, config.target])
-    replica, replicas = (int(part) for part in config.replica.split("/"))
+    replica, replicas = config.replicas
     tag = "" if replicas == 1 else f"-replica-{replica}-of-{replicas}"  # replicas share a store by design
     with output_lock(config.out, tag) if dist.is_main else contextlib.nullcontext():
         return _extract(config, console or Console(stderr=True), model, only_shards, dist, engine)

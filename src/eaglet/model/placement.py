@@ -73,24 +73,12 @@ class Topology:
         return self.tp_rank == 0
 
 
-def parse_replica(text: str) -> tuple[int, int]:
-    index, total = (int(part) for part in text.split("/"))
-    if total < 1 or not 0 <= index < total:
-        raise EagletError(f"--replica {text}: expected r/R with 0 <= r < R, e.g. 0/2 and 1/2 for two TP groups")
-    return index, total
-
-
 def topology(config: Any, rank: int, world: int) -> Topology:
-    """``one``/``split``: every torchrun rank is its own replica. ``tp``: the world is one TP group, ``replica``
-    places it among the groups."""
-    replica, replicas = parse_replica(config.replica)
+    """``one``/``split``: every torchrun rank is its own replica. ``tp``: the world is one TP group, the config's
+    ``replicas`` (r, R; checked by the config) place it among the groups."""
     if config.placement != "tp":
-        if replicas != 1:
-            raise EagletError(
-                "--replica is for tensor-parallel groups (--placement tp); without it, torchrun's "
-                "ranks already split the work"
-            )
         return Topology(rank, world, 0, 1)
+    replica, replicas = config.replicas
     return Topology(replica, replicas, rank, world)
 
 
