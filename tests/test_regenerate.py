@@ -75,6 +75,32 @@ def test_torn_last_line_is_dropped_and_redone(tmp_path, capsys, tiny_target):
     assert out.read_bytes() == complete
 
 
+@pytest.mark.parametrize("skip_preflight", [False, True])
+def test_a_prompt_too_long_for_the_target_is_refused_or_skipped_before_the_weights_load(
+    tmp_path, capsys, tiny_target, skip_preflight
+):
+    """The tiny target's context is 512 positions: a prompt of ~600 tokens (or one that with --max-new-tokens passes
+    512) would be generated at positions the target never saw. Refused naming its row, or dropped with
+    --on-bad-row skip, and the other prompts answered."""
+    rows = [
+        {"id": "short", "prompt": "Question: think"},
+        {"id": "long", "prompt": "word " * 600},
+        {"id": "short2", "prompt": "Another question"},
+    ]
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    out = tmp_path / "a.jsonl"
+    extra = ["--skip-preflight"] if skip_preflight else []
+    code, _, err = run_cli(regen_args(prompts, out, tiny_target, *extra), capsys)
+    assert code == 2 and f"{prompts}:2: the prompt is " in err and "passes the target's context of 512" in err, err
+    assert "--on-bad-row skip" in err and "Traceback" not in err and not out.exists()
+    code, _, err = run_cli(regen_args(prompts, out, tiny_target, "--on-bad-row", "skip", *extra), capsys)
+    assert code == 0, err
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["short", "short2"]
+    short = write_jsonl(tmp_path / "short.jsonl", rows[:1])
+    code, _, err = run_cli(regen_args(short, tmp_path / "b.jsonl", tiny_target, "--max-new-tokens", "510"), capsys)
+    assert code == 2 and "with --max-new-tokens 510 that passes the target's context of 512" in err, err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "sampling", [[], ["--temperature", "0.9", "--top-p", "0.9", "--n", "2"]], ids=["greedy", "sampled"]

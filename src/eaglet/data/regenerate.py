@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -48,6 +48,7 @@ class Request:
     sample_index: int
     messages: list[dict[str, str]]  # the prompt: everything before the answer to write
     category: str | None
+    source: str = ""  # "file:line" of the prompt's row
 
     @property
     def key(self) -> tuple[str, int]:
@@ -87,7 +88,7 @@ def plan_requests(config: RegenerateConfig, console: Console) -> list[Request]:
             break
         prompt = item.prompt_messages
         for sample in range(config.n):
-            requests.append(Request(len(requests), item.id, sample, prompt, item.meta.get("category")))
+            requests.append(Request(len(requests), item.id, sample, prompt, item.meta.get("category"), item.source))
         prompts += 1
     if bad:
         if config.on_bad_row == "error":
@@ -96,6 +97,56 @@ def plan_requests(config: RegenerateConfig, console: Console) -> list[Request]:
     if not requests:
         raise EagletError(f"{', '.join(config.prompts)}: no prompts selected (split={config.split})")
     return requests
+
+
+def context_problems(requests: list[Request], tokenizer: Any, context: int | None, max_new_tokens: int) -> list[BadRow]:
+    """The prompts whose tokens in the chat template plus ``max_new_tokens`` pass the target's context: transformers
+    would generate at positions the target never saw (text of no use to a draft), vLLM refuses them mid-run."""
+    if context is None:
+        return []
+    bad, seen = [], set()
+    for request in requests:
+        if request.prompt_id in seen:  # the n samples of one prompt share its length
+            continue
+        seen.add(request.prompt_id)
+        tokens = len(encode_prompt(tokenizer, request))
+        if tokens + max_new_tokens > context:
+            bad.append(
+                BadRow(
+                    request.source or request.prompt_id,
+                    f"the prompt is {tokens:,} tokens; with --max-new-tokens {max_new_tokens:,} that passes the "
+                    f"target's context of {context:,} (shorten the prompt or lower --max-new-tokens)",
+                )
+            )
+    return bad
+
+
+def too_long_prompts(config: RegenerateConfig, requests: list[Request], target_path: Path) -> list[BadRow]:
+    """``context_problems`` for the target at ``target_path``, from its tokenizer and config.json (no weights)."""
+    from ..model.target import load_tokenizer, read_config
+
+    context = read_config(target_path).get("max_position_embeddings")
+    tokenizer = load_tokenizer(target_path, config.trust_remote_code)
+    _needs_template(tokenizer, config.target)
+    return context_problems(requests, tokenizer, context if isinstance(context, int) else None, config.max_new_tokens)
+
+
+def within_context(config: RegenerateConfig, requests: list[Request], console: Console) -> list[Request]:
+    """``requests`` less the prompts too long for the target (refused, or dropped with --on-bad-row skip), found
+    before any weights load."""
+    from ..model.target import resolve_target
+
+    bad = too_long_prompts(config, requests, resolve_target(config.target, config.trust_remote_code).path)
+    if not bad:
+        return requests
+    if config.on_bad_row == "error":
+        fail_on_bad_rows(bad, console)
+    console.print(f"[yellow]skipped {len(bad)} prompt(s) too long for the target[/]; first: {bad[0]}")
+    dropped = {row.source for row in bad}
+    kept = [r for r in requests if (r.source or r.prompt_id) not in dropped]
+    if not kept:
+        raise EagletError(f"{', '.join(config.prompts)}: every selected prompt is too long for the target")
+    return [replace(request, order=order) for order, request in enumerate(kept)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,6 +483,8 @@ def _regenerate(config: RegenerateConfig, out: Path, console: Console) -> Regene
 
     settings = settings_of(config)
     requests = plan_requests(config, console)
+    if config.backend in IN_PROCESS:
+        requests = within_context(config, requests, console)
     done = load_done(out, settings)
     skipped = sum(r.key in done for r in requests)
     todo = [r for r in requests if r.key not in done]

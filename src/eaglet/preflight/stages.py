@@ -115,14 +115,15 @@ def _jsonl_output(out: Path, when_there: str) -> Check:
     return Check("output", PASS, f"{out}: {when_there if out.exists() else 'will be created'}")
 
 
-def _writing_target_checks(cfg: Any) -> list[Check]:
+def _writing_target_checks(cfg: Any) -> tuple[list[Check], Any]:
     """A target that writes text in this process (regenerate's hf backend, synthesize): its device, its chat
-    template, transformers' API, and its weights plus a batch's KV cache fitting here."""
+    template, transformers' API, and its weights plus a batch's KV cache fitting here. Also the target found
+    (``check_stage_target``'s), or None."""
     from ..config import CPU_GENERATE_BATCH, GPU_GENERATE_BATCH
 
     checks = [check_device(cfg.device)]
     if checks[-1].status == FAIL:
-        return checks
+        return checks, None
     target_checks, found = check_stage_target(cfg, need_template=True)
     checks += target_checks
     if found:
@@ -134,7 +135,7 @@ def _writing_target_checks(cfg: Any) -> list[Check]:
         )
         if not device.startswith("cuda"):
             checks.append(check_memory(device, weights_bytes(found[0].path, dtype_bytes), "target weights"))
-    return checks
+    return checks, found
 
 
 def synthesize_checks(cfg: Any) -> list[Check]:
@@ -147,7 +148,7 @@ def synthesize_checks(cfg: Any) -> list[Check]:
     problem = output.status != FAIL and foreign_output_problem(out)
     if problem:
         output = Check("output", FAIL, problem)
-    return [Check("config", PASS, "valid"), output] + _writing_target_checks(cfg)
+    return [Check("config", PASS, "valid"), output] + _writing_target_checks(cfg)[0]
 
 
 def regenerate_checks(cfg: Any) -> list[Check]:
@@ -161,7 +162,7 @@ def regenerate_checks(cfg: Any) -> list[Check]:
     if cfg.backend == "openai":
         checks.append(check_server(cfg.base_url))
     if cfg.backend == "hf":
-        target_checks = _writing_target_checks(cfg)
+        target_checks, found = _writing_target_checks(cfg)
         checks += target_checks
         if target_checks[0].status == FAIL:  # the device: nothing else is asked
             return checks
@@ -172,6 +173,8 @@ def regenerate_checks(cfg: Any) -> list[Check]:
             checks += check_vllm_backend(
                 found[0].path, cfg.tensor_parallel_size, cfg.gpu_memory_utilization, captures=False
             )
+    if cfg.backend != "openai" and found:
+        checks += guarded("prompt lengths", lambda: _prompt_length_check(cfg, found[0].path))
     rows = cfg.max_prompts or 1000
     checks.append(
         check_disk(
@@ -181,6 +184,21 @@ def regenerate_checks(cfg: Any) -> list[Check]:
         )
     )
     return checks
+
+
+def _prompt_length_check(cfg: Any, target_path: Path) -> Check:
+    """Every selected prompt and --max-new-tokens inside the target's context (tokenized, no weights)."""
+    from rich.console import Console
+
+    from ..data.regenerate import plan_requests, too_long_prompts
+
+    requests = plan_requests(cfg, Console(quiet=True))
+    bad = too_long_prompts(cfg, requests, target_path)
+    if not bad:
+        return Check("prompt lengths", PASS, f"{len({r.prompt_id for r in requests}):,} prompts fit the context")
+    if cfg.on_bad_row == "skip":
+        return Check("prompt lengths", WARN, f"{len(bad)} prompt(s) too long, skipped; first: {bad[0]}")
+    return Check("prompt lengths", FAIL, str(bad[0]), f"{len(bad)} prompt(s) too long; or pass --on-bad-row skip")
 
 
 def extract_checks(cfg: Any) -> list[Check]:
