@@ -220,6 +220,7 @@ def _expanded_size(node: yaml.Node, depth: int, sizes: dict[int, int]) -> int:
     if isinstance(node, yaml.SequenceNode):
         children = list(node.value)
     elif isinstance(node, yaml.MappingNode):
+        _refuse_duplicate_keys(node)
         children = [part for pair in node.value for part in pair]
     size = 1
     for child in children:
@@ -228,6 +229,23 @@ def _expanded_size(node: yaml.Node, depth: int, sizes: dict[int, int]) -> int:
             raise _YamlTooLarge(f"more than {MAX_YAML_NODES:,} values once its aliases are expanded")
     sizes[id(node)] = size
     return size
+
+
+def _refuse_duplicate_keys(node: yaml.MappingNode) -> None:
+    """YAML requires a mapping's keys to be unique; PyYAML keeps the last silently, so `out: a` then `out: b` ran
+    with b. Raised as a marked YAML error at the second one."""
+    first_line: dict[str, int] = {}
+    for key, _ in node.value:
+        if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+            continue
+        if key.value in first_line:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"key {shown(key.value)} set twice in one mapping, first on line {first_line[key.value]}; keep one",
+                key.start_mark,
+            )
+        first_line[key.value] = key.start_mark.line + 1
 
 
 def load_yaml_text(text: str) -> Any:

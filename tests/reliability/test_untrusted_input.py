@@ -194,3 +194,29 @@ def test_a_conversation_nested_thousands_of_levels_deep(tmp_path, capsys, tiny_t
         "nested too deeply",
     )
     assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize(
+    "text, line, key",
+    [
+        ("train:\n  lr: 0.001\n  max_steps: 5\n  lr: 0.1\n", 4, "'lr' set twice in one mapping, first on line 2"),
+        ("train:\n  lr: 0.001\ntrain:\n  lr: 0.1\n", 3, "'train' set twice in one mapping, first on line 1"),
+    ],
+)
+def test_a_key_set_twice_is_refused_not_the_last_one_taken(tmp_path, capsys, tiny_store, text, line, key):
+    """YAML requires unique keys; PyYAML keeps the last silently, so a config edited by appending ran with whichever
+    came last. A merge key (`<<: *base`) overridden in its mapping stays allowed."""
+    config = tmp_path / "twice.yaml"
+    config.write_text(text)
+    refused_quickly(
+        capsys,
+        ["train", "--config", config, "--store", tiny_store, "--out", tmp_path / "run"],
+        f"{config}:{line}: invalid YAML",
+        key,
+        "keep one",
+    )
+    assert not (tmp_path / "run").exists()
+    from eaglet.config import load_yaml_text
+
+    merged = load_yaml_text("base: &base\n  lr: 0.1\n  clip: 1.0\ntrain:\n  <<: *base\n  lr: 0.01\n")
+    assert merged["train"] == {"lr": 0.01, "clip": 1.0}
