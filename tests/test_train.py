@@ -241,11 +241,40 @@ def test_needs_exactly_one_input(tmp_path, capsys, tiny_target):
     assert code == 2 and "exactly one input" in err
 
 
-def test_time_budget_and_separate_eval_store(tmp_path, capsys, tiny_store, tiny_target):
+def store_of(root, rows, target):
+    """A prepared set of ``rows`` and its store, made in process."""
+    from conftest import write_jsonl
+    from rich.console import Console
+
+    from eaglet.config import ExtractConfig, PrepareConfig
+    from eaglet.data.prepare import run_prepare
+    from eaglet.extract.extractor import run_extract
+
+    data, quiet = write_jsonl(root / "conversations.jsonl", rows), Console(quiet=True)
+    run_prepare(PrepareConfig(inputs=[str(data)], out=str(root / "prepared"), target=str(target)), quiet)
+    run_extract(ExtractConfig(prepared=str(root / "prepared"), out=str(root / "store"), reserve_gb=0), quiet)
+    return root / "store"
+
+
+@pytest.fixture(scope="module")
+def held_out_stores(tmp_path_factory, tiny_target):
+    """Stores of conversations the tiny store never saw: one apart, one that also holds a training conversation
+    under another id."""
+    from conftest import small_conversations
+
+    unseen = [dict(row, id=f"h{i}") for i, row in enumerate(small_conversations(12, seed=7))]
+    copied = dict(small_conversations(60)[5], id="renamed-c5")  # tiny_prepared's conversation c5
+    apart = store_of(tmp_path_factory.mktemp("apart"), unseen, tiny_target)
+    leaky = store_of(tmp_path_factory.mktemp("leaky"), unseen[:6] + [copied] + unseen[6:], tiny_target)
+    return apart, leaky
+
+
+def test_time_budget_and_separate_eval_store(tmp_path, capsys, tiny_store, tiny_target, held_out_stores):
     out = tmp_path / "run"
+    apart, _ = held_out_stores
     code, _, err = run_cli(
         train_args(
-            tiny_store, out, tiny_target, "--max-steps", "500", "--max-minutes", "0.0001", "--eval-store", tiny_store
+            tiny_store, out, tiny_target, "--max-steps", "500", "--max-minutes", "0.0001", "--eval-store", apart
         ),
         capsys,
     )
@@ -254,6 +283,27 @@ def test_time_budget_and_separate_eval_store(tmp_path, capsys, tiny_store, tiny_
     assert (out / "checkpoints" / "step-000001").is_dir()
     evals = [r for r in read_metrics(out) if r["kind"] == "eval"]
     assert len(evals) == 1 and evals[0]["eval_tokens"] > 0
+
+
+def test_an_eval_store_holding_training_samples_is_refused(
+    tmp_path, capsys, tiny_store, tiny_prepared, tiny_target, held_out_stores
+):
+    """Held-out numbers over training samples are training numbers: the training store itself, or a store holding
+    one training conversation under another id, is refused before any step, naming the sample."""
+    _, leaky = held_out_stores
+    for eval_store, message in (
+        (tiny_store, "60 of its 60 samples are training samples (first: 'c"),
+        (leaky, "1 of its 13 samples are training samples (first: 'renamed-c5', trained as 'c5')"),
+    ):
+        code, _, err = run_cli(
+            train_args(tiny_store, tmp_path / "run", tiny_target, "--max-steps", "2", "--eval-store", eval_store),
+            capsys,
+        )
+        assert code == 2 and message in err and "drop --eval-store" in err and "Traceback" not in err, err
+        assert not (tmp_path / "run" / "checkpoints").exists()
+    online = ["train", "--prepared", tiny_prepared, "--out", tmp_path / "run", "--target", tiny_target, *BASE]
+    code, _, err = run_cli([*online, "--max-steps", "2", "--eval-store", leaky], capsys)  # online: the same
+    assert code == 2 and "trained as 'c5'" in err, err
 
 
 def test_padding_to_the_budget_does_not_change_the_loss():

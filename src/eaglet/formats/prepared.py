@@ -7,6 +7,7 @@ values are 0 or 1. A set that fails is refused with the file, the row and the fi
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -50,6 +51,15 @@ class PreparedSet:
         """Tokens and mask of samples ``first..stop-1``, packed."""
         begin, end = self.offsets[first], self.offsets[stop]
         return self.tokens[begin:end], self.mask[begin:end]
+
+    def sample_digests(self, count: int | None = None) -> list[bytes]:
+        """A 16-byte digest of each of the first ``count`` samples' token ids (all by default): equal samples,
+        whatever their ids or files, have equal digests."""
+        stop = len(self) if count is None else count
+        return [
+            hashlib.blake2b(self.tokens[self.offsets[i] : self.offsets[i + 1]].tobytes(), digest_size=16).digest()
+            for i in range(stop)
+        ]
 
     @property
     def vocab_path(self) -> Path:

@@ -15,7 +15,7 @@ import torch
 
 from ..config import TrainConfig
 from ..data.vocab import DraftVocab
-from ..errors import EagletError
+from ..errors import EagletError, shown
 from ..formats.draft_config import DraftConfig
 from ..formats.layers import resolve_aux_layer_ids
 from ..formats.prepared import PreparedSet, load_prepared
@@ -95,6 +95,9 @@ def build_setup(config: TrainConfig, device: str) -> Setup:
                 " and train on it, or use --placement split"
             )
         check_trainable(prepared, config)
+    # before the online target loads: a bad eval store is known from files alone
+    eval_source = open_eval_store(config, identity, layer_ids, prepared, samples_of(source) if config.store else None)
+    if config.store is None:
         model = load_model(resolved.path, device, "auto", config.trust_remote_code, config)
         source = LiveSource(
             prepared,
@@ -106,14 +109,6 @@ def build_setup(config: TrainConfig, device: str) -> Setup:
             config.online_forward_tokens,
             int(config.online_cache_gb * GIB),
         )
-    eval_source = None
-    if config.eval_store is not None:
-        eval_source, _ = open_store(Path(config.eval_store), identity, config, "eval store")
-        if eval_source.layer_ids != layer_ids:
-            raise EagletError(
-                f"eval store {config.eval_store}: aux layers {list(eval_source.layer_ids)}, training "
-                f"uses {list(layer_ids)}"
-            )
     run_identity = {
         "target": identity.to_record(),
         "layer_ids": list(layer_ids),
@@ -156,6 +151,50 @@ def open_store(
     if what == "store":
         check_trainable(prepared, config, manifest["prepared"]["samples"])
     return StoreSource(store, config.token_budget, config.seed, prepared=prepared, manifest=manifest), prepared
+
+
+def open_eval_store(
+    config: TrainConfig,
+    identity: TargetIdentity,
+    layer_ids: tuple[int, ...],
+    training: PreparedSet,
+    trained: int | None,
+) -> StoreSource | None:
+    """The separate held-out store, if given: this target's, the training's aux layers, and none of the first
+    ``trained`` training samples (all of them by default) among its own."""
+    if config.eval_store is None:
+        return None
+    eval_source, held_out = open_store(Path(config.eval_store), identity, config, "eval store")
+    if eval_source.layer_ids != layer_ids:
+        raise EagletError(
+            f"eval store {config.eval_store}: aux layers {list(eval_source.layer_ids)}, training uses {list(layer_ids)}"
+        )
+    check_held_out_apart(config, training, len(training) if trained is None else trained, held_out, eval_source)
+    return eval_source
+
+
+def samples_of(source: FeatureSource) -> int:
+    """How many prepared samples a source covers (a store made with --max-samples covers the first ones)."""
+    return sum(plan.num_samples for plan in source.plans)
+
+
+def check_held_out_apart(
+    config: TrainConfig, training: PreparedSet, trained: int, held_out: PreparedSet, eval_source: FeatureSource
+) -> None:
+    """Refuse an eval store holding a training sample (the same token ids, whatever its id or file): its held-out
+    accuracy and τ would be partly training numbers, and the user picks checkpoints by them."""
+    evaluated = samples_of(eval_source)
+    seen = {digest: index for index, digest in enumerate(training.sample_digests(trained))}
+    shared = [
+        (index, seen[digest]) for index, digest in enumerate(held_out.sample_digests(evaluated)) if digest in seen
+    ]
+    if shared:
+        first, twin = shared[0]
+        raise EagletError(
+            f"eval store {config.eval_store}: {len(shared):,} of its {evaluated:,} samples are training samples "
+            f"(first: {shown(held_out.ids[first])}, trained as {shown(training.ids[twin])}); extract the eval store "
+            "from prompts the training never sees, or drop --eval-store (--eval-fraction holds samples out)"
+        )
 
 
 def training_samples(config: TrainConfig) -> Callable[[int], bool] | None:
