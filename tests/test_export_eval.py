@@ -171,6 +171,35 @@ def test_eval_report(tmp_path, capsys, tiny_draft, tiny_target):
     assert "lossless True" in stdout
 
 
+def test_export_quotes_only_an_eval_report_of_its_own_draft(tmp_path, capsys, tiny_draft, tiny_target):
+    """The model card quotes the report's τ and speedup: a report of the draft, or of an export of it, is quoted; a
+    report of another draft, or a JSON file that is not an eval report, is one line and nothing is written."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "the cat sat", "split": "heldout"}])
+    exported = tmp_path / "exported"
+    assert run_cli(["export", "--draft", tiny_draft, "--format", "vllm", "--out", exported], capsys)[0] == 0
+    for name, draft in (("own", tiny_draft), ("of-export", exported)):
+        code, _, err = run_cli(eval_args(draft, tiny_target, prompts, tmp_path / name, "--max-new-tokens", "8"), capsys)
+        assert code == 0, err
+        report = json.loads((tmp_path / name / "report.json").read_text())
+        out = tmp_path / f"card-{name}"
+        export = ["export", "--draft", tiny_draft, "--format", "sglang", "--out", out]
+        code, _, err = run_cli([*export, "--report", tmp_path / name / "report.json"], capsys)
+        assert code == 0, err
+        assert f"τ = {report['acceptance_length']:.2f} accepted tokens" in (out / "README.md").read_text()
+    report = json.loads((tmp_path / "own" / "report.json").read_text())
+    for bad, message in (
+        (report | {"draft_weights_sha256": "0" * 64}, "measured on another draft (weights sha256 000000000000…"),
+        ({"a": 1}, "'acceptance_length' is missing"),
+        (report | {"speedup": "fast"}, "'speedup': Input should be a valid number"),
+        (report | {"settings": report["settings"] | {"mode": "beam"}}, "'settings.mode'"),
+    ):
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        out = tmp_path / "refused"
+        code, _, err = run_cli([*export[:-1], out, "--report", tmp_path / "bad.json"], capsys)
+        assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err, err
+        assert not out.exists()
+
+
 def test_eval_reports_each_prompt_file_apart_the_shipped_mt_bench_among_them(tmp_path, capsys, tiny_draft, tiny_target):
     """A draft judged on its own held-out prompts and on prompts written elsewhere: τ and speedup per file,
     categories of the same name kept apart, --max-prompts per file spread over its categories."""

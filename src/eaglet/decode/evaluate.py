@@ -18,6 +18,7 @@ from .. import __version__
 from ..config import EvalConfig
 from ..data.readers import BadRow, read_conversations
 from ..errors import EagletError
+from ..formats.eval_report import draft_weights_digest
 from ..formats.files import REPORT_FILE, REPORT_MARKDOWN_FILE
 from ..formats.target_record import require_same_target, stage_target
 from ..fsio import check_output_apart, check_output_dir, write_json_atomic
@@ -252,6 +253,7 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
                 )
             progress.advance(task, len(group))
     report = _report(config, results, info.name, str(device))
+    report["draft_weights_sha256"] = draft_weights_digest(config.draft)  # export checks its report is this draft's
     report["settings"].update(decoders.settings)
     if tuning is not None:
         report["tuning"] = tuning

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 
 from ..errors import EagletError
-from ..formats.draft_config import FIRST_LAYER_PREFIX, read_draft_config
+from ..formats.draft_config import FIRST_LAYER_PREFIX, TRAINED_WEIGHTS_KEY, read_draft_config
+from ..formats.eval_report import EvalReportRecord, draft_weights_digest, read_eval_report
 from ..formats.files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, EXPORTED_DRAFT_CONFIG_FILE, MODEL_CARD_FILE
 from ..formats.target_record import require_same_target
-from ..fsio import atomic_directory, check_output_apart, check_output_dir, load_json_file, write_json_atomic
+from ..fsio import atomic_directory, check_output_apart, check_output_dir, write_json_atomic
 from ..model.draft import read_draft_weights
 from . import FORMATS, export_format, verifier_reference
 from .spec import ExportFormat
@@ -50,14 +51,17 @@ def serving_weights(
 
 
 def model_card(
-    fmt: ExportFormat, config: dict[str, Any], verifier: tuple[str, str], speculative_tokens: int, report: dict | None
+    fmt: ExportFormat,
+    config: dict[str, Any],
+    verifier: tuple[str, str],
+    speculative_tokens: int,
+    report: EvalReportRecord | None,
 ) -> str:
     measured = "not measured yet (run `eaglet eval`)"
     if report:
         measured = (
-            f"τ = {report['acceptance_length']:.2f} accepted tokens per target forward, speedup "
-            f"{report['speedup']:.2f}× ({report['settings']['mode']}, measured by `eaglet eval` on "
-            f"{report['settings']['device']})"
+            f"τ = {report.acceptance_length:.2f} accepted tokens per target forward, speedup "
+            f"{report.speedup:.2f}× ({report.settings.mode}, measured by `eaglet eval` on {report.settings.device})"
         )
     name, how = verifier
     serve = fmt.serve_command(name, speculative_tokens, "PATH/TO/THIS/DIR")
@@ -141,7 +145,7 @@ def export_draft(
             f"--format {others}, or train with --draft-layers {fmt.max_draft_layers}"
         )
     reference = verifier_reference(config, verifier)
-    report = load_json_file(report_path, "pass an `eaglet eval` report.json") if report_path else None
+    report = read_eval_report(report_path, draft_dir) if report_path else None
     embedding = _target_embedding(config, target) if fmt.carries_embedding else None
     weights = serving_weights(read_draft_weights(draft_dir, stored), config, fmt, embedding)
     with atomic_directory(out, overwrite=overwrite) as tmp:
@@ -150,5 +154,8 @@ def export_draft(
         (tmp / MODEL_CARD_FILE).write_text(
             model_card(fmt, config, reference, speculative_tokens, report), encoding="utf-8"
         )
-        write_json_atomic(tmp / EXPORTED_DRAFT_CONFIG_FILE, config | {"export_format": fmt.name})  # for round trips
+        write_json_atomic(  # for round trips, and eval reports of this export that a later export is given
+            tmp / EXPORTED_DRAFT_CONFIG_FILE,
+            config | {"export_format": fmt.name, TRAINED_WEIGHTS_KEY: draft_weights_digest(draft_dir)},
+        )
     return out

@@ -25,7 +25,8 @@ def attention_head_dim(text: dict[str, Any]) -> int:
 
 DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 FIRST_LAYER_PREFIX = "midlayer."  # the EAGLE-3 layer's serving name (vLLM's and SGLang's checkpoints)
-EXPORT_ONLY_KEYS = ("export_format",)  # what an export adds to eaglet's config
+TRAINED_WEIGHTS_KEY = "trained_weights_sha256"  # an export's record of the trained draft's weights file
+EXPORT_ONLY_KEYS = ("export_format", TRAINED_WEIGHTS_KEY)  # what an export adds to eaglet's config
 
 
 @record_dataclass(config=RECORD_CONFIG | {"extra": "forbid"})

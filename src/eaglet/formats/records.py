@@ -19,7 +19,8 @@ from .files import RUN_SCHEMA
 
 RECORD_CONFIG = ConfigDict(strict=True, allow_inf_nan=False, extra="allow", populate_by_name=True)
 
-Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+Sha256 = Annotated[str, StringConstraints(pattern=SHA256_PATTERN)]
 Count = Annotated[int, Field(ge=0)]
 Positive = Annotated[int, Field(ge=1)]
 

@@ -1,0 +1,55 @@
+"""An `eaglet eval` report as its readers use it: `eaglet export` quotes its τ and speedup in the model card, so the
+report must be an eval report, of finite numbers, measured on the draft being exported."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from ..errors import EagletError
+from ..fsio import load_json_file, sha256_file
+from .draft_config import TRAINED_WEIGHTS_KEY
+from .files import DRAFT_WEIGHTS_FILE, EXPORTED_DRAFT_CONFIG_FILE
+from .records import SHA256_PATTERN, Record, Sha256, parse_record
+
+PASS_A_REPORT = "pass the report.json `eaglet eval` wrote for this draft"
+
+
+class EvalSettings(Record):
+    mode: Literal["chain", "tree"]
+    device: str
+
+
+class EvalReportRecord(Record):
+    acceptance_length: float = Field(ge=0)
+    speedup: float = Field(gt=0)
+    settings: EvalSettings
+    # sha256 of the draft's weights file; reports of eaglet releases before it was written lack it
+    draft_weights_sha256: Sha256 | None = None
+
+
+def draft_weights_digest(draft_dir: str | Path) -> str:
+    """The sha256 of the trained draft's weights file: for an export directory (bf16, serving names) the one it
+    records of the draft it was exported from, so a draft and its exports have one digest."""
+    draft_dir = Path(draft_dir)
+    exported = draft_dir / EXPORTED_DRAFT_CONFIG_FILE
+    if exported.is_file():
+        recorded = load_json_file(exported, "export again")
+        digest = recorded.get(TRAINED_WEIGHTS_KEY) if isinstance(recorded, dict) else None
+        if isinstance(digest, str) and re.fullmatch(SHA256_PATTERN, digest):
+            return digest
+    return sha256_file(draft_dir / DRAFT_WEIGHTS_FILE)
+
+
+def read_eval_report(path: str | Path, draft_dir: str | Path) -> EvalReportRecord:
+    """The report at ``path``, refused in one line when it is not an eval report or was measured on another draft."""
+    report = parse_record(EvalReportRecord, load_json_file(path, PASS_A_REPORT), path, PASS_A_REPORT)
+    if report.draft_weights_sha256 is not None and report.draft_weights_sha256 != draft_weights_digest(draft_dir):
+        raise EagletError(
+            f"{path}: measured on another draft (weights sha256 {report.draft_weights_sha256[:12]}…, {draft_dir}'s "
+            f"are {draft_weights_digest(draft_dir)[:12]}…); run `eaglet eval --draft {draft_dir}` and pass its report"
+        )
+    return report
