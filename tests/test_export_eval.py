@@ -200,6 +200,30 @@ def test_export_quotes_only_an_eval_report_of_its_own_draft(tmp_path, capsys, ti
         assert not out.exists()
 
 
+@pytest.mark.parametrize("skip_preflight", [False, True])
+def test_eval_refuses_a_prompt_too_long_for_the_target_before_it_loads(
+    tmp_path, capsys, tiny_draft, tiny_target, skip_preflight
+):
+    """The tiny target's context is 512 positions: a ~600-token prompt, or a short one with --max-new-tokens 510,
+    would be decoded at positions the target never saw. Refused naming the row; a selection without it runs."""
+    rows = [
+        {"id": "short", "prompt": "the cat sat", "split": "heldout", "category": "a"},
+        {"id": "long", "prompt": "word " * 600, "split": "heldout", "category": "b"},
+    ]
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+    extra = ["--skip-preflight"] if skip_preflight else []
+    for options, message in (
+        (["--max-new-tokens", "8"], f"{prompts}:2: the prompt is "),
+        (["--max-new-tokens", "510", "--max-prompts", "1"], f"{prompts}:1: the prompt is "),
+    ):
+        code, _, err = run_cli(eval_args(tiny_draft, tiny_target, prompts, tmp_path / "e", *options, *extra), capsys)
+        assert code == 2 and message in err and "passes the target's context of 512" in err, err
+        assert "Traceback" not in err and not (tmp_path / "e").exists()
+    short = write_jsonl(tmp_path / "short.jsonl", rows[:1])
+    code, _, err = run_cli(eval_args(tiny_draft, tiny_target, short, tmp_path / "e", "--max-new-tokens", "8"), capsys)
+    assert code == 0, err
+
+
 def test_eval_reports_each_prompt_file_apart_the_shipped_mt_bench_among_them(tmp_path, capsys, tiny_draft, tiny_target):
     """A draft judged on its own held-out prompts and on prompts written elsewhere: τ and speedup per file,
     categories of the same name kept apart, --max-prompts per file spread over its categories."""

@@ -123,12 +123,11 @@ def context_problems(requests: list[Request], tokenizer: Any, context: int | Non
 
 def too_long_prompts(config: RegenerateConfig, requests: list[Request], target_path: Path) -> list[BadRow]:
     """``context_problems`` for the target at ``target_path``, from its tokenizer and config.json (no weights)."""
-    from ..model.target import load_tokenizer, read_config
+    from ..model.target import context_length, load_tokenizer
 
-    context = read_config(target_path).get("max_position_embeddings")
     tokenizer = load_tokenizer(target_path, config.trust_remote_code)
     _needs_template(tokenizer, config.target)
-    return context_problems(requests, tokenizer, context if isinstance(context, int) else None, config.max_new_tokens)
+    return context_problems(requests, tokenizer, context_length(target_path), config.max_new_tokens)
 
 
 def within_context(config: RegenerateConfig, requests: list[Request], console: Console) -> list[Request]:

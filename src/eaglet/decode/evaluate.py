@@ -25,7 +25,14 @@ from ..fsio import check_output_apart, check_output_dir, write_json_atomic
 from ..model.distributed import from_main, init_distributed
 from ..model.draft import load_draft
 from ..model.placement import input_device, output_device
-from ..model.target import load_head_weights, load_model, load_tokenizer, resolve_target, target_info
+from ..model.target import (
+    context_length,
+    load_head_weights,
+    load_model,
+    load_tokenizer,
+    resolve_target,
+    target_info,
+)
 from ..progress import progress_bar
 from ..resources import resolve_input
 from .common import acceptance_length
@@ -82,13 +89,28 @@ class EvalPrompt:
     ids: list[int]  # the prompt rendered with the chat template, tokenized
 
 
-def _prompts(config: EvalConfig, tokenizer: Any, each_file: bool = True) -> list[EvalPrompt]:
+def _room(config: EvalConfig, context: int | None, prompt_tokens: int) -> str | None:
+    """Why a prompt of ``prompt_tokens`` cannot be decoded inside the target's ``context``, or None: the target
+    would be run at positions it never saw (a τ and a lossless check of noise)."""
+    depth = max([config.depth] + [shape[0] for shape in config.tune_trees] if config.tune else [config.depth])
+    if context is None or prompt_tokens + config.max_new_tokens + depth <= context:
+        return None
+    return (
+        f"the prompt is {prompt_tokens:,} tokens; with --max-new-tokens {config.max_new_tokens:,} and draft depth "
+        f"{depth} that passes the target's context of {context:,}"
+    )
+
+
+def _prompts(
+    config: EvalConfig, tokenizer: Any, context: int | None, each_file: bool = True, skip_too_long: bool = False
+) -> list[EvalPrompt]:
     """The prompts of ``config.split`` from each prompt file, at most ``max_prompts`` per file, spread over its
-    categories. ``each_file``: a file with none of the split is an error (a report would silently lack it)."""
+    categories. ``each_file``: a file with none of the split is an error (a report would silently lack it). A
+    prompt too long for the target's ``context`` is an error, or left out with ``skip_too_long``."""
     rows: list[EvalPrompt] = []
     labels = _source_labels(config.prompts)
     for source in config.prompts:
-        chosen = []
+        chosen, where = [], {}
         for item in read_conversations([resolve_input(source)]):
             if isinstance(item, BadRow):
                 raise EagletError(f"{item}; fix the prompt file")
@@ -96,15 +118,29 @@ def _prompts(config: EvalConfig, tokenizer: Any, each_file: bool = True) -> list
                 continue
             text = tokenizer.apply_chat_template(item.prompt_messages, tokenize=False, add_generation_prompt=True)
             ids = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+            if skip_too_long and _room(config, context, len(ids)):
+                continue
             chosen.append(EvalPrompt(item.id, labels[source], str(item.meta.get("category", "all")), ids))
+            where[item.id] = item.source
         if not chosen and each_file:
             raise EagletError(
                 f"{source}: no prompts of the {config.split} split; pick another --split or drop the file"
             )
-        rows.extend(_spread(chosen, config.max_prompts) if config.max_prompts and chosen else chosen)
+        selected = _spread(chosen, config.max_prompts) if config.max_prompts and chosen else chosen
+        for row in selected:  # only the prompts decoded: --max-prompts may leave a long one out
+            problem = _room(config, context, len(row.ids))
+            if problem:
+                raise EagletError(f"{where[row.id]}: {problem}; shorten the prompt, lower --max-new-tokens, or drop it")
+        rows.extend(selected)
     if not rows:
         raise EagletError(f"{', '.join(config.prompts)}: no prompts selected (split={config.split})")
     return rows
+
+
+def evaluated_prompts(config: EvalConfig, target_path: Path) -> list[EvalPrompt]:
+    """The prompts ``config`` evaluates, from the target's tokenizer and config.json alone (the preflight's)."""
+    tokenizer = load_tokenizer(target_path, config.trust_remote_code)
+    return _prompts(config, tokenizer, context_length(target_path))
 
 
 def _source_labels(names: list[str]) -> dict[str, str]:
@@ -114,13 +150,16 @@ def _source_labels(names: list[str]) -> dict[str, str]:
     return {name: label if counts[label] == 1 else name for name, label in short.items()}
 
 
-def _tuning_prompts(config: EvalConfig, tokenizer: Any, evaluated: list[EvalPrompt]) -> tuple[list[EvalPrompt], str]:
+def _tuning_prompts(
+    config: EvalConfig, tokenizer: Any, context: int | None, evaluated: list[EvalPrompt]
+) -> tuple[list[EvalPrompt], str]:
     """Prompts to time tree shapes on: the train split's when held-out prompts are evaluated (the shape is not
     chosen on the prompts it is judged on), else the first evaluated ones."""
     if config.split == "heldout":
         try:
             train = config.model_copy(update={"split": "train", "max_prompts": config.tune_prompts})
-            return _prompts(train, tokenizer, each_file=False)[: config.tune_prompts], "train split"
+            chosen = _prompts(train, tokenizer, context, each_file=False, skip_too_long=True)
+            return chosen[: config.tune_prompts], "train split"
         except EagletError:  # the prompt files have no train split
             pass
     return evaluated[: config.tune_prompts], "evaluated prompts"
@@ -182,6 +221,8 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
         config_only=True,
     )
     layer_ids = tuple(draft.config.eagle_aux_hidden_state_layer_ids)
+    context = context_length(resolved.path)
+    prompts = _prompts(config, tokenizer, context)  # before the target loads: a bad prompt file is known now
     dist = init_distributed()  # --placement tp: every rank runs the same decoding; rank 0 reports
     device = dist.device(config.device)
     model = load_model(resolved.path, device, config.dtype, config.trust_remote_code, config, dist.world)
@@ -202,10 +243,9 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
             if i is not None
         }
     )
-    prompts = _prompts(config, tokenizer)
     tuning = None
     if config.tune:
-        tune_rows, tuned_on = _tuning_prompts(config, tokenizer, prompts)
+        tune_rows, tuned_on = _tuning_prompts(config, tokenizer, context, prompts)
         longest = max(len(row.ids) for row in prompts + tune_rows)
         config, tuning = _tuned(
             config,

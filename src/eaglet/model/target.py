@@ -296,6 +296,12 @@ def read_config(path: Path) -> dict[str, Any]:
     )
 
 
+def context_length(path: Path) -> int | None:
+    """The positions the target was trained on (config.json's ``max_position_embeddings``), None where unsaid."""
+    value = read_config(path).get("max_position_embeddings")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 @contextlib.contextmanager
 def open_weights(file: Path, target: Path) -> Iterator[Any]:
     """A target's safetensors file opened lazily (headers only until a tensor is asked for); a missing, cut,

@@ -505,6 +505,8 @@ def eval_checks(cfg: Any) -> list[Check]:
             )
         )
     checks.append(check_rows([resolve_input(p) for p in cfg.prompts], need_assistant=False))
+    if found and checks[-1].status != FAIL:
+        checks += guarded("prompts", lambda: _evaluated_prompts_check(cfg, found[0].path))
     if found:
         checks.append(check_library_api())
         device, dtype_bytes = _device_bytes(cfg.device, cfg.dtype)
@@ -520,6 +522,14 @@ def eval_checks(cfg: Any) -> list[Check]:
             if compiles_draft_round(cfg.compile_draft, True, cfg.temperature == 0, device):
                 checks.append(check_draft_compile(cfg.compile_draft, device))
     return checks
+
+
+def _evaluated_prompts_check(cfg: Any, target_path: Path) -> Check:
+    """The prompts eval selects: each file has some of the split, and each fits the target's context."""
+    from ..decode.evaluate import evaluated_prompts
+
+    rows = evaluated_prompts(cfg, target_path)
+    return Check("prompts", PASS, f"{len(rows):,} prompts of the {cfg.split} split, each inside the context")
 
 
 def check_draft_compile(mode: str, device: str) -> Check:
