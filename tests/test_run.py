@@ -172,6 +172,11 @@ def test_bad_run_configs_are_one_line_errors(tmp_path, capsys, tiny_target):
     config.write_text(yaml.safe_dump(data))
     code, _, err = run_cli(["run", config, "--only", "nosuch"], capsys)
     assert code == 2 and "no stage 'nosuch'" in err
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    for args in (["run", config, "--out", taken], ["run", config, "--out", taken, "--plan"], ["demo", "--out", taken]):
+        code, _, err = run_cli([*args, "--plan"] if args[0] == "demo" else args, capsys)
+        assert code == 2 and "a file, not a directory" in err and taken.read_text() == "mine", err
 
 
 def test_bad_options_of_the_new_commands_are_one_line_errors(tmp_path, capsys, tiny_store, tiny_target):
@@ -282,6 +287,18 @@ def test_eval_settings_no_decoder_runs_are_refused_before_the_first_stage(
     code, _, err = run_cli(["run", config], capsys)
     assert code == 2 and message in err and "Traceback" not in err, err
     assert not (tmp_path / "run").exists()  # refused before prepare, not after training
+
+
+def test_an_eval_prompt_too_long_for_the_target_is_refused_before_the_first_stage(tmp_path, capsys, tiny_target):
+    """eval's prompt files exist before the run: one too long for the target's context (512 positions) stops the run
+    and its plan before prepare, not after training."""
+    long = write_jsonl(tmp_path / "long.jsonl", [{"id": "long", "prompt": "word " * 600, "split": "heldout"}])
+    config = run_config(tmp_path, tiny_target, eval__prompts=[str(long)])
+    for args in (["run", config, "--plan"], ["run", config]):
+        code, _, err = run_cli(args, capsys)
+        assert code == 2 and f"preflight failed for eval: prompts: {long}:1: the prompt is " in err, err
+        assert "passes the target's context of 512" in err and "Traceback" not in err
+        assert not (tmp_path / "run").exists()
 
 
 def test_a_run_with_synthesize_answers_the_targets_own_prompts_beside_the_given_ones(tmp_path, capsys, tiny_target):

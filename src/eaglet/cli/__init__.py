@@ -521,13 +521,21 @@ def run(
     cfg = load_run_config(config, {"out": out} if out else None)
     pipeline = Pipeline(cfg, config, err_console)
     if plan:
-        plans = pipeline.plan(from_stage, only)
-        out_console.print(_plan_table(plans, pipeline.out))
-        refused = next((p.refusal for p in plans if p.action == "run" and p.refusal), None)
-        if refused:
-            raise EagletError(refused)
+        _print_plan(pipeline, pipeline.plan(from_stage, only))
         return
     _run_summary(pipeline.run(from_stage, only))
+
+
+def _print_plan(pipeline, plans: list) -> None:
+    """The plan's table; then the first refusal of a stage to run (and a run directory that cannot be one) as the
+    error the run itself would stop with."""
+    from ..fsio import check_output_dir
+
+    out_console.print(_plan_table(plans, pipeline.out))
+    refused = next((p.refusal for p in plans if p.action == "run" and p.refusal), None)
+    if refused:
+        raise EagletError(refused)
+    check_output_dir(pipeline.out)
 
 
 @app.command()
@@ -551,7 +559,7 @@ def demo(
     config = demo_config_path(scale)
     pipeline = Pipeline(load_run_config(config, {"out": str(out)}), config, err_console)
     if plan:
-        out_console.print(_plan_table(pipeline.plan(), pipeline.out))
+        _print_plan(pipeline, pipeline.plan())
         return
     _run_summary(pipeline.run())
 

@@ -524,6 +524,19 @@ def eval_checks(cfg: Any) -> list[Check]:
     return checks
 
 
+def eval_early_checks(cfg: Any) -> list[Check]:
+    """What eval's preflight can check before `eaglet run` trains its draft: the target, and the prompt files that
+    exist already (the run's own synthesized prompts come later) against its context."""
+    from ..resources import resolve_input
+
+    ready = [p for p in cfg.prompts if Path(resolve_input(p)).is_file()]
+    checks, found = check_stage_target(cfg, need_template=True)
+    if found and ready:
+        ready_config = cfg.model_copy(update={"prompts": ready})
+        checks += guarded("prompts", lambda: _evaluated_prompts_check(ready_config, found[0].path))
+    return checks
+
+
 def _evaluated_prompts_check(cfg: Any, target_path: Path) -> Check:
     """The prompts eval selects: each file has some of the split, and each fits the target's context."""
     from ..decode.evaluate import evaluated_prompts

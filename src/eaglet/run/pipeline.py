@@ -14,6 +14,7 @@ change anywhere re-runs exactly what depends on it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -227,7 +228,22 @@ class Pipeline:
             if plan.action == "run":
                 rerunning.add(stage.name)
             plans.append(plan)
-        return estimate(self, plans)
+        return [self._early_refusal(stage, plan) for stage, plan in zip(self.stages, estimate(self, plans))]
+
+    def _early_refusal(self, stage: Stage, plan: StagePlan) -> StagePlan:
+        """``plan`` refused by the first failed check the stage can have before the run's first stage (eval's prompts
+        against the target's context), so a run does not train for an eval that will refuse."""
+        if plan.action != "run" or plan.refusal or stage.kind.early_checks is None:
+            return plan
+        from ..preflight.stages import FAIL
+
+        failed = next((c for c in stage.kind.early_checks(stage.config) if c.status == FAIL), None)
+        if failed is None:
+            return plan
+        refusal = f"preflight failed for {stage.name}: {failed.name}: {failed.detail}" + (
+            f" ({failed.fix})" if failed.fix else ""
+        )
+        return dataclasses.replace(plan, refusal=refusal)
 
     # ------------------------------------------------------------------ running
 

@@ -29,6 +29,8 @@ class StageKind:
     configure: Callable[["Pipeline"], tuple[Any, Any]]  # (settings, the held-out twin's settings or None)
     execute: Callable[["Pipeline", "Stage"], str]  # does the work, returns the one-line result
     preflight: bool = True  # `eaglet preflight` checks its settings before it runs
+    # the checks of its settings that need nothing an earlier stage makes, run before the run's first stage
+    early_checks: Callable[[Any], list[Any]] | None = None
 
 
 @dataclass
@@ -224,6 +226,12 @@ def _configure_eval(pipeline: Pipeline) -> tuple[EvalConfig, None]:
     return evaluate, None
 
 
+def _early_eval_checks(config: EvalConfig) -> list[Any]:
+    from ..preflight.stages import eval_early_checks
+
+    return eval_early_checks(config)
+
+
 def _run_eval(pipeline: Pipeline, stage: Stage) -> str:
     from ..decode.evaluate import run_eval
 
@@ -303,6 +311,7 @@ STAGE_KINDS = (
         lambda run: run.eval is not None,
         _configure_eval,
         _run_eval,
+        early_checks=_early_eval_checks,
     ),
 )
 STAGE_KINDS_BY_NAME = {kind.name: kind for kind in STAGE_KINDS}
