@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -125,14 +126,33 @@ def test_resume_with_other_settings_refused(tmp_path, capsys, tiny_store, tiny_p
     store = tmp_path / "store"
     shutil.copytree(tiny_store, store)
     code, _, err = run_cli(extract_args(tiny_prepared, store, tiny_target, "--layers", "1,3,6"), capsys)
-    assert code == 2 and "preflight failed for extract: output:" in err and "different aux_layer_ids" in err
+    layers = "made with aux_layer_ids [2, 4, 5], this run asks for [1, 3, 6]; use another --out, or delete it"
+    assert code == 2 and "preflight failed for extract: output:" in err and layers in err, err
     code, _, err = run_cli(
         extract_args(tiny_prepared, store, tiny_target, "--layers", "1,3,6", "--skip-preflight"), capsys
     )
-    assert code == 2 and "different 'aux_layer_ids'" in err
+    assert code == 2 and "preflight failed" not in err and layers in err, err
     code, _, err = run_cli(extract_args(tiny_prepared, store, tiny_target, "--storage-dtype", "fp8-aux"), capsys)
-    assert code == 2 and "different storage_dtype" in err
+    assert code == 2 and "made with storage_dtype 'bf16', this run asks for 'fp8-aux'" in err, err
+    code, _, err = run_cli(extract_args(tiny_prepared, store, tiny_target, "--shard-mb", "1"), capsys)
+    assert code == 2 and "made with tokens_per_shard " in err, err  # every identity field, not only two
     assert store_bytes(store) == store_bytes(tiny_store)  # nothing of the bf16 store touched
+
+
+def test_a_store_resumes_with_its_target_reached_by_another_path(
+    tmp_path, capsys, tiny_store, tiny_prepared, tiny_target
+):
+    """A target's name is its directory's: the same checkpoint copied or renamed is the same target (its config and
+    tokenizer hashes say so), and its store resumes, in the preflight and in the stage."""
+    store, renamed = tmp_path / "store", tmp_path / "renamed-target"
+    shutil.copytree(tiny_store, store)
+    shutil.copytree(tiny_target, renamed)
+    for extra in ([], ["--skip-preflight"]):
+        code, out, err = run_cli(extract_args(tiny_prepared, store, renamed, *extra), capsys)
+        assert code == 0 and "computed 0 shard(s) this run" in out, err
+    shards = lambda files: {name: data for name, data in files.items() if name.startswith("shard-")}  # noqa: E731
+    assert shards(store_bytes(store)) == shards(store_bytes(tiny_store))  # the manifest now names the new path
+    assert json.loads((store / "manifest.json").read_text())["target_source"]["path"] == str(renamed)
 
 
 def test_a_store_planned_before_tail_pieces_resumes_by_its_own_plan(

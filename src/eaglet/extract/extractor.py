@@ -24,7 +24,7 @@ from rich.console import Console
 
 from .. import __version__
 from ..config import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, ExtractConfig
-from ..errors import EagletError
+from ..errors import EagletError, shown
 from ..formats.files import MANIFEST_FILE, STORE_SCHEMA
 from ..formats.layers import AUX_CONVENTION, resolve_aux_layer_ids
 from ..formats.prepared import PreparedSet, load_prepared
@@ -359,6 +359,16 @@ def store_identity(
     }
 
 
+def planned_identity(
+    config: ExtractConfig, info: Any, prepared: PreparedSet, store: Path, device: str
+) -> dict[str, Any]:
+    """``store_identity`` of the store ``config`` asks for on ``device`` (a resumed store keeps its tail plan)."""
+    layers = resolve_aux_layer_ids(config.layers, info.num_layers)
+    tokens_per_shard = shard_tokens(config.shard_mb, bytes_per_token(info.hidden_size, config.storage_dtype))
+    model_dtype = str(pick_dtype(config.dtype, device)).replace("torch.", "")
+    return store_identity(config, info, layers, prepared, tokens_per_shard, _tail_pieces(store), model_dtype)
+
+
 def _tail_pieces(store: Path) -> int:
     """How the store's plan cuts its tail: a new store into ``TAIL_PIECES``, a resumed one as it was planned."""
     if not (store / MANIFEST_FILE).is_file():
@@ -367,18 +377,37 @@ def _tail_pieces(store: Path) -> int:
     return pieces if type(pieces) is int and pieces >= 1 else TAIL_PIECES  # anything else: ``_check_resume`` names it
 
 
-def _check_resume(store: Path, identity: dict[str, Any]) -> None:
+# identity fields a resumed store may differ in: the prepared set's path (the same set, by manifest hash, moved) and the
+# target's name (its directory's: renamed or reached by another path, the hashes say it is the same target)
+RESUME_FREE_FIELDS = {("prepared", "path"), ("target", "name")}
+
+
+def _first_difference(was: Any, now: Any, where: tuple[str, ...] = ()) -> tuple[str, Any, Any] | None:
+    """(dotted field, value there, value asked for) of the first identity field that differs, or None."""
+    if isinstance(was, dict) and isinstance(now, dict):
+        for key in [*now, *(key for key in was if key not in now)]:
+            if (*where, key) not in RESUME_FREE_FIELDS:
+                found = _first_difference(was.get(key), now.get(key), (*where, key))
+                if found:
+                    return found
+        return None
+    return None if was == now else (".".join(where), was, now)
+
+
+def resume_problem(store: Path, identity: dict[str, Any]) -> str | None:
+    """Why the store already at ``store`` cannot be resumed as ``identity``, or None (none there, or the same)."""
+    if not (store / MANIFEST_FILE).is_file():
+        return None
     existing = read_manifest(store, check_shards=False)  # its shard list is rebuilt from the shard records
     existing = existing | {"tail_pieces": plan_tail_pieces(existing)}  # a store planned before pieces has none
-    for key, value in identity.items():
-        was = existing.get(key)
-        if key == "prepared" and isinstance(was, dict):  # the same prepared set (by manifest hash), perhaps moved
-            was, value = {**was, "path": None}, {**value, "path": None}
-        if was != value:
-            raise EagletError(
-                f"{store}: an existing store with different '{key}' ({existing.get(key)!r} vs {value!r}); "
-                "use another --out, or delete it to start over"
-            )
+    found = _first_difference({key: existing.get(key) for key in identity}, identity)
+    if found is None:
+        return None
+    field, was, now = found
+    return (
+        f"{store}: an existing store made with {field} {shown(was)}, this run asks for {shown(now)}; "
+        "use another --out, or delete it to start over"
+    )
 
 
 def _manifest(
@@ -442,19 +471,17 @@ def _extract(
         f"prepare again with --target {target}",
         tokenizer_only=True,
     )
-    layers = resolve_aux_layer_ids(config.layers, info.num_layers)
     place = topology(config, dist.rank, dist.world)
-    per_token = bytes_per_token(info.hidden_size, config.storage_dtype)
-    tokens_per_shard = shard_tokens(config.shard_mb, per_token)
-    tail_pieces = _tail_pieces(store)
-    plans = plan_shards(prepared.lengths, tokens_per_shard, tail_pieces=tail_pieces)
     device = dist.device(config.device)
-    model_dtype = str(pick_dtype(config.dtype, device)).replace("torch.", "")
-    identity = store_identity(config, info, layers, prepared, tokens_per_shard, tail_pieces, model_dtype)
+    identity = planned_identity(config, info, prepared, store, device)
+    layers = tuple(identity["aux_layer_ids"])
+    per_token = bytes_per_token(info.hidden_size, config.storage_dtype)
+    plans = plan_shards(prepared.lengths, identity["tokens_per_shard"], tail_pieces=identity["tail_pieces"])
     source = target_source(resolved.spec, resolved.path, hub_id_of(resolved))
 
-    if (store / MANIFEST_FILE).is_file():
-        _check_resume(store, identity)
+    problem = resume_problem(store, identity)
+    if problem:
+        raise EagletError(problem)
     todo_all = [
         p for p in plans if read_record(store, p.index) is None and (only_shards is None or p.index in only_shards)
     ]
@@ -472,7 +499,14 @@ def _extract(
                 "run it without torchrun"
             )
         engine = open_vllm_engine(
-            config, resolved.path, layers, info.num_layers, info.hidden_size, prepared, store, model_dtype
+            config,
+            resolved.path,
+            layers,
+            info.num_layers,
+            info.hidden_size,
+            prepared,
+            store,
+            identity["target"]["compute_dtype"],
         )
     elif mine and config.backend == "hf" and model is None:  # before the store: a target that cannot load leaves none
         model = load_model(resolved.path, device, config.dtype, config.trust_remote_code, config, dist.world)

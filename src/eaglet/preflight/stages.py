@@ -238,23 +238,7 @@ def extract_checks(cfg: Any) -> list[Check]:
     checks.append(check_layers(cfg.layers, info.num_layers))
     store = Path(cfg.out)
     if (store / MANIFEST_FILE).is_file():
-        existing = read_manifest(store, check_shards=False)
-        mismatch = [
-            k
-            for k, v in (("aux_layer_ids", cfg.layers), ("storage_dtype", cfg.storage_dtype))
-            if v is not None and existing.get(k) != v
-        ]
-        if info.identity.mismatches(existing.get("target")):
-            mismatch.append("target")
-        checks.append(
-            Check(
-                "output",
-                FAIL if mismatch else PASS,
-                f"{store} exists"
-                + (f" with a different {', '.join(mismatch)}" if mismatch else "; missing shards are computed"),
-                "use another --out or delete it" if mismatch else "",
-            )
-        )
+        checks += guarded("output", lambda: _resume_check(cfg, info, prepared, store))
     else:
         checks.append(check_output_dir(store, overwrite=False, resumable=True))
     per_token = bytes_per_token(info.hidden_size, cfg.storage_dtype)
@@ -535,6 +519,16 @@ def eval_early_checks(cfg: Any) -> list[Check]:
         ready_config = cfg.model_copy(update={"prompts": ready})
         checks += guarded("prompts", lambda: _evaluated_prompts_check(ready_config, found[0].path))
     return checks
+
+
+def _resume_check(cfg: Any, info: Any, prepared: Any, store: Path) -> Check:
+    """The store at --out is the one this extraction would make (the stage's own rule), so it resumes."""
+    from ..extract.extractor import planned_identity, resume_problem
+
+    problem = resume_problem(store, planned_identity(cfg, info, prepared, store, _device_bytes(cfg.device)[0]))
+    if problem:
+        return Check("output", FAIL, problem)
+    return Check("output", PASS, f"{store} exists; missing shards are computed")
 
 
 def _evaluated_prompts_check(cfg: Any, target_path: Path) -> Check:
