@@ -135,3 +135,29 @@ def test_only_extract_takes_a_replica(tmp_path, capsys, stage, args):
     The option is refused while the command line is read: nothing is written."""
     code, _, err = run_cli([stage, *args, "--replica", "0/2"], capsys)
     assert code == 2 and "No such option: --replica" in err, err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["prepare", "c.jsonl", "--out", ""],
+        ["synthesize", "--out", ""],
+        ["regenerate", "demo", "--out", " "],
+        ["extract", "--prepared", "p", "--out", ""],
+        ["train", "--store", "s", "--out", ""],
+        ["export", "--draft", "d", "--format", "vllm", "--out", ""],
+        ["eval", "--draft", "d", "--out", ""],
+        ["eval", "--draft", "d", "--out", "report", "--prompts", ""],
+        ["extract", "--prepared", "", "--out", "store"],
+        ["run", "run.yaml", "--out", ""],
+        ["demo", "--out", "", "--plan"],
+    ],
+)
+def test_an_empty_path_is_refused_not_taken_as_the_current_directory(tmp_path, capsys, monkeypatch, args):
+    """`--out $STORE` with STORE unset passes "": Path("") is the current directory, where extract wrote a whole
+    store and train a draft. Every text value is refused empty, in one line, before anything is written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text("target: embedded\nregenerate:\n  prompts: [demo]\n")
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and "empty" in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]

@@ -162,10 +162,10 @@ def test_a_store_planned_before_tail_pieces_resumes_by_its_own_plan(
     last shards: this eaglet finishes it by that store's plan, and training's reader plans it the same way."""
     import json
 
-    import eaglet.extract.extractor as extractor
+    import eaglet.formats.store_manifest as store_manifest
     from eaglet.formats.store_manifest import LEGACY_TAIL_PIECES
 
-    monkeypatch.setattr(extractor, "TAIL_PIECES", LEGACY_TAIL_PIECES)  # this eaglet as it planned before pieces
+    monkeypatch.setattr(store_manifest, "TAIL_PIECES", LEGACY_TAIL_PIECES)  # this eaglet as it planned before pieces
     legacy = tmp_path / "legacy"
     code, _, err = run_cli(extract_args(tiny_prepared, legacy, tiny_target), capsys)
     assert code == 0, err

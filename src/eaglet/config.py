@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import EagletError, shown
 from .export import FORMAT_NAMES
@@ -51,9 +51,18 @@ TRUST_HELP = "allow the model's own Python code (off unless asked)"
 
 
 class StrictModel(BaseModel):
-    """Unknown keys are errors; assignments are validated; every float is finite (inf and nan are refused)."""
+    """Unknown keys are errors; assignments are validated; every float is finite (inf and nan are refused); no text
+    value is empty (an unset shell variable in `--out $STORE` gave "", which is the current directory)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _no_blank_text(cls, value: Any) -> Any:
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(item, str) and not item.strip() for item in values):
+            raise ValueError("empty (an unset shell variable?); give a value")
+        return value
 
 
 class PlacementFields(StrictModel):
@@ -311,7 +320,7 @@ def describe_validation_error(error: ValidationError, source: str) -> str:
         return f"{source}: required key '{loc}' is missing"
     if first["type"] == "value_error" and not first["loc"]:  # a model validator: settings that contradict
         return f"{source}: {str(first['msg']).removeprefix('Value error, ')}"
-    return f"{source}: '{loc}': {first['msg']} (got {shown(first.get('input'))})"
+    return f"{source}: '{loc}': {str(first['msg']).removeprefix('Value error, ')} (got {shown(first.get('input'))})"
 
 
 def build_config(

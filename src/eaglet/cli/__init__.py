@@ -518,12 +518,20 @@ def run(
     run resumes with the same command."""
     from ..run import Pipeline, load_run_config
 
-    cfg = load_run_config(config, {"out": out} if out else None)
+    cfg = load_run_config(config, {"out": _run_directory(out)} if out is not None else None)
     pipeline = Pipeline(cfg, config, err_console)
     if plan:
         _print_plan(pipeline, pipeline.plan(from_stage, only))
         return
     _run_summary(pipeline.run(from_stage, only))
+
+
+def _run_directory(out: str) -> str:
+    """--out of run and demo: an empty value (an unset shell variable) is refused, not taken as the current directory
+    or the config's."""
+    if not out.strip():
+        raise EagletError("--out is empty; give the run directory")
+    return out
 
 
 def _print_plan(pipeline, plans: list) -> None:
@@ -540,7 +548,7 @@ def _print_plan(pipeline, plans: list) -> None:
 
 @app.command()
 def demo(
-    out: Path = typer.Option(Path("eaglet-demo"), "--out", "-o", help="run directory"),
+    out: str = typer.Option("eaglet-demo", "--out", "-o", help="run directory"),
     scale: str = typer.Option(
         "auto", help="cpu (a laptop, ~8 min), gpu (one H200, ~10 min) or auto (gpu when CUDA is there)"
     ),
@@ -557,7 +565,7 @@ def demo(
 
         scale = "gpu" if torch.cuda.is_available() else "cpu"
     config = demo_config_path(scale)
-    pipeline = Pipeline(load_run_config(config, {"out": str(out)}), config, err_console)
+    pipeline = Pipeline(load_run_config(config, {"out": _run_directory(out)}), config, err_console)
     if plan:
         _print_plan(pipeline, pipeline.plan())
         return

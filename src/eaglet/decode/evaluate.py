@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import platform
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from rich.console import Console
 
 from .. import __version__
 from ..config import EvalConfig
-from ..data.readers import BadRow, read_conversations
+from ..data.eval_prompts import EvalPrompt, select_prompts
 from ..errors import EagletError
 from ..formats.eval_report import draft_weights_digest
 from ..formats.files import REPORT_FILE, REPORT_MARKDOWN_FILE
@@ -34,7 +33,6 @@ from ..model.target import (
     target_info,
 )
 from ..progress import progress_bar
-from ..resources import resolve_input
 from .common import acceptance_length
 from .decoders import check_settings, make_decoders
 from .runners import TargetRunner
@@ -81,75 +79,6 @@ def _divergence(
     return record
 
 
-@dataclass(frozen=True)
-class EvalPrompt:
-    id: str
-    source: str  # the prompt file as the report names it (``_source_labels``: "demo", "mt-bench", a file name)
-    category: str
-    ids: list[int]  # the prompt rendered with the chat template, tokenized
-
-
-def _room(config: EvalConfig, context: int | None, prompt_tokens: int) -> str | None:
-    """Why a prompt of ``prompt_tokens`` cannot be decoded inside the target's ``context``, or None: the target
-    would be run at positions it never saw (a τ and a lossless check of noise)."""
-    depth = max([config.depth] + [shape[0] for shape in config.tune_trees] if config.tune else [config.depth])
-    if context is None or prompt_tokens + config.max_new_tokens + depth <= context:
-        return None
-    return (
-        f"the prompt is {prompt_tokens:,} tokens; with --max-new-tokens {config.max_new_tokens:,} and draft depth "
-        f"{depth} that passes the target's context of {context:,}"
-    )
-
-
-def _prompts(
-    config: EvalConfig, tokenizer: Any, context: int | None, each_file: bool = True, skip_too_long: bool = False
-) -> list[EvalPrompt]:
-    """The prompts of ``config.split`` from each prompt file, at most ``max_prompts`` per file, spread over its
-    categories. ``each_file``: a file with none of the split is an error (a report would silently lack it). A
-    prompt too long for the target's ``context`` is an error, or left out with ``skip_too_long``."""
-    rows: list[EvalPrompt] = []
-    labels = _source_labels(config.prompts)
-    for source in config.prompts:
-        chosen, where = [], {}
-        for item in read_conversations([resolve_input(source)]):
-            if isinstance(item, BadRow):
-                raise EagletError(f"{item}; fix the prompt file")
-            if config.split != "all" and item.meta.get("split", "heldout") != config.split:
-                continue
-            text = tokenizer.apply_chat_template(item.prompt_messages, tokenize=False, add_generation_prompt=True)
-            ids = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
-            if skip_too_long and _room(config, context, len(ids)):
-                continue
-            chosen.append(EvalPrompt(item.id, labels[source], str(item.meta.get("category", "all")), ids))
-            where[item.id] = item.source
-        if not chosen and each_file:
-            raise EagletError(
-                f"{source}: no prompts of the {config.split} split; pick another --split or drop the file"
-            )
-        selected = _spread(chosen, config.max_prompts) if config.max_prompts and chosen else chosen
-        for row in selected:  # only the prompts decoded: --max-prompts may leave a long one out
-            problem = _room(config, context, len(row.ids))
-            if problem:
-                raise EagletError(f"{where[row.id]}: {problem}; shorten the prompt, lower --max-new-tokens, or drop it")
-        rows.extend(selected)
-    if not rows:
-        raise EagletError(f"{', '.join(config.prompts)}: no prompts selected (split={config.split})")
-    return rows
-
-
-def evaluated_prompts(config: EvalConfig, target_path: Path) -> list[EvalPrompt]:
-    """The prompts ``config`` evaluates, from the target's tokenizer and config.json alone (the preflight's)."""
-    tokenizer = load_tokenizer(target_path, config.trust_remote_code)
-    return _prompts(config, tokenizer, context_length(target_path))
-
-
-def _source_labels(names: list[str]) -> dict[str, str]:
-    """How the report names each prompt file: its file name, or the path where two share a name."""
-    short = {name: Path(name).name for name in names}
-    counts = Counter(short.values())
-    return {name: label if counts[label] == 1 else name for name, label in short.items()}
-
-
 def _tuning_prompts(
     config: EvalConfig, tokenizer: Any, context: int | None, evaluated: list[EvalPrompt]
 ) -> tuple[list[EvalPrompt], str]:
@@ -158,7 +87,7 @@ def _tuning_prompts(
     if config.split == "heldout":
         try:
             train = config.model_copy(update={"split": "train", "max_prompts": config.tune_prompts})
-            chosen = _prompts(train, tokenizer, context, each_file=False, skip_too_long=True)
+            chosen = select_prompts(train, tokenizer, context, each_file=False, skip_too_long=True)
             return chosen[: config.tune_prompts], "train split"
         except EagletError:  # the prompt files have no train split
             pass
@@ -174,17 +103,6 @@ def _tuned(
     chosen = from_main(fastest, dist, device)
     tuned = config.model_copy(update=dict(zip(("depth", "topk", "budget"), chosen)))
     return tuned, {"prompts": len(prompts), "prompts_from": tuned_on, "trees": trees, "chosen": chosen}
-
-
-def _spread(rows: list[EvalPrompt], count: int) -> list[EvalPrompt]:
-    """The first ``count`` prompts taken round-robin over categories, so a subset still covers them all."""
-    by_category: dict[str, list[EvalPrompt]] = {}
-    for row in rows:
-        by_category.setdefault(row.category, []).append(row)
-    picked = []
-    for rank in range(max(len(v) for v in by_category.values())):
-        picked.extend(group[rank] for group in by_category.values() if rank < len(group))
-    return picked[:count]
 
 
 def _hf_generate_tokens_per_s(model: Any, prompts: list[list[int]], max_new: int, stop: list[int]) -> float:
@@ -222,7 +140,7 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     )
     layer_ids = tuple(draft.config.eagle_aux_hidden_state_layer_ids)
     context = context_length(resolved.path)
-    prompts = _prompts(config, tokenizer, context)  # before the target loads: a bad prompt file is known now
+    prompts = select_prompts(config, tokenizer, context)  # before the target loads: a bad prompt file is known now
     dist = init_distributed()  # --placement tp: every rank runs the same decoding; rank 0 reports
     device = dist.device(config.device)
     model = load_model(resolved.path, device, config.dtype, config.trust_remote_code, config, dist.world)

@@ -24,21 +24,17 @@ from rich.console import Console
 
 from .. import __version__
 from ..config import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, ExtractConfig
-from ..errors import EagletError, shown
-from ..formats.files import MANIFEST_FILE, STORE_SCHEMA
-from ..formats.layers import AUX_CONVENTION, resolve_aux_layer_ids
+from ..errors import EagletError
+from ..formats.files import MANIFEST_FILE
 from ..formats.prepared import PreparedSet, load_prepared
 from ..formats.spool import remove_spool, spool_dir, spool_problem
 from ..formats.store_manifest import (
-    SORT_WINDOW_SHARDS,
-    TAIL_PIECES,
     ShardPlan,
     bytes_per_token,
     plan_shards,
-    plan_tail_pieces,
-    read_manifest,
+    planned_identity,
     read_record,
-    shard_tokens,
+    resume_problem,
 )
 from ..formats.target_record import require_same_target, stage_target, target_source
 from ..fsio import check_output_apart, check_output_dir, free_disk_bytes, output_lock, write_json_atomic
@@ -329,87 +325,6 @@ class ExtractResult:
     waits: dict[str, float] = field(default_factory=dict)  # seconds of `seconds` the compute was idle, by cause
 
 
-def store_identity(
-    config: ExtractConfig,
-    info: Any,
-    layers: tuple[int, ...],
-    prepared: PreparedSet,
-    tokens_per_shard: int,
-    tail_pieces: int,
-    model_dtype: str,
-) -> dict[str, Any]:
-    """Everything that decides the store's bytes; a resumed run must match it exactly."""
-    return {
-        "schema": STORE_SCHEMA,
-        "target": info.identity.to_record() | {"compute_dtype": model_dtype},
-        "aux_layer_ids": list(layers),
-        "aux_convention": AUX_CONVENTION,
-        "prepared": {
-            "path": str(prepared.path.resolve()),
-            "manifest_sha256": prepared.manifest_sha256,
-            "tokenizer_hash": prepared.manifest["target"]["tokenizer_hash"],
-            "samples": len(prepared),
-        },
-        "storage_dtype": config.storage_dtype,
-        "backend": config.backend,  # the kernels that computed the features: a resumed store keeps one
-        "hidden_size": info.hidden_size,
-        "tokens_per_shard": tokens_per_shard,
-        "sort_window_shards": SORT_WINDOW_SHARDS,
-        "tail_pieces": tail_pieces,
-    }
-
-
-def planned_identity(
-    config: ExtractConfig, info: Any, prepared: PreparedSet, store: Path, device: str
-) -> dict[str, Any]:
-    """``store_identity`` of the store ``config`` asks for on ``device`` (a resumed store keeps its tail plan)."""
-    layers = resolve_aux_layer_ids(config.layers, info.num_layers)
-    tokens_per_shard = shard_tokens(config.shard_mb, bytes_per_token(info.hidden_size, config.storage_dtype))
-    model_dtype = str(pick_dtype(config.dtype, device)).replace("torch.", "")
-    return store_identity(config, info, layers, prepared, tokens_per_shard, _tail_pieces(store), model_dtype)
-
-
-def _tail_pieces(store: Path) -> int:
-    """How the store's plan cuts its tail: a new store into ``TAIL_PIECES``, a resumed one as it was planned."""
-    if not (store / MANIFEST_FILE).is_file():
-        return TAIL_PIECES
-    pieces = plan_tail_pieces(read_manifest(store, check_shards=False))
-    return pieces if type(pieces) is int and pieces >= 1 else TAIL_PIECES  # anything else: ``_check_resume`` names it
-
-
-# identity fields a resumed store may differ in: the prepared set's path (the same set, by manifest hash, moved) and the
-# target's name (its directory's: renamed or reached by another path, the hashes say it is the same target)
-RESUME_FREE_FIELDS = {("prepared", "path"), ("target", "name")}
-
-
-def _first_difference(was: Any, now: Any, where: tuple[str, ...] = ()) -> tuple[str, Any, Any] | None:
-    """(dotted field, value there, value asked for) of the first identity field that differs, or None."""
-    if isinstance(was, dict) and isinstance(now, dict):
-        for key in [*now, *(key for key in was if key not in now)]:
-            if (*where, key) not in RESUME_FREE_FIELDS:
-                found = _first_difference(was.get(key), now.get(key), (*where, key))
-                if found:
-                    return found
-        return None
-    return None if was == now else (".".join(where), was, now)
-
-
-def resume_problem(store: Path, identity: dict[str, Any]) -> str | None:
-    """Why the store already at ``store`` cannot be resumed as ``identity``, or None (none there, or the same)."""
-    if not (store / MANIFEST_FILE).is_file():
-        return None
-    existing = read_manifest(store, check_shards=False)  # its shard list is rebuilt from the shard records
-    existing = existing | {"tail_pieces": plan_tail_pieces(existing)}  # a store planned before pieces has none
-    found = _first_difference({key: existing.get(key) for key in identity}, identity)
-    if found is None:
-        return None
-    field, was, now = found
-    return (
-        f"{store}: an existing store made with {field} {shown(was)}, this run asks for {shown(now)}; "
-        "use another --out, or delete it to start over"
-    )
-
-
 def _manifest(
     store: Path, identity: dict[str, Any], plans: list[ShardPlan], config: ExtractConfig, source: dict[str, Any]
 ) -> dict[str, Any]:
@@ -473,7 +388,9 @@ def _extract(
     )
     place = topology(config, dist.rank, dist.world)
     device = dist.device(config.device)
-    identity = planned_identity(config, info, prepared, store, device)
+    identity = planned_identity(
+        config, info, prepared, store, str(pick_dtype(config.dtype, device)).replace("torch.", "")
+    )
     layers = tuple(identity["aux_layer_ids"])
     per_token = bytes_per_token(info.hidden_size, config.storage_dtype)
     plans = plan_shards(prepared.lengths, identity["tokens_per_shard"], tail_pieces=identity["tail_pieces"])

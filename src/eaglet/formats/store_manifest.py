@@ -32,7 +32,7 @@ from pydantic import Field, model_validator
 from ..errors import EagletError, shown
 from ..fsio import load_json_file, read_json
 from .files import MANIFEST_FILE, STORE_SCHEMA, record_name, shard_name
-from .layers import AUX_CONVENTION, validate_aux_layer_ids
+from .layers import AUX_CONVENTION, resolve_aux_layer_ids, validate_aux_layer_ids
 from .records import Count, Positive, Record, Sha256, parse_record
 
 # Storage formats: the dtype each feature is stored in. fp8 (e4m3) carries a float32 scale per vector.
@@ -299,3 +299,86 @@ def require_complete(store: Path, manifest: dict[str, Any]) -> None:
     """Refuse a store whose extraction has not finished (every reader of a store for training asks this)."""
     if not manifest["complete"]:
         raise EagletError(f"{store}: extraction incomplete; run the same `eaglet extract` command again to finish it")
+
+
+# ---------------------------------------------------------------------------------------------
+# A store's identity: what decides its bytes, and what a resumed extraction must match
+
+
+def store_identity(
+    config: Any,
+    info: Any,
+    layers: tuple[int, ...],
+    prepared: Any,
+    tokens_per_shard: int,
+    tail_pieces: int,
+    model_dtype: str,
+) -> dict[str, Any]:
+    """Everything that decides the store's bytes; a resumed run must match it exactly."""
+    return {
+        "schema": STORE_SCHEMA,
+        "target": info.identity.to_record() | {"compute_dtype": model_dtype},
+        "aux_layer_ids": list(layers),
+        "aux_convention": AUX_CONVENTION,
+        "prepared": {
+            "path": str(prepared.path.resolve()),
+            "manifest_sha256": prepared.manifest_sha256,
+            "tokenizer_hash": prepared.manifest["target"]["tokenizer_hash"],
+            "samples": len(prepared),
+        },
+        "storage_dtype": config.storage_dtype,
+        "backend": config.backend,  # the kernels that computed the features: a resumed store keeps one
+        "hidden_size": info.hidden_size,
+        "tokens_per_shard": tokens_per_shard,
+        "sort_window_shards": SORT_WINDOW_SHARDS,
+        "tail_pieces": tail_pieces,
+    }
+
+
+def planned_identity(config: Any, info: Any, prepared: Any, store: Path, model_dtype: str) -> dict[str, Any]:
+    """``store_identity`` of the store an extract ``config`` asks for, its target (``info``: a ``TargetInfo``) computed
+    in ``model_dtype``; a resumed store keeps its own tail plan. The preflight and the stage judge a resume by it."""
+    layers = resolve_aux_layer_ids(config.layers, info.num_layers)
+    tokens_per_shard = shard_tokens(config.shard_mb, bytes_per_token(info.hidden_size, config.storage_dtype))
+    return store_identity(config, info, layers, prepared, tokens_per_shard, planned_tail_pieces(store), model_dtype)
+
+
+def planned_tail_pieces(store: Path) -> int:
+    """How the store's plan cuts its tail: a new store into ``TAIL_PIECES``, a resumed one as it was planned."""
+    if not (store / MANIFEST_FILE).is_file():
+        return TAIL_PIECES
+    pieces = plan_tail_pieces(read_manifest(store, check_shards=False))
+    return pieces if type(pieces) is int and pieces >= 1 else TAIL_PIECES  # anything else: ``resume_problem`` names it
+
+
+# identity fields a resumed store may differ in: the prepared set's path (the same set, by manifest hash, moved) and the
+# target's name (its directory's: renamed or reached by another path, the hashes say it is the same target)
+RESUME_FREE_FIELDS = {("prepared", "path"), ("target", "name")}
+
+
+def _first_difference(was: Any, now: Any, where: tuple[str, ...] = ()) -> tuple[str, Any, Any] | None:
+    """(dotted field, value there, value asked for) of the first identity field that differs, or None."""
+    if isinstance(was, dict) and isinstance(now, dict):
+        for key in [*now, *(key for key in was if key not in now)]:
+            if (*where, key) not in RESUME_FREE_FIELDS:
+                found = _first_difference(was.get(key), now.get(key), (*where, key))
+                if found:
+                    return found
+        return None
+    return None if was == now else (".".join(where), was, now)
+
+
+def resume_problem(store: Path, identity: dict[str, Any]) -> str | None:
+    """Why the store already at ``store`` cannot be resumed as ``identity``, or None (none there, or the same)."""
+    if not (store / MANIFEST_FILE).is_file():
+        return None
+    existing = read_manifest(store, check_shards=False)  # its shard list is rebuilt from the shard records
+    existing = existing | {"tail_pieces": plan_tail_pieces(existing)}  # a store planned before pieces has none
+    found = _first_difference({key: existing.get(key) for key in identity}, identity)
+    if found is None:
+        return None
+    field, was, now = found
+    return (
+        f"{store}: an existing store made with {field} {shown(was)}, this run asks for {shown(now)}; "
+        "use another --out, or delete it to start over"
+    )

@@ -523,9 +523,11 @@ def eval_early_checks(cfg: Any) -> list[Check]:
 
 def _resume_check(cfg: Any, info: Any, prepared: Any, store: Path) -> Check:
     """The store at --out is the one this extraction would make (the stage's own rule), so it resumes."""
-    from ..extract.extractor import planned_identity, resume_problem
+    from ..formats.store_manifest import planned_identity, resume_problem
+    from ..model.target import pick_dtype
 
-    problem = resume_problem(store, planned_identity(cfg, info, prepared, store, _device_bytes(cfg.device)[0]))
+    model_dtype = str(pick_dtype(cfg.dtype, _device_bytes(cfg.device)[0])).replace("torch.", "")
+    problem = resume_problem(store, planned_identity(cfg, info, prepared, store, model_dtype))
     if problem:
         return Check("output", FAIL, problem)
     return Check("output", PASS, f"{store} exists; missing shards are computed")
@@ -533,7 +535,7 @@ def _resume_check(cfg: Any, info: Any, prepared: Any, store: Path) -> Check:
 
 def _evaluated_prompts_check(cfg: Any, target_path: Path) -> Check:
     """The prompts eval selects: each file has some of the split, and each fits the target's context."""
-    from ..decode.evaluate import evaluated_prompts
+    from ..data.eval_prompts import evaluated_prompts
 
     rows = evaluated_prompts(cfg, target_path)
     return Check("prompts", PASS, f"{len(rows):,} prompts of the {cfg.split} split, each inside the context")
