@@ -134,7 +134,21 @@ def test_only_extract_takes_a_replica(tmp_path, capsys, stage, args):
     """Only extract splits its work over tensor-parallel groups; the other stages took --replica and ignored it.
     The option is refused while the command line is read: nothing is written."""
     code, _, err = run_cli([stage, *args, "--replica", "0/2"], capsys)
-    assert code == 2 and "No such option: --replica" in err, err
+    assert code == 2 and "No such option: --replica" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["nosuch"], "eaglet: No such command 'nosuch'; see `eaglet --help`"),
+        (["target", "info", "/x"], "eaglet target info: Got unexpected extra argument(s) (/x)"),
+        (["train", "--max-steps", "x"], "eaglet train: Invalid value for '--max-steps'"),
+        (["export", "--draft"], "eaglet: Option '--draft' requires an argument"),
+    ],
+)
+def test_what_the_command_line_parser_refuses_is_one_line_too(capsys, args, message):
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize(

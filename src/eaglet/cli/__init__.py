@@ -579,7 +579,17 @@ def _print_error(message: str) -> None:
 def main() -> None:
     """Console entry point: user errors become one line and a non-zero exit code, never a traceback."""
     try:
-        app()
+        code = app(
+            prog_name="eaglet", standalone_mode=False
+        )  # click's refusals come here as exceptions, not boxes on stderr
+    except typer.TyperException as exc:  # an unknown option or command, an option's value click cannot parse
+        message, context = exc.format_message(), getattr(exc, "ctx", None)
+        if not message:  # a group called without a command: its help, as click shows it
+            exc.show()
+            sys.exit(exc.exit_code)
+        where = context.command_path if context is not None else "eaglet"
+        _print_error(f"{where}: {message.rstrip('.')}; see `{where} --help`")
+        sys.exit(exc.exit_code)
     except EagletError as exc:
         _print_error(exc.message)
         sys.exit(exc.exit_code)
@@ -591,3 +601,5 @@ def main() -> None:
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted[/]")
         sys.exit(130)
+    if isinstance(code, int) and code:  # typer.Exit(code) of a command
+        sys.exit(code)

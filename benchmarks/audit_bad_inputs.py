@@ -1,0 +1,460 @@
+"""Run `eaglet` on inputs a new user gets wrong and sort each outcome: refused (non-zero exit, one `error:` line, no
+traceback), a traceback, accepted (exit 0), or still running at the time limit. Accepted is not always wrong (a
+UTF-8 BOM, a JSON array of rows, a conversation ending on a user turn are fine); each case says what it expects, and
+the summary counts the cases whose outcome is not that.
+
+    python benchmarks/audit_bad_inputs.py --out benchmarks/results/audit_bad_inputs_cpu.json [--only NAME ...]
+
+Set-up (embedded target, CPU, ~1 min): 4 demo prompts answered, prepared, extracted, a draft trained 2 steps. Each
+case runs the real CLI in a scratch directory that is checked afterwards: a refused case must leave it as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CASE_LIMIT_S = 240
+EAGLET = [sys.executable, "-m", "eaglet.cli"]
+
+
+def run(args: list[str], cwd: Path, limit: float = CASE_LIMIT_S) -> tuple[str, int | None, str]:
+    """(outcome, exit code, output) of one eaglet command."""
+    try:
+        done = subprocess.run(
+            [*EAGLET, *args], capture_output=True, text=True, timeout=limit, cwd=cwd, stdin=subprocess.DEVNULL
+        )
+    except subprocess.TimeoutExpired:
+        return "timeout", None, ""
+    output = done.stderr + done.stdout
+    eaglet_traceback = "Traceback" in output and "eaglet" in output.split("Traceback", 1)[1][:4000]
+    if eaglet_traceback:
+        return "traceback", done.returncode, output
+    return ("accepted" if done.returncode == 0 else "refused"), done.returncode, output
+
+
+def set_up(root: Path) -> dict[str, Path]:
+    """A prepared set, a store and a draft of the embedded target, made by the CLI itself."""
+    root.mkdir(parents=True)
+    answers, prepared, store, draft = root / "answers.jsonl", root / "prepared", root / "store", root / "draft"
+    steps = [
+        ["regenerate", "demo", "--max-prompts", "4", "--max-new-tokens", "24", "--out", answers],
+        ["prepare", answers, "--out", prepared],
+        ["extract", "--prepared", prepared, "--out", store, "--reserve-gb", "0"],
+        [
+            "train",
+            "--store",
+            store,
+            "--out",
+            draft,
+            "--max-steps",
+            "2",
+            "--token-budget",
+            "256",
+            "--eval-fraction",
+            "0",
+        ],
+    ]
+    for step in steps:
+        outcome, code, output = run([str(a) for a in step], root, limit=600)
+        if outcome != "accepted":
+            raise SystemExit(f"set-up step {step[0]} failed ({outcome}, exit {code}):\n{output[-2000:]}")
+    return {"prepared": prepared, "store": store, "draft": draft}
+
+
+def cases(w: Path, made: dict[str, Path]) -> list[tuple[str, list, str]]:
+    """(name, arguments, expected outcome). Files the cases read are written into ``w`` here."""
+
+    def file(name: str, content: str | bytes) -> Path:
+        path = w / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        return path
+
+    def conversation(*turns: tuple[str, object], row_id: object = "c1") -> str:
+        return json.dumps({"id": row_id, "messages": [{"role": r, "content": c} for r, c in turns]}) + "\n"
+
+    prompt = file("ok.jsonl", json.dumps({"id": "a", "prompt": "Hello there, how are you?"}) + "\n")
+    huge = file("huge.jsonl", json.dumps({"id": "h", "prompt": "word " * 9000}) + "\n")
+    sharegpt = file(
+        "sg.jsonl",
+        json.dumps({"id": "s", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]})
+        + "\n",
+    )
+    config_only = w / "config_only"
+    file("config_only/config.json", json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2}))
+    yaml_base = "target: embedded\nregenerate:\n  prompts: [demo]\n  max_prompts: 2\n"
+    store, draft, prepared = (str(made[k]) for k in ("store", "draft", "prepared"))
+    return [
+        # synthesize
+        ("synthesize --count 0", ["synthesize", "--out", w / "s0.jsonl", "--count", "0"], "refused"),
+        (
+            "synthesize --heldout-fraction 1.5",
+            ["synthesize", "--out", w / "s1.jsonl", "--heldout-fraction", "1.5"],
+            "refused",
+        ),
+        ("synthesize --top-p 0", ["synthesize", "--out", w / "s2.jsonl", "--top-p", "0"], "refused"),
+        ("synthesize --out a directory", ["synthesize", "--out", w], "refused"),
+        ("synthesize --out a file of the user's", ["synthesize", "--out", prompt, "--count", "2"], "refused"),
+        ("synthesize --out .txt", ["synthesize", "--out", w / "s.txt"], "refused"),
+        (
+            "synthesize --device cuda without one",
+            ["synthesize", "--out", w / "s6.jsonl", "--device", "cuda"],
+            "refused",
+        ),
+        ("synthesize --device tpu", ["synthesize", "--out", w / "s7.jsonl", "--device", "tpu"], "refused"),
+        ("synthesize --target missing", ["synthesize", "--out", w / "s8.jsonl", "--target", w / "nope"], "refused"),
+        (
+            "synthesize --target an 8-byte gguf",
+            ["synthesize", "--out", w / "s9.jsonl", "--target", file("m.gguf", b"GGUF\x03\x00\x00\x00")],
+            "refused",
+        ),
+        (
+            "synthesize --target config.json only",
+            ["synthesize", "--out", w / "s10.jsonl", "--target", config_only],
+            "refused",
+        ),
+        (
+            "synthesize --placement tp without torchrun",
+            ["synthesize", "--out", w / "s13.jsonl", "--placement", "tp"],
+            "refused",
+        ),
+        ("synthesize --replica 2/1", ["synthesize", "--out", w / "s14.jsonl", "--replica", "2/1"], "refused"),
+        # regenerate
+        ("regenerate an empty file", ["regenerate", file("empty.jsonl", ""), "--out", w / "r0.jsonl"], "refused"),
+        (
+            "regenerate a prompt that is a number",
+            ["regenerate", file("pint.jsonl", '{"id": "a", "prompt": 5}\n'), "--out", w / "r1.jsonl"],
+            "refused",
+        ),
+        (
+            "regenerate duplicate ids",
+            ["regenerate", file("dup.jsonl", prompt.read_text() * 2), "--out", w / "r2.jsonl"],
+            "refused",
+        ),
+        ("regenerate --n 0", ["regenerate", prompt, "--out", w / "r3.jsonl", "--n", "0"], "refused"),
+        (
+            "regenerate --backend sglang",
+            ["regenerate", prompt, "--out", w / "r5.jsonl", "--backend", "sglang"],
+            "refused",
+        ),
+        (
+            "regenerate openai, no server",
+            [
+                "regenerate",
+                prompt,
+                "--out",
+                w / "r6.jsonl",
+                "--backend",
+                "openai",
+                "--base-url",
+                "http://127.0.0.1:9",
+                "--max-retries",
+                "0",
+                "--timeout-s",
+                "2",
+            ],
+            "refused",
+        ),
+        (
+            "regenerate a split with no rows",
+            ["regenerate", prompt, "--out", w / "r8.jsonl", "--split", "heldout"],
+            "refused",
+        ),
+        (
+            "regenerate an unknown role",
+            ["regenerate", file("mr.jsonl", conversation(("wizard", "hi"))), "--out", w / "r10.jsonl"],
+            "refused",
+        ),
+        (
+            "regenerate a UTF-16 file",
+            ["regenerate", file("u16.jsonl", prompt.read_text().encode("utf-16")), "--out", w / "r11.jsonl"],
+            "refused",
+        ),
+        (
+            "regenerate a UTF-8 BOM",
+            [
+                "regenerate",
+                file("bom.jsonl", b"\xef\xbb\xbf" + prompt.read_bytes()),
+                "--out",
+                w / "r12.jsonl",
+                "--max-new-tokens",
+                "2",
+            ],
+            "accepted",
+        ),
+        (
+            "regenerate a .gz",
+            ["regenerate", file("x.jsonl.gz", b"\x1f\x8b\x08\x00garbage"), "--out", w / "r14.jsonl"],
+            "refused",
+        ),
+        ("regenerate --out = the input", ["regenerate", prompt, "--out", prompt], "refused"),
+        (
+            "regenerate --out a file of other rows",
+            ["regenerate", prompt, "--out", file("other.jsonl", "not json\n")],
+            "refused",
+        ),
+        (
+            "regenerate a prompt past the context",
+            ["regenerate", huge, "--out", w / "r17.jsonl", "--max-new-tokens", "2"],
+            "refused",
+        ),
+        (
+            "regenerate --max-new-tokens past the context",
+            ["regenerate", prompt, "--out", w / "r18.jsonl", "--max-new-tokens", "9000"],
+            "refused",
+        ),
+        # prepare
+        (
+            "prepare content parts (OpenAI list)",
+            [
+                "prepare",
+                file("cl.jsonl", conversation(("user", [{"type": "text", "text": "hi"}]), ("assistant", "yo"))),
+                "--out",
+                w / "p0",
+            ],
+            "accepted",
+        ),
+        (
+            "prepare content null",
+            ["prepare", file("cn.jsonl", conversation(("user", None), ("assistant", "yo"))), "--out", w / "p1"],
+            "refused",
+        ),
+        (
+            "prepare empty assistant",
+            ["prepare", file("ea.jsonl", conversation(("user", "hi"), ("assistant", ""))), "--out", w / "p2"],
+            "refused",
+        ),
+        ("prepare ShareGPT rows", ["prepare", sharegpt, "--out", w / "p3"], "accepted"),
+        (
+            "prepare a parquet that is not",
+            ["prepare", file("g.parquet", b"PAR1garbagePAR1"), "--out", w / "p4"],
+            "refused",
+        ),
+        (
+            "prepare --draft-vocab past the vocabulary",
+            ["prepare", sharegpt, "--out", w / "p6", "--draft-vocab", "1000000"],
+            "refused",
+        ),
+        (
+            "prepare a broken --chat-template",
+            [
+                "prepare",
+                sharegpt,
+                "--out",
+                w / "p9",
+                "--chat-template",
+                file("b.jinja", "{% for m in messages %}{{ m.content }"),
+            ],
+            "refused",
+        ),
+        ("prepare a directory as input", ["prepare", config_only, "--out", w / "p11"], "refused"),
+        (
+            "prepare two assistant turns in a row",
+            [
+                "prepare",
+                file("aa.jsonl", conversation(("user", "hi"), ("assistant", "yo"), ("assistant", "again"))),
+                "--out",
+                w / "p7",
+            ],
+            "refused",
+        ),
+        (
+            "prepare a .json of JSON lines",
+            ["prepare", file("jl.json", conversation(("user", "a"), ("assistant", "b")) * 2), "--out", w / "p12"],
+            "refused",
+        ),
+        ("prepare --out ''", ["prepare", sharegpt, "--out", ""], "refused"),
+        # run configs
+        ("run: YAML that is a list", ["run", file("l.yaml", "- a\n- b\n")], "refused"),
+        ("run: an unknown section", ["run", file("u.yaml", "target: embedded\nfoo: {}\n")], "refused"),
+        ("run: a key set twice", ["run", file("d.yaml", yaml_base + "  max_prompts: 3\n"), "--plan"], "refused"),
+        ("run: a tab", ["run", file("t.yaml", "target:\tembedded\n"), "--plan"], "refused"),
+        (
+            "run: an eval prompt past the context",
+            ["run", file("ev.yaml", yaml_base + f"eval:\n  prompts: [{huge}]\n  split: all\n"), "--out", w / "run_ev"],
+            "refused",
+        ),
+        ("run --out a file", ["run", file("ok.yaml", yaml_base), "--out", prompt, "--plan"], "refused"),
+        ("demo --out '' --plan", ["demo", "--out", "", "--plan"], "refused"),
+        # extract
+        ("extract --out ''", ["extract", "--prepared", prepared, "--out", ""], "refused"),
+        (
+            "extract --replica 0/2 without tp",
+            ["extract", "--prepared", prepared, "--out", w / "x0", "--replica", "0/2"],
+            "refused",
+        ),
+        (
+            "extract --layers out of range",
+            ["extract", "--prepared", prepared, "--out", w / "x1", "--layers", "0,1,99"],
+            "refused",
+        ),
+        (
+            "extract resume with other --shard-mb",
+            ["extract", "--prepared", prepared, "--out", store, "--shard-mb", "1"],
+            "refused",
+        ),
+        # train
+        ("train --set without =", ["train", "--store", store, "--out", w / "t0", "--set", "lr"], "refused"),
+        ("train --betas 0.9,1.5", ["train", "--store", store, "--out", w / "t3", "--betas", "0.9,1.5"], "refused"),
+        (
+            "train --eval-store missing",
+            ["train", "--store", store, "--out", w / "t4", "--eval-store", w / "nope"],
+            "refused",
+        ),
+        (
+            "train --eval-store = --store",
+            ["train", "--store", store, "--out", w / "t5", "--eval-store", store, "--max-steps", "1"],
+            "refused",
+        ),
+        (
+            "train --layers unlike the store's",
+            ["train", "--store", store, "--out", w / "t7", "--layers", "1,2,3"],
+            "refused",
+        ),
+        ("train --out = the store", ["train", "--store", store, "--out", store], "refused"),
+        ("train --out ''", ["train", "--store", store, "--out", ""], "refused"),
+        (
+            "train resume with another budget",
+            [
+                "train",
+                "--store",
+                store,
+                "--out",
+                draft,
+                "--max-steps",
+                "3",
+                "--token-budget",
+                "1024",
+                "--eval-fraction",
+                "0",
+            ],
+            "refused",
+        ),
+        # eval
+        (
+            "eval a prompt past the context",
+            ["eval", "--draft", draft, "--out", w / "e0", "--prompts", huge, "--split", "all", "--max-new-tokens", "8"],
+            "refused",
+        ),
+        (
+            "eval --max-new-tokens past the context",
+            [
+                "eval",
+                "--draft",
+                draft,
+                "--out",
+                w / "e1",
+                "--prompts",
+                prompt,
+                "--split",
+                "all",
+                "--max-new-tokens",
+                "9000",
+            ],
+            "refused",
+        ),
+        ("eval --depth 0", ["eval", "--draft", draft, "--out", w / "e2", "--depth", "0"], "refused"),
+        ("eval --out = the draft", ["eval", "--draft", draft, "--out", draft], "refused"),
+        ("eval a store as the draft", ["eval", "--draft", store, "--out", w / "e3"], "refused"),
+        ("eval --prompts ''", ["eval", "--draft", draft, "--out", w / "e4", "--prompts", ""], "refused"),
+        # export
+        (
+            "export --report of other JSON",
+            [
+                "export",
+                "--draft",
+                draft,
+                "--format",
+                "vllm",
+                "--out",
+                w / "x2",
+                "--report",
+                file("r2.json", '{"a": 1}'),
+            ],
+            "refused",
+        ),
+        (
+            "export --report not JSON",
+            ["export", "--draft", draft, "--format", "vllm", "--out", w / "x3", "--report", file("r.json", "{bad")],
+            "refused",
+        ),
+        (
+            "export --out inside the draft",
+            ["export", "--draft", draft, "--format", "vllm", "--out", Path(draft) / "export"],
+            "refused",
+        ),
+        (
+            "export a checkpoints folder",
+            ["export", "--draft", Path(draft) / "checkpoints", "--format", "vllm", "--out", w / "x4"],
+            "refused",
+        ),
+        ("export --check a missing folder", ["export", "--check", w / "nope"], "refused"),
+        ("store verify a prepared set", ["store", "verify", prepared], "refused"),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="JSON of every case's outcome")
+    parser.add_argument("--only", nargs="*", default=[], help="cases whose name holds one of these")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="eaglet-audit-"))
+    try:
+        started = time.perf_counter()
+        made = set_up(root / "made")
+        rows = []
+        (root / "w").mkdir()
+        for name, argv, expected in cases(root / "w", made):
+            if args.only and not any(part in name for part in args.only):
+                continue
+            scratch = root / "cwd"
+            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.mkdir()
+            outcome, code, output = run([str(a) for a in argv], scratch)
+            left = sorted(p.name for p in scratch.iterdir())
+            one_line = [line for line in output.splitlines() if line.startswith("error:")]
+            clean = outcome != "refused" or (len(one_line) == 1 and not left)
+            rows.append(
+                {
+                    "case": name,
+                    "expected": expected,
+                    "outcome": outcome,
+                    "exit": code,
+                    "as_expected": outcome == expected and clean,
+                    "error": one_line[-1][:300]
+                    if one_line
+                    else output.strip().splitlines()[-1][:300]
+                    if output
+                    else "",
+                    "left_in_cwd": left,
+                }
+            )
+            mark = "ok " if rows[-1]["as_expected"] else "BAD"
+            print(f"{mark} {outcome:9} {name:45} {rows[-1]['error'][:120]}", flush=True)
+        summary = {
+            outcome: sum(row["outcome"] == outcome for row in rows)
+            for outcome in ("refused", "accepted", "traceback", "timeout")
+        }
+        result = {
+            "cases": len(rows),
+            "as_expected": sum(row["as_expected"] for row in rows),
+            "outcomes": summary,
+            "seconds": round(time.perf_counter() - started, 1),
+            "rows": rows,
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
