@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 CASE_LIMIT_S = 240
+SET_UP_TOKEN_BUDGET = 256
 EAGLET = [sys.executable, "-m", "eaglet.cli"]
 
 
@@ -39,6 +40,14 @@ def run(args: list[str], cwd: Path, limit: float = CASE_LIMIT_S) -> tuple[str, i
     return ("accepted" if done.returncode == 0 else "refused"), done.returncode, output
 
 
+def train_draft(store: object, draft: object, token_budget: int) -> list:
+    """`eaglet train` of the set-up's 2-step draft (another budget: a resume the checkpoint refuses)."""
+    return ["train", "--store", store, "--out", draft, "--max-steps", "2", "--token-budget", str(token_budget)] + [
+        "--eval-fraction",
+        "0",
+    ]
+
+
 def set_up(root: Path) -> dict[str, Path]:
     """A prepared set, a store and a draft of the embedded target, made by the CLI itself."""
     root.mkdir(parents=True)
@@ -47,19 +56,7 @@ def set_up(root: Path) -> dict[str, Path]:
         ["regenerate", "demo", "--max-prompts", "4", "--max-new-tokens", "24", "--out", answers],
         ["prepare", answers, "--out", prepared],
         ["extract", "--prepared", prepared, "--out", store, "--reserve-gb", "0"],
-        [
-            "train",
-            "--store",
-            store,
-            "--out",
-            draft,
-            "--max-steps",
-            "2",
-            "--token-budget",
-            "256",
-            "--eval-fraction",
-            "0",
-        ],
+        train_draft(store, draft, SET_UP_TOKEN_BUDGET),
     ]
     for step in steps:
         outcome, code, output = run([str(a) for a in step], root, limit=600)
@@ -320,23 +317,7 @@ def cases(w: Path, made: dict[str, Path]) -> list[tuple[str, list, str]]:
         ),
         ("train --out = the store", ["train", "--store", store, "--out", store], "refused"),
         ("train --out ''", ["train", "--store", store, "--out", ""], "refused"),
-        (
-            "train resume with another budget",
-            [
-                "train",
-                "--store",
-                store,
-                "--out",
-                draft,
-                "--max-steps",
-                "3",
-                "--token-budget",
-                "1024",
-                "--eval-fraction",
-                "0",
-            ],
-            "refused",
-        ),
+        ("train resume with another budget", train_draft(store, draft, 4 * SET_UP_TOKEN_BUDGET), "refused"),
         # eval
         (
             "eval a prompt past the context",
