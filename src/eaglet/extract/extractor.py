@@ -45,10 +45,10 @@ from ..model.placement import describe, output_device, topology
 from ..model.shards import encode_features, write_shard
 from ..model.sizing import GIB
 from ..model.target import (
+    dtype_name,
     hub_id_of,
     load_model,
     load_tokenizer,
-    pick_dtype,
     read_config,
     resolve_target,
     target_info,
@@ -388,9 +388,7 @@ def _extract(
     )
     place = topology(config, dist.rank, dist.world)
     device = dist.device(config.device)
-    identity = planned_identity(
-        config, info, prepared, store, str(pick_dtype(config.dtype, device)).replace("torch.", "")
-    )
+    identity = planned_identity(config, info, prepared, store, dtype_name(config.dtype, device))
     layers = tuple(identity["aux_layer_ids"])
     per_token = bytes_per_token(info.hidden_size, config.storage_dtype)
     plans = plan_shards(prepared.lengths, identity["tokens_per_shard"], tail_pieces=identity["tail_pieces"])

@@ -426,6 +426,11 @@ def pick_dtype(requested: str, device: str) -> Any:
     return getattr(torch, requested)
 
 
+def dtype_name(requested: str, device: str) -> str:
+    """``pick_dtype``'s choice as stores record it ("bfloat16", "float32")."""
+    return str(pick_dtype(requested, device)).replace("torch.", "")
+
+
 # Attention backends for token-by-token decoding, whose key length changes every call: cuDNN's (torch 2.11's first
 # choice in bf16 on an H200) builds a plan per new shape, ~1 ms of host time per call — 30 ms per token of a
 # 30-layer target. Decoding (eval's engine, regenerate's `generate`) runs under this.

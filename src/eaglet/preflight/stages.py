@@ -524,9 +524,9 @@ def eval_early_checks(cfg: Any) -> list[Check]:
 def _resume_check(cfg: Any, info: Any, prepared: Any, store: Path) -> Check:
     """The store at --out is the one this extraction would make (the stage's own rule), so it resumes."""
     from ..formats.store_manifest import planned_identity, resume_problem
-    from ..model.target import pick_dtype
+    from ..model.target import dtype_name
 
-    model_dtype = str(pick_dtype(cfg.dtype, _device_bytes(cfg.device)[0])).replace("torch.", "")
+    model_dtype = dtype_name(cfg.dtype, _device_bytes(cfg.device)[0])
     problem = resume_problem(store, planned_identity(cfg, info, prepared, store, model_dtype))
     if problem:
         return Check("output", FAIL, problem)
