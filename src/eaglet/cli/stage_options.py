@@ -263,9 +263,7 @@ def run_preflight(ctx: typer.Context, stage: str, cfg: object, skip: bool) -> No
         raise typer.Exit(2 if status == FAIL else 1 if status == WARN and mode.get("strict") else 0)
     if status == FAIL:  # one line: the first failed check and its fix (`eaglet preflight STAGE ...` lists them all)
         first = next(c for c in checks if c.status == FAIL)
-        raise EagletError(
-            f"preflight failed for {stage}: {first.name}: {first.detail}" + (f" ({first.fix})" if first.fix else "")
-        )
+        raise EagletError(first.refusal(stage))
     for check in checks:
         if check.status == WARN:
             err_console.print(f"[yellow]preflight warning[/] {check.name}: {check.detail}", highlight=False)

@@ -26,13 +26,10 @@ class EvalPrompt:
 def context_problem(config: Any, context: int | None, prompt_tokens: int) -> str | None:
     """Why a prompt of ``prompt_tokens`` cannot be decoded inside the target's ``context``, or None: the target
     would be run at positions it never saw (a τ and a lossless check of noise)."""
+    from ..model.target import past_context
+
     depth = max([config.depth] + [shape[0] for shape in config.tune_trees] if config.tune else [config.depth])
-    if context is None or prompt_tokens + config.max_new_tokens + depth <= context:
-        return None
-    return (
-        f"the prompt is {prompt_tokens:,} tokens; with --max-new-tokens {config.max_new_tokens:,} and draft depth "
-        f"{depth} that passes the target's context of {context:,}"
-    )
+    return past_context(prompt_tokens, config.max_new_tokens, context, depth)
 
 
 def select_prompts(

@@ -102,6 +102,8 @@ def plan_requests(config: RegenerateConfig, console: Console) -> list[Request]:
 def context_problems(requests: list[Request], tokenizer: Any, context: int | None, max_new_tokens: int) -> list[BadRow]:
     """The prompts whose tokens in the chat template plus ``max_new_tokens`` pass the target's context: transformers
     would generate at positions the target never saw (text of no use to a draft), vLLM refuses them mid-run."""
+    from ..model.target import past_context
+
     if context is None:
         return []
     bad, seen = [], set()
@@ -109,14 +111,10 @@ def context_problems(requests: list[Request], tokenizer: Any, context: int | Non
         if request.prompt_id in seen:  # the n samples of one prompt share its length
             continue
         seen.add(request.prompt_id)
-        tokens = len(encode_prompt(tokenizer, request))
-        if tokens + max_new_tokens > context:
+        problem = past_context(len(encode_prompt(tokenizer, request)), max_new_tokens, context)
+        if problem:
             bad.append(
-                BadRow(
-                    request.source or request.prompt_id,
-                    f"the prompt is {tokens:,} tokens; with --max-new-tokens {max_new_tokens:,} that passes the "
-                    f"target's context of {context:,} (shorten the prompt or lower --max-new-tokens)",
-                )
+                BadRow(request.source or request.prompt_id, f"{problem} (shorten the prompt or lower --max-new-tokens)")
             )
     return bad
 

@@ -302,6 +302,18 @@ def context_length(path: Path) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+def past_context(prompt_tokens: int, new_tokens: int, context: int | None, draft_depth: int = 0) -> str | None:
+    """Why a prompt of ``prompt_tokens`` plus ``new_tokens`` generated (and a draft's ``draft_depth`` guesses past
+    them) does not fit the target's ``context``, or None: past it the target runs at positions it never saw."""
+    if context is None or prompt_tokens + new_tokens + draft_depth <= context:
+        return None
+    depth = f" and draft depth {draft_depth}" if draft_depth else ""
+    return (
+        f"the prompt is {prompt_tokens:,} tokens; with --max-new-tokens {new_tokens:,}{depth} that passes the "
+        f"target's context of {context:,}"
+    )
+
+
 @contextlib.contextmanager
 def open_weights(file: Path, target: Path) -> Iterator[Any]:
     """A target's safetensors file opened lazily (headers only until a tensor is asked for); a missing, cut,

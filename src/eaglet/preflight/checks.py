@@ -34,6 +34,10 @@ class Check:
     def as_dict(self) -> dict[str, str]:
         return asdict(self)
 
+    def refusal(self, stage: str) -> str:
+        """The one line a failed check stops STAGE with (`eaglet preflight STAGE ...` lists every check)."""
+        return f"preflight failed for {stage}: {self.name}: {self.detail}" + (f" ({self.fix})" if self.fix else "")
+
 
 def guarded(name: str, fn: Callable[[], Check | list[Check]]) -> list[Check]:
     """Run one check; a user error becomes a failed check instead of an exception."""

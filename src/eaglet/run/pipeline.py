@@ -240,10 +240,7 @@ class Pipeline:
         failed = next((c for c in stage.kind.early_checks(stage.config) if c.status == FAIL), None)
         if failed is None:
             return plan
-        refusal = f"preflight failed for {stage.name}: {failed.name}: {failed.detail}" + (
-            f" ({failed.fix})" if failed.fix else ""
-        )
-        return dataclasses.replace(plan, refusal=refusal)
+        return dataclasses.replace(plan, refusal=failed.refusal(stage.name))
 
     # ------------------------------------------------------------------ running
 
@@ -285,12 +282,9 @@ class Pipeline:
                     _remove(path)
             if stage.kind.preflight:
                 checks = run_checks(stage.name, stage.config)
-                failed = [c for c in checks if c.status == FAIL]
-                if failed:
-                    raise EagletError(
-                        f"preflight failed for {stage.name}: {failed[0].name}: {failed[0].detail}"
-                        + (f" ({failed[0].fix})" if failed[0].fix else "")
-                    )
+                failed = next((c for c in checks if c.status == FAIL), None)
+                if failed is not None:
+                    raise EagletError(failed.refusal(stage.name))
             state[stage.name] = {"fingerprint": fingerprint, "complete": False}
             self._save_state(state)
             self.console.print(f"[bold]== {stage.name}[/] ({plan.reason})")
