@@ -79,7 +79,7 @@ case "$1" in
     done
     rm -rf "$stores/llama8b-vllm"
     ;;
-  ratios)  # the vllm backend and vLLM's plain prefill at each of SIZES samples (default 912,3648): each through one
+  ratios)  # the vllm backend, vLLM's plain prefill and transformers' bare forward at each of SIZES samples (default 912,3648): each through one
     # engine started once, so both sizes fit one device call after `data` (an 8B engine's start is ~100 s)
     [ -f "$work/llama8b/config.json" ] || bench make-8b "$work/llama8b" --tokenizer "$embedded"
     rm -rf "$stores/llama8b-vllm"
@@ -87,6 +87,8 @@ case "$1" in
       --prepared "$work/prepared" --out "$stores/llama8b-vllm"
     bench prefill --repeats "$repeats" --sizes "${SIZES:-912,3648}" --target "$work/llama8b" --prepared "$work/prepared"
     rm -rf "$stores/llama8b-vllm"
+    # plain transformers' forward over the same samples: the bare forward issue 32's extraction MFU is measured against
+    bench bare --repeats "$repeats" --sizes "${SIZES:-912,3648}" --target "$work/llama8b" --prepared "$work/prepared"
     ;;
   ratio)  # the vllm backend and vLLM's plain prefill alone, side by side (route's two ends, one engine start fewer)
     [ -f "$work/llama8b/config.json" ] || bench make-8b "$work/llama8b" --tokenizer "$embedded"

@@ -13,7 +13,10 @@ Subcommands (each a fresh process, so one engine holds the GPU at a time):
   prefill --target DIR --prepared DIR [--repeats N] [--sizes N,M] [--route] [--profile DIR]
                                   vLLM alone, no connector, max_tokens=1 over the same samples: the ceiling;
                                   --route: the vllm backend's engine with requests that save nothing
-  --sizes N,M (extract, prefill): the first N samples, then the first M, ... through one engine (one start, one
+  bare --target DIR --prepared DIR [--repeats N] [--sizes N,M]
+                                  plain transformers' forward over the same samples (length buckets of
+                                  --batch-tokens, padded, features discarded): issue 32's "today's bare forward"
+  --sizes N,M (extract, prefill, bare): the first N samples, then the first M, ... through one engine (one start, one
                                   result line per size), in place of --max-samples
   --profile DIR (vllm): vLLM's torch profiler records its worker during one more run after the timed ones, traces in
                                   DIR; `python benchmarks/vllm_profile_summary.py DIR` says where the time went
@@ -333,6 +336,58 @@ def prefill(
     return results
 
 
+def bare(target: str, prepared: str, sizes: list[int | None], batch_tokens: int, repeats: int) -> list[dict]:
+    """Plain transformers' forward over the first N samples for each N of ``sizes``: the target loaded once in the
+    compute dtype, the samples in ``batches_by_length`` buckets (what the hf backend runs), padded, no cache, the
+    outputs discarded — the bare forward issue 32 measures extraction against, on the same samples as ``prefill``."""
+    import numpy as np
+    import torch
+
+    from eaglet.formats.prepared import load_prepared
+    from eaglet.model.capture import base_model_of, batches_by_length
+    from eaglet.model.target import load_model, pick_dtype
+
+    device = compute_device()
+    dtype = str(pick_dtype("auto", device)).replace("torch.", "")
+    base = base_model_of(load_model(Path(target), device, dtype))
+    data = load_prepared(prepared, None if None in sizes else max(sizes))
+    every = [data.sample(i)[0] for i in range(len(data))]
+
+    def run(batches: list[np.ndarray]) -> None:
+        with torch.inference_mode():
+            for batch in batches:
+                width = max(len(every[i]) for i in batch)
+                ids = np.zeros((len(batch), width), dtype=np.int64)  # [batch, longest in the bucket], right-padded
+                for row, sample in enumerate(batch.tolist()):
+                    ids[row, : len(every[sample])] = every[sample]
+                base(input_ids=torch.from_numpy(ids).to(device), use_cache=False)
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    results = []
+    for size in sizes:
+        lengths = np.array([len(t) for t in every[:size]])
+        batches = batches_by_length(lengths, batch_tokens)
+        run(batches[:2])  # warm-up: kernels and the allocator at the widest buckets
+        total, rates = int(lengths.sum()), []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            run(batches)
+            rates.append(total / (time.perf_counter() - started))
+        median = sorted(rates)[len(rates) // 2]
+        results.append({
+            "backend": "transformers bare forward",
+            "samples": len(lengths),
+            "tokens": total,
+            "batch_tokens": batch_tokens,
+            "tok_per_s": round(median),
+            "mfu": mfu(checkpoint_forward_flops(target, lengths.tolist()), median, total),
+            "tok_per_s_runs": [round(r) for r in rates],
+        })  # fmt: skip
+        print(json.dumps(results[-1]), flush=True)
+    return results
+
+
 def compare(store_a: Path, store_b: Path) -> dict:
     import torch
 
@@ -434,6 +489,12 @@ def main() -> None:
     pre.add_argument("--repeats", type=int, default=1)
     pre.add_argument("--route", action="store_true", help="the vllm backend's engine, requests saving nothing")
     pre.add_argument("--profile", default=None, help="profile one more run, traces in this folder")
+    bar = sub.add_parser("bare")
+    bar.add_argument("--target", required=True)
+    bar.add_argument("--prepared", required=True)
+    bar.add_argument("--sizes", type=sample_counts, default=[None], help="first N samples, comma-separated")
+    bar.add_argument("--batch-tokens", type=int, default=32768)
+    bar.add_argument("--repeats", type=int, default=1)
     ans = sub.add_parser("answers")
     ans.add_argument("a", type=Path)
     ans.add_argument("b", type=Path)
@@ -465,6 +526,9 @@ def main() -> None:
             args.route,
             args.profile,
         )
+        return
+    elif args.command == "bare":
+        bare(args.target, args.prepared, args.sizes, args.batch_tokens, args.repeats)
         return
     elif args.command == "answers":
         result = answers(args.a, args.b)
