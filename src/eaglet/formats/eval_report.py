@@ -47,9 +47,12 @@ def draft_weights_digest(draft_dir: str | Path) -> str:
 def read_eval_report(path: str | Path, draft_dir: str | Path) -> EvalReportRecord:
     """The report at ``path``, refused in one line when it is not an eval report or was measured on another draft."""
     report = parse_record(EvalReportRecord, load_json_file(path, PASS_A_REPORT), path, PASS_A_REPORT)
-    if report.draft_weights_sha256 is not None and report.draft_weights_sha256 != draft_weights_digest(draft_dir):
+    if report.draft_weights_sha256 is None:
+        return report
+    digest = draft_weights_digest(draft_dir)
+    if report.draft_weights_sha256 != digest:
         raise EagletError(
             f"{path}: measured on another draft (weights sha256 {report.draft_weights_sha256[:12]}…, {draft_dir}'s "
-            f"are {draft_weights_digest(draft_dir)[:12]}…); run `eaglet eval --draft {draft_dir}` and pass its report"
+            f"are {digest[:12]}…); run `eaglet eval --draft {draft_dir}` and pass its report"
         )
     return report
