@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 import warnings
 from contextlib import nullcontext
@@ -156,7 +157,7 @@ def main() -> None:
                 times.append(time.perf_counter() - started)
         times.sort()
         spread[0] = [round(times[0] * 1e3, 2), round(times[-1] * 1e3, 2)]  # the variant's fastest and slowest step
-        return times[len(times) // 2], out
+        return statistics.median(times), out
 
     def measure_train_step(cuda_graphs: bool = True, staged: bool = True) -> dict:
         """`eaglet train`'s step on this device (``train.graphed.step_function``), fed a pinned host batch: copied to

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -244,13 +245,13 @@ def timed_extract(config, loaded: dict, repeats: int, profile_dir: str | None) -
         "samples": config.max_samples,
         "store": str(store),
         "tokens": result.tokens_computed,
-        "tok_per_s": round(rates[len(rates) // 2]),  # the median run
-        "mfu": mfu(flops, rates[len(rates) // 2], result.tokens_computed),
+        "tok_per_s": round(statistics.median(rates)),  # an even count: the mean of the middle two
+        "mfu": mfu(flops, statistics.median(rates), result.tokens_computed),
         "tok_per_s_runs": [round(r["tok_per_s"]) for r in runs],
         "writer_stall_s_runs": [round(r["writer_stall_s"], 3) for r in runs],
         # seconds the compute was idle, by cause (vllm: the drain, spool slots, between calls), per run
         "waits_runs": [{k: round(v, 3) for k, v in r["waits"].items()} for r in runs],
-        # writer-thread seconds by phase (summed over shards and threads) of the median run
+        # writer-thread seconds by phase (summed over shards and threads) of the median run (the upper middle one)
         "writer_seconds": {
             k: round(v, 3)
             for k, v in sorted(runs, key=lambda r: r["tok_per_s"])[len(runs) // 2]["writer_seconds"].items()
@@ -323,7 +324,7 @@ def prefill(
             llm.start_profile()
             llm.generate([{"prompt_token_ids": t} for t in tokens], sampling, use_tqdm=False)
             llm.stop_profile()
-        median = sorted(rates)[len(rates) // 2]
+        median = statistics.median(rates)
         results.append({
             "backend": "vllm prefill, extract route, nothing saved" if route else "vllm prefill only",
             "samples": len(tokens),
@@ -374,7 +375,7 @@ def bare(target: str, prepared: str, sizes: list[int | None], batch_tokens: int,
             started = time.perf_counter()
             run(batches)
             rates.append(total / (time.perf_counter() - started))
-        median = sorted(rates)[len(rates) // 2]
+        median = statistics.median(rates)
         results.append({
             "backend": "transformers bare forward",
             "samples": len(lengths),
