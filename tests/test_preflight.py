@@ -201,3 +201,20 @@ def test_train_preflight_counts_the_batches_a_recorded_step_keeps_on_the_gpu(tmp
     assert "copied ahead" not in eager[1] and "copied ahead" not in on_cpu[1]
     assert recorded[0] - eager[0] == STAGED_BATCHES * staged_batch_bytes(2048, 4096)
     assert staged_batch_bytes(2048, 4096) == 2048 * (8 + 1 + 4 * 4096 * 2 + 3 * 8)  # ids, mask, features, documents
+
+
+def test_a_warm_up_as_long_as_the_run_is_said_before_and_while_training(capsys, tmp_path, tiny_store, tiny_target):
+    """The default 20 warm-up steps on a short run leave the learning rate rising to the end: preflight warns when
+    --max-steps says so, training when its packed epochs do."""
+    base = ["train", "--store", tiny_store, "--target", tiny_target]
+    code, stdout, err = run_cli(["preflight", "--json", *base, "--out", tmp_path / "a", "--max-steps", "5"], capsys)
+    schedule = next(c for c in json.loads(stdout)["checks"] if c["name"] == "schedule")
+    assert code == 0 and schedule["status"] == "warn", stdout + err
+    assert "peaks at 24% of --lr" in schedule["detail"] and schedule["fix"] == "lower --warmup-steps, e.g. to 0"
+    args = ["preflight", "--json", *base, "--out", tmp_path / "a", "--max-steps", "5", "--warmup-steps", "4"]
+    code, stdout, err = run_cli(args, capsys)
+    assert next(c for c in json.loads(stdout)["checks"] if c["name"] == "schedule")["status"] == "pass"
+    code, stdout, err = run_cli([*base, "--out", tmp_path / "run", "--token-budget", "1024", "--epochs", "1"], capsys)
+    steps = json.loads((tmp_path / "run" / "train_config.json").read_text())["total_steps"]
+    assert code == 0 and steps <= 20, err
+    assert f"--warmup-steps 20 is as long as the run ({steps} steps)" in err
