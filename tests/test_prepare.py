@@ -53,6 +53,19 @@ def test_prepare_embedded_outputs(tmp_path, capsys, embedded_target):
     assert "coverage" in stdout
 
 
+def test_a_draft_vocabulary_too_small_for_the_answers_is_said(tmp_path, capsys, tiny_target):
+    """A draft vocabulary covering < 95% of the answers' tokens caps acceptance: prepare says so, with the fix."""
+    data = write_jsonl(tmp_path / "d.jsonl", conversations(40))
+    code, _, err = run_cli(
+        ["prepare", data, "--out", tmp_path / "few", "--target", tiny_target, "--draft-vocab", "2"], capsys
+    )
+    coverage = json.loads((tmp_path / "few" / "manifest.json").read_text())["draft_vocab"]["coverage"]
+    assert code == 0 and coverage < 0.95
+    assert f"covers {coverage:.1%} of the answers' tokens" in " ".join(err.split()) and "raise --draft-vocab" in err
+    code, _, err = run_cli(["prepare", data, "--out", tmp_path / "all", "--target", tiny_target], capsys)
+    assert code == 0 and "covers" not in err
+
+
 def test_existing_out_is_not_clobbered(tmp_path, capsys, tiny_target):
     data = write_jsonl(tmp_path / "d.jsonl", conversations(3))
     out = tmp_path / "prepared"

@@ -30,6 +30,8 @@ from .render import ChatRenderer, Rendered
 from .vocab import build_draft_vocab, default_draft_vocab_size
 
 RENDER_BATCH = 512
+# below this share of the answers' tokens in the draft vocabulary, say so: the draft can never propose the rest
+MIN_DRAFT_VOCAB_COVERAGE = 0.95
 PARQUET_SCHEMA = pa.schema(
     [("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8()))]
 )
@@ -156,7 +158,21 @@ def run_prepare(config: PrepareConfig, console: Console | None = None) -> Prepar
             "seconds": round(time.perf_counter() - started, 3),
         }
         write_json_atomic(tmp / MANIFEST_FILE, manifest)
+    if warning := coverage_warning(manifest["draft_vocab"]):
+        console.print(f"[yellow]warning[/] {warning}", highlight=False)
     return PrepareResult(out=out, manifest=manifest, bad_rows=bad + tally.dropped)
+
+
+def coverage_warning(draft_vocab: dict) -> str | None:
+    """What a draft vocabulary covering too few of the answers' tokens costs, or None: each token outside it is one
+    the draft can never propose, so acceptance stops there."""
+    if draft_vocab["coverage"] >= MIN_DRAFT_VOCAB_COVERAGE:
+        return None
+    return (
+        f"the draft vocabulary ({draft_vocab['size']:,} tokens) covers {draft_vocab['coverage']:.1%} of the answers' "
+        f"tokens: the draft can never propose the rest, which caps acceptance (raise --draft-vocab; the answers use "
+        f"{draft_vocab['distinct_assistant_tokens']:,} distinct tokens)"
+    )
 
 
 def _chat_template(config: PrepareConfig) -> str | None:
