@@ -59,6 +59,21 @@ def test_a_broken_manifest(tmp_path, capsys, prepared, tiny_target, text, messag
     assert "at at" not in line
 
 
+def test_a_store_and_a_prepared_set_given_for_each_other(tmp_path, capsys, tiny_prepared, tiny_store, tiny_target):
+    """The fix for a store passed where a prepared set goes (and back) is the other path, not a rerun."""
+    refused_by_extract(
+        tmp_path, tiny_store, tiny_target, capsys, f"{tiny_store}: a store (made by `eaglet extract`), not a prepared "
+        "set; pass the --out of `eaglet prepare`",
+    )  # fmt: skip
+    for args in (["store", "info", tiny_prepared], ["store", "verify", tiny_prepared],
+                 ["train", "--store", tiny_prepared, "--target", tiny_target, "--out", tmp_path / "run"]):  # fmt: skip
+        assert_refused(
+            run_cli(args, capsys), f"{tiny_prepared}: a prepared set (made by `eaglet prepare`), not a store; pass "
+            "the --out of `eaglet extract`",
+        )  # fmt: skip
+    assert not (tmp_path / "run").exists()
+
+
 def test_samples_changed_after_prepare(tmp_path, capsys, prepared, tiny_target):
     table = pq.read_table(prepared / "samples.parquet")
     rewrite_samples(prepared, table.slice(0, len(table) - 1), keep_hash=False)

@@ -15,6 +15,20 @@ VOCAB_FILE = "vocab.safetensors"
 STORE_SCHEMA = "eaglet.model.shards/2"
 
 
+# the directories eaglet writes a manifest.json into, by the schema it carries: (what it is, the command making it)
+MANIFEST_KINDS = {PREPARED_SCHEMA: ("a prepared set", "eaglet prepare"), STORE_SCHEMA: ("a store", "eaglet extract")}
+
+
+def other_kind(directory: Path, found: object, wanted: str) -> str | None:
+    """The refusal when ``directory`` holds another of eaglet's manifests (schema ``found``) where one of schema
+    ``wanted`` is expected — a prepared set passed as a store, say: its fix is another path, not a rerun."""
+    if found == wanted or not isinstance(found, str) or found not in MANIFEST_KINDS:
+        return None
+    what, command = MANIFEST_KINDS[found]
+    wanted_what, wanted_command = MANIFEST_KINDS[wanted]
+    return f"{directory}: {what} (made by `{command}`), not {wanted_what}; pass the --out of `{wanted_command}`"
+
+
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 

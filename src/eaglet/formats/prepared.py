@@ -19,7 +19,7 @@ from pydantic import Field
 
 from ..errors import EagletError, shown
 from ..fsio import load_json_file, sha256_file
-from .files import MANIFEST_FILE, PREPARED_SCHEMA, SAMPLES_FILE, VOCAB_FILE
+from .files import MANIFEST_FILE, PREPARED_SCHEMA, SAMPLES_FILE, VOCAB_FILE, other_kind
 from .records import Positive, Record, Sha256, parse_record
 
 REQUIRED_COLUMNS = {"id": pa.string(), "input_ids": pa.list_(pa.int32()), "loss_mask": pa.list_(pa.uint8())}
@@ -103,7 +103,10 @@ def read_prepared_manifest(path: Path) -> dict[str, Any]:
     manifest = load_json_file(manifest_path, PREPARE_AGAIN)
     if not isinstance(manifest, dict) or manifest.get("schema") != PREPARED_SCHEMA:
         found = manifest.get("schema") if isinstance(manifest, dict) else type(manifest).__name__
-        raise EagletError(f"{manifest_path}: schema {shown(found)}, expected {PREPARED_SCHEMA!r}; {PREPARE_AGAIN}")
+        raise EagletError(
+            other_kind(path, found, PREPARED_SCHEMA)
+            or f"{manifest_path}: schema {shown(found)}, expected {PREPARED_SCHEMA!r}; {PREPARE_AGAIN}"
+        )
     parse_record(PreparedManifest, manifest, manifest_path, PREPARE_AGAIN)
     return manifest
 

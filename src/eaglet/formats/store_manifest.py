@@ -31,7 +31,7 @@ from pydantic import Field, model_validator
 
 from ..errors import EagletError, shown
 from ..fsio import load_json_file, read_json
-from .files import MANIFEST_FILE, STORE_SCHEMA, record_name, shard_name
+from .files import MANIFEST_FILE, STORE_SCHEMA, other_kind, record_name, shard_name
 from .layers import AUX_CONVENTION, resolve_aux_layer_ids, validate_aux_layer_ids
 from .records import Count, Positive, Record, Sha256, parse_record
 
@@ -263,7 +263,10 @@ def read_manifest(store: Path, check_shards: bool = True) -> dict[str, Any]:
     manifest = load_json_file(path, "re-run the same `eaglet extract` command to rewrite it")
     if not isinstance(manifest, dict) or manifest.get("schema") != STORE_SCHEMA:
         found = manifest.get("schema") if isinstance(manifest, dict) else type(manifest).__name__
-        raise EagletError(f"{path}: schema {shown(found)}, this eaglet reads {STORE_SCHEMA!r}; extract the store again")
+        raise EagletError(
+            other_kind(store, found, STORE_SCHEMA)
+            or f"{path}: schema {shown(found)}, this eaglet reads {STORE_SCHEMA!r}; extract the store again"
+        )
     if check_shards:
         parse_record(StoreManifest, manifest, path, REBUILD)
     return manifest
