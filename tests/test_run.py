@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from conftest import run_cli, small_conversations, write_jsonl
 
@@ -182,6 +183,13 @@ def test_bad_run_configs_are_one_line_errors(tmp_path, capsys, tiny_target):
 def test_bad_options_of_the_new_commands_are_one_line_errors(tmp_path, capsys, tiny_store, tiny_target):
     cases = [
         (["demo", "--scale", "tpu", "--out", tmp_path / "d"], "--scale tpu: choose cpu, gpu or auto"),
+    ]
+    if not torch.cuda.is_available():  # the GPU demo's sizes on a CPU would run for hours: said, with the CPU demo
+        cases += [
+            (["demo", "--scale", "gpu", "--out", tmp_path / "d", *plan], "sees no CUDA GPU")
+            for plan in ([], ["--plan"])
+        ]
+    cases += [
         (
             ["train", "--store", tiny_store, "--target", tiny_target, "--out", tmp_path / "t", "--parallel", "zero3"],
             "'parallel'",

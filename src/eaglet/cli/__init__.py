@@ -560,10 +560,15 @@ def demo(
 
     if scale not in ("auto", "cpu", "gpu"):
         raise EagletError(f"--scale {scale}: choose cpu, gpu or auto")
-    if scale == "auto":
-        import torch
+    import torch
 
+    if scale == "auto":
         scale = "gpu" if torch.cuda.is_available() else "cpu"
+    elif scale == "gpu" and not torch.cuda.is_available():  # its sizes on a CPU would run for hours
+        raise EagletError(
+            f"--scale gpu: torch {torch.__version__} sees no CUDA GPU here; run `eaglet demo --scale cpu` (~8 min), "
+            "or on a machine with one"
+        )
     config = demo_config_path(scale)
     pipeline = Pipeline(load_run_config(config, {"out": _run_directory(out)}), config, err_console)
     if plan:
