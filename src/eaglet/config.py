@@ -496,6 +496,17 @@ class TrainConfig(PlacementFields):
     draft_vocab_file: str | None = Field(default=None, description="vocab.safetensors (default: the prepared set's)")
     trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
 
+    def warmup_problem(self, steps: int) -> tuple[str, str] | None:
+        """(why, fix) when the warm-up swallows a run of ``steps`` optimizer steps, or None: the learning rate would
+        still be rising at the last step (at most steps/(warmup+1) of --lr) and the schedule's decay never run."""
+        if self.warmup_steps < steps:
+            return None
+        return (
+            f"--warmup-steps {self.warmup_steps} is as long as the run ({steps} steps): the learning rate peaks at "
+            f"{steps / (self.warmup_steps + 1):.0%} of --lr and never decays",
+            f"lower --warmup-steps, e.g. to {steps // 10}",
+        )
+
     def records_step(self, device: str, world: int) -> bool:
         """Whether the run records its step as CUDA graphs (``train.graphed``): asked for (the default), on a GPU,
         one process, one micro-batch a step, features from a store (online training runs the target in the

@@ -396,9 +396,7 @@ def train_checks(cfg: Any) -> list[Check]:
     online = weights_bytes(resolved.path, dtype_bytes) if cfg.prepared else 0
     checks.append(check_memory(device, *train_memory(cfg, device, dtype_bytes, draft, info.vocab_size, online)))
     if cfg.max_steps:  # otherwise the run's length is known once its epochs are packed (train warns then)
-        from ..train.setup import warmup_problem
-
-        problem = warmup_problem(cfg, cfg.max_steps)
+        problem = cfg.warmup_problem(cfg.max_steps)
         checks.append(Check("schedule", WARN, *problem) if problem else Check("schedule", PASS, "warm-up fits the run"))
     if not device.startswith("cuda"):
         checks.append(_cpu_step_time(cfg, draft, info))

@@ -43,7 +43,6 @@ from .setup import (
     optimizer_flags,
     restore_optimizer_flags,
     total_steps,
-    warmup_problem,
 )
 from .step import NonFiniteStep, StepStats
 
@@ -97,7 +96,7 @@ def _train(config: TrainConfig, console: Console, dist: Dist, run: Path) -> Trai
     per_step = dist.world * config.grad_accum
     steps = total_steps(config, per_step, setup.source.plan(0, select), setup.lengths)
     scheduler = torch.optim.lr_scheduler.LambdaLR(model.optimizer, lr_schedule(config, steps))
-    if dist.is_main and (problem := warmup_problem(config, steps)):
+    if dist.is_main and (problem := config.warmup_problem(steps)):
         console.print(f"[yellow]warning[/] {problem[0]} ({problem[1]})", highlight=False)
     state = _resume(run, model, scheduler, setup, console)
     resumed_from = state.step

@@ -309,18 +309,6 @@ def total_steps(config: TrainConfig, per_step: int, epoch_plan: list[list[int]],
     return max(1, math.floor((config.epochs or 1.0) * steps_per_epoch))
 
 
-def warmup_problem(config: TrainConfig, steps: int) -> tuple[str, str] | None:
-    """(why, fix) when the warm-up swallows a run of ``steps`` optimizer steps, or None: the learning rate would
-    still be rising at the last step (at most steps/(warmup+1) of --lr) and the schedule's decay never run."""
-    if config.warmup_steps < steps:
-        return None
-    return (
-        f"--warmup-steps {config.warmup_steps} is as long as the run ({steps} steps): the learning rate peaks at "
-        f"{steps / (config.warmup_steps + 1):.0%} of --lr and never decays",
-        f"lower --warmup-steps, e.g. to {steps // 10}",
-    )
-
-
 def lr_schedule(config: TrainConfig, steps: int) -> Callable[[int], float]:
     """The learning-rate factor per step: linear warm-up, then cosine, linear or constant to min_lr_ratio."""
 
