@@ -77,6 +77,9 @@ def cases(w: Path, made: dict[str, Path]) -> list[tuple[str, list, str]]:
     def conversation(*turns: tuple[str, object], row_id: object = "c1") -> str:
         return json.dumps({"id": row_id, "messages": [{"role": r, "content": c} for r, c in turns]}) + "\n"
 
+    import torch
+
+    gpu_demo = "accepted" if torch.cuda.is_available() else "refused"  # without a GPU its sizes would run for hours
     prompt = file("ok.jsonl", json.dumps({"id": "a", "prompt": "Hello there, how are you?"}) + "\n")
     huge = file("huge.jsonl", json.dumps({"id": "h", "prompt": "word " * 9000}) + "\n")
     sharegpt = file(
@@ -378,6 +381,13 @@ def cases(w: Path, made: dict[str, Path]) -> list[tuple[str, list, str]]:
         ),
         ("export --check a missing folder", ["export", "--check", w / "nope"], "refused"),
         ("store verify a prepared set", ["store", "verify", prepared], "refused"),
+        (
+            "train --store a prepared set",
+            ["train", "--store", prepared, "--out", w / "t9", "--max-steps", "1"],
+            "refused",
+        ),
+        ("extract --prepared a store", ["extract", "--prepared", store, "--out", w / "s9"], "refused"),
+        ("demo --scale gpu on this machine", ["demo", "--scale", "gpu", "--out", w / "dg", "--plan"], gpu_demo),
     ]
 
 
