@@ -175,3 +175,20 @@ def test_an_empty_path_is_refused_not_taken_as_the_current_directory(tmp_path, c
     code, _, err = run_cli(args, capsys)
     assert code == 2 and "empty" in err and err.count("\n") == 1 and "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["prepare", "c.jsonl", "./c.jsonl", "--out", "p"], "'inputs': ./c.jsonl is given twice (also as c.jsonl)"),
+        (["regenerate", "c.jsonl", "c.jsonl", "--out", "a.jsonl"], "'prompts': c.jsonl is given twice"),
+        (["eval", "--draft", "d", "--out", "e", "--prompts", "mt-bench", "--prompts", "mt-bench"], "given twice"),
+    ],
+)
+def test_a_file_given_twice_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch, args, message):
+    """Its rows would be read twice, then refused as duplicate ids "first at" their own line."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.jsonl").write_text('{"id": "a", "prompt": "hi"}\n')
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and message in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]

@@ -6,11 +6,12 @@ given on the command line < ``--set key=value``. Unknown keys anywhere are error
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import EagletError, shown
 from .export import FORMAT_NAMES
@@ -48,6 +49,21 @@ DEFAULT_VLLM_MEMORY_SHARE = 0.85  # of the GPU vLLM takes for weights + KV cache
 TARGET_HELP = "'embedded' (SmolLM2-135M-Instruct), an HF model directory, a .gguf file or a hub id"
 RECORDED_TARGET_HELP = "the target (default: the one its input records)"
 TRUST_HELP = "allow the model's own Python code (off unless asked)"
+
+
+def _each_once(files: list[str]) -> list[str]:
+    """A file list naming no file twice (by its absolute path): its rows would be read twice, and refused then as
+    duplicate ids pointing at the same line."""
+    seen: dict[str, str] = {}
+    for name in files:
+        key = os.path.normpath(os.path.abspath(os.path.expanduser(name)))
+        if key in seen:
+            raise ValueError(f"{name} is given twice" + (f" (also as {seen[key]})" if seen[key] != name else ""))
+        seen[key] = name
+    return files
+
+
+FileList = Annotated[list[str], AfterValidator(_each_once)]  # files whose rows are read together
 
 
 class StrictModel(BaseModel):
@@ -108,7 +124,7 @@ class VllmFields(StrictModel):
 
 
 class PrepareConfig(StrictModel):
-    inputs: list[str] = Field(min_length=1, description="conversation files (.jsonl, .json, .parquet)")
+    inputs: FileList = Field(min_length=1, description="conversation files (.jsonl, .json, .parquet)")
     out: str = Field(description="output directory (written atomically)")
     target: str = Field(default="embedded", description=TARGET_HELP)
     chat_template: str | None = Field(default=None, description="a .jinja file replacing the target's template")
@@ -122,7 +138,7 @@ class PrepareConfig(StrictModel):
 class RegenerateConfig(VllmFields, PlacementFields):
     FORWARD_OPTION: ClassVar[tuple[str, int] | None] = ("--batch-size {}", 1)
 
-    prompts: list[str] = Field(
+    prompts: FileList = Field(
         min_length=1,
         description="prompt or conversation files; 'demo' = the shipped demo prompts, 'mt-bench' = MT-Bench's 80 questions",
     )
@@ -549,7 +565,7 @@ TREE_LIMITS = {"depth": (1, 16), "topk": (1, 64), "budget": (1, 512)}  # the bou
 class EvalConfig(PlacementFields):
     draft: str = Field(description="a draft directory (`eaglet train` output or an `eaglet export` directory)")
     out: str = Field(description="report directory")
-    prompts: list[str] = Field(
+    prompts: FileList = Field(
         default_factory=lambda: ["demo"],
         description="prompt files; 'demo' = the shipped demo prompts, 'mt-bench' = MT-Bench's 80 questions",
     )
