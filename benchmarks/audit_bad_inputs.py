@@ -388,6 +388,7 @@ def cases(w: Path, made: dict[str, Path]) -> list[tuple[str, list, str]]:
         ),
         ("extract --prepared a store", ["extract", "--prepared", store, "--out", w / "s9"], "refused"),
         ("demo --scale gpu on this machine", ["demo", "--scale", "gpu", "--out", w / "dg", "--plan"], gpu_demo),
+        ("prepare a file given twice", ["prepare", prompt, f"{w}/./{Path(prompt).name}", "--out", w / "p9"], "refused"),
     ]
 
 
