@@ -681,7 +681,7 @@ def test_eval_tune_without_a_train_split_times_the_first_evaluated_prompts(tmp_p
             "tune_trees [0, 2, 4]: depth 0 is outside 1..16",
         ),
         (["--tune", "--mode", "tree", "--set", "tune_trees=[[2, 2]]"], "tune_trees"),
-        (["--prompts", "mt-bench", "--prompts", "mt-bench"], "--prompts mt-bench is given twice"),
+        (["--prompts", "mt-bench", "--prompts", "mt-bench"], "'prompts': mt-bench is given twice"),
     ],
 )
 def test_eval_tune_bad_settings_refused_before_loading(tmp_path, capsys, tiny_draft, tiny_target, args, message):

@@ -52,8 +52,8 @@ TRUST_HELP = "allow the model's own Python code (off unless asked)"
 
 
 def _each_once(files: list[str]) -> list[str]:
-    """A file list naming no file twice (by its absolute path): its rows would be read twice, and refused then as
-    duplicate ids pointing at the same line."""
+    """A file list naming no file twice (by its absolute path): its rows would be read twice (prepare and regenerate
+    refuse them then as duplicate ids "first at" their own line; eval would decode and count its prompts twice)."""
     seen: dict[str, str] = {}
     for name in files:
         key = os.path.normpath(os.path.abspath(os.path.expanduser(name)))
@@ -644,9 +644,6 @@ class EvalConfig(PlacementFields):
             )
         if self.tune and self.mode != "tree":
             return "--tune times tree shapes; add --mode tree (a chain has only --depth to choose)"
-        repeated = next((name for index, name in enumerate(self.prompts) if name in self.prompts[:index]), None)
-        if repeated is not None:
-            return f"--prompts {repeated} is given twice; its prompts would be decoded and counted twice: give it once"
         for shape in self.tune_trees if self.tune else ():
             for (name, (low, high)), value in zip(TREE_LIMITS.items(), shape):
                 if not low <= value <= high:
