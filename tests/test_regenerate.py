@@ -56,6 +56,20 @@ def test_hf_backend_rows_and_manifest(tmp_path, capsys, tiny_target):
     assert code == 0 and "wrote 0 answers" in stdout and "(6 already there)" in stdout
 
 
+def test_static_engine_writes_the_answers_generate_writes(tmp_path, capsys, tiny_target):
+    """Greedy, the static engine (a preallocated cache, run eagerly on CPU) and transformers' generate write the same
+    file; the manifest says which engine ran and why."""
+    prompts = prompts_file(tmp_path, 6)
+    files = {}
+    for engine in ("generate", "static"):
+        out = files[engine] = tmp_path / f"{engine}.jsonl"
+        code, _, err = run_cli(regen_args(prompts, out, tiny_target, "--hf-engine", engine), capsys)
+        assert code == 0, err
+        used = json.loads((tmp_path / f"{engine}.jsonl.manifest.json").read_text())["hf_engine"]
+        assert list(used) == [engine]
+    assert files["static"].read_bytes() == files["generate"].read_bytes()
+
+
 def test_resume_refuses_other_settings(tmp_path, capsys, tiny_target):
     prompts = prompts_file(tmp_path, 2)
     out = tmp_path / "a.jsonl"
@@ -103,7 +117,9 @@ def test_a_prompt_too_long_for_the_target_is_refused_or_skipped_before_the_weigh
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "sampling", [[], ["--temperature", "0.9", "--top-p", "0.9", "--n", "2"]], ids=["greedy", "sampled"]
+    "sampling",
+    [[], ["--temperature", "0.9", "--top-p", "0.9", "--n", "2"], ["--temperature", "0.9", "--hf-engine", "static"]],
+    ids=["greedy", "sampled", "sampled-static"],
 )
 def test_sigkill_resume_is_byte_identical(tmp_path, capsys, tiny_target, sampling):
     prompts = prompts_file(tmp_path, 40)

@@ -102,6 +102,16 @@ class PlacementFields(StrictModel):
     FORWARD_OPTION: ClassVar[tuple[str, int] | None] = None
 
 
+class GenerationFields(StrictModel):
+    """How an in-process transformers target writes text (``regenerate --backend hf``, ``synthesize``)."""
+
+    hf_engine: Literal["auto", "static", "generate"] = Field(
+        default="auto",
+        description="hf: static (a preallocated KV cache, each new token one CUDA graph on a GPU), generate "
+        "(transformers' generate), auto: static on a GPU where the target allows it, else generate",
+    )
+
+
 class VllmFields(StrictModel):
     """How vLLM holds the target, for every stage with a vllm backend (``model.vllm_engine``)."""
 
@@ -135,7 +145,7 @@ class PrepareConfig(StrictModel):
     trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
 
 
-class RegenerateConfig(VllmFields, PlacementFields):
+class RegenerateConfig(GenerationFields, VllmFields, PlacementFields):
     FORWARD_OPTION: ClassVar[tuple[str, int] | None] = ("--batch-size {}", 1)
 
     prompts: FileList = Field(
@@ -175,7 +185,7 @@ class RegenerateConfig(VllmFields, PlacementFields):
     trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
 
 
-class SynthesizeConfig(PlacementFields):
+class SynthesizeConfig(GenerationFields, PlacementFields):
     """`eaglet synthesize`: user prompts written by the target from its chat template's user prefix (Magpie)."""
 
     FORWARD_OPTION: ClassVar[tuple[str, int] | None] = ("--batch-size {}", 1)

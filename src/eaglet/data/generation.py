@@ -3,10 +3,11 @@ stop tokens, one batch size rule, one cut at the first stop token."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..config import CPU_GENERATE_BATCH, GPU_GENERATE_BATCH
+from ..errors import EagletError
 
 
 @dataclass
@@ -18,9 +19,83 @@ class Generator:
     stop_ids: list[int]
     pad_id: int
     writes: bool  # this rank writes (under --placement tp every rank generates, rank 0 writes)
+    engine: str = "auto"  # hf_engine: auto, static or generate
+    distributed: bool = False  # the target is split over a torchrun world
+    used: dict[str, str] = field(default_factory=dict)  # engine -> why it ran (the manifest's record)
+    _sampler: Any = None  # the static engine's BatchSampler, reused while batches fit it
 
     def until_stop(self, tokens: list[int]) -> tuple[list[int], bool]:
         return until_stop(tokens, self.stop_ids)
+
+    def sample(
+        self, prompts: list[list[int]], max_new: int, temperature: float, top_p: float, seed: int
+    ) -> list[list[int]]:
+        """Each prompt's new tokens (greedy at temperature 0), up to ``max_new``; cut them with ``until_stop``.
+        Deterministic given ``seed`` and the batch."""
+        from ..decode.sampling import Sampling
+
+        sampling = Sampling(temperature, top_p)
+        width = max(map(len, prompts))
+        sampler, why = self._static_sampler(width, max_new, sampling)
+        if sampler is None:
+            self.used.setdefault("generate", why)
+            return self._generate(prompts, max_new, sampling, seed)
+        self.used.setdefault("static", why)
+        from ..decode.batch_sampler import folded_attention_set
+
+        with folded_attention_set(self.model):
+            return sampler.generate(prompts, max_new, seed)
+
+    def _static_sampler(self, width: int, max_new: int, sampling: Any) -> tuple[Any, str]:
+        """The static engine's sampler for this batch (built or reused), or None and why ``generate`` runs."""
+        from ..decode.batch_sampler import BatchSampler, cache_length, folded_attention_set, static_sampling_problem
+
+        if self.engine == "generate":
+            return None, "asked for (--hf-engine generate)"
+        if self.engine == "auto" and not str(self.device).startswith("cuda"):
+            return None, "auto on a CPU"
+        if self._sampler is not None and self._sampler.fits(width, max_new) and self._sampler.sampling == sampling:
+            return self._sampler, "the target allows it"
+        self._sampler = None  # its cache and graph go before a larger one is made
+        max_len = cache_length(width, max_new)
+        problem = "the target is split over a torchrun world" if self.distributed else None
+        problem = problem or static_sampling_problem(self.model, self.batch_size, max_len)
+        if problem:
+            if self.engine == "static":
+                raise EagletError(f"--hf-engine static: {problem}; use --hf-engine generate")
+            return None, problem
+        with folded_attention_set(self.model):
+            self._sampler = BatchSampler(
+                self.model, self.batch_size, max_len, max_new, sampling, self.stop_ids, self.pad_id
+            )
+        return self._sampler, "the target allows it"
+
+    def _generate(self, prompts: list[list[int]], max_new: int, sampling: Any, seed: int) -> list[list[int]]:
+        """transformers' ``generate`` over the left-padded batch."""
+        import torch
+
+        from ..model.target import decoding_attention
+
+        width = max(map(len, prompts))
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, row in enumerate(prompts):  # left padding: every prompt ends at the same column
+            input_ids[i, width - len(row) :] = torch.tensor(row)
+            attention[i, width - len(row) :] = 1
+        torch.manual_seed(seed)
+        with torch.inference_mode(), decoding_attention():  # no per-key-length cuDNN plans
+            output = self.model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention.to(self.device),
+                max_new_tokens=max_new,
+                do_sample=not sampling.greedy,
+                temperature=None if sampling.greedy else sampling.temperature,
+                top_p=None if sampling.greedy else sampling.top_p,
+                top_k=None,
+                eos_token_id=self.stop_ids,
+                pad_token_id=self.pad_id,
+            )
+        return output[:, width:].tolist()
 
 
 def until_stop(tokens: list[int], stop_ids: list[int]) -> tuple[list[int], bool]:
@@ -51,6 +126,8 @@ def load_generator(config: Any, template_stops: Callable[[Any], set[int]]) -> Ge
         ordered,
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ordered[0],
         dist.is_main,
+        config.hf_engine,
+        dist.world > 1,
     )
 
 

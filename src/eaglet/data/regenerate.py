@@ -34,7 +34,6 @@ from ..fsio import (
     write_bytes_atomic,
     write_json_atomic,
 )
-from ..model.target import decoding_attention
 from ..progress import progress_bar
 from ..resources import resolve_input
 from .generation import load_generator, stop_token_ids, until_stop
@@ -240,13 +239,10 @@ class HFBackend:
     """In-process generation with the target's KV cache, length-bucketed left-padded batches."""
 
     def __init__(self, config: RegenerateConfig):
-        import torch
-
         self.config = config
         self.generator = load_generator(config, lambda tokenizer: _needs_template(tokenizer, config.target))
         self.tokenizer = self.generator.tokenizer
         self.writes = self.generator.writes
-        self.torch = torch
 
     def plan(self, requests: list[Request]) -> tuple[list[list[Request]], dict[int, list[int]]]:
         encoded = {r.order: encode_prompt(self.tokenizer, r) for r in requests}
@@ -254,30 +250,11 @@ class HFBackend:
         return _length_buckets(requests, lengths, self.generator.batch_size), encoded
 
     def generate(self, batch: list[Request], encoded: dict[int, list[int]], batch_seed: int) -> list[Answer]:
-        torch, generator = self.torch, self.generator
+        generator, config = self.generator, self.config
         rows = [encoded[r.order] for r in batch]
-        width = max(len(r) for r in rows)
-        input_ids = torch.full((len(rows), width), generator.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):  # left padding: every prompt ends at the same column
-            input_ids[i, width - len(row) :] = torch.tensor(row)
-            attention[i, width - len(row) :] = 1
-        sampling = self.config.temperature > 0
-        torch.manual_seed(batch_seed)
-        with torch.inference_mode(), decoding_attention():  # no per-key-length cuDNN plans
-            output = generator.model.generate(
-                input_ids=input_ids.to(generator.device),
-                attention_mask=attention.to(generator.device),
-                max_new_tokens=self.config.max_new_tokens,
-                do_sample=sampling,
-                temperature=self.config.temperature if sampling else None,
-                top_p=self.config.top_p if sampling else None,
-                top_k=None,
-                eos_token_id=generator.stop_ids,
-                pad_token_id=generator.pad_id,
-            )
+        new = generator.sample(rows, config.max_new_tokens, config.temperature, config.top_p, batch_seed)
         answers = []
-        for tokens in output[:, width:].tolist():
+        for tokens in new:
             kept, stopped = generator.until_stop(tokens)
             text = self.tokenizer.decode(kept, skip_special_tokens=True)
             answers.append(Answer(text, "stop" if stopped else "length", len(kept) + stopped))
@@ -524,6 +501,7 @@ def _regenerate(config: RegenerateConfig, out: Path, console: Console) -> Regene
         "new_tokens_this_run": new_tokens,
         "seconds_this_run": round(seconds, 3),
         "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 and new_tokens else None,
+        "hf_engine": backend.generator.used if isinstance(backend, HFBackend) else None,  # engine -> why it ran
         "output_sha256": sha256_file(out),
     }
     write_json_atomic(answers_manifest(out), manifest)

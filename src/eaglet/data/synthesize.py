@@ -209,8 +209,6 @@ class Writer:
     """The target writing user turns: one batch of the same prefix, sampled, stopped where the turn closes."""
 
     def __init__(self, config: SynthesizeConfig):
-        import torch
-
         self.config = config
         turns: list[UserTurn] = []
 
@@ -223,27 +221,15 @@ class Writer:
         self.tokenizer = self.generator.tokenizer
         self.prefix = self.tokenizer.backend_tokenizer.encode(turns[0].prefix, add_special_tokens=False).ids
         self.writes = self.generator.writes
-        self.torch = torch
 
     def batch(self, seed: int) -> list[str | None]:
         """``batch_size`` user messages; None for one that did not close its turn within max_new_tokens."""
-        torch, generator = self.torch, self.generator
-        input_ids = torch.tensor([self.prefix] * generator.batch_size, dtype=torch.long, device=generator.device)
-        torch.manual_seed(seed)
-        with torch.inference_mode():
-            output = generator.model.generate(
-                input_ids=input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=self.config.max_new_tokens,
-                do_sample=True,
-                temperature=self.config.temperature,
-                top_p=self.config.top_p,
-                top_k=None,
-                eos_token_id=generator.stop_ids,
-                pad_token_id=generator.pad_id,
-            )
+        generator, config = self.generator, self.config
+        new = generator.sample(
+            [self.prefix] * generator.batch_size, config.max_new_tokens, config.temperature, config.top_p, seed
+        )
         texts: list[str | None] = []
-        for tokens in output[:, len(self.prefix) :].tolist():
+        for tokens in new:
             kept, stopped = generator.until_stop(tokens)
             texts.append(self.tokenizer.decode(kept, skip_special_tokens=True) if stopped else None)
         return texts
@@ -331,6 +317,7 @@ def _synthesize(config: SynthesizeConfig, out: Path, console: Console) -> Synthe
             "heldout": sum(row["split"] == "heldout" for row in rows),
         },
         "seconds": round(time.perf_counter() - started, 1),
+        "hf_engine": writer.generator.used if writer is not None else None,  # engine -> why it ran (this run)
     }
     write_json_atomic(manifest_path(out), manifest)
     return SynthesizeResult(out, len(rows), len(texts()), manifest["seconds"], manifest)

@@ -1,0 +1,107 @@
+"""The static engine `regenerate` and `synthesize` write text with on a GPU (``decode/batch_sampler.py``), run
+eagerly here: greedy rows equal transformers' ``generate`` token for token (left padding, grouped key heads,
+rows that stop early), sampling is reproducible and follows temperature and nucleus, and the engine is picked
+only where the target allows it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from eaglet.data.generation import Generator
+from eaglet.decode.batch_sampler import (
+    STOP_CHECK_EVERY,
+    BatchSampler,
+    cache_length,
+    folded_attention_set,
+    static_sampling_problem,
+)
+from eaglet.decode.sampling import Sampling
+from eaglet.errors import EagletError
+
+PROMPTS = [[5, 9, 13], [7, 3, 3, 8, 21, 2, 40], [11], [4, 4, 6, 30, 31]]  # ragged: left padding on three rows
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from conftest import tiny_llama_dir
+
+    path = tiny_llama_dir(tmp_path_factory.mktemp("sampler-target"))  # 4 query heads over 2 key heads
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_generate(model, prompts, stop_ids, new=NEW):
+    generator = Generator(None, model, torch.device("cpu"), len(prompts), stop_ids, 0, True, engine="generate")
+    return generator.sample(prompts, new, 0.0, 1.0, seed=0)
+
+
+def sampler_for(model, rows, sampling=Sampling(), stop_ids=(), new=NEW):
+    width = max(map(len, PROMPTS))
+    with folded_attention_set(model) as folded:
+        assert folded
+        return BatchSampler(model, rows, cache_length(width, new), new, sampling, list(stop_ids), 0)
+
+
+def until(tokens, stop_ids):
+    return next((tokens[: i + 1] for i, t in enumerate(tokens) if t in stop_ids), tokens)
+
+
+def test_greedy_rows_equal_transformers_generate(model):
+    expected = hf_generate(model, PROMPTS, [])
+    sampler = sampler_for(model, rows=len(PROMPTS) + 2)  # two spare rows, stopped from the start
+    with folded_attention_set(model):
+        got = sampler.generate(PROMPTS, NEW, seed=0)
+    assert got == expected
+    assert model.config._attn_implementation != "eaglet_folded_sdpa"  # the model's own attention after the block
+    expected = hf_generate(model, PROMPTS[::-1], [])
+    with folded_attention_set(model):  # a second batch on the same cache: nothing of the first is seen
+        assert sampler.generate(PROMPTS[::-1], NEW, seed=0) == expected
+
+
+def test_rows_stop_at_their_stop_token_and_the_batch_ends_when_all_have(model):
+    free = hf_generate(model, PROMPTS, [])
+    stops = sorted({row[2] for row in free})  # every row meets one by its third token
+    sampler = sampler_for(model, rows=len(PROMPTS), stop_ids=stops, new=40)
+    expected = hf_generate(model, PROMPTS, stops, new=40)
+    with folded_attention_set(model):
+        got = sampler.generate(PROMPTS, 40, seed=0)
+    for row, tokens in zip(expected, got):
+        cut = until(tokens, set(stops))
+        assert cut == until(row, set(stops)) and len(cut) <= 3
+        assert all(t == 0 for t in tokens[len(cut) :])  # padding after a stop
+    assert len(got[0]) == STOP_CHECK_EVERY  # the first check saw every row stopped: no step after it
+
+
+def test_sampling_is_reproducible_and_follows_the_nucleus(model):
+    sampling = Sampling(temperature=1.0, top_p=0.9)
+    sampler = sampler_for(model, rows=len(PROMPTS), sampling=sampling)
+    with folded_attention_set(model):
+        first = sampler.generate(PROMPTS, NEW, seed=7)
+        again = sampler.generate(PROMPTS, NEW, seed=7)
+        other = sampler.generate(PROMPTS, NEW, seed=8)
+    assert first == again and first != other
+    narrow = sampler_for(model, rows=len(PROMPTS), sampling=Sampling(temperature=1.0, top_p=1e-6))
+    expected = hf_generate(model, PROMPTS, [])
+    with folded_attention_set(model):  # a nucleus of one token: the greedy rows, whatever the draws
+        assert narrow.generate(PROMPTS, NEW, seed=3) == expected
+
+
+def test_generator_picks_the_engine_and_says_why(model):
+    static = Generator(None, model, torch.device("cpu"), 8, [], 0, True, engine="static")
+    assert static.sample(PROMPTS, NEW, 0.0, 1.0, seed=0) == hf_generate(model, PROMPTS, [])
+    assert list(static.used) == ["static"]
+    auto = Generator(None, model, torch.device("cpu"), 8, [], 0, True, engine="auto")
+    auto.sample(PROMPTS, 2, 0.0, 1.0, seed=0)
+    assert auto.used == {"generate": "auto on a CPU"}
+    split = Generator(None, model, torch.device("cpu"), 8, [], 0, True, engine="static", distributed=True)
+    with pytest.raises(EagletError, match="--hf-engine static: the target is split over a torchrun world"):
+        split.sample(PROMPTS, 2, 0.0, 1.0, seed=0)
+
+
+def test_targets_the_engine_cannot_run_are_named(tmp_path):
+    from targets import tiny_target
+
+    moe = AutoModelForCausalLM.from_pretrained(tiny_target(tmp_path / "gpt-oss", "gpt_oss"))
+    assert "sliding-window" in static_sampling_problem(moe, 4, 256)
