@@ -27,8 +27,10 @@ eaglet() { python3 -m eaglet.cli "$@"; }
 case "${1:-}" in
   demo)
     # the log goes to $OUT as it is written: a device call ended at its limit still brings back how far it got
+    # DEMO_CONFIG: a recipe to run instead of the shipped one (`eaglet run DEMO_CONFIG`)
     mkdir -p "$OUT/demo"
-    /usr/bin/time -v timeout "${DEMO_LIMIT_S:-540}" python3 -m eaglet.cli demo --scale gpu --out "$WORK/demo" \
+    if [ -n "${DEMO_CONFIG:-}" ]; then command=(run "$DEMO_CONFIG"); else command=(demo --scale gpu); fi
+    /usr/bin/time -v timeout "${DEMO_LIMIT_S:-540}" python3 -m eaglet.cli "${command[@]}" --out "$WORK/demo" \
       > "$OUT/demo/log.txt" 2>&1
     tail -40 "$OUT/demo/log.txt"
     cp -r "$WORK/demo/run.json" "$WORK/demo/eval" "$WORK/demo/draft/metrics.jsonl" "$WORK/demo/draft/"*.png \

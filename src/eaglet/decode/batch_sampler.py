@@ -159,7 +159,7 @@ class BatchSampler:
         self.graph = None
         if self.graphs:  # the capture's runs write cache entries and tokens that each batch's start overwrites
             with torch.inference_mode():
-                self.graph = capture(device, self._step)[0]
+                self.graph = capture(device, self._step, fix="use --hf-engine generate")[0]
 
     def fits(self, width: int, max_new: int) -> bool:
         return width + max_new <= self.max_len and max_new <= self.max_new

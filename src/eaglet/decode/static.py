@@ -40,9 +40,12 @@ WARMUP_RUNS = 2  # eager runs on a side stream before capture (cuBLAS/allocator 
 T = TypeVar("T")
 
 
-def capture(device: torch.device, body: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+def capture(
+    device: torch.device, body: Callable[[], T], fix: str = "run eval with --cuda-graphs off"
+) -> tuple[torch.cuda.CUDAGraph, T]:
     """Run ``body`` WARMUP_RUNS times on a side stream, then capture it as a CUDA graph; returns the graph
-    and the outputs ``body`` left in the graph's memory (rewritten by every replay)."""
+    and the outputs ``body`` left in the graph's memory (rewritten by every replay). ``fix``: what the user can
+    do when the capture fails."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -55,7 +58,7 @@ def capture(device: torch.device, body: Callable[[], T]) -> tuple[torch.cuda.CUD
             outputs = body()
     except RuntimeError as error:  # an op that syncs with the host, or one graphs do not support
         raise EagletError(
-            f"CUDA graph capture failed ({str(error).splitlines()[0]}); run eval with --cuda-graphs off"
+            f"CUDA graph capture failed ({str(error).splitlines()[0]}); {fix}"
         ) from None
     return graph, outputs
 
