@@ -92,8 +92,9 @@ def main() -> None:
     def timed(max_new: int, **extra) -> dict:
         sync()
         started = time.perf_counter()
-        if extra.get("eaglet"):
-            steps = len(engine.sample(encoded, max_new, 0.7, 0.95, seed=0)[0])
+        if "eaglet" in extra:  # the static engine, sampled as the demo samples or greedy (its forward alone)
+            temperature = 0.7 if extra["eaglet"] == "sampled" else 0.0
+            steps = len(engine.sample(encoded, max_new, temperature, 0.95, seed=0)[0])
         else:
             steps = generate(max_new, **extra).shape[1] - width
         sync()
@@ -109,7 +110,11 @@ def main() -> None:
     }
     generate(4)  # CUDA context, cuBLAS handles
     for variant in args.variants.split(","):
-        extra = {"static": {"cache_implementation": "static"}, "eaglet": {"eaglet": True}}.get(variant, {})
+        extra = {
+            "static": {"cache_implementation": "static"},
+            "eaglet": {"eaglet": "sampled"},
+            "eaglet-greedy": {"eaglet": "greedy"},
+        }.get(variant, {})
         first = timed(args.max_new_tokens, **extra)
         runs = [timed(args.max_new_tokens, **extra) for _ in range(args.repeats)]
         record[variant] = {
@@ -122,8 +127,6 @@ def main() -> None:
 
         with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
             timed(args.profile_steps, **extra)
-        table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=25)
-        print(table, flush=True)
         events = prof.key_averages()
         record[variant]["profile"] = {
             "steps": args.profile_steps,

@@ -143,7 +143,7 @@ def test_sigkill_resume_is_byte_identical(tmp_path, capsys, tiny_target, samplin
 class StubServer:
     """A local OpenAI-compatible server: answers with the reversed prompt; fails the first call per prompt."""
 
-    def __init__(self, fail_first: int = 1):
+    def __init__(self, fail_first: int = 1, blank_marker: str | None = None):
         self.calls: dict[str, int] = {}
         self.lock = threading.Lock()
         stub = self
@@ -170,8 +170,9 @@ class StubServer:
                     self.send_response(503)
                     self.end_headers()
                     return
+                answer = " \n " if blank_marker and blank_marker in prompt else prompt[::-1]
                 payload = {
-                    "choices": [{"message": {"role": "assistant", "content": prompt[::-1]}, "finish_reason": "stop"}],
+                    "choices": [{"message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}],
                     "usage": {"completion_tokens": 5},
                 }
                 data = json.dumps(payload).encode()
@@ -220,6 +221,28 @@ def test_openai_backend_retries_and_order(tmp_path, capsys):
     assert [r["id"] for r in rows] == [f"p{i}" for i in range(10)]  # plan order despite concurrency
     assert rows[3]["messages"][-1]["content"] == rows[3]["messages"][0]["content"][::-1]
     assert rows[0]["provenance"]["target"] == "stub"
+
+
+def test_blank_answers_are_left_out_listed_and_not_asked_again(tmp_path, capsys, tiny_target):
+    """An answer of only whitespace (a target that ends its turn at once) teaches no token and is a bad row for
+    prepare: the finished file leaves it out, the manifest lists it, a rerun does not ask for it again, and the file
+    prepares."""
+    rows = [{"id": f"p{i}", "prompt": f"Question {i}" + (" BLANK" if i in (1, 4) else "")} for i in range(6)]
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    out = tmp_path / "a.jsonl"
+    args = ["regenerate", prompts, "--out", out, "--backend", "openai", "--model", "stub"]
+    with StubServer(fail_first=0, blank_marker="BLANK") as url:
+        code, stdout, err = run_cli([*args, "--base-url", url], capsys)
+        assert code == 0, err
+        assert "2 blank answer(s) (the target ended its turn at once) left out of" in err
+        assert [json.loads(l)["id"] for l in out.read_text().splitlines()] == ["p0", "p2", "p3", "p5"]
+        manifest = json.loads((tmp_path / "a.jsonl.manifest.json").read_text())
+        assert [r["id"] for r in manifest["blank_answers"]] == ["p1", "p4"]
+        assert manifest["counts"]["blank_left_out"] == 2
+        code, stdout, err = run_cli([*args, "--base-url", url], capsys)
+        assert code == 0 and "wrote 0 answers" in stdout and "(6 already there)" in stdout, err
+    code, _, err = run_cli(["prepare", out, "--out", tmp_path / "prepared", "--target", tiny_target], capsys)
+    assert code == 0, err
 
 
 def test_openai_backend_gives_up_with_one_line(tmp_path, capsys):

@@ -54,10 +54,13 @@ class Request:
         return (self.prompt_id, self.sample_index)
 
 
+BLANK = "blank"  # the finish reason of an answer that is only whitespace (left out of the finished file)
+
+
 @dataclass
 class Answer:
     text: str
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" (a row's provenance says "blank" where the text is only whitespace)
     new_tokens: int
 
 
@@ -159,7 +162,7 @@ def output_row(request: Request, answer: Answer, settings: dict[str, Any]) -> di
     row["provenance"] = settings | {
         "prompt_id": request.prompt_id,
         "sample_index": request.sample_index,
-        "finish_reason": answer.finish_reason,
+        "finish_reason": BLANK if not answer.text.strip() else answer.finish_reason,
         "new_tokens": answer.new_tokens,
         "eaglet_version": __version__,
     }
@@ -207,10 +210,31 @@ def load_done(out: Path, settings: dict[str, Any]) -> dict[tuple[str, int], str]
     return done
 
 
-def finalize(out: Path, requests: list[Request], done: dict[tuple[str, int], str]) -> None:
-    """Rewrite the file in plan order (atomically)."""
+def is_blank(line: str) -> bool:
+    return json.loads(line)["provenance"]["finish_reason"] == BLANK
+
+
+def finalize(out: Path, requests: list[Request], done: dict[tuple[str, int], str]) -> list[str]:
+    """Rewrite the file in plan order (atomically), without blank answers; returns those (the manifest lists them).
+    A blank answer (the target ended its turn at once, or wrote only whitespace) teaches no token and is a bad row
+    for ``prepare``; it stays in the file until here, so a killed run resumes past it."""
     lines = [done[r.key] for r in requests if r.key in done]
-    write_bytes_atomic(out, "".join(line + "\n" for line in lines).encode("utf-8"))
+    blank = [line for line in lines if is_blank(line)]
+    kept = [line for line in lines if not is_blank(line)] if blank else lines
+    write_bytes_atomic(out, "".join(line + "\n" for line in kept).encode("utf-8"))
+    return blank
+
+
+def blank_done(out: Path, settings: dict[str, Any]) -> dict[tuple[str, int], str]:
+    """The blank answers a finished run left out of ``out`` (its manifest lists them), so a rerun does not ask again."""
+    try:
+        manifest = json.loads(answers_manifest(out).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(manifest, dict) or manifest.get("settings") != settings:
+        return {}
+    rows = manifest.get("blank_answers") or []
+    return {(str(r["provenance"]["prompt_id"]), int(r["provenance"]["sample_index"])): json.dumps(r) for r in rows}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,7 +483,7 @@ def _regenerate(config: RegenerateConfig, out: Path, console: Console) -> Regene
     requests = plan_requests(config, console)
     if config.backend in IN_PROCESS:
         requests = within_context(config, requests, console)
-    done = load_done(out, settings)
+    done = load_done(out, settings) | blank_done(out, settings)
     skipped = sum(r.key in done for r in requests)
     todo = [r for r in requests if r.key not in done]
     new_tokens = 0
@@ -490,17 +514,29 @@ def _regenerate(config: RegenerateConfig, out: Path, console: Console) -> Regene
     seconds = time.perf_counter() - started
     if backend is not None and not backend.writes:
         return RegenerateResult(out, len(todo), skipped, new_tokens, seconds, {})
-    finalize(out, requests, done)
+    blank = finalize(out, requests, done)
+    if blank:
+        console.print(
+            f"[yellow]warning[/] {len(blank)} blank answer(s) (the target ended its turn at once) left out of {out}; "
+            f"listed in {answers_manifest(out).name}",
+            highlight=False,
+        )
     manifest = {
         "schema": "eaglet.regenerated/1",
         "eaglet_version": __version__,
         "settings": settings,
         "config": config.model_dump(),
         "inputs": [{"path": str(p), "sha256": sha256_file(p)} for p in map(resolve_input, config.prompts)],
-        "counts": {"requests": len(requests), "written_this_run": len(todo), "already_done": skipped},
+        "counts": {
+            "requests": len(requests),
+            "written_this_run": len(todo),
+            "already_done": skipped,
+            "blank_left_out": len(blank),
+        },
         "new_tokens_this_run": new_tokens,
         "seconds_this_run": round(seconds, 3),
         "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 and new_tokens else None,
+        "blank_answers": [json.loads(line) for line in blank],  # left out of the file: no token to learn
         "hf_engine": backend.generator.used if isinstance(backend, HFBackend) else None,  # engine -> why it ran
         "output_sha256": sha256_file(out),
     }

@@ -57,9 +57,7 @@ def capture(
         with torch.cuda.graph(graph):
             outputs = body()
     except RuntimeError as error:  # an op that syncs with the host, or one graphs do not support
-        raise EagletError(
-            f"CUDA graph capture failed ({str(error).splitlines()[0]}); {fix}"
-        ) from None
+        raise EagletError(f"CUDA graph capture failed ({str(error).splitlines()[0]}); {fix}") from None
     return graph, outputs
 
 
