@@ -37,11 +37,11 @@ def hf_generate(model, prompts, stop_ids, new=NEW):
     return generator.sample(prompts, new, 0.0, 1.0, seed=0)
 
 
-def sampler_for(model, rows, sampling=Sampling(), stop_ids=(), new=NEW):
+def sampler_for(model, rows, sampling=Sampling(), stop_ids=(), new=NEW, **extra):
     width = max(map(len, PROMPTS))
     with folded_attention_set(model) as folded:
         assert folded
-        return BatchSampler(model, rows, cache_length(width, new), new, sampling, list(stop_ids), 0)
+        return BatchSampler(model, rows, cache_length(width, new), new, sampling, list(stop_ids), 0, **extra)
 
 
 def until(tokens, stop_ids):
@@ -58,6 +58,17 @@ def test_greedy_rows_equal_transformers_generate(model):
     expected = hf_generate(model, PROMPTS[::-1], [])
     with folded_attention_set(model):  # a second batch on the same cache: nothing of the first is seen
         assert sampler.generate(PROMPTS[::-1], NEW, seed=0) == expected
+
+
+def test_steps_read_only_the_keys_written_so_far(model):
+    """Key lengths in buckets of 4: the steps cross five of them (7-token prompts + 12 new) and still equal
+    ``generate``; each step's bucket holds every key written so far and no more than a bucket past it."""
+    sampler = sampler_for(model, rows=len(PROMPTS), key_bucket=4)
+    assert sampler.key_lengths[:3] == [4, 8, 12] and sampler.key_lengths[-1] == sampler.max_len
+    assert [sampler.key_length(w) for w in (0, 3, 4, 7, 8)] == [4, 4, 8, 8, 12]
+    expected = hf_generate(model, PROMPTS, [])
+    with folded_attention_set(model):
+        assert sampler.generate(PROMPTS, NEW, seed=0) == expected
 
 
 def test_rows_stop_at_their_stop_token_and_the_batch_ends_when_all_have(model):

@@ -7,7 +7,8 @@ concatenation, SDPA under a padding mask copies every key head once per query he
 tiles 64 queries for the one a step has, and each step's ~600 kernels are issued from Python. Here:
 - the cache is preallocated ([rows, Hkv, max_len, d] per layer) and a step writes its one entry in place;
 - the query heads sharing a key head are folded into that head's query rows (``folded_attention``), so each key
-  and value is read once per step, without copies;
+  and value is read once per step, without copies, and a step reads only the keys written so far (rounded up to
+  ``key_bucket``: one graph per key length), under an additive mask built once per step;
 - a step — forward, temperature, nucleus, the draw, the stop check, the next input — is one graph replayed, and
   the host reads whether every row has stopped once per ``STOP_CHECK_EVERY`` steps.
 
@@ -32,7 +33,8 @@ from .static import capture
 
 FOLDED_ATTENTION = "eaglet_folded_sdpa"  # the name the folded attention is registered under in transformers
 STOP_CHECK_EVERY = 16  # steps between the host's reads of "has every row stopped" (each read waits for the GPU)
-CACHE_LENGTH_STEP = 256  # cache lengths are rounded up to this, so batches of similar prompts share one graph
+CACHE_LENGTH_STEP = 256  # cache lengths are rounded up to this, so batches of similar prompts share the graphs
+KEY_BUCKET = 128  # a step attends to the first multiple of this many keys that holds every key written so far
 FIT_FRACTION = 0.8  # the cache and the step's sampling buffers take at most this share of the free GPU memory
 SAMPLING_BYTES_PER_LOGIT = 24  # float32 logits, probabilities, sorted probabilities, int64 order: per row per token
 
@@ -47,14 +49,21 @@ def folded_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface: query [B, Hq, T, d], key/value [B, Hkv, S, d], attention_mask [B, 1, T, S]
-    bool (True: attend) -> [B, T, Hq, d]. Query head h uses key head h // G (G = Hq / Hkv, as ``repeat_kv``), so the
-    G heads of one key head are its [G*T] query rows and SDPA reads each key head once."""
+    """transformers' attention interface: query [B, Hq, T, d], key/value [B, Hkv, S, d], attention_mask [B, 1, T or 1,
+    S' <= S] (bool, True: attend, or additive) -> [B, T, Hq, d]. Query head h uses key head h // G (G = Hq / Hkv, as
+    ``repeat_kv``), so the G heads of one key head are its [G*T] query rows and SDPA reads each key head once. Only
+    the first S' keys are read: the mask's length says how many the cache holds so far."""
     batch, heads, tokens, dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     folded = query.reshape(batch, kv_heads, groups * tokens, dim)
-    mask = attention_mask.repeat(1, 1, groups, 1) if attention_mask is not None and groups > 1 else attention_mask
+    mask = attention_mask
+    if mask is not None:
+        key, value = key[:, :, : mask.shape[-1]], value[:, :, : mask.shape[-1]]
+        if (
+            groups > 1 and mask.shape[2] > 1
+        ):  # one row per query: repeated for each folded head (a single row broadcasts)
+            mask = mask.repeat(1, 1, groups, 1)
     out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
     return out.reshape(batch, heads, tokens, dim).transpose(1, 2), None
 
@@ -132,10 +141,14 @@ class BatchSampler:
         stop_ids: list[int],
         pad_id: int,
         graphs: bool | None = None,
+        key_bucket: int = KEY_BUCKET,
     ):
         from transformers import StaticCache
 
         self.model, self.rows, self.max_len, self.max_new = model, rows, max_len, max_new
+        self.key_lengths = sorted(
+            {min(length, max_len) for length in range(key_bucket, max_len + key_bucket, key_bucket)}
+        )
         self.sampling, self.pad_id = sampling, pad_id
         self.device = device = next(model.parameters()).device
         self.graphs = device.type == "cuda" if graphs is None else graphs
@@ -156,16 +169,20 @@ class BatchSampler:
         self.done = torch.zeros(rows, dtype=torch.bool, device=device)  # [rows] stopped
         self.step = torch.zeros((), **long)  # which new token the step writes
         self.out = torch.full((rows, max_new), pad_id, **long)  # [rows, max_new] the new tokens
-        self.graph = None
-        if self.graphs:  # the capture's runs write cache entries and tokens that each batch's start overwrites
+        self.step_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # key length -> its step's graph
+        if self.graphs:  # the captures' runs write cache entries and tokens that each batch's start overwrites
+            pool = None  # one memory pool for all: the graphs replay one at a time
             with torch.inference_mode():
-                self.graph = capture(device, self._step, fix="use --hf-engine generate")[0]
+                for length in self.key_lengths:
+                    graph = capture(device, lambda: self._step(length), "use --hf-engine generate", pool)[0]
+                    self.step_graphs[length], pool = graph, graph.pool()
 
     def fits(self, width: int, max_new: int) -> bool:
         return width + max_new <= self.max_len and max_new <= self.max_new
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """ids/positions [rows, n], mask [rows, 1, n, max_len] -> the last position's logits [rows, V] float32."""
+        """ids/positions [rows, n], mask [rows, 1, n or 1, keys] (the first ``keys`` cache positions) -> the last
+        position's logits [rows, V] float32."""
         for layer in self.cache.layers:  # where this forward's entries go (StaticCache appends at it)
             layer.cumulative_length.copy_(self.write_at)
         extra = {"logits_to_keep": 1} if self.keeps_logits else {}
@@ -179,11 +196,18 @@ class BatchSampler:
         )
         return out.logits[:, -1].float()
 
-    def _step(self) -> None:
-        """One new token for every row (no host reads: a graph captures it)."""
-        new = (self.key_index >= self.first_new) & (self.key_index <= self.write_at)  # [max_len]
-        mask = (self.prompt_keys | new)[:, None, None, :]  # [rows, 1, 1, max_len]
-        token = draw(self._forward(self.token, self.position, mask), self.sampling)
+    def key_length(self, write_at: int) -> int:
+        """The keys a step writing at cache index ``write_at`` attends to: the first key length past it."""
+        return next(length for length in self.key_lengths if length > write_at)
+
+    def _step(self, keys: int) -> None:
+        """One new token for every row, attending to the first ``keys`` cache positions (no host reads: a graph
+        captures it)."""
+        index = self.key_index[:keys]
+        new = (index >= self.first_new) & (index <= self.write_at)  # [keys]
+        visible = self.prompt_keys[:, :keys] | new  # [rows, keys]
+        bias = torch.zeros(visible.shape, dtype=self.model.dtype, device=self.device).masked_fill_(~visible, -torch.inf)
+        token = draw(self._forward(self.token, self.position, bias[:, None, None, :]), self.sampling)
         token = torch.where(self.done, self.pad_id, token)
         self.out.index_copy_(1, self.step.clamp(max=self.max_new - 1).view(1), token[:, None])
         self.done |= torch.isin(token, self.stop_ids)
@@ -209,7 +233,7 @@ class BatchSampler:
         causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
         # A padding query sees itself (a row of no keys would make NaNs that reach the cache's values).
         prompt_mask = (causal[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=self.device)
-        mask = F.pad(prompt_mask, (0, self.max_len - width))[:, None]  # [rows, 1, width, max_len]
+        mask = prompt_mask[:, None]  # [rows, 1, width, width]: the prompt's keys only
         torch.manual_seed(seed)
         self.write_at.fill_(0)
         first = draw(self._forward(ids, positions, mask), self.sampling)
@@ -228,6 +252,7 @@ class BatchSampler:
         while made < max_new:
             if made % STOP_CHECK_EVERY == 0 and bool(self.done.all()):
                 break
-            self.graph.replay() if self.graph is not None else self._step()
+            keys = self.key_length(width + made - 1)  # the step writes token made - 1's entry at width + made - 1
+            self.step_graphs[keys].replay() if self.graphs else self._step(keys)
             made += 1
         return self.out[:count, :made].tolist()

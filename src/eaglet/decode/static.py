@@ -24,7 +24,7 @@ with the dynamic engine (``runners.py``).
 from __future__ import annotations
 
 import time
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -41,11 +41,11 @@ T = TypeVar("T")
 
 
 def capture(
-    device: torch.device, body: Callable[[], T], fix: str = "run eval with --cuda-graphs off"
+    device: torch.device, body: Callable[[], T], fix: str = "run eval with --cuda-graphs off", pool: Any = None
 ) -> tuple[torch.cuda.CUDAGraph, T]:
     """Run ``body`` WARMUP_RUNS times on a side stream, then capture it as a CUDA graph; returns the graph
     and the outputs ``body`` left in the graph's memory (rewritten by every replay). ``fix``: what the user can
-    do when the capture fails."""
+    do when the capture fails; ``pool``: another graph's memory pool to share (graphs never replayed at once)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -54,7 +54,7 @@ def capture(
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=pool):
             outputs = body()
     except RuntimeError as error:  # an op that syncs with the host, or one graphs do not support
         raise EagletError(f"CUDA graph capture failed ({str(error).splitlines()[0]}); {fix}") from None
