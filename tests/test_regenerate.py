@@ -345,3 +345,18 @@ def test_vllm_settings_that_contradict_the_backend_are_refused(tmp_path, capsys,
     code, _, err = run_cli(["regenerate", prompts, "--out", out, "--target", tiny_target, *extra], capsys)
     assert code == 2 and message in err and "Traceback" not in err, err
     assert not out.exists()
+
+
+def test_batches_are_the_fewest_and_even():
+    """The static engine pays for its widest batch on every step: 2,736 prompts at 2,048 a batch run as two of
+    1,368, not 2,048 and 688; prompts of similar length share a batch; every prompt is in exactly one."""
+    from eaglet.data.regenerate import Request, _length_buckets
+
+    requests = [Request(i, str(i), i % 3, [{"role": "user", "content": "x"}], None) for i in range(2736)]
+    lengths = {r.order: (r.order * 7919) % 500 for r in requests}
+    batches = _length_buckets(requests, lengths, 2048)
+    assert [len(b) for b in batches] == [1368, 1368]
+    assert max(lengths[r.order] for r in batches[0]) <= min(lengths[r.order] for r in batches[1])
+    assert sorted(r.order for b in batches for r in b) == list(range(2736))
+    assert [len(b) for b in _length_buckets(requests[:9], lengths, 4)] == [3, 3, 3]
+    assert _length_buckets([], lengths, 4) == []

@@ -9,6 +9,8 @@ from typing import Any, Callable
 from ..config import CPU_GENERATE_BATCH, GPU_GENERATE_BATCH
 from ..errors import EagletError
 
+SAMPLER_ROW_STEP = 8  # the static engine's rows are rounded up to this, so batches a row apart share its graphs
+
 
 @dataclass
 class Generator:
@@ -36,7 +38,7 @@ class Generator:
 
         sampling = Sampling(temperature, top_p)
         width = max(map(len, prompts))
-        sampler, why = self._static_sampler(width, max_new, sampling)
+        sampler, why = self._static_sampler(len(prompts), width, max_new, sampling)
         if sampler is None:
             self.used.setdefault("generate", why)
             return self._generate(prompts, max_new, sampling, seed)
@@ -46,28 +48,29 @@ class Generator:
         with folded_attention_set(self.model):
             return sampler.generate(prompts, max_new, seed)
 
-    def _static_sampler(self, width: int, max_new: int, sampling: Any) -> tuple[Any, str]:
-        """The static engine's sampler for this batch (built or reused), or None and why ``generate`` runs."""
+    def _static_sampler(self, rows: int, width: int, max_new: int, sampling: Any) -> tuple[Any, str]:
+        """The static engine's sampler for a batch of ``rows`` prompts (built or reused: a smaller batch runs in a
+        larger sampler, its spare rows stopped), or None and why ``generate`` runs."""
         from ..decode.batch_sampler import BatchSampler, cache_length, folded_attention_set, static_sampling_problem
 
         if self.engine == "generate":
             return None, "asked for (--hf-engine generate)"
         if self.engine == "auto" and not str(self.device).startswith("cuda"):
             return None, "auto on a CPU"
-        if self._sampler is not None and self._sampler.fits(width, max_new) and self._sampler.sampling == sampling:
+        reusable = self._sampler is not None and self._sampler.sampling == sampling and rows <= self._sampler.rows
+        if reusable and self._sampler.fits(width, max_new):
             return self._sampler, "the target allows it"
-        self._sampler = None  # its cache and graph go before a larger one is made
+        self._sampler = None  # its cache and graphs go before a larger one is made
+        rows = -(-rows // SAMPLER_ROW_STEP) * SAMPLER_ROW_STEP  # batches of 1,854 and 1,855 share one
         max_len = cache_length(width, max_new)
         problem = "the target is split over a torchrun world" if self.distributed else None
-        problem = problem or static_sampling_problem(self.model, self.batch_size, max_len)
+        problem = problem or static_sampling_problem(self.model, rows, max_len)
         if problem:
             if self.engine == "static":
                 raise EagletError(f"--hf-engine static: {problem}; use --hf-engine generate")
             return None, problem
         with folded_attention_set(self.model):
-            self._sampler = BatchSampler(
-                self.model, self.batch_size, max_len, max_new, sampling, self.stop_ids, self.pad_id
-            )
+            self._sampler = BatchSampler(self.model, rows, max_len, max_new, sampling, self.stop_ids, self.pad_id)
         return self._sampler, "the target allows it"
 
     def _generate(self, prompts: list[list[int]], max_new: int, sampling: Any, seed: int) -> list[list[int]]:
