@@ -258,7 +258,9 @@ def _length_buckets(requests: list[Request], lengths: dict[int, int], batch_size
     the same size within one (2,736 prompts at 2,048: two of 1,368, not 2,048 and 688 — a batch's step costs what
     its widest batch does on the static engine). The plan is fixed given the inputs."""
     ordered = sorted(requests, key=lambda r: (lengths[r.order], r.order))
-    count = -(-len(ordered) // batch_size) if ordered else 0
+    if not ordered:
+        return []
+    count = -(-len(ordered) // batch_size)
     bounds = [len(ordered) * i // count for i in range(count + 1)]
     return [ordered[start:end] for start, end in zip(bounds, bounds[1:])]
 
