@@ -111,6 +111,17 @@ def test_generator_picks_the_engine_and_says_why(model):
         split.sample(PROMPTS, 2, 0.0, 1.0, seed=0)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_big_targets_architectures_decode_as_generate_does(tmp_path, arch):
+    """The architectures big targets use — routed experts, and DeepseekV3's MLA, whose values are narrower than its
+    keys — on the static engine (eagerly; on a GPU auto keeps MoE on generate: routing reads the host)."""
+    from targets import tiny_target
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target(tmp_path / arch, arch), dtype=torch.float32).eval()
+    static = Generator(None, target, torch.device("cpu"), 8, [], 0, True, engine="static")
+    assert static.sample(PROMPTS, NEW, 0.0, 1.0, seed=0) == hf_generate(target, PROMPTS, [])
+
+
 def test_targets_the_engine_cannot_run_are_named(tmp_path):
     from targets import tiny_target
 

@@ -49,8 +49,8 @@ def folded_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface: query [B, Hq, T, d], key/value [B, Hkv, S, d], attention_mask [B, 1, T or 1,
-    S' <= S] (bool, True: attend, or additive) -> [B, T, Hq, d]. Query head h uses key head h // G (G = Hq / Hkv, as
+    """transformers' attention interface: query [B, Hq, T, d], key [B, Hkv, S, d], value [B, Hkv, S, dv], attention_mask
+    [B, 1, T or 1, S' <= S] (bool, True: attend, or additive) -> [B, T, Hq, dv]. Query head h uses key head h // G (G = Hq / Hkv, as
     ``repeat_kv``), so the G heads of one key head are its [G*T] query rows and SDPA reads each key head once. Only
     the first S' keys are read: the mask's length says how many the cache holds so far."""
     batch, heads, tokens, dim = query.shape
@@ -65,7 +65,7 @@ def folded_attention(
         ):  # one row per query: repeated for each folded head (a single row broadcasts)
             mask = mask.repeat(1, 1, groups, 1)
     out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
-    return out.reshape(batch, heads, tokens, dim).transpose(1, 2), None
+    return out.reshape(batch, heads, tokens, value.shape[-1]).transpose(1, 2), None  # MLA: values' dim differs
 
 
 @contextmanager
@@ -152,9 +152,8 @@ class BatchSampler:
         self.sampling, self.pad_id = sampling, pad_id
         self.device = device = next(model.parameters()).device
         self.graphs = device.type == "cuda" if graphs is None else graphs
+        # Each layer's tensors are made at its first write, shaped as its keys and values are (MLA's differ).
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
-        _, heads, head_dim = _kv_shape(model.config)
-        self.cache.early_initialization(rows, heads, head_dim, model.dtype, device)
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.cache_kwarg = cache_kwarg(model)
         long = dict(dtype=torch.long, device=device)
