@@ -18,10 +18,11 @@ FAMILY_SPECIALS = {
         "extra": ["<|start_header_id|>", "<|end_header_id|>", "<|end_of_text|>"],
     },
     "qwen3": {"bos": None, "eos": "<|im_end|>", "extra": ["<|im_start|>", "<|endoftext|>"]},
+    "qwen3_tools": {"bos": None, "eos": "<|im_end|>", "extra": ["<|im_start|>", "<|endoftext|>"]},
     "gemma": {"bos": "<bos>", "eos": "<end_of_turn>", "extra": ["<start_of_turn>", "<eos>"]},
 }
 # Non-special added tokens (Qwen3's think markers are added but not special).
-FAMILY_PLAIN_ADDED = {"qwen3": ["<think>", "</think>"]}
+FAMILY_PLAIN_ADDED = {"qwen3": ["<think>", "</think>"], "qwen3_tools": ["<tool_call>", "</tool_call>"]}
 
 LM_HEAD_SHARPEN = 40.0
 

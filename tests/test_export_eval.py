@@ -264,6 +264,15 @@ def test_eval_refuses_a_prompt_file_with_none_of_the_split(tmp_path, capsys, tin
     assert not (tmp_path / "x").exists()
 
 
+def test_eval_refuses_a_prompt_that_calls_tools(tmp_path, capsys, tiny_draft, tiny_target):
+    call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
+    row = {"id": "t", "split": "heldout", "messages": [{"role": "user", "content": "hi"}, call]}
+    prompts = write_jsonl(tmp_path / "tools.jsonl", [row])
+    code, _, err = run_cli(eval_args(tiny_draft, tiny_target, prompts, tmp_path / "x"), capsys)
+    assert code == 2 and f"{prompts}:1: the prompt calls tools; eval decodes plain prompts" in err, err
+    assert not (tmp_path / "x").exists()
+
+
 def test_batched_eval_gives_the_same_tokens_and_tau_as_one_at_a_time(tmp_path, capsys, tiny_draft, tiny_target):
     prompts = write_jsonl(
         tmp_path / "p.jsonl",

@@ -204,3 +204,43 @@ def test_reader_marks_truncated_answers(tmp_path):
     ]
     items = list(read_conversations([write_jsonl(tmp_path / "r.jsonl", rows)]))
     assert items[0].meta.get("last_answer_truncated") is True and "last_answer_truncated" not in items[1].meta
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+}
+CALL = {
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+}
+RESULT = {"role": "tool", "content": '{"temp_c": 18}', "tool_call_id": "c1"}
+ANSWER = {"role": "assistant", "content": "It is 18 C in Paris."}
+
+
+def tool_conversation(tools=(WEATHER_TOOL,)):
+    return Conversation("t:1", "t", [HI, CALL, RESULT, ANSWER], tools=list(tools) or None)
+
+
+def test_tool_calls_are_trained_on_and_tool_results_are_not():
+    """A template that renders tools: the call (its JSON inside the assistant turn) and the answer after the result
+    are masked, each with its end-of-turn token; the schemas in the system turn and the result are not."""
+    tokenizer = build_tokenizer("qwen3_tools")
+    rendered = ChatRenderer(tokenizer).render_batch([tool_conversation()])[0]
+    assert not isinstance(rendered, str), rendered
+    assert masked_runs(tokenizer, rendered) == [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+        "It is 18 C in Paris.<|im_end|>",
+    ]
+    unmasked = unmasked_text(tokenizer, rendered)
+    assert '"name": "get_weather", "parameters"' in unmasked  # the schema, listed for the model
+    assert '<tool_response>\n{"temp_c": 18}\n</tool_response>' in unmasked
+
+
+def test_a_template_that_drops_tool_calls_is_a_row_error():
+    """A template without tool support renders the calling turn empty: training on it would teach an end of turn
+    where the model calls a tool. The row is refused, naming the call and the fix."""
+    result = ChatRenderer(build_tokenizer("qwen3")).render_batch([tool_conversation(tools=())])[0]
+    assert isinstance(result, str)
+    assert "does not render its tool call 'get_weather'" in result and "--chat-template" in result

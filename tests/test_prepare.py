@@ -104,3 +104,45 @@ def test_killed_prepare_leaves_no_output(tmp_path, tiny_target):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not out.exists()
+
+
+def tool_rows(count: int) -> list[dict]:
+    schema = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    return [
+        {
+            "id": f"t{i}",
+            "tools": [schema],
+            "messages": [
+                {"role": "user", "content": f"Weather in city {i}?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": i}}}],
+                },
+                {"role": "tool", "content": f'{{"temp_c": {i}}}'},
+                {"role": "assistant", "content": f"It is {i} C."},
+            ],
+        }
+        for i in range(count)
+    ]
+
+
+def test_tool_conversations_prepare_with_a_template_that_renders_them(tmp_path, capsys, tiny_target):
+    """Agent traces train the draft on the target's tool calls: with a template that renders them they prepare; with
+    one that drops them (the tiny target's own) every row is refused, naming the call and the fix; regenerate, which
+    answers plain prompts, refuses them too."""
+    from pathlib import Path
+
+    data = write_jsonl(tmp_path / "tools.jsonl", tool_rows(6))
+    template = Path(__file__).parent / "templates" / "qwen3_tools.jinja"
+    out = tmp_path / "prepared"
+    code, _, err = run_cli(
+        ["prepare", data, "--out", out, "--target", tiny_target, "--chat-template", template], capsys
+    )
+    assert code == 0, err
+    rows = pq.read_table(out / "samples.parquet").to_pylist()
+    assert [r["id"] for r in rows] == [f"t{i}" for i in range(6)] and all(sum(r["loss_mask"]) for r in rows)
+    code, _, err = run_cli(["prepare", data, "--out", tmp_path / "p2", "--target", tiny_target], capsys)
+    assert code == 2 and "does not render its tool call 'get_weather'" in err and not (tmp_path / "p2").exists()
+    code, _, err = run_cli(["regenerate", data, "--out", tmp_path / "r.jsonl", "--target", tiny_target], capsys)
+    assert code == 2 and "the conversation calls tools: regenerate answers plain conversations" in err, err

@@ -14,6 +14,12 @@ from conftest import run_cli, write_jsonl
 from eaglet.data.readers import BadRow, Conversation, read_conversations
 
 GOOD = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}
+USER_HI = {"role": "user", "content": "Hi"}
+
+
+def tool_call(function: dict) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": function}]}
+
 
 # (name, line written to the file, expected fragment of the error)
 BAD_ROWS = [
@@ -95,6 +101,43 @@ BAD_ROWS = [
         "two user turns in a row",
     ),
     ("bad_id", json.dumps({"id": [1], **GOOD}), "'id' must be a non-empty string or an integer"),
+    (
+        "tool_turn_without_a_call",
+        json.dumps({"messages": [USER_HI, {"role": "tool", "content": "18"}, {"role": "assistant", "content": "x"}]}),
+        "turn 1: a tool turn must follow an assistant turn with 'tool_calls'",
+    ),
+    (
+        "call_without_result",
+        json.dumps({"messages": [USER_HI, tool_call({"name": "f"}), USER_HI, {"role": "assistant", "content": "x"}]}),
+        "turn 2: the assistant's tool calls at turn 1 have no tool turn with results",
+    ),
+    (
+        "call_without_name",
+        json.dumps({"messages": [USER_HI, tool_call({"arguments": {}}), {"role": "tool", "content": "1"}]}),
+        "turn 1: tool call 0: the function needs a non-empty 'name', got None",
+    ),
+    (
+        "call_arguments_not_json",
+        json.dumps(
+            {"messages": [USER_HI, tool_call({"name": "f", "arguments": "{city"}), {"role": "tool", "content": ""}]}
+        ),
+        "turn 1: tool call 0: 'arguments' of 'f' is a string that is not JSON",
+    ),
+    (
+        "call_not_a_function",
+        json.dumps({"messages": [USER_HI, {"role": "assistant", "tool_calls": ["f()"]}]}),
+        'turn 1: tool call 0: expected {"function"',
+    ),
+    (
+        "user_calls_a_tool",
+        json.dumps({"messages": [{"role": "user", "content": "a", "tool_calls": []}]}),
+        "turn 0: 'tool_calls' in a user turn",
+    ),
+    (
+        "tools_not_a_list",
+        json.dumps({"tools": "get_weather", "messages": GOOD["conversations"]}),
+        "'tools' must be a list of function schemas",
+    ),
     ("prompt_not_string", json.dumps({"prompt": 3}), "'prompt': content must be a string"),
 ]
 
@@ -233,3 +276,41 @@ def test_real_process_exit_code_and_single_line(tmp_path, tiny_target):
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert lines[-1].startswith("error: ") and f"{data}:2:" in lines[-1]
     assert "Traceback" not in proc.stderr
+
+
+def test_tool_conversations_read_in_openai_form(tmp_path):
+    """A call (content null, arguments as a JSON string or an object), two results (one empty), the answer; the
+    row's schemas kept for the template; a call may end the conversation (the model's last output)."""
+    schema = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    rows = [
+        {
+            "tools": [schema],
+            "messages": [
+                USER_HI,
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+                        {"type": "function", "function": {"name": "f", "arguments": {"x": 2}}},
+                    ],
+                },
+                {"role": "tool", "content": "one", "tool_call_id": "a"},
+                {"role": "function", "content": "", "name": "f"},
+                {"role": "assistant", "content": "done"},
+            ],
+        },
+        {"messages": [USER_HI, tool_call({"name": "f"})]},
+    ]
+    items = list(read_conversations([write_jsonl(tmp_path / "t.jsonl", rows)]))
+    assert all(isinstance(i, Conversation) for i in items), items
+    first, second = items
+    assert first.tools == [schema] and first.uses_tools and second.uses_tools
+    call = first.messages[1]
+    assert call["content"] == "" and [c["function"]["arguments"] for c in call["tool_calls"]] == ['{"x": 1}', {"x": 2}]
+    assert call["tool_calls"][0]["id"] == "a"
+    assert [m["role"] for m in first.messages] == ["user", "assistant", "tool", "tool", "assistant"]
+    assert first.messages[3] == {"role": "tool", "content": "", "name": "f"}
+    assert second.messages[1]["tool_calls"][0]["function"] == {"name": "f", "arguments": {}}
+    plain = next(iter(read_conversations([write_jsonl(tmp_path / "p.jsonl", [GOOD])])))
+    assert not plain.uses_tools and plain.tools is None

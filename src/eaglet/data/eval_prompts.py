@@ -47,6 +47,8 @@ def select_prompts(
                 raise EagletError(f"{item}; fix the prompt file")
             if config.split != "all" and item.meta.get("split", "heldout") != config.split:
                 continue
+            if item.uses_tools:
+                raise EagletError(f"{item.source}: the prompt calls tools; eval decodes plain prompts, drop the row")
             text = tokenizer.apply_chat_template(item.prompt_messages, tokenize=False, add_generation_prompt=True)
             ids = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
             if skip_too_long and context_problem(config, context, len(ids)):

@@ -6,6 +6,9 @@ Accepted row forms (in .jsonl, .json and .parquet files):
 - prompt-only: ``{"prompt": "...", "system": "..."?}``
 Optional per row: ``id`` (string or integer), ``category``, ``split``, and ``provenance`` as written by
 `eaglet regenerate` (an answer cut at max_new_tokens has no real end of turn).
+Tool use, in OpenAI's form: an assistant turn with ``tool_calls`` ([{"function": {"name", "arguments"}}], its
+content may be empty), the results as ``tool`` turns after it, and the row's ``tools`` (the function schemas the
+chat template lists); the calls are trained on like any answer, the results are input.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ ROLE_ALIASES = {
     "model": "assistant",
     "bot": "assistant",
     "system": "system",
+    "tool": "tool",
+    "function": "tool",  # OpenAI's older name for a function's result
 }
 CONVERSATION_KEYS = ("conversations", "messages", "prompt")
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -37,8 +42,15 @@ TOO_DEEP = "JSON nested too deeply for a conversation (thousands of levels); fix
 class Conversation:
     source: str  # "file:line" for messages
     id: str
-    messages: list[dict[str, str]]  # [{"role": "system"|"user"|"assistant", "content": str}]
+    # [{"role": "system"|"user"|"assistant"|"tool", "content": str}]; an assistant turn may add "tool_calls" (a list
+    # of {"type": "function", "function": {"name", "arguments"}}), a tool turn "tool_call_id" and "name"
+    messages: list[dict[str, Any]]
     meta: dict[str, Any] = field(default_factory=dict)  # category, split, ...
+    tools: list[dict[str, Any]] | None = None  # the function schemas the template lists (OpenAI's "tools")
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in self.messages)
 
     @property
     def has_assistant(self) -> bool:
@@ -106,7 +118,7 @@ def _encodable(text: str, where: str) -> str:
     return text
 
 
-def _parse_turn(turn: Any, index: int) -> dict[str, str]:
+def _parse_turn(turn: Any, index: int) -> dict[str, Any]:
     where = f"turn {index}"
     if not isinstance(turn, dict):
         raise RowError(f"{where} must be an object, got {type(turn).__name__}")
@@ -116,31 +128,78 @@ def _parse_turn(turn: Any, index: int) -> dict[str, str]:
         role_key, content_key = "role", "content"
     if role_key not in turn:
         raise RowError(f"{where}: missing '{role_key}'")
-    if content_key not in turn:
-        raise RowError(f"{where}: missing '{content_key}'")
     raw_role = turn[role_key]
     if not isinstance(raw_role, str) or raw_role.strip().lower() not in ROLE_ALIASES:
         known = ", ".join(sorted(ROLE_ALIASES))
         raise RowError(f"{where}: unknown role {shown(raw_role)} (known: {known})")
-    return {"role": ROLE_ALIASES[raw_role.strip().lower()], "content": _text_of(turn[content_key], where)}
+    role = ROLE_ALIASES[raw_role.strip().lower()]
+    calls = turn.get("tool_calls")
+    if calls is not None and role != "assistant":
+        raise RowError(f"{where}: 'tool_calls' in a {role} turn; only an assistant turn calls tools")
+    if calls is not None and calls != []:
+        content = turn.get(content_key)  # a turn that calls tools may say nothing
+        message = {"role": role, "content": "" if content in (None, "") else _text_of(content, where)}
+        message["tool_calls"] = [_parse_call(call, f"{where}: tool call {n}") for n, call in enumerate(calls)]
+        return message
+    if content_key not in turn:
+        raise RowError(f"{where}: missing '{content_key}'")
+    if role == "tool":  # a tool's result may be empty
+        content = turn[content_key]
+        text = content if isinstance(content, str) and not content.strip() else _text_of(content, where)
+        message = {"role": role, "content": _encodable(text, where)}
+        for key in ("tool_call_id", "name"):
+            if isinstance(turn.get(key), str):
+                message[key] = _encodable(turn[key], f"{where}: '{key}'")
+        return message
+    return {"role": role, "content": _text_of(turn[content_key], where)}
 
 
-def _check_order(messages: list[dict[str, str]]) -> None:
+def _parse_call(call: Any, where: str) -> dict[str, Any]:
+    """One OpenAI tool call -> {"type": "function", "function": {"name", "arguments"}} (+ "id"); the arguments
+    stay as given (a JSON string or an object: templates render either)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        raise RowError(f'{where}: expected {{"function": {{"name": ..., "arguments": ...}}}}, got {shown(call)}')
+    name = function.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise RowError(f"{where}: the function needs a non-empty 'name', got {shown(name)}")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            json.loads(arguments)
+        except ValueError:
+            raise RowError(f"{where}: 'arguments' of {name!r} is a string that is not JSON") from None
+    elif not isinstance(arguments, dict):
+        raise RowError(f"{where}: 'arguments' of {name!r} must be an object or a JSON string, got {shown(arguments)}")
+    parsed: dict[str, Any] = {"type": "function", "function": {"name": _encodable(name, where), "arguments": arguments}}
+    if isinstance(call.get("id"), str):
+        parsed["id"] = call["id"]
+    return parsed
+
+
+def _check_order(messages: list[dict[str, Any]]) -> None:
     roles = [m["role"] for m in messages]
     systems = [i for i, r in enumerate(roles) if r == "system"]
     if len(systems) > 1:
         raise RowError(f"{len(systems)} system messages; at most one is allowed")
     if systems and systems[0] != 0:
         raise RowError(f"system message at turn {systems[0]}; it must be the first turn")
-    dialog = roles[1:] if systems else roles
+    offset = 1 if systems else 0
+    dialog = messages[offset:]
     if not dialog:
         raise RowError("no user or assistant turn")
-    if dialog[0] != "user":
+    if dialog[0]["role"] != "user":
         raise RowError("the first non-system turn must be from the user")
     for index in range(1, len(dialog)):
-        if dialog[index] == dialog[index - 1]:
-            turn = index + (1 if systems else 0)
-            raise RowError(f"turn {turn}: two {dialog[index]} turns in a row; roles must alternate")
+        role, before = dialog[index]["role"], dialog[index - 1]
+        turn = index + offset
+        if role == "tool":  # a result answers the call before it (or follows another result)
+            if not (before["role"] == "tool" or before.get("tool_calls")):
+                raise RowError(f"turn {turn}: a tool turn must follow an assistant turn with 'tool_calls'")
+        elif before.get("tool_calls"):
+            raise RowError(f"turn {turn}: the assistant's tool calls at turn {turn - 1} have no tool turn with results")
+        elif role == before["role"]:
+            raise RowError(f"turn {turn}: two {role} turns in a row; roles must alternate")
 
 
 def parse_row(row: Any, source: str, default_id: str) -> Conversation:
@@ -174,10 +233,15 @@ def parse_row(row: Any, source: str, default_id: str) -> Conversation:
     meta: dict[str, Any] = {
         k: _encodable(row[k], f"'{k}'") for k in ("category", "split") if isinstance(row.get(k), str)
     }
+    tools = row.get("tools")
+    if tools is not None and (
+        not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools) or key == "prompt"
+    ):
+        raise RowError("'tools' must be a list of function schemas (objects) beside 'messages'")
     provenance = row.get("provenance")
     if isinstance(provenance, dict) and provenance.get("finish_reason") == "length":
         meta["last_answer_truncated"] = True  # written by `eaglet regenerate` and cut at max_new_tokens
-    return Conversation(source=source, id=str(raw_id), messages=messages, meta=meta)
+    return Conversation(source=source, id=str(raw_id), messages=messages, meta=meta, tools=tools or None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -54,6 +54,9 @@ class Request:
         return (self.prompt_id, self.sample_index)
 
 
+TOOLS_NOT_ANSWERED = (
+    "the conversation calls tools: regenerate answers plain conversations (prepare trains on it as written)"
+)
 BLANK = "blank"  # the finish reason of an answer that is only whitespace (left out of the finished file)
 
 
@@ -85,6 +88,9 @@ def plan_requests(config: RegenerateConfig, console: Console) -> list[Request]:
             bad.append(item)
             continue
         if config.split != "all" and item.meta.get("split", "train") != config.split:
+            continue
+        if item.uses_tools:
+            bad.append(BadRow(item.source, TOOLS_NOT_ANSWERED))
             continue
         if config.max_prompts is not None and prompts >= config.max_prompts:
             break

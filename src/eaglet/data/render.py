@@ -65,23 +65,27 @@ class ChatRenderer:
             sorted(i for i, token in tokenizer.added_tokens_decoder.items() if token.special), dtype=np.int64
         )
 
-    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list | None = None) -> str:
         try:
             return self.tokenizer.apply_chat_template(
-                messages, chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages,
+                tools=tools,
+                chat_template=self.template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
             )
         except Exception as exc:  # jinja raise_exception(...) and friends
             raise TemplateRejected(f"chat template rejected the conversation: {str(exc).splitlines()[0]}") from None
 
     def spans(self, conversation: Conversation) -> tuple[str, list[int]]:
         """The full rendering and the character offset where each assistant turn's text starts."""
-        messages = conversation.messages
-        full = self._render(messages, add_generation_prompt=False)
+        messages, tools = conversation.messages, conversation.tools
+        full = self._render(messages, add_generation_prompt=False, tools=tools)
         starts = []
         for index, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prompt = self._render(messages[:index], add_generation_prompt=True)
+            prompt = self._render(messages[:index], add_generation_prompt=True, tools=tools)
             starts.append(_common_prefix_length(prompt, full))
         return full, starts
 
@@ -112,7 +116,8 @@ class ChatRenderer:
         offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
         mask = np.zeros(len(ids), dtype=np.uint8)
         is_special = np.isin(ids, self.special_ids)
-        answers = [_final_answer(m["content"]) for m in conversation.messages if m["role"] == "assistant"]
+        turns = [m for m in conversation.messages if m["role"] == "assistant"]
+        answers = [_final_answer(m["content"]) for m in turns]
         cut_last = bool(conversation.meta.get("last_answer_truncated"))
         for turn, (start_char, answer) in enumerate(zip(starts, answers)):
             first = int(np.searchsorted(offsets[:, 1], start_char, side="right"))  # first token ending past start
@@ -129,6 +134,13 @@ class ChatRenderer:
                 return (
                     f"assistant turn {turn}: its text is not where the chat template renders the turn (the text "
                     "holds a special token, or the template rewrites it; use --chat-template with one that emits it verbatim)"
+                )
+            missing = [c["function"]["name"] for c in turns[turn].get("tool_calls", [])]
+            missing = [name for name in missing if name not in span_text]
+            if missing:
+                return (
+                    f"assistant turn {turn}: the chat template does not render its tool call {missing[0]!r} in the "
+                    "turn; use --chat-template with one that renders tool calls (the one the model is served with)"
                 )
         truncated = len(ids) > self.max_len
         if truncated:
