@@ -77,7 +77,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    import numpy as np
     import torch
     from rich.console import Console
 
@@ -86,7 +85,7 @@ def main() -> None:
     from eaglet.extract.extractor import run_extract
     from eaglet.formats.layers import default_aux_layer_ids
     from eaglet.formats.prepared import load_prepared
-    from eaglet.model.capture import FeatureCapture, base_model_of, batches_by_length
+    from eaglet.model.capture import FeatureCapture, base_model_of, batches_by_length, right_padded
     from eaglet.model.target import load_model, resolve_target
 
     quiet = Console(stderr=True, quiet=True)
@@ -115,12 +114,8 @@ def main() -> None:
     flops = forward_flops(model, lengths.tolist())
     tokens = int(lengths.sum())
 
-    def padded(batch):
-        width = int(lengths[batch].max())
-        ids = np.zeros((len(batch), width), dtype=np.int64)
-        for row, sample in enumerate(batch.tolist()):
-            ids[row, : lengths[sample]] = prepared.sample(sample)[0]
-        return torch.from_numpy(ids).to(args.device)
+    def padded(batch):  # eaglet's own bucket: [batch, longest], right-padded
+        return torch.from_numpy(right_padded(lambda sample: prepared.sample(sample)[0], lengths, batch)).to(args.device)
 
     def sync():
         if args.device == "cuda":

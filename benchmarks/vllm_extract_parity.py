@@ -345,7 +345,7 @@ def bare(target: str, prepared: str, sizes: list[int | None], batch_tokens: int,
     import torch
 
     from eaglet.formats.prepared import load_prepared
-    from eaglet.model.capture import base_model_of, batches_by_length
+    from eaglet.model.capture import base_model_of, batches_by_length, right_padded
     from eaglet.model.target import load_model, pick_dtype
 
     device = compute_device()
@@ -353,24 +353,21 @@ def bare(target: str, prepared: str, sizes: list[int | None], batch_tokens: int,
     base = base_model_of(load_model(Path(target), device, dtype))
     data = load_prepared(prepared, None if None in sizes else max(sizes))
     every = [data.sample(i)[0] for i in range(len(data))]
+    lengths = np.array([len(t) for t in every])
 
     def run(batches: list[np.ndarray]) -> None:
         with torch.inference_mode():
             for batch in batches:
-                width = max(len(every[i]) for i in batch)
-                ids = np.zeros((len(batch), width), dtype=np.int64)  # [batch, longest in the bucket], right-padded
-                for row, sample in enumerate(batch.tolist()):
-                    ids[row, : len(every[sample])] = every[sample]
+                ids = right_padded(every.__getitem__, lengths, batch)  # eaglet's own bucket: [batch, longest]
                 base(input_ids=torch.from_numpy(ids).to(device), use_cache=False)
         if device == "cuda":
             torch.cuda.synchronize()
 
     results = []
     for size in sizes:
-        lengths = np.array([len(t) for t in every[:size]])
-        batches = batches_by_length(lengths, batch_tokens)
+        batches = batches_by_length(lengths[:size], batch_tokens)
         run(batches[:2])  # warm-up: kernels and the allocator at the widest buckets
-        total, rates = int(lengths.sum()), []
+        total, rates = int(lengths[:size].sum()), []
         for _ in range(repeats):
             started = time.perf_counter()
             run(batches)
@@ -378,11 +375,11 @@ def bare(target: str, prepared: str, sizes: list[int | None], batch_tokens: int,
         median = statistics.median(rates)
         results.append({
             "backend": "transformers bare forward",
-            "samples": len(lengths),
+            "samples": len(lengths[:size]),
             "tokens": total,
             "batch_tokens": batch_tokens,
             "tok_per_s": round(median),
-            "mfu": mfu(checkpoint_forward_flops(target, lengths.tolist()), median, total),
+            "mfu": mfu(checkpoint_forward_flops(target, lengths[:size].tolist()), median, total),
             "tok_per_s_runs": [round(r) for r in rates],
         })  # fmt: skip
         print(json.dumps(results[-1]), flush=True)

@@ -38,7 +38,7 @@ from ..formats.store_manifest import (
 )
 from ..formats.target_record import require_same_target, stage_target, target_source
 from ..fsio import check_output_apart, check_output_dir, free_disk_bytes, output_lock, write_json_atomic
-from ..model.capture import FeatureCapture, batches_by_length
+from ..model.capture import FeatureCapture, batches_by_length, right_padded
 from ..model.distributed import init_distributed
 from ..model.final_norm import load_final_norm
 from ..model.placement import describe, output_device, topology
@@ -166,10 +166,8 @@ class ShardExtractor:
         position = 0
         flags = []  # device scalars: first non-finite token of each batch, or -1
         for batch in batches:
-            width = int(lengths[batch].max())
-            padded = np.zeros((len(batch), width), dtype=np.int64)
-            for row, local in enumerate(batch.tolist()):
-                padded[row, : lengths[local]] = prepared.sample(int(samples[local]))[0]
+            padded = right_padded(lambda local: prepared.sample(int(samples[local]))[0], lengths, batch)
+            width = padded.shape[1]
             keep = np.concatenate([row * width + np.arange(lengths[s]) for row, s in enumerate(batch.tolist())])
             aux, last = self.capture(self._to_device(padded, self.capture.input_device))  # [B,S,3,H], [B,S,H]
             keep_index = self._to_device(keep)

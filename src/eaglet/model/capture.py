@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -128,6 +128,16 @@ def teacher_logits(model: nn.Module, last: torch.Tensor) -> torch.Tensor:
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return logits
+
+
+def right_padded(tokens_of: Callable[[int], np.ndarray], lengths: np.ndarray, batch: np.ndarray) -> np.ndarray:
+    """The token ids of a length bucket ([len(batch), longest] int64, zeros after each sample's end): sample
+    ``index`` of ``batch`` is ``tokens_of(index)`` cut to ``lengths[index]``. Causal attention keeps the padding out
+    of every real token's features."""
+    padded = np.zeros((len(batch), int(lengths[batch].max())), dtype=np.int64)
+    for row, index in enumerate(batch.tolist()):
+        padded[row, : lengths[index]] = tokens_of(index)[: lengths[index]]
+    return padded
 
 
 def batches_by_length(lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray]:

@@ -22,7 +22,7 @@ from ..errors import EagletError
 from ..formats.prepared import PreparedSet
 from ..formats.store_manifest import ShardPlan, plan_shards, read_manifest, require_complete
 from ..formats.target_record import TargetIdentity, require_same_target
-from ..model.capture import FeatureCapture, batches_by_length
+from ..model.capture import FeatureCapture, batches_by_length, right_padded
 from ..model.shards import ShardError, StoreReader, decode_features
 from .prefetch import prefetched
 
@@ -329,11 +329,8 @@ class LiveSource(FeatureSource):
         lengths = np.array([kept_length(self.lengths[s], self.token_budget) for s in samples])
         out: list[dict[str, torch.Tensor] | None] = [None] * len(samples)
         for batch in batches_by_length(lengths, self.forward_tokens):
-            width = int(lengths[batch].max())
-            padded = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, position in enumerate(batch.tolist()):
-                ids, _ = self.prepared.sample(samples[position])
-                padded[row, : lengths[position]] = torch.from_numpy(ids[: lengths[position]].astype(np.int64))
+            ids_of = lambda position: self.prepared.sample(samples[position])[0]  # noqa: E731
+            padded = torch.from_numpy(right_padded(ids_of, lengths, batch))
             aux, last = (tensor.to(LIVE_FEATURE_DTYPE).cpu() for tensor in self.capture(padded))
             for row, position in enumerate(batch.tolist()):
                 length = int(lengths[position])
