@@ -130,6 +130,8 @@ class VllmFields(StrictModel):
             )
         if backend != "vllm" and self.tensor_parallel_size != 1:
             raise ValueError("--tensor-parallel-size is the vllm backend's; the hf backend uses --placement tp")
+        if backend != "hf" and getattr(self, "hf_engine", "auto") != "auto":
+            raise ValueError(f"--hf-engine is the hf backend's; --backend {backend} generates its own way")
         return self
 
 
