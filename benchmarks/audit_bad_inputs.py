@@ -77,6 +77,10 @@ def cases(w: Path, made: dict[str, Path]) -> list[tuple[str, list, str]]:
     def conversation(*turns: tuple[str, object], row_id: object = "c1") -> str:
         return json.dumps({"id": row_id, "messages": [{"role": r, "content": c} for r, c in turns]}) + "\n"
 
+    call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "lookup"}}]}
+    trace = [{"role": "user", "content": "find it"}, call, {"role": "tool", "content": "42"}]
+    agent_trace = json.dumps({"id": "t1", "messages": trace + [{"role": "assistant", "content": "It is 42."}]}) + "\n"
+
     import torch
 
     gpu_demo = "accepted" if torch.cuda.is_available() else "refused"  # without a GPU its sizes would run for hours
@@ -229,6 +233,16 @@ def cases(w: Path, made: dict[str, Path]) -> list[tuple[str, list, str]]:
         (
             "prepare empty assistant",
             ["prepare", file("ea.jsonl", conversation(("user", "hi"), ("assistant", ""))), "--out", w / "p2"],
+            "refused",
+        ),
+        (  # the embedded target's template has no tool calls: the calling turn would train an empty answer
+            "prepare an agent trace with a template that drops tool calls",
+            ["prepare", file("tools.jsonl", agent_trace), "--out", w / "p5"],
+            "refused",
+        ),
+        (
+            "regenerate an agent trace",
+            ["regenerate", file("tools2.jsonl", agent_trace), "--out", w / "r9.jsonl"],
             "refused",
         ),
         ("prepare ShareGPT rows", ["prepare", sharegpt, "--out", w / "p3"], "accepted"),
