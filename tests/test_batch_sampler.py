@@ -127,3 +127,22 @@ def test_targets_the_engine_cannot_run_are_named(tmp_path):
 
     moe = AutoModelForCausalLM.from_pretrained(tiny_target(tmp_path / "gpt-oss", "gpt_oss"))
     assert "sliding-window" in static_sampling_problem(moe, 4, 256)
+
+
+def test_the_cache_size_is_counted_as_the_layers_store_it(tmp_path):
+    """What the GPU fit check counts per cache position is what StaticCache allocates, or more for MLA (whose cache
+    transformers may compress): the check never lets a cache past the memory it saw."""
+    from targets import tiny_target
+
+    from eaglet.decode.batch_sampler import cache_bytes_per_position
+
+    for arch in ("llama", "deepseek_v3"):
+        target = AutoModelForCausalLM.from_pretrained(tiny_target(tmp_path / arch, arch), dtype=torch.float32).eval()
+        sampler = sampler_for(target, rows=len(PROMPTS))
+        with folded_attention_set(target):
+            sampler.generate(PROMPTS, NEW, seed=0)  # the layers' tensors are made at their first write
+        allocated = sum(
+            t.numel() * t.element_size() for layer in sampler.cache.layers for t in (layer.keys, layer.values)
+        )
+        counted = len(PROMPTS) * sampler.max_len * cache_bytes_per_position(target.config, torch.float32)
+        assert allocated == counted if arch == "llama" else allocated <= counted

@@ -92,12 +92,16 @@ def draw(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
 
 
-def _kv_shape(config: Any) -> tuple[int, int, int]:
-    """(layers, key heads, head dim) of a decoder's KV cache."""
+def cache_bytes_per_position(config: Any, dtype: torch.dtype) -> int:
+    """Bytes one cache position of one row takes over all layers: keys and values of every key head. For MLA, keys
+    and values at their full widths: an upper bound (transformers 5.19 caches DeepseekV3's compressed latent, less)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return text.num_hidden_layers, heads, head_dim
+    if getattr(text, "qk_rope_head_dim", None) and getattr(text, "v_head_dim", None):  # MLA (DeepseekV3)
+        widths = text.qk_nope_head_dim + text.qk_rope_head_dim + text.v_head_dim
+    else:
+        widths = 2 * (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    return text.num_hidden_layers * heads * widths * dtype.itemsize
 
 
 def cache_length(width: int, max_new: int) -> int:
@@ -117,8 +121,7 @@ def static_sampling_problem(model: torch.nn.Module, rows: int, max_len: int) -> 
         return f"{type(model).__name__} does not dispatch attention through transformers' attention interface"
     device = next(model.parameters()).device
     if device.type == "cuda":
-        layers, heads, head_dim = _kv_shape(model.config)
-        cache_bytes = 2 * layers * rows * heads * max_len * head_dim * model.dtype.itemsize
+        cache_bytes = rows * max_len * cache_bytes_per_position(model.config, model.dtype)
         vocab = model.get_output_embeddings().weight.shape[0]
         need = cache_bytes + rows * vocab * SAMPLING_BYTES_PER_LOGIT
         free, _ = torch.cuda.mem_get_info(device)
