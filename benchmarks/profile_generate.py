@@ -12,6 +12,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 
 def main() -> None:
@@ -41,14 +42,7 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    class R:  # what encode_prompt reads
-        def __init__(self, messages):
-            self.messages = messages
-
-    encoded = [
-        encode_prompt(tokenizer, R(r.messages[:-1] if r.messages[-1]["role"] == "assistant" else r.messages))
-        for r in rows
-    ]
+    encoded = [encode_prompt(tokenizer, SimpleNamespace(messages=r.prompt_messages)) for r in rows]
     encoded = sorted((encoded * (args.batch // len(encoded) + 1))[: args.batch], key=len)
     width = max(map(len, encoded))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
