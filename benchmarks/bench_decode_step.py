@@ -31,8 +31,8 @@ def main() -> None:
     from eaglet.decode.baseline import target_only_decode
     from eaglet.decode.common import sync
     from eaglet.decode.runners import TargetRunner
-    from eaglet.decode.sampling import Sampling
     from eaglet.decode.static import StaticTarget
+    from eaglet.model.sampling import Sampling
     from eaglet.model.target import load_model, pick_device, resolve_target
 
     device = pick_device(args.device)

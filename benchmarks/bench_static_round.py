@@ -69,10 +69,10 @@ def main() -> None:
     from eaglet.decode.baseline import GreedyTargetSteps, static_target_decode, target_only_decode
     from eaglet.decode.chain import ChainRounds, StaticChainDraft, static_chain_decode
     from eaglet.decode.common import sync
-    from eaglet.decode.sampling import Sampling
     from eaglet.decode.static import StaticTarget
     from eaglet.decode.tree import StaticTreeDraft, TreeRounds, static_tree_decode
     from eaglet.model.draft import load_draft
+    from eaglet.model.sampling import Sampling
     from eaglet.model.target import load_head_weights, load_model, pick_device, resolve_target
 
     device = torch.device(pick_device(args.device))

@@ -1,4 +1,4 @@
-"""The static engine `regenerate` and `synthesize` write text with on a GPU (``decode/batch_sampler.py``), run
+"""The static engine `regenerate` and `synthesize` write text with on a GPU (``model/batch_sampler.py``), run
 eagerly here: greedy rows equal transformers' ``generate`` token for token (left padding, grouped key heads,
 rows that stop early), sampling is reproducible and follows temperature and nucleus, and the engine is picked
 only where the target allows it."""
@@ -10,15 +10,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eaglet.data.generation import Generator
-from eaglet.decode.batch_sampler import (
+from eaglet.errors import EagletError
+from eaglet.model.batch_sampler import (
     STOP_CHECK_EVERY,
     BatchSampler,
     cache_length,
     folded_attention_set,
     static_sampling_problem,
 )
-from eaglet.decode.sampling import Sampling
-from eaglet.errors import EagletError
+from eaglet.model.sampling import Sampling
 
 PROMPTS = [[5, 9, 13], [7, 3, 3, 8, 21, 2, 40], [11], [4, 4, 6, 30, 31]]  # ragged: left padding on three rows
 NEW = 12
@@ -134,7 +134,7 @@ def test_the_cache_size_is_counted_as_the_layers_store_it(tmp_path):
     transformers may compress): the check never lets a cache past the memory it saw."""
     from targets import tiny_target
 
-    from eaglet.decode.batch_sampler import cache_bytes_per_position
+    from eaglet.model.batch_sampler import cache_bytes_per_position
 
     for arch in ("llama", "deepseek_v3"):
         target = AutoModelForCausalLM.from_pretrained(tiny_target(tmp_path / arch, arch), dtype=torch.float32).eval()

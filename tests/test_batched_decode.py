@@ -10,8 +10,8 @@ from eaglet.decode.baseline import target_only_decode
 from eaglet.decode.batched import BatchDraft, BatchTarget, batched_speculative_decode, batched_target_only_decode
 from eaglet.decode.chain import speculative_decode
 from eaglet.decode.runners import DraftRunner, TargetRunner
-from eaglet.decode.sampling import Sampling
 from eaglet.model.capture import FeatureCapture
+from eaglet.model.sampling import Sampling
 from eaglet.train.loss import TeacherHead
 from eaglet.train.ttt import TTTInputs, documents, ttt_forward
 

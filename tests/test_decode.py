@@ -9,10 +9,10 @@ import torch
 from eaglet.decode.baseline import target_only_decode
 from eaglet.decode.chain import speculative_decode
 from eaglet.decode.runners import DraftRunner, TargetRunner
-from eaglet.decode.sampling import Sampling
 from eaglet.errors import EagletError
 from eaglet.formats.draft_config import DraftConfig
 from eaglet.model.draft import Eagle3Draft
+from eaglet.model.sampling import Sampling
 
 
 def tiny_pair(vocab=64, seed=0, draft_layers=1):

@@ -11,8 +11,8 @@ from safetensors import safe_open
 
 from eaglet.decode.chain import speculative_decode
 from eaglet.decode.runners import DraftRunner, TargetRunner
-from eaglet.decode.sampling import Sampling
 from eaglet.model.draft import load_draft
+from eaglet.model.sampling import Sampling
 from eaglet.model.target import config_identity, load_head_weights, load_model, resolve_target
 
 EXPECTED_TENSORS = {
@@ -595,7 +595,7 @@ def test_a_lossless_failure_is_located_and_sized():
     from eaglet.decode.baseline import target_only_decode
     from eaglet.decode.evaluate import _divergence, _divergence_lines
     from eaglet.decode.runners import TargetRunner
-    from eaglet.decode.sampling import Sampling
+    from eaglet.model.sampling import Sampling
 
     target, _ = tiny_pair()
     layers = (2, 4, 5)

@@ -12,10 +12,10 @@ from eaglet.decode.baseline import GreedyTargetSteps, static_target_decode, targ
 from eaglet.decode.chain import ChainRounds, StaticChainDraft, speculative_decode, static_chain_decode
 from eaglet.decode.common import Tree
 from eaglet.decode.runners import DraftRunner, TargetRunner
-from eaglet.decode.sampling import Sampling
 from eaglet.decode.static import GRAPH_BUCKETS, StaticTarget, bucket_for, buckets_for
 from eaglet.decode.tree import StaticTreeDraft, TreeRounds, expand_tree, static_tree_decode, tree_decode
 from eaglet.errors import EagletError
+from eaglet.model.sampling import Sampling
 
 LONG_PROMPT = [(7 * i) % 60 + 2 for i in range(GRAPH_BUCKETS[-1] + 9)]  # past the largest bucket: runs unbucketed
 MAX_LEN = len(LONG_PROMPT) + NEW_TOKENS + GRAPH_BUCKETS[-1] + 1

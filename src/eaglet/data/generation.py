@@ -34,7 +34,7 @@ class Generator:
     ) -> list[list[int]]:
         """Each prompt's new tokens (greedy at temperature 0), up to ``max_new``; cut them with ``until_stop``.
         Deterministic given ``seed`` and the batch."""
-        from ..decode.sampling import Sampling
+        from ..model.sampling import Sampling
 
         sampling = Sampling(temperature, top_p)
         width = max(map(len, prompts))
@@ -43,7 +43,7 @@ class Generator:
             self.used.setdefault("generate", why)
             return self._generate(prompts, max_new, sampling, seed)
         self.used.setdefault("static", why)
-        from ..decode.batch_sampler import folded_attention_set
+        from ..model.batch_sampler import folded_attention_set
 
         with folded_attention_set(self.model):
             return sampler.generate(prompts, max_new, seed)
@@ -51,7 +51,7 @@ class Generator:
     def _static_sampler(self, rows: int, width: int, max_new: int, sampling: Any) -> tuple[Any, str]:
         """The static engine's sampler for a batch of ``rows`` prompts (built or reused: a smaller batch runs in a
         larger sampler, its spare rows stopped), or None and why ``generate`` runs."""
-        from ..decode.batch_sampler import BatchSampler, cache_length, folded_attention_set, static_sampling_problem
+        from ..model.batch_sampler import BatchSampler, cache_length, folded_attention_set, static_sampling_problem
 
         if self.engine == "generate":
             return None, "asked for (--hf-engine generate)"

@@ -8,9 +8,9 @@ import time
 
 import torch
 
+from ..model.sampling import Sampling
 from .common import DecodeResult, finish, sync
 from .runners import TargetRunner
-from .sampling import Sampling
 from .static import RoundGraph, Rounds, StaticTarget, check_room
 
 

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from ..model.capture import FeatureCapture
 from ..model.draft import Eagle3Draft
-from .common import DecodeResult, cache_kwarg, decode_step, draft_rope, draft_target_ids, finish, sync
+from ..model.support import cache_kwarg
+from .common import DecodeResult, decode_step, draft_rope, draft_target_ids, finish, sync
 
 
 class BatchTarget:

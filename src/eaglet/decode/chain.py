@@ -25,9 +25,10 @@ import time
 import torch
 
 from ..model.draft import Eagle3Draft
+from ..model.sampling import Sampling
 from .common import DecodeResult, draft_rope, finish, sync
 from .runners import DraftRunner, TargetRunner
-from .sampling import Sampling, accept_or_resample
+from .sampling import accept_or_resample
 from .static import RoundGraph, Rounds, StaticDraft, StaticTarget, decode_in_rounds
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
@@ -64,11 +63,6 @@ def decode_step(method):
             return method(*args, **kwargs)
 
     return run
-
-
-def cache_kwarg(model: torch.nn.Module) -> str:
-    """transformers renamed `past_key_values` to `cache` (5.2x): the name this version's forward takes."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def draft_target_ids(draft: Eagle3Draft) -> torch.Tensor:

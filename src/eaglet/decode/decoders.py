@@ -13,13 +13,13 @@ from rich.console import Console
 from ..config import EvalConfig
 from ..errors import EagletError
 from ..model.draft import Eagle3Draft
+from ..model.sampling import Sampling
 from ..model.support import compiles_draft_round, draft_compile_problem, uses_static_cache
 from .baseline import GreedyTargetSteps, static_target_decode, target_only_decode
 from .batched import BatchDraft, BatchTarget, batched_speculative_decode, batched_target_only_decode
 from .chain import ChainRounds, StaticChainDraft, speculative_decode, static_chain_decode
 from .common import DecodeResult
 from .runners import DraftRunner, TargetRunner
-from .sampling import Sampling
 from .static import GRAPH_BUCKETS, StaticTarget
 from .tree import StaticTreeDraft, TreeRounds, static_tree_decode, tree_decode
 

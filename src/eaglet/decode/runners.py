@@ -18,7 +18,8 @@ from ..errors import EagletError
 from ..model.capture import FeatureCapture
 from ..model.draft import Eagle3Draft
 from ..model.placement import full
-from .common import Tree, cache_kwarg, decode_step, draft_rope, draft_target_ids
+from ..model.support import cache_kwarg
+from .common import Tree, decode_step, draft_rope, draft_target_ids
 
 
 class TargetRunner:

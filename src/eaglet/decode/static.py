@@ -24,7 +24,7 @@ with the dynamic engine (``runners.py``).
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, TypeVar
+from typing import Callable, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -32,33 +32,12 @@ import torch.nn.functional as F
 from ..errors import EagletError
 from ..model.capture import FeatureCapture
 from ..model.draft import Eagle3Draft
-from ..model.support import static_cache_problem
-from .common import DecodeResult, Tree, cache_kwarg, draft_rope, draft_target_ids, finish, sync
+from ..model.graphs import capture
+from ..model.support import cache_kwarg, static_cache_problem
+from .common import DecodeResult, Tree, draft_rope, draft_target_ids, finish, sync
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # token counts captured as graphs; longer forwards (prompts) run eagerly
-WARMUP_RUNS = 2  # eager runs on a side stream before capture (cuBLAS/allocator set-up must not be captured)
 T = TypeVar("T")
-
-
-def capture(
-    device: torch.device, body: Callable[[], T], fix: str = "run eval with --cuda-graphs off", pool: Any = None
-) -> tuple[torch.cuda.CUDAGraph, T]:
-    """Run ``body`` WARMUP_RUNS times on a side stream, then capture it as a CUDA graph; returns the graph
-    and the outputs ``body`` left in the graph's memory (rewritten by every replay). ``fix``: what the user can
-    do when the capture fails; ``pool``: another graph's memory pool to share (graphs never replayed at once)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(WARMUP_RUNS):
-            body()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph, pool=pool):
-            outputs = body()
-    except RuntimeError as error:  # an op that syncs with the host, or one graphs do not support
-        raise EagletError(f"CUDA graph capture failed ({str(error).splitlines()[0]}); {fix}") from None
-    return graph, outputs
 
 
 def bucket_for(tokens: int, buckets: tuple[int, ...] = GRAPH_BUCKETS) -> int | None:

@@ -19,9 +19,10 @@ from typing import Callable
 import torch
 
 from ..model.draft import Eagle3Draft
+from ..model.sampling import Sampling
 from .common import DecodeResult, Tree, draft_rope, finish, sync
 from .runners import DraftRunner, TargetRunner
-from .sampling import Sampling, walk_candidates
+from .sampling import walk_candidates
 from .static import RoundGraph, Rounds, StaticDraft, StaticTarget, compile_round_part, decode_in_rounds
 
 # step(level, tokens [k], input hiddens [k, H], own speculative slots [k], visible [k, all slots]) -> hidden, logits

@@ -12,6 +12,13 @@ EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "mo
 STATIC_CACHE_PROBE_LENGTH = 64  # positions of the throwaway StaticCache a config is probed with
 
 
+def cache_kwarg(model: Any) -> str:
+    """transformers renamed `past_key_values` to `cache` (5.2x): the name this version's forward takes."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def uses_static_cache(cuda_graphs: str, batch_size: int, device: str) -> bool:
     """Whether eval decodes on static caches: batch 1, and ``--cuda-graphs on`` (any device) or ``auto`` on a
     GPU (graphs then replay the forwards; elsewhere the same functions run eagerly)."""

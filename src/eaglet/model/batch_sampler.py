@@ -26,10 +26,9 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
-from ..model.support import static_cache_problem
-from .common import cache_kwarg
+from .graphs import capture
 from .sampling import Sampling
-from .static import capture
+from .support import cache_kwarg, static_cache_problem
 
 FOLDED_ATTENTION = "eaglet_folded_sdpa"  # the name the folded attention is registered under in transformers
 STOP_CHECK_EVERY = 16  # steps between the host's reads of "has every row stopped" (each read waits for the GPU)
