@@ -362,3 +362,27 @@ def test_batches_are_the_fewest_and_even():
     assert sorted(r.order for b in batches for r in b) == list(range(2736))
     assert [len(b) for b in _length_buckets(requests[:9], lengths, 4)] == [3, 3, 3]
     assert _length_buckets([], lengths, 4) == []
+
+
+def test_the_engine_is_checked_before_the_weights_load(tmp_path, capsys, tiny_target):
+    """Preflight says which engine writes the text; `--hf-engine static` on a target it cannot run (sliding-window
+    attention) is refused from config.json, before any weight loads, naming the way out."""
+    from targets import tiny_target as tiny_arch
+
+    prompts = prompts_file(tmp_path, 2)
+    out = tmp_path / "a.jsonl"
+
+    def engine_check(target, *extra):
+        args = ["preflight", "regenerate", prompts, "--out", out, "--target", target, "--device", "cpu", "--json"]
+        code, text, _ = run_cli([*args, *extra], capsys)
+        return code, {c["name"]: c for c in json.loads(text)["checks"]}["hf engine"]
+
+    assert engine_check(tiny_target)[1]["detail"] == "transformers' generate (auto on a CPU)"
+    code, check = engine_check(tiny_target, "--hf-engine", "static")
+    assert code == 0 and check["status"] == "pass" and check["detail"].startswith("static:")
+    sliding = tiny_arch(tmp_path / "gpt-oss", "gpt_oss")
+    code, check = engine_check(sliding, "--hf-engine", "static")
+    assert code != 0 and check["status"] == "fail" and "sliding-window" in check["detail"]
+    code, _, err = run_cli(regen_args(prompts, out, sliding, "--hf-engine", "static"), capsys)
+    assert code == 2 and "preflight failed for regenerate: hf engine: --hf-engine static: GptOssConfig" in err, err
+    assert "use --hf-engine generate" in err and not out.exists()

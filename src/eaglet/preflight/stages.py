@@ -135,7 +135,27 @@ def _writing_target_checks(cfg: Any) -> tuple[list[Check], Any]:
         )
         if not device.startswith("cuda"):
             checks.append(check_memory(device, weights_bytes(found[0].path, dtype_bytes), "target weights"))
+        checks += guarded("hf engine", lambda: check_hf_engine(found[0].path, cfg, device))
     return checks, found
+
+
+def check_hf_engine(target_path: Path, cfg: Any, device: str) -> Check:
+    """Which engine writes the text (``--hf-engine``), from the config alone: the static one needs one device, full
+    attention and, on a GPU, a target a CUDA graph can capture (no host-routed experts)."""
+    from transformers import AutoConfig
+
+    if cfg.hf_engine == "generate":
+        return Check("hf engine", PASS, "transformers' generate (--hf-engine generate)")
+    if cfg.hf_engine == "auto" and not device.startswith("cuda"):
+        return Check("hf engine", PASS, "transformers' generate (auto on a CPU)")
+    problem = "the target is split over devices (--placement)" if cfg.placement != "one" else None
+    config = AutoConfig.from_pretrained(target_path, trust_remote_code=cfg.trust_remote_code)
+    problem = problem or static_cache_problem(config, device.startswith("cuda"))
+    if problem is None:
+        return Check("hf engine", PASS, "static: a preallocated KV cache, each new token one CUDA graph on a GPU")
+    if cfg.hf_engine == "static":
+        return Check("hf engine", FAIL, f"--hf-engine static: {problem}", "use --hf-engine generate (or auto)")
+    return Check("hf engine", PASS, f"transformers' generate ({problem})")
 
 
 def synthesize_checks(cfg: Any) -> list[Check]:
