@@ -31,6 +31,7 @@ def main() -> None:
 
     from eaglet.data.readers import Conversation, read_conversations
     from eaglet.data.regenerate import encode_prompt
+    from eaglet.model.batch_sampler import left_padded
     from eaglet.model.target import decoding_attention, load_model, load_tokenizer, resolve_target
     from eaglet.resources import demo_prompts_path
 
@@ -44,14 +45,10 @@ def main() -> None:
 
     encoded = [encode_prompt(tokenizer, SimpleNamespace(messages=r.prompt_messages)) for r in rows]
     encoded = sorted((encoded * (args.batch // len(encoded) + 1))[: args.batch], key=len)
-    width = max(map(len, encoded))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ids = torch.full((len(encoded), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(encoded):
-        ids[i, width - len(row) :] = torch.tensor(row)
-        mask[i, width - len(row) :] = 1
-    ids, mask = ids.to(args.device), mask.to(args.device)
+    ids, real = left_padded(encoded, pad)  # as the engines pad
+    width = ids.shape[1]
+    ids, mask = ids.to(args.device), real.long().to(args.device)
     stop = model.generation_config.eos_token_id
 
     def generate(max_new: int, **extra):

@@ -77,19 +77,15 @@ class Generator:
         """transformers' ``generate`` over the left-padded batch."""
         import torch
 
+        from ..model.batch_sampler import left_padded
         from ..model.target import decoding_attention
 
-        width = max(map(len, prompts))
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, row in enumerate(prompts):  # left padding: every prompt ends at the same column
-            input_ids[i, width - len(row) :] = torch.tensor(row)
-            attention[i, width - len(row) :] = 1
+        input_ids, real = left_padded(prompts, self.pad_id)
         torch.manual_seed(seed)
         with torch.inference_mode(), decoding_attention():  # no per-key-length cuDNN plans
             output = self.model.generate(
                 input_ids=input_ids.to(self.device),
-                attention_mask=attention.to(self.device),
+                attention_mask=real.long().to(self.device),
                 max_new_tokens=max_new,
                 do_sample=not sampling.greedy,
                 temperature=None if sampling.greedy else sampling.temperature,
@@ -98,7 +94,7 @@ class Generator:
                 eos_token_id=self.stop_ids,
                 pad_token_id=self.pad_id,
             )
-        return output[:, width:].tolist()
+        return output[:, input_ids.shape[1] :].tolist()
 
 
 def until_stop(tokens: list[int], stop_ids: list[int]) -> tuple[list[int], bool]:

@@ -225,8 +225,9 @@ def finalize(out: Path, requests: list[Request], done: dict[tuple[str, int], str
     A blank answer (the target ended its turn at once, or wrote only whitespace) teaches no token and is a bad row
     for ``prepare``; it stays in the file until here, so a killed run resumes past it."""
     lines = [done[r.key] for r in requests if r.key in done]
-    blank = [line for line in lines if is_blank(line)]
-    kept = [line for line in lines if not is_blank(line)] if blank else lines
+    blanks = [is_blank(line) for line in lines]  # each line parsed once
+    blank = [line for line, empty in zip(lines, blanks) if empty]
+    kept = [line for line, empty in zip(lines, blanks) if not empty]
     write_bytes_atomic(out, "".join(line + "\n" for line in kept).encode("utf-8"))
     return blank
 

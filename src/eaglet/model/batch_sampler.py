@@ -91,6 +91,17 @@ def draw(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
 
 
+def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [rows, longest] with every prompt ending at the last column, and which entries are real [same, bool]."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    real = torch.zeros(len(prompts), width, dtype=torch.bool)
+    for i, row in enumerate(prompts):
+        ids[i, width - len(row) :] = torch.tensor(row)
+        real[i, width - len(row) :] = True
+    return ids, real
+
+
 def cache_bytes_per_position(config: Any, dtype: torch.dtype) -> int:
     """Bytes one cache position of one row takes over all layers: keys and values of every key head. For MLA, keys
     and values at their full widths: an upper bound (transformers 5.19 caches DeepseekV3's compressed latent, less)."""
@@ -224,12 +235,7 @@ class BatchSampler:
         count, width = len(prompts), max(map(len, prompts))
         assert count <= self.rows and self.fits(width, max_new), "a batch this sampler was not built for"
         rows = prompts + [[self.pad_id]] * (self.rows - count)  # spare rows: stopped from the start
-        ids = torch.full((self.rows, width), self.pad_id, dtype=torch.long)
-        real = torch.zeros(self.rows, width, dtype=torch.bool)
-        for i, row in enumerate(rows):  # left padding: every prompt ends at column width - 1
-            ids[i, width - len(row) :] = torch.tensor(row)
-            real[i, width - len(row) :] = True
-        ids, real = ids.to(self.device), real.to(self.device)
+        ids, real = (tensor.to(self.device) for tensor in left_padded(rows, self.pad_id))
         positions = (real.cumsum(-1) - 1).clamp(min=0)  # [rows, width]
         causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
         # A padding query sees itself (a row of no keys would make NaNs that reach the cache's values).
