@@ -129,6 +129,11 @@ BAD_ROWS = [
         'turn 1: tool call 0: expected {"function"',
     ),
     (
+        "tool_calls_not_a_list",
+        json.dumps({"messages": [USER_HI, {"role": "assistant", "tool_calls": {"function": {"name": "f"}}}]}),
+        "turn 1: 'tool_calls' must be a list of calls, got dict",
+    ),
+    (
         "user_calls_a_tool",
         json.dumps({"messages": [{"role": "user", "content": "a", "tool_calls": []}]}),
         "turn 0: 'tool_calls' in a user turn",

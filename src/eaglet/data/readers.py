@@ -136,6 +136,8 @@ def _parse_turn(turn: Any, index: int) -> dict[str, Any]:
     calls = turn.get("tool_calls")
     if calls is not None and role != "assistant":
         raise RowError(f"{where}: 'tool_calls' in a {role} turn; only an assistant turn calls tools")
+    if calls is not None and not isinstance(calls, list):
+        raise RowError(f"{where}: 'tool_calls' must be a list of calls, got {type(calls).__name__}")
     if calls is not None and calls != []:
         content = turn.get(content_key)  # a turn that calls tools may say nothing
         message = {"role": role, "content": "" if content in (None, "") else _text_of(content, where)}
