@@ -35,7 +35,7 @@ STOP_CHECK_EVERY = 16  # steps between the host's reads of "has every row stoppe
 CACHE_LENGTH_STEP = 256  # cache lengths are rounded up to this, so batches of similar prompts share the graphs
 KEY_BUCKET = 128  # a step attends to the first multiple of this many keys that holds every key written so far
 FIT_FRACTION = 0.8  # the cache and the step's sampling buffers take at most this share of the free GPU memory
-SAMPLING_BYTES_PER_LOGIT = 24  # float32 logits, probabilities, sorted probabilities, int64 order: per row per token
+SAMPLING_BYTES_PER_LOGIT = 32  # per row per token: sorted logits, int64 order, float32 probabilities, sums, race
 
 
 def folded_attention(
@@ -83,12 +83,22 @@ def folded_attention_set(model: torch.nn.Module) -> Iterator[bool]:
 
 
 def draw(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """logits [rows, V] -> tokens [rows]: greedy, or one draw from ``sampling``'s distribution by the exponential race
-    (the default generator's stream, so a graph replays it)."""
+    """logits [rows, V] (the model's dtype) -> tokens [rows]: greedy, or one draw from ``sampling``'s distribution by
+    the exponential race (the default generator's stream, so a graph replays it).
+
+    The nucleus is drawn in sorted order, as ``Sampling.probs`` keeps it but without scattering it back or
+    renormalising (the race's argmax needs neither): the sort runs on the logits' own dtype (bf16 keys halve a radix
+    sort's passes; temperature and softmax keep the order) and the winner's place maps back through the sort's order."""
     if sampling.greedy:
         return logits.argmax(-1)
-    probs = sampling.probs(logits)
-    return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+    if sampling.top_p >= 1.0:
+        probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+        return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [rows, V] each
+    sorted_probs = torch.softmax(sorted_logits.float() / sampling.temperature, dim=-1)
+    keep = sorted_probs.cumsum(-1) - sorted_probs < sampling.top_p  # always keeps the top token
+    race = torch.where(keep, sorted_probs / torch.empty_like(sorted_probs).exponential_(), 0.0)
+    return order.gather(-1, race.argmax(-1, keepdim=True)).squeeze(-1)
 
 
 def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,7 +204,7 @@ class BatchSampler:
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """ids/positions [rows, n], mask [rows, 1, n or 1, keys] (the first ``keys`` cache positions) -> the last
-        position's logits [rows, V] float32."""
+        position's logits [rows, V] in the model's dtype."""
         for layer in self.cache.layers:  # where this forward's entries go (StaticCache appends at it)
             layer.cumulative_length.copy_(self.write_at)
         extra = {"logits_to_keep": 1} if self.keeps_logits else {}
@@ -206,7 +216,7 @@ class BatchSampler:
             **{self.cache_kwarg: self.cache},
             **extra,
         )
-        return out.logits[:, -1].float()
+        return out.logits[:, -1]
 
     def key_length(self, write_at: int) -> int:
         """The keys a step writing at cache index ``write_at`` attends to: the first key length past it."""
