@@ -80,6 +80,18 @@ def test_samples_changed_after_prepare(tmp_path, capsys, prepared, tiny_target):
     refused_by_extract(tmp_path, prepared, tiny_target, capsys, "samples.parquet", "sha256 differs", PREPARE_AGAIN)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_the_draft_vocabulary_damaged_after_prepare(tmp_path, capsys, prepared, tiny_target, damage):
+    """Training reads vocab.safetensors after extraction: extraction refuses a set whose vocabulary broke."""
+    vocab = prepared / "vocab.safetensors"
+    if damage == "truncated":
+        vocab.write_bytes(vocab.read_bytes()[:10])
+        refused_by_extract(tmp_path, prepared, tiny_target, capsys, str(vocab), "sha256 differs", PREPARE_AGAIN)
+    else:
+        vocab.unlink()
+        refused_by_extract(tmp_path, prepared, tiny_target, capsys, f"{vocab}: missing", PREPARE_AGAIN)
+
+
 def test_no_input_ids_column(tmp_path, capsys, prepared, tiny_target):
     table = pq.read_table(prepared / "samples.parquet")
     rewrite_samples(prepared, table.drop(["input_ids"]))
@@ -114,7 +126,7 @@ def test_online_training_without_the_draft_vocabulary(tmp_path, capsys, prepared
     result = run_cli(
         ["train", "--prepared", prepared, "--out", out, "--target", tiny_target, "--max-steps", "2"], capsys
     )
-    assert_refused(result, "vocab.safetensors: no draft vocabulary here", "prepare again")
+    assert_refused(result, "vocab.safetensors: missing (the set's manifest lists it)", PREPARE_AGAIN)
     assert not out.exists()
     result = run_cli(
         [
@@ -131,7 +143,7 @@ def test_online_training_without_the_draft_vocabulary(tmp_path, capsys, prepared
         ],
         capsys,
     )  # the stage itself refuses too, before the target loads
-    assert_refused(result, "vocab.safetensors: no draft vocabulary here")
+    assert_refused(result, "vocab.safetensors: missing (the set's manifest lists it)", PREPARE_AGAIN)
     assert not out.exists()
 
 

@@ -160,15 +160,17 @@ def load_prepared(path: str | Path, max_samples: int | None = None) -> PreparedS
     path = Path(path)
     manifest = read_prepared_manifest(path)
     samples = path / SAMPLES_FILE
-    if not samples.is_file():
-        raise EagletError(f"{path}: no {SAMPLES_FILE}; {PREPARE_AGAIN}")
-    recorded = manifest["files"].get(SAMPLES_FILE)
-    if recorded is None:
+    if SAMPLES_FILE not in manifest["files"]:
         raise EagletError(f"{path / MANIFEST_FILE}: records no sha256 of {SAMPLES_FILE}; {PREPARE_AGAIN}")
-    if sha256_file(samples) != recorded:
-        raise EagletError(
-            f"{samples}: changed since `eaglet prepare` wrote it (sha256 differs from the manifest's); {PREPARE_AGAIN}"
-        )
+    # every file the set holds (the draft vocabulary too: training reads it after extraction's hours)
+    for name, recorded in manifest["files"].items():
+        if not (path / name).is_file():
+            raise EagletError(f"{path / name}: missing (the set's manifest lists it); {PREPARE_AGAIN}")
+        if sha256_file(path / name) != recorded:
+            raise EagletError(
+                f"{path / name}: changed since `eaglet prepare` wrote it (sha256 differs from the manifest's); "
+                f"{PREPARE_AGAIN}"
+            )
     try:
         table = pq.read_table(samples)
     except Exception as exc:  # pyarrow's errors for a damaged file
