@@ -140,6 +140,25 @@ def test_sigkill_resume_is_byte_identical(tmp_path, capsys, tiny_target, samplin
     assert out.read_bytes() == reference.read_bytes()
 
 
+@pytest.mark.slow
+def test_ctrl_c_says_the_same_command_resumes_and_it_does(tmp_path, capsys, tiny_target):
+    prompts = prompts_file(tmp_path, 40)
+    reference = tmp_path / "reference.jsonl"
+    assert run_cli(regen_args(prompts, reference, tiny_target), capsys)[0] == 0
+    out = tmp_path / "interrupted.jsonl"
+    cmd = [sys.executable, "-m", "eaglet.cli", *map(str, regen_args(prompts, out, tiny_target))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None and not (out.exists() and out.read_bytes().count(b"\n") >= 3):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("interrupted; run the same command again: regenerate,")
+    assert subprocess.run(cmd, capture_output=True).returncode == 0
+    assert out.read_bytes() == reference.read_bytes()
+
+
 class StubServer:
     """A local OpenAI-compatible server: answers with the reversed prompt; fails the first call per prompt."""
 

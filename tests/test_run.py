@@ -157,6 +157,30 @@ def test_killed_run_resumes_with_the_same_command(tmp_path, tiny_target):
     }
 
 
+def test_a_preempted_train_stops_the_run_and_the_same_command_resumes_it(tmp_path, tiny_target):
+    """A scheduler's SIGTERM mid-train: the checkpoint is kept, the run stops there (no export of an unfinished
+    draft, the train stage not complete) and the same command resumes training from the checkpoint."""
+    config = run_config(tmp_path, tiny_target, train__max_steps=400, train__save_every=20)
+    command = [sys.executable, "-m", "eaglet.cli", "run", str(config)]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    checkpoints = tmp_path / "run" / "draft" / "checkpoints"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not any(checkpoints.glob("step-*/trainer.json")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-2000:]
+    assert "train stopped at step" in err and "by SIGTERM; checkpoint saved" in err and "Traceback" not in err
+    state = json.loads((tmp_path / "run" / "run.json").read_text())["stages"]
+    assert not state["train"]["complete"] and "export" not in state
+    assert not (tmp_path / "run" / "export").exists()
+    resumed = subprocess.run(command, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from" in resumed.stderr
+    assert statuses(tmp_path / "run", resumed.stdout)["train"] == "ran"
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["stages"]["train"]["result"].startswith("step 400")
+
+
 def test_bad_run_configs_are_one_line_errors(tmp_path, capsys, tiny_target):
     config = run_config(tmp_path, tiny_target)
     data = yaml.safe_load(config.read_text())

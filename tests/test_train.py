@@ -70,7 +70,13 @@ def test_train_offline_learns_and_writes_everything(tmp_path, capsys, tiny_store
 
 
 @pytest.mark.slow
-def test_sigterm_then_resume_gives_the_same_losses(tmp_path, capsys, tiny_store, tiny_target):
+@pytest.mark.parametrize(
+    "stop_signal,exit_code,named", [(signal.SIGTERM, 0, "SIGTERM"), (signal.SIGINT, 130, "Ctrl-C")]
+)
+def test_a_signal_then_resume_gives_the_same_losses(
+    tmp_path, capsys, tiny_store, tiny_target, stop_signal, exit_code, named
+):
+    """A scheduler's SIGTERM or the user's Ctrl-C: a checkpoint at the next step, then the same command resumes."""
     reference = tmp_path / "reference"
     assert run_cli(train_args(tiny_store, reference, tiny_target, "--max-steps", "40"), capsys)[0] == 0
     out = tmp_path / "run"
@@ -79,10 +85,11 @@ def test_sigterm_then_resume_gives_the_same_losses(tmp_path, capsys, tiny_store,
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None and len(train_losses(out) if out.exists() else []) < 13:
         time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(stop_signal)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
-    assert b"stopped at step" in err
+    assert proc.returncode == exit_code, err
+    assert f"by {named}; checkpoint saved: run the same command again to resume".encode() in err
+    assert b"Traceback" not in err
     interrupted_at = len(train_losses(out))
     assert 13 <= interrupted_at < 40
     resumed = subprocess.run(cmd, capture_output=True, text=True)

@@ -17,6 +17,12 @@ class EagletError(Exception):
         return self.message
 
 
+class Interrupted(EagletError):
+    """A stage a signal stopped after it kept its work (Ctrl-C, a scheduler's SIGTERM): the same command resumes."""
+
+    exit_code = 130  # the shell's code for a process stopped by Ctrl-C
+
+
 MAX_SHOWN = 80  # characters of a refused value that an error line repeats
 
 

@@ -21,7 +21,7 @@ from ..config import (
     SynthesizeConfig,
     TrainConfig,
 )
-from ..errors import EagletError
+from ..errors import EagletError, Interrupted
 from .console import err_console, out_console
 from .stage_options import StageOptions, stage_command
 
@@ -38,6 +38,11 @@ store_app = typer.Typer(help="Inspect and verify hidden-state stores.", no_args_
 app.add_typer(store_app, name="store")
 
 TARGET_HELP = "'embedded' (SmolLM2-135M-Instruct), an HF model directory, a .gguf file or a hub id"
+INTERRUPTED_EXIT = Interrupted.exit_code
+INTERRUPTED_LINE = (
+    "interrupted; run the same command again: regenerate, synthesize, extract, train and run go on from where they "
+    "stopped"
+)
 DISK_BOUND_SHARE = 0.2  # extract warns when more than this share of its time went to waiting on writes
 
 
@@ -259,6 +264,10 @@ def train(options: StageOptions) -> None:
     else:
         tau = ""
     out_console.print(f"draft {result.out}: step {result.steps} in {result.seconds:.1f} s{tau}")
+    if result.interrupted_by == "Ctrl-C":
+        raise Interrupted(result.interruption())
+    if result.interrupted_by:  # a scheduler's SIGTERM: a clean stop, exit 0
+        err_console.print(f"[yellow]{result.interruption()}[/]", highlight=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -595,6 +604,9 @@ def main() -> None:
         where = context.command_path if context is not None else "eaglet"
         _print_error(f"{where}: {message.rstrip('.')}; see `{where} --help`")
         sys.exit(exc.exit_code)
+    except Interrupted as exc:
+        err_console.print(f"[yellow]{escape(exc.message)}[/]", highlight=False, soft_wrap=True)
+        sys.exit(exc.exit_code)
     except EagletError as exc:
         _print_error(exc.message)
         sys.exit(exc.exit_code)
@@ -603,8 +615,9 @@ def main() -> None:
 
         _print_error(os_error_line(exc))
         sys.exit(EagletError.exit_code)
-    except KeyboardInterrupt:
-        err_console.print("[yellow]interrupted[/]")
-        sys.exit(130)
+    except KeyboardInterrupt:  # before typer's own handling (which returns its exit code, below)
+        code = INTERRUPTED_EXIT
+    if code == INTERRUPTED_EXIT:
+        err_console.print(f"[yellow]{INTERRUPTED_LINE}[/]", highlight=False, soft_wrap=True)
     if isinstance(code, int) and code:  # typer.Exit(code) of a command
         sys.exit(code)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..config import EvalConfig, ExtractConfig, PrepareConfig, RegenerateConfig, SynthesizeConfig, TrainConfig
-from ..errors import EagletError
+from ..errors import EagletError, Interrupted
 from ..formats.files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, MANIFEST_FILE, REPORT_FILE, answers_manifest
 from .run_config import RunConfig
 
@@ -187,6 +187,8 @@ def _run_train(pipeline: Pipeline, stage: Stage) -> str:
     from ..train import run_train
 
     result = run_train(stage.config, pipeline.console)
+    if result.interrupted_by:  # not complete: the next run resumes the checkpoint instead of exporting this draft
+        raise Interrupted(f"train {result.interruption()}")
     tau = result.final_eval.get("tau")
     return f"step {result.steps}" + (f", held-out simulated acceptance {tau:.2f}" if tau is not None else "")
 

@@ -56,20 +56,35 @@ class TrainResult:
     final_eval: dict[str, Any]
     seconds: float
     resumed_from: int
+    interrupted_by: str | None = None  # the signal that stopped the run before its last step (its checkpoint kept)
+
+    def interruption(self) -> str:
+        return (
+            f"stopped at step {self.steps} by {self.interrupted_by}; checkpoint saved: run the same command again to "
+            "resume"
+        )
 
 
 class StopFlag:
-    """SIGTERM (a scheduler preempting the job) asks for a checkpoint at the next step boundary."""
+    """Ctrl-C (SIGINT) or a scheduler preempting the job (SIGTERM) asks for a checkpoint at the next step boundary; a
+    second Ctrl-C stops at once (Python's KeyboardInterrupt)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.requested = False
-        self.previous = signal.signal(signal.SIGTERM, self._handle)
+        self.by: str | None = None  # the signal's name, when one asked
+        self.previous = {number: signal.signal(number, self._handle) for number in self.SIGNALS}
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.by == "Ctrl-C":
+            raise KeyboardInterrupt
         self.requested = True
+        self.by = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
 
     def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self.previous)
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
 
 
 def run_train(config: TrainConfig, console: Console | None = None) -> TrainResult:
@@ -185,14 +200,15 @@ def _train(config: TrainConfig, console: Console, dist: Dist, run: Path) -> Trai
     finally:
         stop.restore()
         metrics.close()
-    if stop.requested and state.step < steps:
+    if stop.requested and state.step < steps and stop.by is None:
         console.print(
-            f"[yellow]stopped at step {state.step} (SIGTERM or --max-minutes); checkpoint saved, "
-            "rerun the same command to resume[/]"
+            f"[yellow]stopped at step {state.step} (--max-minutes); checkpoint saved, rerun the same command to "
+            "resume[/]"
         )
     if dist.is_main:
         plot_run(run)
-    return TrainResult(run, state.step, final_eval, time.perf_counter() - started, resumed_from)
+    interrupted_by = stop.by if state.step < steps else None
+    return TrainResult(run, state.step, final_eval, time.perf_counter() - started, resumed_from, interrupted_by)
 
 
 def _non_finite_error(error: NonFiniteStep, step: int, setup: Setup, run: Path) -> EagletError:
