@@ -157,6 +157,33 @@ def test_killed_run_resumes_with_the_same_command(tmp_path, tiny_target):
     }
 
 
+def test_an_edited_input_file_reruns_its_stage_and_a_touched_one_does_not(tmp_path, capsys, tiny_target):
+    """The user's conversations are part of prepare's fingerprint by content: rows added to the file re-run prepare
+    (not "done" on the old rows); a file rewritten with the same bytes is still done."""
+    from rich.console import Console
+
+    from eaglet.run.pipeline import Pipeline
+    from eaglet.run.run_config import load_run_config
+
+    config = run_config(tmp_path, tiny_target)
+    data = tmp_path / "conversations.jsonl"
+    assert run_cli(["run", config, "--only", "prepare"], capsys)[0] == 0
+
+    def prepare_plan():
+        pipeline = Pipeline(load_run_config(config), config, Console(quiet=True))
+        return next(p for p in pipeline.plan() if p.name == "prepare")
+
+    assert (prepare_plan().action, prepare_plan().reason) == ("skip", "done, same settings and inputs")
+    data.write_bytes(data.read_bytes())  # a new modification time, the same content
+    assert prepare_plan().action == "skip"
+    write_jsonl(data, small_conversations(41))
+    assert (prepare_plan().action, prepare_plan().reason) == ("run", f"{data} changed")
+    assert run_cli(["run", config, "--only", "prepare"], capsys)[0] == 0
+    manifest = json.loads((tmp_path / "run" / "prepared" / "manifest.json").read_text())
+    assert manifest["counts"]["rows_read"] == 41
+    assert prepare_plan().action == "skip"
+
+
 def test_a_preempted_train_stops_the_run_and_the_same_command_resumes_it(tmp_path, tiny_target):
     """A scheduler's SIGTERM mid-train: the checkpoint is kept, the run stops there (no export of an unfinished
     draft, the train stage not complete) and the same command resumes training from the checkpoint."""

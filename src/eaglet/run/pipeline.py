@@ -8,8 +8,8 @@ Run directory::
     RUN/prepared/  RUN/store/ (offline)  RUN/draft/  RUN/export/{vllm,sglang,speculators}/  RUN/eval/
     RUN/heldout.jsonl  RUN/prepared_heldout/  RUN/store_heldout/   (with `heldout:`: what training evaluates on)
 
-A stage's fingerprint hashes its validated settings and the output hashes of the stages it reads, so a
-change anywhere re-runs exactly what depends on it.
+A stage's fingerprint hashes its validated settings, the content of the user's files it reads (``user_files``) and
+the output hashes of the stages it reads, so a change anywhere re-runs exactly what depends on it.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from ..fsio import check_output_dir, load_json_file, output_lock, read_json, sha
 from .plan import StagePlan, estimate
 from .run_config import RunConfig
 from .stage_kinds import STAGE_KINDS, STAGE_KINDS_BY_NAME, Stage
+from .user_files import changed, digests, named_files
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Pipeline:
         self.console = console
         self.out = Path(config.out)
         self.stages = self._build_stages()
+        self._file_memo: dict[tuple, str] = {}  # (file, size, mtime) -> sha256, read once per process
 
     # ------------------------------------------------------------------ stage configs
 
@@ -170,8 +172,17 @@ class Pipeline:
         fields = {"stage": stage.name, "settings": settings, "upstream": upstream}
         if stage.heldout is not None:
             fields["heldout"] = _run_relative(stage.heldout.model_dump(mode="json"), self.out)
+        files = self._user_files(stage, state.get(stage.name))
+        if files:
+            fields["files"] = {path: digest["sha256"] for path, digest in files.items()}
         text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
+
+    def _user_files(self, stage: Stage, record: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+        """The user's files the stage reads: path -> {sha256, size, mtime_ns} (``user_files``)."""
+        sections = [c.model_dump(mode="json") for c in (stage.config, stage.heldout) if c is not None]
+        recorded = (record or {}).get("files")
+        return digests(named_files(sections, self.out), recorded if isinstance(recorded, dict) else {}, self._file_memo)
 
     def _outputs(self, stage: Stage) -> list[Path]:
         """Everything a stage writes (regenerate's answers keep their manifest beside them)."""
@@ -218,7 +229,8 @@ class Pipeline:
             elif fingerprint is None:
                 plan = StagePlan(stage.name, "run", "after its inputs")
             elif not self._fingerprint_matches(stage, state, record):
-                plan = StagePlan(stage.name, "run", "settings or inputs changed")
+                edited = changed(self._user_files(stage, record), record["files"]) if "files" in record else None
+                plan = StagePlan(stage.name, "run", f"{edited} changed" if edited else "settings or inputs changed")
             elif not record.get("complete"):
                 plan = StagePlan(stage.name, "run", "interrupted: resumes")
             elif self._output_hash(stage) != record.get("output_hash"):
@@ -285,7 +297,8 @@ class Pipeline:
                 failed = next((c for c in checks if c.status == FAIL), None)
                 if failed is not None:
                     raise EagletError(failed.refusal(stage.name))
-            state[stage.name] = {"fingerprint": fingerprint, "complete": False}
+            files = self._user_files(stage, record)
+            state[stage.name] = {"fingerprint": fingerprint, "complete": False, **({"files": files} if files else {})}
             self._save_state(state)
             self.console.print(f"[bold]== {stage.name}[/] ({plan.reason})")
             started = time.perf_counter()
@@ -297,6 +310,7 @@ class Pipeline:
                 "output_hash": self._output_hash(stage),
                 "seconds": round(seconds, 1),
                 "result": outcome,
+                **({"files": files} if files else {}),
             }
             self._save_state(state)
             result.outcomes.append(StageOutcome(stage.name, "ran", seconds, outcome))
