@@ -65,6 +65,13 @@ def set_up(root: Path) -> dict[str, Path]:
     return {"prepared": prepared, "store": store, "draft": draft}
 
 
+def cut_vocab(prepared: Path, copy: Path) -> Path:
+    """A copy of the prepared set with its draft vocabulary cut to 10 bytes (training reads it after extraction)."""
+    shutil.copytree(prepared, copy)
+    (copy / "vocab.safetensors").write_bytes((copy / "vocab.safetensors").read_bytes()[:10])
+    return copy
+
+
 def cases(w: Path, made: dict[str, Path]) -> list[tuple[str, list, str]]:
     """(name, arguments, expected outcome). Files the cases read are written into ``w`` here."""
 
@@ -395,6 +402,11 @@ def cases(w: Path, made: dict[str, Path]) -> list[tuple[str, list, str]]:
         ),
         ("export --check a missing folder", ["export", "--check", w / "nope"], "refused"),
         ("store verify a prepared set", ["store", "verify", prepared], "refused"),
+        (
+            "extract a prepared set whose vocab.safetensors was cut",
+            ["extract", "--prepared", cut_vocab(prepared, w / "prepared_cut"), "--out", w / "s10"],
+            "refused",
+        ),
         (
             "train --store a prepared set",
             ["train", "--store", prepared, "--out", w / "t9", "--max-steps", "1"],
