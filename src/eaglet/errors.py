@@ -17,10 +17,18 @@ class EagletError(Exception):
         return self.message
 
 
+SIGNAL_EXIT_BASE = 128  # a shell reports a process a signal stopped as 128 + the signal's number (Ctrl-C: 130)
+
+
 class Interrupted(EagletError):
     """A stage a signal stopped after it kept its work (Ctrl-C, a scheduler's SIGTERM): the same command resumes."""
 
-    exit_code = 130  # the shell's code for a process stopped by Ctrl-C
+    exit_code = SIGNAL_EXIT_BASE + 2  # SIGINT's
+
+    def __init__(self, message: str, exit_code: int | None = None):
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
 
 
 MAX_SHOWN = 80  # characters of a refused value that an error line repeats

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -264,10 +265,10 @@ def train(options: StageOptions) -> None:
     else:
         tau = ""
     out_console.print(f"draft {result.out}: step {result.steps} in {result.seconds:.1f} s{tau}")
-    if result.interrupted_by == "Ctrl-C":
-        raise Interrupted(result.interruption())
+    if result.interrupted_by == signal.SIGINT:
+        raise result.interruption()
     if result.interrupted_by:  # a scheduler's SIGTERM: a clean stop, exit 0
-        err_console.print(f"[yellow]{result.interruption()}[/]", highlight=False)
+        err_console.print(f"[yellow]{escape(result.interruption().message)}[/]", highlight=False)
 
 
 # ---------------------------------------------------------------------------------------------

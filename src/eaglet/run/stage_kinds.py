@@ -188,7 +188,8 @@ def _run_train(pipeline: Pipeline, stage: Stage) -> str:
 
     result = run_train(stage.config, pipeline.console)
     if result.interrupted_by:  # not complete: the next run resumes the checkpoint instead of exporting this draft
-        raise Interrupted(f"train {result.interruption()}")
+        stopped = result.interruption()
+        raise Interrupted(f"train {stopped.message}", stopped.exit_code)
     tau = result.final_eval.get("tau")
     return f"step {result.steps}" + (f", held-out simulated acceptance {tau:.2f}" if tau is not None else "")
 

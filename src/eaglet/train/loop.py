@@ -21,7 +21,7 @@ from rich.console import Console
 
 from .. import __version__
 from ..config import TrainConfig
-from ..errors import EagletError
+from ..errors import SIGNAL_EXIT_BASE, EagletError, Interrupted
 from ..formats.files import TRAIN_CONFIG_FILE
 from ..fsio import check_output_apart, check_output_dir, output_lock, write_json_atomic
 from ..model.distributed import Dist, all_reduce_sum, any_rank, init_distributed
@@ -56,12 +56,15 @@ class TrainResult:
     final_eval: dict[str, Any]
     seconds: float
     resumed_from: int
-    interrupted_by: str | None = None  # the signal that stopped the run before its last step (its checkpoint kept)
+    interrupted_by: signal.Signals | None = None  # what stopped the run before its last step (its checkpoint kept)
 
-    def interruption(self) -> str:
-        return (
-            f"stopped at step {self.steps} by {self.interrupted_by}; checkpoint saved: run the same command again to "
-            "resume"
+    def interruption(self) -> Interrupted:
+        """The stop as the CLI reports it (exit code 128 + the signal's number, as a shell reports a signal)."""
+        assert self.interrupted_by is not None
+        name = "Ctrl-C" if self.interrupted_by == signal.SIGINT else self.interrupted_by.name
+        return Interrupted(
+            f"stopped at step {self.steps} by {name}; checkpoint saved: run the same command again to resume",
+            SIGNAL_EXIT_BASE + self.interrupted_by.value,
         )
 
 
@@ -73,14 +76,14 @@ class StopFlag:
 
     def __init__(self) -> None:
         self.requested = False
-        self.by: str | None = None  # the signal's name, when one asked
+        self.by: signal.Signals | None = None  # the signal that asked, on this rank
         self.previous = {number: signal.signal(number, self._handle) for number in self.SIGNALS}
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if signum == signal.SIGINT and self.by == "Ctrl-C":
+        if signum == signal.SIGINT and self.by == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = True
-        self.by = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        self.by = signal.Signals(signum)
 
     def restore(self) -> None:
         for number, handler in self.previous.items():
@@ -146,6 +149,7 @@ def _train(config: TrainConfig, console: Console, dist: Dist, run: Path) -> Trai
 
     step = step_function(model, config, device)
     stop = StopFlag()
+    timed_out = False  # --max-minutes ended the run
     started = time.perf_counter()
     window_tokens, window_started = 0, time.perf_counter()
     final_eval: dict[str, Any] = {}
@@ -188,6 +192,7 @@ def _train(config: TrainConfig, console: Console, dist: Dist, run: Path) -> Trai
                     ):
                         final_eval = evaluate(model, setup, config, device, dist)
                         metrics.log({"kind": "eval", "step": state.step, "tokens": state.tokens, **final_eval})
+                    timed_out = timed_out or out_of_time
                     stop.requested = any_rank(stop.requested or out_of_time, dist, device)
                     if state.step % config.save_every == 0 or state.step == steps or stop.requested:
                         _save(run, model, scheduler, state, setup, config, dist)
@@ -200,7 +205,7 @@ def _train(config: TrainConfig, console: Console, dist: Dist, run: Path) -> Trai
     finally:
         stop.restore()
         metrics.close()
-    if stop.requested and state.step < steps and stop.by is None:
+    if timed_out and state.step < steps and stop.by is None:
         console.print(
             f"[yellow]stopped at step {state.step} (--max-minutes); checkpoint saved, rerun the same command to "
             "resume[/]"
