@@ -61,11 +61,15 @@ class TrainResult:
     def interruption(self) -> Interrupted:
         """The stop as the CLI reports it (exit code 128 + the signal's number, as a shell reports a signal)."""
         assert self.interrupted_by is not None
-        name = "Ctrl-C" if self.interrupted_by == signal.SIGINT else self.interrupted_by.name
         return Interrupted(
-            f"stopped at step {self.steps} by {name}; checkpoint saved: run the same command again to resume",
+            f"stopped at step {self.steps} by {signal_label(self.interrupted_by)}; checkpoint saved: run the same "
+            "command again to resume",
             SIGNAL_EXIT_BASE + self.interrupted_by.value,
         )
+
+
+def signal_label(number: signal.Signals) -> str:
+    return "Ctrl-C" if number == signal.SIGINT else number.name
 
 
 class StopFlag:
@@ -74,7 +78,8 @@ class StopFlag:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self) -> None:
+    def __init__(self, console: Console) -> None:
+        self.console = console
         self.requested = False
         self.by: signal.Signals | None = None  # the signal that asked, on this rank
         self.previous = {number: signal.signal(number, self._handle) for number in self.SIGNALS}
@@ -84,6 +89,12 @@ class StopFlag:
             raise KeyboardInterrupt
         self.requested = True
         self.by = signal.Signals(signum)
+        again = (
+            " (Ctrl-C again stops at once, losing the steps since the last checkpoint)"
+            if signum == signal.SIGINT
+            else ""
+        )
+        self.console.print(f"[yellow]{signal_label(self.by)}: stopping after this step with a checkpoint{again}[/]")
 
     def restore(self) -> None:
         for number, handler in self.previous.items():
@@ -148,7 +159,7 @@ def _train(config: TrainConfig, console: Console, dist: Dist, run: Path) -> Trai
         return ([stage(batch) for batch in mine] if stage else mine), len(group), tokens
 
     step = step_function(model, config, device)
-    stop = StopFlag()
+    stop = StopFlag(console)
     timed_out = False  # --max-minutes ended the run
     started = time.perf_counter()
     window_tokens, window_started = 0, time.perf_counter()
