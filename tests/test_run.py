@@ -14,6 +14,10 @@ import pytest
 import torch
 import yaml
 from conftest import run_cli, small_conversations, write_jsonl
+from rich.console import Console
+
+from eaglet.run.pipeline import Pipeline
+from eaglet.run.run_config import load_run_config
 
 
 def run_config(tmp_path: Path, target: Path, **changes) -> Path:
@@ -109,6 +113,12 @@ def test_run_all_then_skip_then_rerun_from_the_change(tmp_path, capsys, tiny_tar
     assert code == 0, err
     assert statuses(run_dir, out)["export"] == "ran" and statuses(run_dir, out)["train"] == "skipped"
 
+    prompts = tmp_path / "prompts.jsonl"  # eval's prompt file edited: eval alone runs again, and says why
+    write_jsonl(prompts, [{"id": "p0", "prompt": "the dog ran to", "split": "heldout"}])
+    plans = {p.name: p for p in Pipeline(load_run_config(changed), changed, Console(quiet=True)).plan()}
+    assert (plans["eval"].action, plans["eval"].reason) == ("run", f"{prompts} changed")
+    assert all(plans[name].action == "skip" for name in ("prepare", "extract", "train", "export"))
+
 
 def test_a_moved_run_directory_keeps_its_finished_stages(tmp_path, capsys, tiny_target):
     """Moving a run (or copying it to another machine) re-runs nothing, and a stage re-run there finds the
@@ -160,11 +170,6 @@ def test_killed_run_resumes_with_the_same_command(tmp_path, tiny_target):
 def test_an_edited_input_file_reruns_its_stage_and_a_touched_one_does_not(tmp_path, capsys, tiny_target):
     """The user's conversations are part of prepare's fingerprint by content: rows added to the file re-run prepare
     (not "done" on the old rows); a file rewritten with the same bytes is still done."""
-    from rich.console import Console
-
-    from eaglet.run.pipeline import Pipeline
-    from eaglet.run.run_config import load_run_config
-
     config = run_config(tmp_path, tiny_target)
     data = tmp_path / "conversations.jsonl"
     assert run_cli(["run", config, "--only", "prepare"], capsys)[0] == 0
