@@ -100,6 +100,20 @@ def test_sampling_is_reproducible_and_follows_the_nucleus(model):
         assert narrow.generate(PROMPTS, NEW, seed=3) == expected
 
 
+def nucleus_reference(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Temperature then top-p written out token by token: each row's most likely tokens until their mass reaches
+    top-p (the one crossing it kept), renormalised."""
+    out = torch.zeros_like(logits)
+    for row, values in enumerate(torch.softmax(logits / sampling.temperature, dim=-1)):
+        mass = 0.0
+        for token in sorted(range(len(values)), key=lambda t: -float(values[t])):
+            if mass >= sampling.top_p:
+                break
+            out[row, token] = values[token]
+            mass += float(values[token])
+    return out / out.sum(-1, keepdim=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
 def test_draws_follow_the_distribution_sampling_defines(dtype, top_p):
@@ -118,7 +132,8 @@ def test_draws_follow_the_distribution_sampling_defines(dtype, top_p):
     torch.manual_seed(0)
     tokens = draw(logits.repeat_interleave(draws, 0), sampling).view(4, draws)  # [rows, draws]
     counts = torch.stack([torch.bincount(row, minlength=12) for row in tokens]).double()
-    expected = sampling.probs(logits.float()).double()  # [rows, 12]
+    expected = nucleus_reference(logits.double(), sampling)  # [rows, 12]
+    assert torch.allclose(sampling.probs(logits).double(), expected, atol=1e-6)  # the decoders' distribution too
     assert (counts[expected == 0] == 0).all()  # nothing outside the nucleus
     assert (expected == 0).any() == (top_p < 1)  # (the rows do have tokens outside it)
     spread = (expected * (1 - expected) / draws).sqrt()  # one draw-frequency standard deviation per token

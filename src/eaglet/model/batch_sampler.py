@@ -84,21 +84,16 @@ def folded_attention_set(model: torch.nn.Module) -> Iterator[bool]:
 
 def draw(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """logits [rows, V] (the model's dtype) -> tokens [rows]: greedy, or one draw from ``sampling``'s distribution by
-    the exponential race (the default generator's stream, so a graph replays it).
-
-    The nucleus is drawn in sorted order, as ``Sampling.probs`` keeps it but without scattering it back or
-    renormalising (the race's argmax needs neither): the sort runs on the logits' own dtype (bf16 keys halve a radix
-    sort's passes; temperature and softmax keep the order) and the winner's place maps back through the sort's order."""
+    the exponential race (the default generator's stream, so a graph replays it). With a nucleus the race runs in
+    ``Sampling.sorted_nucleus``'s order, its winner mapped back through the sort: no scatter back, no renormalising
+    (the race's argmax needs neither)."""
     if sampling.greedy:
         return logits.argmax(-1)
     if sampling.top_p >= 1.0:
-        probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+        probs = sampling.probs(logits)
         return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [rows, V] each
-    sorted_probs = torch.softmax(sorted_logits.float() / sampling.temperature, dim=-1)
-    keep = sorted_probs.cumsum(-1) - sorted_probs < sampling.top_p  # always keeps the top token
-    race = torch.where(keep, sorted_probs / torch.empty_like(sorted_probs).exponential_(), 0.0)
-    return order.gather(-1, race.argmax(-1, keepdim=True)).squeeze(-1)
+    kept, order = sampling.sorted_nucleus(logits)  # [rows, V] each
+    return order.gather(-1, (kept / torch.empty_like(kept).exponential_()).argmax(-1, keepdim=True)).squeeze(-1)
 
 
 def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,14 +18,20 @@ class Sampling:
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [..., V] -> the distribution tokens are drawn from (temperature, then nucleus)."""
-        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
-        if self.top_p < 1.0:
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            keep = sorted_probs.cumsum(-1) - sorted_probs < self.top_p  # always keeps the top token
-            sorted_probs = sorted_probs * keep
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-            probs = probs / probs.sum(-1, keepdim=True)
-        return probs
+        if self.top_p >= 1.0:
+            return torch.softmax(logits.float() / self.temperature, dim=-1)
+        kept, order = self.sorted_nucleus(logits)
+        probs = torch.zeros_like(kept).scatter(-1, order, kept)
+        return probs / probs.sum(-1, keepdim=True)
+
+    def sorted_nucleus(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [..., V] -> (the tempered probabilities in descending order, those outside the nucleus zeroed, not
+        renormalised; the sort's order, [..., V] each). The sort runs on the logits' own dtype (bf16 keys halve a radix
+        sort's passes; temperature and softmax keep the order)."""
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits.float() / self.temperature, dim=-1)
+        keep = sorted_probs.cumsum(-1) - sorted_probs < self.top_p  # always keeps the top token
+        return sorted_probs * keep, order
 
     def pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
         if self.greedy:
