@@ -12,10 +12,10 @@ import hashlib
 import json
 import mmap
 import os
+import secrets
 import shutil
 import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -85,15 +85,34 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+SIBLING_NAME_TRIES = 100  # random names tried before a temporary sibling is given up on
+
+
+def new_sibling(final: Path, suffix: str, directory: bool = False) -> Path:
+    """A new, empty file or directory beside ``final`` under a random hidden name, made with the permissions the
+    umask gives everything else (tempfile's are owner-only: a draft exported through one could not be read by a
+    server running as another user, nor a shared store by a teammate)."""
+    for _ in range(SIBLING_NAME_TRIES):
+        candidate = final.parent / f".{final.name}.{secrets.token_hex(4)}{suffix}"
+        try:
+            if directory:
+                os.mkdir(candidate, 0o777)
+            else:
+                os.close(os.open(candidate, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+        except FileExistsError:
+            continue
+        return candidate
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(final))
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; after the block writes it, fsync and rename into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = new_sibling(path, ".tmp")
     try:
-        yield Path(tmp)
+        yield tmp
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -263,7 +282,7 @@ def atomic_directory(final: str | Path, overwrite: bool = False) -> Iterator[Pat
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".partial"))
+    tmp = new_sibling(final, ".partial", directory=True)
     try:
         yield tmp
         for child in tmp.rglob("*"):

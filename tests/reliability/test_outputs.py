@@ -398,3 +398,33 @@ def test_draft_weights_of_another_shape_are_refused(tmp_path, capsys, tiny_draft
         "model.safetensors: does not hold the draft",
         "fc.weight: shape",
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Permissions: what eaglet writes is readable by whoever the umask lets read any other file
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+@pytest.mark.parametrize("stage", ["export", "prepare"])
+def test_outputs_take_the_permissions_of_any_other_file(tmp_path, capsys, tiny_draft, tiny_target, stage, umask):
+    """A draft exported for vLLM is often served by another user (a container's, a service account); under the
+    usual umask 022 its directory and files must be readable by others, and a private umask keeps them private."""
+    out = tmp_path / stage
+    args = {
+        "export": ["export", "--draft", tiny_draft, "--format", "vllm", "--out", out],
+        "prepare": ["prepare", write_jsonl(tmp_path / "c.jsonl", small_conversations(3)), "--out", out]
+        + ["--target", tiny_target],
+    }[stage]
+    previous = os.umask(umask)
+    try:
+        code, _, err = run_cli(args, capsys)
+        (tmp_path / "plain_file").touch()
+        (tmp_path / "plain_dir").mkdir()
+    finally:
+        os.umask(previous)
+    assert code == 0, err
+    plain = {True: (tmp_path / "plain_dir").stat().st_mode & 0o777, False: (tmp_path / "plain_file").stat().st_mode}
+    written = [out, *out.rglob("*")]
+    assert len(written) > 2
+    for path in written:
+        assert oct(path.stat().st_mode & 0o777) == oct(plain[path.is_dir()] & 0o777), path
