@@ -193,3 +193,19 @@ def test_a_target_with_a_broken_config(tmp_path, capsys, tiny_prepared, text, me
     (target / "config.json").write_text(text)
     line = refused_by_extract(tmp_path, tiny_prepared, target, capsys, str(target / "config.json"), message)
     assert "tokenizer" not in line and "at at" not in line
+
+
+def test_an_eval_fraction_that_holds_out_every_sample(tmp_path, capsys, tiny_prepared, tiny_store, tiny_target):
+    """A fraction that leaves nothing to train on says so, not that the samples have no trainable token."""
+    from eaglet.train.data import held_out
+
+    samples = pq.read_metadata(tiny_prepared / "samples.parquet").num_rows
+    fraction = next(f for f in (0.9, 0.99, 0.999, 0.9999) if all(held_out(s, 1, f) for s in range(samples)))
+    out = tmp_path / "run"
+    args = ["train", "--store", tiny_store, "--out", out, "--target", tiny_target, "--seed", "1"]
+    assert_refused(
+        run_cli([*args, "--eval-fraction", str(fraction), "--max-steps", "1"], capsys),
+        f"--eval-fraction {fraction} holds out all {samples} of its samples",
+        "lower --eval-fraction",
+    )
+    assert not out.exists()

@@ -209,13 +209,17 @@ def check_trainable(prepared: PreparedSet, config: TrainConfig, samples: int | N
     draft."""
     count = len(prepared) if samples is None else samples
     select = training_samples(config)
-    for sample in range(count):
-        if (select is None or select(sample)) and prepared.sample(sample)[1].any():
-            return
-    raise EagletError(
-        f"{prepared.path}: none of its {count:,} training samples has a trainable token (every loss "
-        "mask is 0); prepare conversations with assistant answers"
-    )
+    trained = [sample for sample in range(count) if select is None or select(sample)]
+    if not trained:
+        raise EagletError(
+            f"{prepared.path}: --eval-fraction {config.eval_fraction} holds out all {count:,} of its samples, "
+            "leaving none to train on; lower --eval-fraction, or give a held-out set with --eval-store"
+        )
+    if not any(prepared.sample(sample)[1].any() for sample in trained):
+        raise EagletError(
+            f"{prepared.path}: none of its {len(trained):,} training samples has a trainable token (every loss "
+            "mask is 0); prepare conversations with assistant answers"
+        )
 
 
 @dataclass
