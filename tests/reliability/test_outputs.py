@@ -389,6 +389,23 @@ def test_a_crafted_draft_config_is_not_exported(tmp_path, capsys, tiny_draft, fi
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("stage", ["export", "eval"])
+def test_a_trained_drafts_layer_ids_edited_by_hand(tmp_path, capsys, tiny_draft, tiny_target, stage):
+    """config.json's layer ids moved by one (an engine's convention "fixed" by hand): valid ids, but not the ones the
+    weights learned from; eval and export would capture the wrong layers and lose acceptance silently."""
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_draft, draft)
+    trained = json.loads((draft / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+    _edit_config(draft, lambda c: c.update({"eagle_aux_hidden_state_layer_ids": [i - 1 for i in trained]}))
+    out = tmp_path / "out"
+    args = {
+        "export": ["export", "--draft", draft, "--format", "vllm", "--out", out],
+        "eval": ["eval", "--draft", draft, "--out", out, "--target", tiny_target, "--max-prompts", "1"],
+    }[stage]
+    assert_refused(run_cli(args, capsys), "config.json", f"trained on {trained}", f"put {trained} back")
+    assert not out.exists()
+
+
 def test_draft_weights_of_another_shape_are_refused(tmp_path, capsys, tiny_draft):
     draft = tmp_path / "draft"
     shutil.copytree(tiny_draft, draft)

@@ -12,7 +12,7 @@ from pydantic.dataclasses import dataclass as record_dataclass
 
 from ..errors import EagletError
 from ..fsio import load_json_file
-from .files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, EXPORTED_DRAFT_CONFIG_FILE
+from .files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, EXPORTED_DRAFT_CONFIG_FILE, TRAIN_CONFIG_FILE
 from .layers import AUX_CONVENTION, validate_aux_layer_ids
 from .records import RECORD_CONFIG, Positive, validation_line
 
@@ -209,4 +209,34 @@ def read_draft_config(directory: str | Path) -> StoredDraft:
         ) from None
     except TypeError as exc:
         raise EagletError(f"{config_file}: not an eaglet draft config ({exc}); train again") from None
+    if config_file.name == DRAFT_CONFIG_FILE:
+        check_against_training_record(config, config_file)
     return StoredDraft(config, export_format, config_file)
+
+
+def check_against_training_record(config: DraftConfig, config_file: Path) -> None:
+    """Refuse a train output whose config.json no longer says what its weights learned from, by the run's own
+    record (train_config.json): aux layer ids edited by hand (to suit an engine's convention, say) would make eval
+    and every export capture other layers than the draft was trained on."""
+    record_file = config_file.with_name(TRAIN_CONFIG_FILE)
+    if not record_file.is_file():
+        return
+    record = load_json_file(record_file, "train again")
+    identity = record.get("identity") if isinstance(record, dict) else None
+    if not isinstance(identity, dict):
+        return
+    trained_layers = identity.get("layer_ids")
+    if isinstance(trained_layers, list) and trained_layers != config.eagle_aux_hidden_state_layer_ids:
+        raise EagletError(
+            f"{config_file}: eagle_aux_hidden_state_layer_ids {config.eagle_aux_hidden_state_layer_ids}, but the "
+            f"draft was trained on {trained_layers} ({record_file.name}); put {trained_layers} back — `eaglet "
+            "export` writes each engine's own layer convention"
+        )
+    trained_target = identity.get("target")
+    trained_hash = trained_target.get("config_hash") if isinstance(trained_target, dict) else None
+    if trained_hash and trained_hash != config.target.get("config_hash"):
+        raise EagletError(
+            f"{config_file}: its target (config_hash {str(config.target.get('config_hash'))[:12]}) is not the one "
+            f"the draft was trained against ({trained_hash[:12]}, {record_file.name}); put the trained target's "
+            "record back, or train again"
+        )
