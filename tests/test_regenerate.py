@@ -78,6 +78,19 @@ def test_resume_refuses_other_settings(tmp_path, capsys, tiny_target):
     assert code == 2 and "written with temperature=0.0, this run asks for 0.7" in err
 
 
+def test_resume_refuses_answers_to_prompts_edited_since(tmp_path, capsys, tiny_target):
+    """The same ids with other prompt text (the user fixed the prompts and ran again): the old answers would stand
+    in for the new prompts' and be trained on."""
+    out = tmp_path / "a.jsonl"
+    assert run_cli(regen_args(prompts_file(tmp_path, 3), out, tiny_target), capsys)[0] == 0
+    written = out.read_bytes()
+    edited = [{"id": f"p{i}", "prompt": f"Another question {i}"} for i in range(3)]
+    edited_file = write_jsonl(tmp_path / "edited.jsonl", edited)
+    code, _, err = run_cli(regen_args(edited_file, out, tiny_target), capsys)
+    assert code == 2 and f"{out}:1: answers another prompt than id 'p0' holds now ({edited_file}:1)" in err, err
+    assert out.read_bytes() == written
+
+
 def test_torn_last_line_is_dropped_and_redone(tmp_path, capsys, tiny_target):
     prompts = prompts_file(tmp_path, 4)
     out = tmp_path / "a.jsonl"

@@ -175,8 +175,11 @@ def output_row(request: Request, answer: Answer, settings: dict[str, Any]) -> di
     return row
 
 
-def load_done(out: Path, settings: dict[str, Any]) -> dict[tuple[str, int], str]:
-    """Rows already written, keyed by (prompt id, sample); a torn trailing line is cut off."""
+def load_done(out: Path, settings: dict[str, Any], requests: list[Request]) -> dict[tuple[str, int], str]:
+    """Rows already written, keyed by (prompt id, sample); a torn trailing line is cut off. A row that answers
+    another prompt than the request of its id now holds (the prompts edited since) is refused: kept, it would train
+    the draft on an answer to a question nobody asks any more."""
+    asked = {request.key: request for request in requests}
     if not out.exists():
         return {}
     data = out.read_bytes()
@@ -212,6 +215,12 @@ def load_done(out: Path, settings: dict[str, Any]) -> dict[tuple[str, int], str]
                 f"{out}:{number}: written with {name}={was!r}, this run asks for {now!r}; "
                 "use another --out or the same settings to resume"
             )
+        request = asked.get(key)
+        if request is not None and not answers(row, request):
+            raise EagletError(
+                f"{out}:{number}: answers another prompt than id {key[0]!r} holds now ({request.source}): the "
+                "prompts changed since it was written; use another --out, or delete it to answer them again"
+            )
         done[key] = line
     return done
 
@@ -232,7 +241,7 @@ def finalize(out: Path, requests: list[Request], done: dict[tuple[str, int], str
     return blank
 
 
-def blank_done(out: Path, settings: dict[str, Any]) -> dict[tuple[str, int], str]:
+def blank_done(out: Path, settings: dict[str, Any], requests: list[Request]) -> dict[tuple[str, int], str]:
     """The blank answers a finished run left out of ``out`` (its manifest lists them), so a rerun does not ask again."""
     try:
         manifest = json.loads(answers_manifest(out).read_text(encoding="utf-8"))
@@ -240,8 +249,19 @@ def blank_done(out: Path, settings: dict[str, Any]) -> dict[tuple[str, int], str
         return {}
     if not isinstance(manifest, dict) or manifest.get("settings") != settings:
         return {}
-    rows = manifest.get("blank_answers") or []
-    return {(str(r["provenance"]["prompt_id"]), int(r["provenance"]["sample_index"])): json.dumps(r) for r in rows}
+    asked = {request.key: request for request in requests}
+    blank = {}
+    for row in manifest.get("blank_answers") or []:
+        key = (str(row["provenance"]["prompt_id"]), int(row["provenance"]["sample_index"]))
+        if key in asked and answers(row, asked[key]):  # a prompt edited since is asked again
+            blank[key] = json.dumps(row)
+    return blank
+
+
+def answers(row: dict[str, Any], request: Request) -> bool:
+    """Whether a written row is the answer to ``request``'s prompt (everything before its last message)."""
+    messages = row.get("messages")
+    return isinstance(messages, list) and messages[:-1] == request.messages
 
 
 # ---------------------------------------------------------------------------------------------
@@ -496,7 +516,7 @@ def _regenerate(config: RegenerateConfig, out: Path, console: Console) -> Regene
     requests = plan_requests(config, console)
     if config.backend in IN_PROCESS:
         requests = within_context(config, requests, console)
-    done = load_done(out, settings) | blank_done(out, settings)
+    done = load_done(out, settings, requests) | blank_done(out, settings, requests)
     skipped = sum(r.key in done for r in requests)
     todo = [r for r in requests if r.key not in done]
     new_tokens = 0
