@@ -326,6 +326,47 @@ def test_unreadable_target_weights(tmp_path, capsys, tiny_prepared, tiny_target,
     assert not (tmp_path / "store").exists()
 
 
+def sharded_copy(target: Path, copy: Path) -> Path:
+    """``target`` with its weights split over two files and an index, as large checkpoints are published."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(target, copy)
+    tensors = load_file(copy / "model.safetensors")
+    (copy / "model.safetensors").unlink()
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in halves.items():
+        save_file({k: tensors[k] for k in keys}, copy / file, metadata={"format": "pt"})
+    weight_map = {key: file for file, keys in halves.items() for key in keys}
+    (copy / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return copy
+
+
+def test_a_shard_missing_from_the_targets_download(tmp_path, capsys, tiny_prepared, tiny_target):
+    """A download cut short: the index names a shard that is not there. Known from the index in milliseconds; the
+    load would fail only at that shard, after loading the ones before it."""
+    target = sharded_copy(tiny_target, tmp_path / "target")
+    (target / "model-00002-of-00002.safetensors").unlink()
+    for skip in ((), ("--skip-preflight",)):
+        assert_refused(
+            run_cli(extract_args(tiny_prepared, tmp_path / "store", target, *skip), capsys),
+            f"{target}: 1 of the 2 weight files its model.safetensors.index.json names are missing",
+            "first: model-00002-of-00002.safetensors",
+            "download the target again",
+        )
+    assert not (tmp_path / "store").exists()
+
+
+def test_weights_published_twice_are_counted_once(tmp_path, tiny_target):
+    """Some repositories carry the weights both sharded (named by the index) and consolidated in one more file;
+    the memory plan counts what transformers loads, once."""
+    from eaglet.model.target import count_parameters
+
+    target = sharded_copy(tiny_target, tmp_path / "target")
+    shutil.copy(tiny_target / "model.safetensors", target / "consolidated.safetensors")
+    assert count_parameters(target) == count_parameters(tiny_target) > 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Exports an engine cannot load
 

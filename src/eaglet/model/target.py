@@ -333,8 +333,10 @@ def open_weights(file: Path, target: Path) -> Iterator[Any]:
 
 
 def count_parameters(path: Path) -> int:
-    """Sum tensor sizes from safetensors headers (no tensor data is read)."""
-    files = sorted(path.glob("*.safetensors"))
+    """Sum tensor sizes from safetensors headers (no tensor data is read). With an index, only the files it names
+    count (a repository may also carry the same weights consolidated into one more file)."""
+    index = weight_index(path)
+    files = sorted(set(index.values())) if index is not None else sorted(path.glob("*.safetensors"))
     total = 0
     for file in files:
         with open_weights(file, path) as handle:
@@ -546,29 +548,45 @@ class HeadWeights:
     softcap: float | None
 
 
+WEIGHT_INDEX_FILE = "model.safetensors.index.json"
+
+
+def weight_index(path: Path) -> dict[str, Path] | None:
+    """The index's map of tensor name -> file, None for a target without one; refused when it names a file that is
+    not there (a download cut short: transformers would fail at that shard, after loading the ones before it)."""
+    index_file = path / WEIGHT_INDEX_FILE
+    if not index_file.is_file():
+        return None
+    weight_map = load_json_file(index_file, "download or convert the target again")
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) and "/" not in f for f in weight_map.values()):
+        raise EagletError(
+            f"{index_file}: no 'weight_map' of tensor names to file names; download or convert the target again"
+        )
+    locations = {key: path / file for key, file in weight_map.items()}
+    missing = sorted({file.name for file in locations.values() if not file.is_file()})
+    if missing:
+        raise EagletError(
+            f"target {path}: {len(missing)} of the {len(set(locations.values()))} weight files its "
+            f"{WEIGHT_INDEX_FILE} names are missing (first: {missing[0]}); the download is incomplete: download "
+            "the target again"
+        )
+    return locations
+
+
 def weight_locations(path: Path) -> dict[str, Path]:
     """Every tensor name of a target's safetensors and the file holding it (from the index, else the headers)."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise EagletError(f"target {path}: no .safetensors weights (eaglet reads the embedding and LM head from them)")
-    index_file = path / "model.safetensors.index.json"
+    index = weight_index(path)
+    if index is not None:
+        return index
     locations: dict[str, Path] = {}
-    if index_file.is_file():
-        weight_map = load_json_file(index_file, "download or convert the target again")
-        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(f, str) and "/" not in f for f in weight_map.values()
-        ):
-            raise EagletError(
-                f"{index_file}: no 'weight_map' of tensor names to file names; download or convert the target again"
-            )
-        for key, file in weight_map.items():
-            locations[key] = path / file
-    else:
-        for file in files:
-            with open_weights(file, path) as handle:
-                for key in handle.keys():
-                    locations[key] = file
+    for file in files:
+        with open_weights(file, path) as handle:
+            for key in handle.keys():
+                locations[key] = file
     return locations
 
 
