@@ -62,13 +62,59 @@ def set_up(root: Path) -> dict[str, Path]:
         outcome, code, output = run([str(a) for a in step], root, limit=600)
         if outcome != "accepted":
             raise SystemExit(f"set-up step {step[0]} failed ({outcome}, exit {code}):\n{output[-2000:]}")
-    return {"prepared": prepared, "store": store, "draft": draft}
+    return {"prepared": prepared, "store": store, "draft": draft, "answers": answers}
 
 
 def cut_vocab(prepared: Path, copy: Path) -> Path:
     """A copy of the prepared set with its draft vocabulary cut to 10 bytes (training reads it after extraction)."""
     shutil.copytree(prepared, copy)
     (copy / "vocab.safetensors").write_bytes((copy / "vocab.safetensors").read_bytes()[:10])
+    return copy
+
+
+def copy_file(source: Path, copy: Path) -> Path:
+    shutil.copy(source, copy)
+    return copy
+
+
+def embedded_dir() -> Path:
+    """The embedded target's converted directory (the set-up made it)."""
+    from eaglet.model.target import resolve_target
+
+    return Path(resolve_target("embedded").path)
+
+
+def shard_missing(target: Path, copy: Path) -> Path:
+    """A copy of ``target`` published as two shards and an index, the second shard not downloaded."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(target, copy, ignore=shutil.ignore_patterns("model.safetensors", "eaglet-target.json"))
+    tensors = load_file(target / "model.safetensors")
+    first = sorted(tensors)[::2]
+    save_file({k: tensors[k] for k in first}, copy / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+    weight_map = {
+        k: "model-00001-of-00002.safetensors" if k in first else "model-00002-of-00002.safetensors" for k in tensors
+    }
+    (copy / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return copy
+
+
+def layers_edited(draft: Path, copy: Path) -> Path:
+    """A copy of the trained draft whose config.json names the aux layers one lower (an engine's convention
+    "fixed" by hand)."""
+    shutil.copytree(draft, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+def answered_for_other_prompts(answers: Path, copy: Path) -> Path:
+    """A prompts file with the ids of the set-up's answers and other text (the prompts edited since)."""
+    rows = [json.loads(line) for line in answers.read_text().splitlines()]
+    copy.write_text(
+        "".join(json.dumps({"id": r["id"], "prompt": f"Edited prompt {i}"}) + "\n" for i, r in enumerate(rows))
+    )
     return copy
 
 
@@ -415,6 +461,41 @@ def cases(w: Path, made: dict[str, Path]) -> list[tuple[str, list, str]]:
         ("extract --prepared a store", ["extract", "--prepared", store, "--out", w / "s9"], "refused"),
         ("demo --scale gpu on this machine", ["demo", "--scale", "gpu", "--out", w / "dg", "--plan"], gpu_demo),
         ("prepare a file given twice", ["prepare", prompt, f"{w}/./{Path(prompt).name}", "--out", w / "p9"], "refused"),
+        (
+            "train --eval-fraction holding out every sample",
+            ["train", "--store", store, "--out", w / "t10", "--eval-fraction", "0.9999", "--max-steps", "1"],
+            "refused",
+        ),
+        (
+            "eval a draft whose config.json layer ids were edited",
+            ["eval", "--draft", layers_edited(Path(draft), w / "draft_edited"), "--out", w / "e5"],
+            "refused",
+        ),
+        (
+            "regenerate into answers written for other prompts",
+            [
+                "regenerate",
+                answered_for_other_prompts(made["answers"], w / "edited_prompts.jsonl"),
+                "--out",
+                copy_file(made["answers"], w / "answers_copy.jsonl"),
+                "--max-new-tokens",
+                "24",
+            ],
+            "refused",
+        ),
+        (
+            "extract with a target whose second shard is missing",
+            [
+                "extract",
+                "--prepared",
+                prepared,
+                "--out",
+                w / "s11",
+                "--target",
+                shard_missing(embedded_dir(), w / "sh"),
+            ],
+            "refused",
+        ),
     ]
 
 
