@@ -4,6 +4,7 @@ from the first change on; --plan runs nothing; --only/--from; bad configs refuse
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -187,6 +188,26 @@ def test_an_edited_input_file_reruns_its_stage_and_a_touched_one_does_not(tmp_pa
     manifest = json.loads((tmp_path / "run" / "prepared" / "manifest.json").read_text())
     assert manifest["counts"]["rows_read"] == 41
     assert prepare_plan().action == "skip"
+
+
+def test_a_target_rewritten_in_place_reruns_the_run(tmp_path, capsys, tiny_target):
+    """A new fine-tune saved over the target's directory keeps its config and tokenizer; the run re-runs (its
+    stages' outputs came from the old weights) and --plan says why."""
+    from safetensors.torch import load_file, save_file
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target, target)
+    config = run_config(tmp_path, target)
+    assert run_cli(["run", config, "--only", "prepare"], capsys)[0] == 0
+
+    def prepare_plan():
+        pipeline = Pipeline(load_run_config(config), config, Console(quiet=True))
+        return next(p for p in pipeline.plan() if p.name == "prepare")
+
+    assert prepare_plan().action == "skip"
+    tensors = load_file(target / "model.safetensors")
+    save_file({n: t * 1.01 for n, t in tensors.items()}, target / "model.safetensors", metadata={"format": "pt"})
+    assert (prepare_plan().action, prepare_plan().reason) == ("run", f"target {target} changed (weights)")
 
 
 def test_a_preempted_train_stops_the_run_and_the_same_command_resumes_it(tmp_path, tiny_target):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
+from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import extract_args, run_cli
 
 from eaglet.errors import EagletError
 from eaglet.model.target import EMBEDDED_NAME, load_model, load_tokenizer, resolve_target, target_info
@@ -62,3 +64,68 @@ def test_target_info_without_weights(tiny_target):
     info = target_info(resolve_target(str(tiny_target)))
     assert (info.num_layers, info.hidden_size, info.aux_layer_ids) == (8, 64, (2, 4, 5))
     assert info.num_parameters > 0 and info.has_chat_template
+
+
+def rewritten(target: Path, copy: Path, change) -> Path:
+    """A copy of ``target`` whose weights ``change`` rewrote in place: same config.json and tokenizer."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(target, copy)
+    tensors = change(load_file(copy / "model.safetensors"))
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    return copy
+
+
+def test_the_weights_fingerprint_sees_values_and_dtype_not_layout(tmp_path, tiny_target):
+    """A new fine-tune saved over the old directory changes the fingerprint, and so does another dtype (other
+    features); the same tensors written in another order, or split over shards with an index, do not."""
+    from safetensors.torch import load_file, save_file
+
+    from eaglet.model.weight_files import weights_fingerprint
+
+    before = weights_fingerprint(tiny_target)
+    assert before is not None
+
+    def fine_tuned(tensors):
+        return {name: t + 1e-3 if "q_proj" in name else t for name, t in tensors.items()}
+
+    def reordered(tensors):
+        return dict(reversed(list(tensors.items())))
+
+    assert weights_fingerprint(rewritten(tiny_target, tmp_path / "tuned", fine_tuned)) != before
+    assert (
+        weights_fingerprint(rewritten(tiny_target, tmp_path / "half", lambda ts: {n: t.half() for n, t in ts.items()}))
+        != before
+    )
+    assert weights_fingerprint(rewritten(tiny_target, tmp_path / "reordered", reordered)) == before
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny_target, sharded)
+    tensors = load_file(sharded / "model.safetensors")
+    (sharded / "model.safetensors").unlink()
+    weight_map = {}
+    for i, name in enumerate(sorted(tensors)):
+        file = f"model-0000{i % 3 + 1}-of-00003.safetensors"
+        weight_map[name] = file
+    for file in set(weight_map.values()):
+        save_file(
+            {n: tensors[n] for n, f in weight_map.items() if f == file}, sharded / file, metadata={"format": "pt"}
+        )
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert weights_fingerprint(sharded) == before
+
+
+def test_a_store_of_a_target_rewritten_since_is_refused(tmp_path, capsys, tiny_prepared, tiny_target):
+    """Features extracted from the old weights, trained against the new ones' LM head: refused, naming why."""
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target, target)
+    store = tmp_path / "store"
+    assert run_cli(extract_args(tiny_prepared, store, target), capsys)[0] == 0
+    rewritten(target, tmp_path / "tuned", lambda ts: {n: t * 1.01 for n, t in ts.items()})
+    shutil.copy(tmp_path / "tuned" / "model.safetensors", target / "model.safetensors")
+    out = tmp_path / "draft"
+    for skip, where in (((), "store: "), (("--skip-preflight",), f"store {store}: ")):
+        args = ["train", "--store", store, "--out", out, "--target", target, "--max-steps", "1", *skip]
+        code, _, err = run_cli(args, capsys)
+        assert code == 2 and "Traceback" not in err and where in err, err
+        assert "extracted from target with other weights" in err and "rewritten since" in err, err
+        assert not out.exists()

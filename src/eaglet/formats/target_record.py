@@ -36,6 +36,9 @@ class TargetIdentity(Record):
     vocab_size: Positive
     num_layers: Positive
     hidden_size: Positive
+    # a sample of the weights' bytes: a directory rewritten in place by a new fine-tune keeps its config and tokenizer;
+    # None in records written before it was kept, and for a target with no safetensors (nothing to compare)
+    weights_hash: str | None = None
 
     def to_record(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in IDENTITY_KEYS}
@@ -53,13 +56,22 @@ class TargetIdentity(Record):
         compared (a prepared set serves any target of its tokenizer)."""
         recorded = recorded or {}
         keys = ("tokenizer_hash",) if tokenizer_only else ("config_hash",) if config_only else IDENTITY_HASHES
+        if not (tokenizer_only or config_only) and recorded.get("weights_hash") and self.weights_hash:
+            keys += ("weights_hash",)  # the features came from these weights
         findings = []
         for key in keys:
-            if recorded.get(key) != getattr(self, key):
+            was, now = str(recorded.get(key))[:12], str(getattr(self, key))[:12]
+            if recorded.get(key) == getattr(self, key):
+                continue
+            if key == "weights_hash":
+                findings.append(
+                    f"{made} {recorded.get('name', '?')} with other weights ({key} {was}) than this run's "
+                    f"{self.name} holds ({now}; its directory rewritten since, by a new fine-tune?)"
+                )
+            else:
                 what = "tokenizer" if key == "tokenizer_hash" else "target"
                 findings.append(
-                    f"{made} {what} {recorded.get('name', '?')} ({key} {str(recorded.get(key))[:12]}), "
-                    f"but this run uses {self.name} ({getattr(self, key)[:12]})"
+                    f"{made} {what} {recorded.get('name', '?')} ({key} {was}), but this run uses {self.name} ({now})"
                 )
         return findings
 

@@ -22,7 +22,8 @@ from ..errors import EagletError
 from ..formats.files import TARGET_CONFIG_FILE
 from ..formats.layers import default_aux_layer_ids
 from ..formats.target_record import TargetIdentity
-from ..fsio import atomic_directory, json_error_text, load_json_file, sha256_file, sha256_json, write_json_atomic
+from ..fsio import atomic_directory, json_error_text, sha256_file, sha256_json, write_json_atomic
+from .weight_files import weight_files, weight_index, weights_fingerprint
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the embedded GGUF quantizes
@@ -231,6 +232,7 @@ class TargetInfo:
     config_hash: str  # what the model computes (``config_identity``)
     tokenizer_hash: str
     template_hash: str | None
+    weights_hash: str | None  # a sample of the weights (``weight_files.weights_fingerprint``); None without any
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -242,6 +244,7 @@ class TargetInfo:
             name=self.name,
             config_hash=self.config_hash,
             tokenizer_hash=self.tokenizer_hash,
+            weights_hash=self.weights_hash,
             vocab_size=self.vocab_size,
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
@@ -335,8 +338,7 @@ def open_weights(file: Path, target: Path) -> Iterator[Any]:
 def count_parameters(path: Path) -> int:
     """Sum tensor sizes from safetensors headers (no tensor data is read). With an index, only the files it names
     count (a repository may also carry the same weights consolidated into one more file)."""
-    index = weight_index(path)
-    files = sorted(set(index.values())) if index is not None else sorted(path.glob("*.safetensors"))
+    files = weight_files(path)
     total = 0
     for file in files:
         with open_weights(file, path) as handle:
@@ -369,6 +371,7 @@ def target_info(resolved: ResolvedTarget, tokenizer: Any | None = None) -> Targe
         config_hash=config_identity(config),
         tokenizer_hash=tokenizer_hash(tokenizer),
         template_hash=sha256_json(template) if template else None,
+        weights_hash=weights_fingerprint(resolved.path),
     )
 
 
@@ -546,32 +549,6 @@ class HeadWeights:
     lm_head: Any
     final_norm: Any
     softcap: float | None
-
-
-WEIGHT_INDEX_FILE = "model.safetensors.index.json"
-
-
-def weight_index(path: Path) -> dict[str, Path] | None:
-    """The index's map of tensor name -> file, None for a target without one; refused when it names a file that is
-    not there (a download cut short: transformers would fail at that shard, after loading the ones before it)."""
-    index_file = path / WEIGHT_INDEX_FILE
-    if not index_file.is_file():
-        return None
-    weight_map = load_json_file(index_file, "download or convert the target again")
-    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(f, str) and "/" not in f for f in weight_map.values()):
-        raise EagletError(
-            f"{index_file}: no 'weight_map' of tensor names to file names; download or convert the target again"
-        )
-    locations = {key: path / file for key, file in weight_map.items()}
-    missing = sorted({file.name for file in locations.values() if not file.is_file()})
-    if missing:
-        raise EagletError(
-            f"target {path}: {len(missing)} of the {len(set(locations.values()))} weight files its "
-            f"{WEIGHT_INDEX_FILE} names are missing (first: {missing[0]}); the download is incomplete: download "
-            "the target again"
-        )
-    return locations
 
 
 def weight_locations(path: Path) -> dict[str, Path]:

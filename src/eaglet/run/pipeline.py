@@ -8,8 +8,9 @@ Run directory::
     RUN/prepared/  RUN/store/ (offline)  RUN/draft/  RUN/export/{vllm,sglang,speculators}/  RUN/eval/
     RUN/heldout.jsonl  RUN/prepared_heldout/  RUN/store_heldout/   (with `heldout:`: what training evaluates on)
 
-A stage's fingerprint hashes its validated settings, the content of the user's files it reads (``user_files``) and
-the output hashes of the stages it reads, so a change anywhere re-runs exactly what depends on it.
+A stage's fingerprint hashes its validated settings, the content of the user's files it reads (``user_files``), the
+target's config, tokenizer and weights (a sample of them: ``model.weight_files``) and the output hashes of the stages
+it reads, so a change anywhere re-runs exactly what depends on it.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class Pipeline:
         self.out = Path(config.out)
         self.stages = self._build_stages()
         self._file_memo: dict[tuple, str] = {}  # (file, size, mtime) -> sha256, read once per process
+        self._target_memo: dict[str, str | None] | None = None  # ``_target_hashes``, read once per process
 
     # ------------------------------------------------------------------ stage configs
 
@@ -175,6 +177,7 @@ class Pipeline:
         files = self._user_files(stage, state.get(stage.name))
         if files:
             fields["files"] = {path: digest["sha256"] for path, digest in files.items()}
+        fields["target"] = self._target_hashes()
         text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
 
@@ -183,6 +186,21 @@ class Pipeline:
         sections = [c.model_dump(mode="json") for c in (stage.config, stage.heldout) if c is not None]
         recorded = (record or {}).get("files")
         return digests(named_files(sections, self.out), recorded if isinstance(recorded, dict) else {}, self._file_memo)
+
+    def _target_hashes(self) -> dict[str, str | None]:
+        """What decides every stage's output about the run's target: its config, tokenizer and a sample of its
+        weights, so a target directory rewritten in place (a new fine-tune at the same path) re-runs the stages
+        instead of reading as done. A run directory copied with its target to another machine keeps them."""
+        if self._target_memo is None:
+            from ..model.target import resolve_target, target_info
+
+            resolved = resolve_target(self.config.target, self.config.trust_remote_code)
+            try:
+                identity = target_info(resolved).identity
+                self._target_memo = {key: getattr(identity, key) for key in TARGET_HASHES}
+            except EagletError:  # one the stages' preflight refuses (a config.json alone, planned with --plan)
+                self._target_memo = dict.fromkeys(TARGET_HASHES)
+        return self._target_memo
 
     def _outputs(self, stage: Stage) -> list[Path]:
         """Everything a stage writes (regenerate's answers keep their manifest beside them)."""
@@ -229,8 +247,7 @@ class Pipeline:
             elif fingerprint is None:
                 plan = StagePlan(stage.name, "run", "after its inputs")
             elif not self._fingerprint_matches(stage, state, record):
-                edited = changed(self._user_files(stage, record), record["files"]) if "files" in record else None
-                plan = StagePlan(stage.name, "run", f"{edited} changed" if edited else "settings or inputs changed")
+                plan = StagePlan(stage.name, "run", self._what_changed(stage, record))
             elif not record.get("complete"):
                 plan = StagePlan(stage.name, "run", "interrupted: resumes")
             elif self._output_hash(stage) != record.get("output_hash"):
@@ -241,6 +258,17 @@ class Pipeline:
                 rerunning.add(stage.name)
             plans.append(plan)
         return [self._early_refusal(stage, plan) for stage, plan in zip(self.stages, estimate(self, plans))]
+
+    def _what_changed(self, stage: Stage, record: dict[str, Any]) -> str:
+        """Why a stage's fingerprint no longer matches its record, as --plan says it."""
+        edited = changed(self._user_files(stage, record), record["files"]) if "files" in record else None
+        if edited:
+            return f"{edited} changed"
+        recorded = record.get("target")
+        if isinstance(recorded, dict) and recorded != self._target_hashes():
+            what = next(key for key in TARGET_HASHES if recorded.get(key) != self._target_hashes()[key])
+            return f"target {self.config.target} changed ({what.removesuffix('_hash')})"
+        return "settings or inputs changed"
 
     def _early_refusal(self, stage: Stage, plan: StagePlan) -> StagePlan:
         """``plan`` refused by the first failed check the stage can have before the run's first stage (eval's prompts
@@ -298,7 +326,13 @@ class Pipeline:
                 if failed is not None:
                     raise EagletError(failed.refusal(stage.name))
             files = self._user_files(stage, record)
-            state[stage.name] = {"fingerprint": fingerprint, "complete": False, **({"files": files} if files else {})}
+            target = {"target": self._target_hashes()}
+            state[stage.name] = {
+                "fingerprint": fingerprint,
+                "complete": False,
+                **target,
+                **({"files": files} if files else {}),
+            }
             self._save_state(state)
             self.console.print(f"[bold]== {stage.name}[/] ({plan.reason})")
             started = time.perf_counter()
@@ -310,6 +344,7 @@ class Pipeline:
                 "output_hash": self._output_hash(stage),
                 "seconds": round(seconds, 1),
                 "result": outcome,
+                **target,
                 **({"files": files} if files else {}),
             }
             self._save_state(state)
@@ -330,6 +365,9 @@ class Pipeline:
                     verifier, self.config.export.speculative_tokens, str(directory)
                 )
         return commands
+
+
+TARGET_HASHES = ("config_hash", "tokenizer_hash", "weights_hash")  # of the run's target, in every fingerprint
 
 
 def _remove(path: Path) -> None:
