@@ -257,6 +257,24 @@ def test_bad_run_configs_are_one_line_errors(tmp_path, capsys, tiny_target):
         assert code == 2 and "a file, not a directory" in err and taken.read_text() == "mine", err
 
 
+def test_an_out_holding_the_users_own_folders_is_refused(tmp_path, capsys, tiny_target):
+    """`--out .` in a project with its own eval/ folder: a stage starts by deleting its output, so the user's folder
+    would be lost. Refused, --plan included; a directory with other files only is fine."""
+    config = run_config(tmp_path, tiny_target)
+    project = tmp_path / "project"
+    (project / "eval").mkdir(parents=True)
+    (project / "eval" / "my_script.py").write_text("print('mine')")
+    for extra in ([], ["--plan"]):
+        code, _, err = run_cli(["run", config, "--out", project, *extra], capsys)
+        assert code == 2 and "Traceback" not in err, err
+        assert f"--out {project}: holds eval, which this run would replace" in err and "choose a new or empty" in err
+    assert (project / "eval" / "my_script.py").read_text() == "print('mine')"
+    (project / "eval" / "my_script.py").rename(project / "my_script.py")
+    (project / "eval").rmdir()
+    code, _, err = run_cli(["run", config, "--out", project, "--only", "prepare"], capsys)
+    assert code == 0 and (project / "my_script.py").is_file(), err
+
+
 def test_bad_options_of_the_new_commands_are_one_line_errors(tmp_path, capsys, tiny_store, tiny_target):
     cases = [
         (["demo", "--scale", "tpu", "--out", tmp_path / "d"], "--scale tpu: choose cpu, gpu or auto"),

@@ -218,7 +218,20 @@ class Pipeline:
             digest.update(sha256_file(path).encode())
         return digest.hexdigest()
 
+    def check_out_is_a_run(self) -> None:
+        """Refuse an --out that already holds something under a name the run writes but is no eaglet run (no
+        run.json): a stage starts by deleting its output, so the user's own eval/ or export/ would be lost."""
+        if not self.out.is_dir() or (self.out / RUN_FILE).is_file():
+            return
+        taken = [path.name for stage in self.stages for path in self._outputs(stage) if path.exists()]
+        if taken:
+            raise EagletError(
+                f"--out {self.out}: holds {taken[0]}, which this run would replace, and is not an eaglet run "
+                f"directory (no {RUN_FILE}); choose a new or empty --out"
+            )
+
     def plan(self, from_stage: str | None = None, only: str | None = None) -> list[StagePlan]:
+        self.check_out_is_a_run()
         names = [s.name for s in self.stages]
         for requested in (from_stage, only):
             if requested is not None and requested not in names:
