@@ -35,6 +35,7 @@ def test_extract_preflight_passes_quickly_as_json(capsys, tmp_path, tiny_prepare
         "target",
         "transformers API",
         "tokenizer",
+        "context",
         "aux layer ids",
         "output",
         "disk",

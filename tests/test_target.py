@@ -129,3 +129,21 @@ def test_a_store_of_a_target_rewritten_since_is_refused(tmp_path, capsys, tiny_p
         assert code == 2 and "Traceback" not in err and where in err, err
         assert "extracted from target with other weights" in err and "rewritten since" in err, err
         assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "rope, context",
+    [
+        (None, 512),
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}, 2048),  # Qwen's long-context
+        ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}, 512),  # already stretched
+    ],
+)
+def test_the_context_a_target_serves(tmp_path, tiny_target, rope, context):
+    from eaglet.model.target import context_length
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target, target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps(config | {"rope_scaling": rope}))
+    assert context_length(target) == context

@@ -209,3 +209,46 @@ def test_an_eval_fraction_that_holds_out_every_sample(tmp_path, capsys, tiny_pre
         "lower --eval-fraction",
     )
     assert not out.exists()
+
+
+def long_answers(path: Path, words: int) -> Path:
+    """Conversations whose answers run to about ``words`` tokens."""
+    rows = [
+        {
+            "id": f"c{i}",
+            "messages": [
+                {"role": "user", "content": f"Tell a story {i}"},
+                {"role": "assistant", "content": "once upon a time " * (words // 4)},
+            ],
+        }
+        for i in range(3)
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_samples_past_the_targets_context(tmp_path, capsys, tiny_target):
+    """The tiny target's context is 512 positions. `prepare --max-len 2048` warns and cuts samples at 512 (features
+    past the context are positions the target never saw); a set prepared for a longer-context sibling (the same
+    tokenizer) is refused by extract's preflight, before the target loads."""
+    data = long_answers(tmp_path / "long.jsonl", 1200)
+    prepared = tmp_path / "prepared"
+    code, _, err = run_cli(["prepare", data, "--out", prepared, "--target", tiny_target, "--max-len", "2048"], capsys)
+    assert code == 0 and "--max-len 2,048 is past the target's context: samples are cut at 512" in err, err
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    assert manifest["max_len"] == 512 and manifest["tokens"]["length"]["max"] == 512
+
+    sibling = tmp_path / "sibling"
+    shutil.copytree(tiny_target, sibling)
+    config = json.loads((sibling / "config.json").read_text())
+    (sibling / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 4096}))
+    longer = tmp_path / "prepared_longer"
+    assert run_cli(["prepare", data, "--out", longer, "--target", sibling, "--max-len", "2048"], capsys)[0] == 0
+    store = tmp_path / "store"
+    assert_refused(
+        run_cli(extract_args(longer, store, tiny_target), capsys),
+        "the longest sample is",
+        "past the target's context of 512",
+        "prepare again with this --target",
+    )
+    assert not store.exists()

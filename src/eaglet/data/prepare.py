@@ -23,7 +23,7 @@ from ..errors import EagletError
 from ..formats.files import MANIFEST_FILE, PREPARED_SCHEMA, SAMPLES_FILE, VOCAB_FILE
 from ..formats.target_record import target_source
 from ..fsio import atomic_directory, check_output_apart, check_output_dir, sha256_file, sha256_json, write_json_atomic
-from ..model.target import hub_id_of, load_tokenizer, resolve_target, target_info
+from ..model.target import context_length, hub_id_of, load_tokenizer, resolve_target, target_info
 from ..progress import progress_bar
 from .readers import BadRow, Conversation, fail_on_bad_rows, read_conversations
 from .render import ChatRenderer, Rendered
@@ -95,7 +95,9 @@ def run_prepare(config: PrepareConfig, console: Console | None = None) -> Prepar
     target = resolve_target(config.target, config.trust_remote_code)
     tokenizer = load_tokenizer(target.path, config.trust_remote_code)
     info = target_info(target, tokenizer)
-    renderer = ChatRenderer(tokenizer, chat_template=_chat_template(config), max_len=config.max_len)
+    context = context_length(target.path)
+    max_len = min(config.max_len, context or config.max_len)  # past the context: positions the target never saw
+    renderer = ChatRenderer(tokenizer, chat_template=_chat_template(config), max_len=max_len)
     vocab_size = max(info.vocab_size, len(tokenizer))
 
     conversations, bad = _collect(config)
@@ -118,8 +120,9 @@ def run_prepare(config: PrepareConfig, console: Console | None = None) -> Prepar
             raise EagletError(f"no usable samples: every conversation was dropped ({tally.dropped[0]})")
         if tally.assistant_tokens == 0:
             raise EagletError(
-                f"{', '.join(config.inputs)}: no trainable token (no assistant token within --max-len "
-                f"{config.max_len}); raise --max-len or add answers"
+                f"{', '.join(config.inputs)}: no trainable token (no assistant token within the first {max_len} "
+                f"tokens: --max-len {config.max_len}, the target's context {context or 'unsaid'}); raise --max-len or "
+                "add answers"
             )
         draft_vocab_size = config.draft_vocab or default_draft_vocab_size(vocab_size)
         if draft_vocab_size > vocab_size:
@@ -140,6 +143,7 @@ def run_prepare(config: PrepareConfig, console: Console | None = None) -> Prepar
                 "dropped_no_assistant_tokens_within_max_len": len(tally.dropped) - len(rejected),
                 "truncated_to_max_len": tally.truncated,
             },
+            "max_len": max_len,  # --max-len, or the target's context where that is shorter
             "tokens": {
                 "total": int(np.sum(tally.lengths)),
                 "assistant": tally.assistant_tokens,

@@ -299,10 +299,23 @@ def read_config(path: Path) -> dict[str, Any]:
     )
 
 
+# RoPE scalings whose config keeps ``max_position_embeddings`` at the pretrained length and stretches it by a factor
+# (Qwen's YaRN); llama3's already states the stretched length
+STRETCHING_ROPE_TYPES = ("yarn", "linear", "dynamic", "longrope")
+
+
 def context_length(path: Path) -> int | None:
-    """The positions the target was trained on (config.json's ``max_position_embeddings``), None where unsaid."""
-    value = read_config(path).get("max_position_embeddings")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    """The positions the target serves (config.json's ``max_position_embeddings``, or its pretrained length times a
+    YaRN/linear/dynamic RoPE scaling factor where that is larger), None where unsaid."""
+    config = read_config(path)
+    value = config.get("max_position_embeddings")
+    context = value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    factor, original = (scaling.get("factor"), scaling.get("original_max_position_embeddings")) if kind else (0, 0)
+    if kind in STRETCHING_ROPE_TYPES and isinstance(factor, (int, float)) and isinstance(original, int):
+        context = max(context or 0, int(original * factor))
+    return context
 
 
 def past_context(prompt_tokens: int, new_tokens: int, context: int | None, draft_depth: int = 0) -> str | None:

@@ -186,6 +186,24 @@ def check_fit(
     return checks
 
 
+def check_prepared_lengths(target_path: Path, longest: int) -> Check:
+    """A prepared set's samples within the target's context: past it the target computes features at positions it
+    was never trained on, and the draft would learn them (the engine serving it never goes there). `eaglet prepare`
+    cuts samples at the context; a set prepared for another target of the same tokenizer may be longer."""
+    from ..model.target import context_length
+
+    context = context_length(target_path)
+    detail = f"the longest sample is {longest:,} tokens"
+    if context is not None and longest > context:
+        return Check(
+            "context",
+            FAIL,
+            f"{detail}, past the target's context of {context:,}",
+            f"prepare again with this --target: it cuts samples at {context:,} tokens",
+        )
+    return Check("context", PASS, f"{detail}, within the target's context ({context or 'unsaid'})")
+
+
 def check_device(requested: str) -> Check:
     """The device exists for this torch (a CPU build has no cuda; tpu is not one eaglet runs on)."""
     from ..model.target import pick_device

@@ -30,6 +30,7 @@ from .checks import (
     check_library_api,
     check_memory,
     check_output_dir,
+    check_prepared_lengths,
     check_rows,
     check_stage_target,
     check_target,
@@ -86,12 +87,26 @@ def _device_bytes(device: str, dtype: str = "auto") -> tuple[str, int]:
     return resolved, 2 if resolved.startswith("cuda") else 4
 
 
+def check_max_len(target_path: Path, max_len: int) -> Check:
+    """A --max-len given past the target's context: prepare cuts samples at the context instead."""
+    from ..model.target import context_length
+
+    context = context_length(target_path)
+    if context is not None and max_len > context:
+        return Check(
+            "max len", WARN, f"--max-len {max_len:,} is past the target's context: samples are cut at {context:,}", ""
+        )
+    return Check("max len", PASS, f"--max-len {max_len:,} within the target's context ({context or 'unsaid'})")
+
+
 def prepare_checks(cfg: Any) -> list[Check]:
     checks = [Check("config", PASS, "valid")]
     target_checks, found = check_target(
         cfg.target, need_template=cfg.chat_template is None, trust_remote_code=cfg.trust_remote_code
     )
     checks += target_checks
+    if found and "max_len" in cfg.model_fields_set:
+        checks.append(check_max_len(found[0].path, cfg.max_len))
     if cfg.chat_template is not None:
         exists = Path(cfg.chat_template).is_file()
         checks.append(
@@ -255,6 +270,7 @@ def extract_checks(cfg: Any) -> list[Check]:
             tokenizer_only=True,
         )
     )
+    checks.append(check_prepared_lengths(resolved.path, int(prepared.lengths.max())))
     checks.append(check_layers(cfg.layers, info.num_layers))
     store = Path(cfg.out)
     if (store / MANIFEST_FILE).is_file():
