@@ -171,6 +171,25 @@ def test_eval_report(tmp_path, capsys, tiny_draft, tiny_target):
     assert "lossless True" in stdout
 
 
+def test_eval_on_other_weights_of_the_target_says_so(tmp_path, capsys, tiny_draft, tiny_target):
+    """The target directory rewritten in place by a new fine-tune: the draft still loads and decodes losslessly, and
+    eval says its τ is on weights the draft never saw; on the weights it was trained for, nothing is said."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "the cat sat", "split": "heldout"}])
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target, target)
+    code, _, err = run_cli(eval_args(tiny_draft, target, prompts, tmp_path / "e0", "--max-new-tokens", "4"), capsys)
+    assert code == 0 and "other weights" not in err, err
+    tensors = load_file(target / "model.safetensors")
+    save_file({n: t * 1.01 for n, t in tensors.items()}, target / "model.safetensors", metadata={"format": "pt"})
+    code, _, err = run_cli(eval_args(tiny_draft, target, prompts, tmp_path / "e1", "--max-new-tokens", "4"), capsys)
+    assert code == 0 and f"was trained against other weights of target than {target} holds" in err, err
+    assert json.loads((tmp_path / "e1" / "report.json").read_text())["lossless"] is True
+
+
 def test_export_quotes_only_an_eval_report_of_its_own_draft(tmp_path, capsys, tiny_draft, tiny_target):
     """The model card quotes the report's τ and speedup: a report of the draft, or of an export of it, is quoted; a
     report of another draft, or a JSON file that is not an eval report, is one line and nothing is written."""

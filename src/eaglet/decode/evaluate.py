@@ -19,7 +19,7 @@ from ..data.eval_prompts import EvalPrompt, select_prompts
 from ..errors import EagletError
 from ..formats.eval_report import draft_weights_digest
 from ..formats.files import REPORT_FILE, REPORT_MARKDOWN_FILE
-from ..formats.target_record import require_same_target, stage_target
+from ..formats.target_record import other_weights, require_same_target, stage_target
 from ..fsio import check_output_apart, check_output_dir, write_json_atomic
 from ..model.distributed import from_main, init_distributed
 from ..model.draft import load_draft
@@ -138,6 +138,13 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
         "pass the matching --target",
         config_only=True,
     )
+    if other_weights(info.identity, draft.config.target):
+        console.print(
+            f"[yellow]warning[/] {config.draft} was trained against other weights of {info.name} than "
+            f"{resolved.path} holds (a new fine-tune saved there since?): τ measures the draft on weights it never "
+            "saw",
+            highlight=False,
+        )
     layer_ids = tuple(draft.config.eagle_aux_hidden_state_layer_ids)
     context = context_length(resolved.path)
     prompts = select_prompts(config, tokenizer, context)  # before the target loads: a bad prompt file is known now

@@ -76,6 +76,13 @@ class TargetIdentity(Record):
         return findings
 
 
+def other_weights(identity: TargetIdentity, recorded: dict[str, Any] | None) -> bool:
+    """Whether an artifact records other weights of this target than ``identity`` holds (False where either does
+    not say): a draft evaluated or exported there is still loadable, but drafts for what the weights were."""
+    known = (recorded or {}).get("weights_hash")
+    return bool(known and identity.weights_hash and known != identity.weights_hash)
+
+
 IDENTITY_KEYS = tuple(TargetIdentity.model_fields)
 IDENTITY_HASHES = ("config_hash", "tokenizer_hash")
 
