@@ -118,6 +118,38 @@ def answered_for_other_prompts(answers: Path, copy: Path) -> Path:
     return copy
 
 
+def longer_context_sibling(target: Path, copy: Path, context: int) -> Path:
+    """``target`` with a longer context in config.json (its weights linked): the same tokenizer, another target."""
+    copy.mkdir()
+    for file in target.iterdir():
+        if file.name not in ("eaglet-target.json", "config.json"):
+            (copy / file.name).symlink_to(file)
+    config = json.loads((target / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps(config | {"max_position_embeddings": context}))
+    return copy
+
+
+def prepared_past_context(w: Path) -> Path:
+    """A set prepared for a 16k-context sibling of the embedded target, one sample of ~9k tokens."""
+    sibling = longer_context_sibling(embedded_dir(), w / "sibling", 16384)
+    data = w / "long_conversation.jsonl"
+    turns = [{"role": "user", "content": "word " * 9000}, {"role": "assistant", "content": "ok then " * 50}]
+    data.write_text(json.dumps({"id": "long", "messages": turns}) + "\n")
+    out = w / "prepared_16k"
+    args = ["prepare", str(data), "--out", str(out), "--target", str(sibling), "--max-len", "16384"]
+    outcome, code, output = run(args, w)
+    if outcome != "accepted":
+        raise SystemExit(f"preparing for the 16k sibling failed ({outcome}, exit {code}):\n{output[-2000:]}")
+    return out
+
+
+def project_with_eval_folder(w: Path) -> Path:
+    """A user's project directory with an eval/ folder of their own."""
+    (w / "project" / "eval").mkdir(parents=True)
+    (w / "project" / "eval" / "score.py").write_text("print('mine')\n")
+    return w / "project"
+
+
 def cases(w: Path, made: dict[str, Path]) -> list[tuple[str, list, str]]:
     """(name, arguments, expected outcome). Files the cases read are written into ``w`` here."""
 
@@ -494,6 +526,21 @@ def cases(w: Path, made: dict[str, Path]) -> list[tuple[str, list, str]]:
                 "--target",
                 shard_missing(embedded_dir(), w / "sh"),
             ],
+            "refused",
+        ),
+        (  # cut at the target's context of 8,192, with a warning
+            "prepare --max-len past the target's context",
+            ["prepare", made["answers"], "--out", w / "p13", "--max-len", "16384"],
+            "accepted",
+        ),
+        (
+            "extract a set prepared past the target's context",
+            ["extract", "--prepared", prepared_past_context(w), "--out", w / "s12", "--target", "embedded"],
+            "refused",
+        ),
+        (
+            "run --out a project directory with its own eval/",
+            ["run", file("ok2.yaml", yaml_base), "--out", project_with_eval_folder(w), "--plan"],
             "refused",
         ),
     ]
