@@ -191,6 +191,34 @@ def test_a_store_planned_before_tail_pieces_resumes_by_its_own_plan(
     assert code == 0, err
 
 
+def test_resuming_a_store_across_the_weights_fingerprint(tmp_path, capsys, tiny_prepared, tiny_target):
+    """A store an earlier eaglet began (its manifest records no weights fingerprint) resumes; one whose target was
+    rewritten in place since (a new fine-tune: its weights fingerprint differs) is refused, shards computed from the
+    old weights kept apart from the new."""
+    from safetensors.torch import load_file, save_file
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target, target)
+    store = tmp_path / "store"
+    assert run_cli(extract_args(tiny_prepared, store, target), capsys)[0] == 0
+    manifest = json.loads((store / "manifest.json").read_text())
+    last = manifest["num_shards"] - 1
+    (store / f"shard-{last:05d}.safetensors").unlink()
+    (store / f"shard-{last:05d}.json").unlink()
+    before = dict(manifest, target={k: v for k, v in manifest["target"].items() if k != "weights_hash"})
+    (store / "manifest.json").write_text(json.dumps(before))
+    code, out, err = run_cli(extract_args(tiny_prepared, store, target), capsys)
+    assert code == 0 and "computed 1 shard(s) this run" in out, err
+
+    (store / f"shard-{last:05d}.safetensors").unlink()
+    (store / f"shard-{last:05d}.json").unlink()
+    tensors = load_file(target / "model.safetensors")
+    save_file({n: t * 1.01 for n, t in tensors.items()}, target / "model.safetensors", metadata={"format": "pt"})
+    for extra in ([], ["--skip-preflight"]):
+        code, _, err = run_cli(extract_args(tiny_prepared, store, target, *extra), capsys)
+        assert code == 2 and "made with target.weights_hash" in err and "Traceback" not in err, err
+
+
 def test_store_from_other_target_refused_by_source(tiny_store):
     from eaglet.errors import EagletError
     from eaglet.train.data import StoreSource

@@ -357,12 +357,16 @@ def planned_tail_pieces(store: Path) -> int:
 # identity fields a resumed store may differ in: the prepared set's path (the same set, by manifest hash, moved) and the
 # target's name (its directory's: renamed or reached by another path, the hashes say it is the same target)
 RESUME_FREE_FIELDS = {("prepared", "path"), ("target", "name")}
+# identity fields recorded since stores were first made: a store made before one resumes without it
+RECORDED_SINCE = {("target", "weights_hash")}
 
 
 def _first_difference(was: Any, now: Any, where: tuple[str, ...] = ()) -> tuple[str, Any, Any] | None:
     """(dotted field, value there, value asked for) of the first identity field that differs, or None."""
     if isinstance(was, dict) and isinstance(now, dict):
         for key in [*now, *(key for key in was if key not in now)]:
+            if (*where, key) in RECORDED_SINCE and key not in was:
+                continue
             if (*where, key) not in RESUME_FREE_FIELDS:
                 found = _first_difference(was.get(key), now.get(key), (*where, key))
                 if found:
