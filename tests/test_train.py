@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -95,6 +96,24 @@ def test_a_signal_then_resume_gives_the_same_losses(
     resumed = subprocess.run(cmd, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stderr
+    assert train_losses(out) == pytest.approx(train_losses(reference), rel=1e-6)
+
+
+def test_a_checkpoint_from_before_the_weights_fingerprint_resumes(tmp_path, capsys, tiny_store, tiny_target):
+    """A run checkpointed by an eaglet whose target record had no weights fingerprint resumes after the upgrade, to
+    the same losses as a run never stopped."""
+    reference = tmp_path / "reference"
+    assert run_cli(train_args(tiny_store, reference, tiny_target, "--max-steps", "6"), capsys)[0] == 0
+    out = tmp_path / "run"
+    args = train_args(tiny_store, out, tiny_target, "--max-steps", "6", "--save-every", "3")
+    assert run_cli(args, capsys)[0] == 0
+    checkpoint = out / "checkpoints" / "step-000003"
+    record = json.loads((checkpoint / "trainer.json").read_text())
+    del record["identity"]["target"]["weights_hash"]
+    (checkpoint / "trainer.json").write_text(json.dumps(record))
+    shutil.rmtree(out / "checkpoints" / "step-000006")
+    code, _, err = run_cli(args, capsys)
+    assert code == 0 and "resuming from" in err, err
     assert train_losses(out) == pytest.approx(train_losses(reference), rel=1e-6)
 
 

@@ -24,6 +24,7 @@ from ..formats.files import (
     checkpoint_dir_name,
 )
 from ..formats.records import Count, Record, parse_record
+from ..formats.target_record import TargetIdentity
 from ..fsio import atomic_directory, load_json_file, write_json_atomic
 from ..model.shards import write_safetensors
 
@@ -139,7 +140,11 @@ def load_checkpoint(path: Path, expected_keys: set[str], scheduler: Any, identit
     fix = f"delete {path} to resume from the checkpoint before it, or train into another --out"
     saved = parse_record(TrainerRecord, load_json_file(path / TRAINER_STATE_FILE, fix), path / TRAINER_STATE_FILE, fix)
     for key, value in identity.items():
-        if saved.identity.get(key) != value:
+        if key == "target":  # compared as targets are everywhere (a checkpoint from before weights_hash resumes)
+            findings = TargetIdentity.model_validate(value).mismatches(saved.identity.get(key), "checkpoint trained on")
+            if findings:
+                raise EagletError(f"{path}: {findings[0]}; use another --out or the same target")
+        elif saved.identity.get(key) != value:
             raise EagletError(
                 f"{path}: checkpoint was trained with {key}={saved.identity.get(key)!r}, this run has {value!r}; "
                 "use another --out or the same settings"
