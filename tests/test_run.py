@@ -257,6 +257,22 @@ def test_bad_run_configs_are_one_line_errors(tmp_path, capsys, tiny_target):
         assert code == 2 and "a file, not a directory" in err and taken.read_text() == "mine", err
 
 
+def test_a_run_recorded_before_target_fingerprints_keeps_its_finished_stages(tmp_path, capsys, tiny_target):
+    """run.json written by an eaglet whose fingerprints had no target hashes (its records carry no 'target'): after
+    the upgrade its finished stages are still done, not deleted and redone (an extraction can be days)."""
+    config = run_config(tmp_path, tiny_target)
+    assert run_cli(["run", config, "--only", "prepare"], capsys)[0] == 0
+    run_file = tmp_path / "run" / "run.json"
+    record = json.loads(run_file.read_text())
+    pipeline = Pipeline(load_run_config(config), config, Console(quiet=True))
+    prepare = next(stage for stage in pipeline.stages if stage.name == "prepare")
+    del record["stages"]["prepare"]["target"]
+    record["stages"]["prepare"]["fingerprint"] = pipeline._fingerprint(prepare, record["stages"], with_target=False)
+    run_file.write_text(json.dumps(record))
+    plan = next(p for p in Pipeline(load_run_config(config), config, Console(quiet=True)).plan() if p.name == "prepare")
+    assert (plan.action, plan.reason) == ("skip", "done, same settings and inputs")
+
+
 def test_an_out_holding_the_users_own_folders_is_refused(tmp_path, capsys, tiny_target):
     """`--out .` in a project with its own eval/ folder: a stage starts by deleting its output, so the user's folder
     would be lost. Refused, --plan included; a directory with other files only is fine."""

@@ -157,9 +157,12 @@ class Pipeline:
     def _fingerprint_matches(self, stage: Stage, state: dict[str, Any], record: dict[str, Any] | None) -> bool:
         """The record was made from this stage's settings and inputs."""
         recorded = (record or {}).get("fingerprint")
-        return recorded is not None and recorded == self._fingerprint(stage, state)
+        # a stage recorded before the target's hashes were part of fingerprints is judged as it was then, so an
+        # upgrade does not delete and redo a finished extraction
+        with_target = "target" in (record or {})
+        return recorded is not None and recorded == self._fingerprint(stage, state, with_target)
 
-    def _fingerprint(self, stage: Stage, state: dict[str, Any]) -> str | None:
+    def _fingerprint(self, stage: Stage, state: dict[str, Any], with_target: bool = True) -> str | None:
         """None while an upstream stage has no output yet. Paths inside the run directory count relative to
         it, so a run directory moved (or copied to another machine) keeps its finished stages."""
         upstream = []
@@ -177,7 +180,8 @@ class Pipeline:
         files = self._user_files(stage, state.get(stage.name))
         if files:
             fields["files"] = {path: digest["sha256"] for path, digest in files.items()}
-        fields["target"] = self._target_hashes()
+        if with_target:
+            fields["target"] = self._target_hashes()
         text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
 
