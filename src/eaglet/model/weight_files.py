@@ -110,7 +110,7 @@ def weights_fingerprint(path: Path) -> str | None:
                 handles[file] = os.open(file, os.O_RDONLY)
             digest.update(json.dumps([name, entry.get("dtype"), entry.get("shape")]).encode())
             digest.update(_sampled_bytes(handles[file], data_start, entry))
-    except (OSError, TypeError, ValueError) as exc:
+    except (OSError, TypeError, ValueError, KeyError, AttributeError) as exc:  # a header entry not safetensors'
         raise EagletError(
             f"target {path}: its weights could not be read ({exc}); download or convert the target again"
         ) from None

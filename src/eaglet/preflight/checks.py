@@ -186,6 +186,18 @@ def check_fit(
     return checks
 
 
+def check_max_len(target_path: Path, max_len: int) -> Check:
+    """A --max-len given past the target's context: prepare cuts samples at the context instead."""
+    from ..model.target import context_length
+
+    context = context_length(target_path)
+    if context is not None and max_len > context:
+        return Check(
+            "context", WARN, f"--max-len {max_len:,} is past the target's context: samples are cut at {context:,}", ""
+        )
+    return Check("context", PASS, f"--max-len {max_len:,} within the target's context ({context or 'unsaid'})")
+
+
 def check_prepared_lengths(target_path: Path, longest: int) -> Check:
     """A prepared set's samples within the target's context: past it the target computes features at positions it
     was never trained on, and the draft would learn them (the engine serving it never goes there). `eaglet prepare`

@@ -28,6 +28,7 @@ from .checks import (
     check_fit,
     check_layers,
     check_library_api,
+    check_max_len,
     check_memory,
     check_output_dir,
     check_prepared_lengths,
@@ -85,18 +86,6 @@ def _device_bytes(device: str, dtype: str = "auto") -> tuple[str, int]:
     if dtype in BYTES_PER_DTYPE:
         return resolved, BYTES_PER_DTYPE[dtype]
     return resolved, 2 if resolved.startswith("cuda") else 4
-
-
-def check_max_len(target_path: Path, max_len: int) -> Check:
-    """A --max-len given past the target's context: prepare cuts samples at the context instead."""
-    from ..model.target import context_length
-
-    context = context_length(target_path)
-    if context is not None and max_len > context:
-        return Check(
-            "max len", WARN, f"--max-len {max_len:,} is past the target's context: samples are cut at {context:,}", ""
-        )
-    return Check("max len", PASS, f"--max-len {max_len:,} within the target's context ({context or 'unsaid'})")
 
 
 def prepare_checks(cfg: Any) -> list[Check]:

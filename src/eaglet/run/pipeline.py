@@ -222,7 +222,7 @@ class Pipeline:
             digest.update(sha256_file(path).encode())
         return digest.hexdigest()
 
-    def check_out_is_a_run(self) -> None:
+    def _check_out_is_a_run(self) -> None:
         """Refuse an --out that already holds something under a name the run writes but is no eaglet run (no
         run.json): a stage starts by deleting its output, so the user's own eval/ or export/ would be lost."""
         if not self.out.is_dir() or (self.out / RUN_FILE).is_file():
@@ -235,7 +235,7 @@ class Pipeline:
             )
 
     def plan(self, from_stage: str | None = None, only: str | None = None) -> list[StagePlan]:
-        self.check_out_is_a_run()
+        self._check_out_is_a_run()
         names = [s.name for s in self.stages]
         for requested in (from_stage, only):
             if requested is not None and requested not in names:
@@ -282,9 +282,13 @@ class Pipeline:
         if edited:
             return f"{edited} changed"
         recorded = record.get("target")
-        if isinstance(recorded, dict) and recorded != self._target_hashes():
-            what = next(key for key in TARGET_HASHES if recorded.get(key) != self._target_hashes()[key])
-            return f"target {self.config.target} changed ({what.removesuffix('_hash')})"
+        differs = [
+            key
+            for key in TARGET_HASHES
+            if isinstance(recorded, dict) and recorded.get(key) != self._target_hashes()[key]
+        ]
+        if differs:
+            return f"target {self.config.target} changed ({differs[0].removesuffix('_hash')})"
         return "settings or inputs changed"
 
     def _early_refusal(self, stage: Stage, plan: StagePlan) -> StagePlan:
