@@ -528,6 +528,20 @@ def cases(w: Path, made: dict[str, Path]) -> list[tuple[str, list, str]]:
             ],
             "refused",
         ),
+        (
+            "regenerate --max-prompts lowered into the same --out",
+            [
+                "regenerate",
+                "demo",
+                "--max-prompts",
+                "2",
+                "--out",
+                copy_file(made["answers"], w / "answers_copy2.jsonl"),
+                "--max-new-tokens",
+                "24",
+            ],
+            "refused",
+        ),
         (  # cut at the target's context of 8,192, with a warning
             "prepare --max-len past the target's context",
             ["prepare", made["answers"], "--out", w / "p13", "--max-len", "16384"],

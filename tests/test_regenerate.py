@@ -91,6 +91,18 @@ def test_resume_refuses_answers_to_prompts_edited_since(tmp_path, capsys, tiny_t
     assert out.read_bytes() == written
 
 
+def test_resume_refuses_to_drop_answers_to_prompts_no_longer_asked(tmp_path, capsys, tiny_target):
+    """Fewer prompts into the same --out (another file, --max-prompts lowered): the finished file holds this run's
+    prompts only, so the answers already paid for would be dropped from it."""
+    out = tmp_path / "a.jsonl"
+    prompts = prompts_file(tmp_path, 3)
+    assert run_cli(regen_args(prompts, out, tiny_target), capsys)[0] == 0
+    written = out.read_bytes()
+    code, _, err = run_cli(regen_args(prompts, out, tiny_target, "--max-prompts", "2"), capsys)
+    assert code == 2 and f"{out}:3: an answer to id 'p2', which this run does not ask" in err, err
+    assert out.read_bytes() == written
+
+
 def test_torn_last_line_is_dropped_and_redone(tmp_path, capsys, tiny_target):
     prompts = prompts_file(tmp_path, 4)
     out = tmp_path / "a.jsonl"

@@ -178,7 +178,8 @@ def output_row(request: Request, answer: Answer, settings: dict[str, Any]) -> di
 def load_done(out: Path, settings: dict[str, Any], requests: list[Request]) -> dict[tuple[str, int], str]:
     """Rows already written, keyed by (prompt id, sample); a torn trailing line is cut off. A row that answers
     another prompt than the request of its id now holds (the prompts edited since) is refused: kept, it would train
-    the draft on an answer to a question nobody asks any more."""
+    the draft on an answer to a question nobody asks any more; so is a row no request asks for: finishing would drop
+    an answer that may have cost hours."""
     asked = {request.key: request for request in requests}
     if not out.exists():
         return {}
@@ -216,7 +217,14 @@ def load_done(out: Path, settings: dict[str, Any], requests: list[Request]) -> d
                 "use another --out or the same settings to resume"
             )
         request = asked.get(key)
-        if request is not None and not answers(row, request):
+        if request is None:  # the finished file holds this run's prompts only: the answer would be dropped
+            sample = f" (sample {key[1]})" if key[1] else ""
+            raise EagletError(
+                f"{out}:{number}: an answer to id {key[0]!r}{sample}, which this run does not ask (other prompts, "
+                "split, --max-prompts or --n); finishing would drop it from the file: use another --out, or delete "
+                "it to start over"
+            )
+        if not answers(row, request):
             raise EagletError(
                 f"{out}:{number}: answers another prompt than id {key[0]!r} holds now ({request.source}): the "
                 "prompts changed since it was written; use another --out, or delete it to answer them again"
