@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from eaglet.model.target import count_parameters, resolve_target
-from eaglet.model.weight_files import sampled_names, weight_files, weights_fingerprint
+from eaglet.model.weight_files import read_header, sampled_names, weight_files, weights_fingerprint
 
 RUNS = 5
 KIMI_LAYERS, KIMI_EXPERTS, KIMI_HIDDEN, KIMI_EXPERT_HIDDEN, KIMI_SHARDS = 61, 384, 7168, 2048, 64
@@ -126,8 +126,11 @@ def main() -> None:
         cold.append(timed(lambda: weights_fingerprint(embedded)))
     warm = [timed(lambda: weights_fingerprint(embedded)) for _ in range(RUNS)]
     files = weight_files(embedded)
+    names = [name for file in files for name in read_header(file, embedded)[0]]
     results["embedded"] = {
         "bytes": sum(f.stat().st_size for f in files),
+        "tensors": len(names),
+        "tensors_sampled": len(sampled_names(names)),
         "parameters": count_parameters(embedded),
         "cold_page_cache": summary(cold) if cold else "not measured (the page cache cannot be dropped here)",
         "warm": summary(warm),
