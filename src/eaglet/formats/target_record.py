@@ -56,23 +56,20 @@ class TargetIdentity(Record):
         compared (a prepared set serves any target of its tokenizer)."""
         recorded = recorded or {}
         keys = ("tokenizer_hash",) if tokenizer_only else ("config_hash",) if config_only else IDENTITY_HASHES
-        if not (tokenizer_only or config_only) and recorded.get("weights_hash") and self.weights_hash:
-            keys += ("weights_hash",)  # the features came from these weights
         findings = []
         for key in keys:
-            was, now = str(recorded.get(key))[:12], str(getattr(self, key))[:12]
-            if recorded.get(key) == getattr(self, key):
-                continue
-            if key == "weights_hash":
-                findings.append(
-                    f"{made} {recorded.get('name', '?')} with other weights ({key} {was}) than this run's "
-                    f"{self.name} holds ({now}; its directory rewritten since, by a new fine-tune?)"
-                )
-            else:
+            if recorded.get(key) != getattr(self, key):
                 what = "tokenizer" if key == "tokenizer_hash" else "target"
                 findings.append(
-                    f"{made} {what} {recorded.get('name', '?')} ({key} {was}), but this run uses {self.name} ({now})"
+                    f"{made} {what} {recorded.get('name', '?')} ({key} {str(recorded.get(key))[:12]}), but this run "
+                    f"uses {self.name} ({getattr(self, key)[:12]})"
                 )
+        if not (tokenizer_only or config_only) and other_weights(self, recorded):  # the features came from them
+            findings.append(
+                f"{made} {recorded.get('name', '?')} with other weights (weights_hash "
+                f"{str(recorded['weights_hash'])[:12]}) than this run's {self.name} holds ({str(self.weights_hash)[:12]}; "
+                "its directory rewritten since, by a new fine-tune?)"
+            )
         return findings
 
 
