@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -307,13 +308,17 @@ def test_a_damaged_checkpoint_at_resume(tmp_path, capsys, trained, tiny_store, t
     assert tree_digest(trained) == before
 
 
-@pytest.mark.parametrize("damage", ["cut", "directory"])
+@pytest.mark.parametrize("damage", ["cut", "cut in its data", "directory"])
 def test_unreadable_target_weights(tmp_path, capsys, tiny_prepared, tiny_target, damage):
+    """Known from the headers before the load: the load would fail at this file, after the files before it."""
     target = tmp_path / "target"
     shutil.copytree(tiny_target, target)
     weights = target / "model.safetensors"
+    (header_length,) = struct.unpack("<Q", weights.read_bytes()[:8])
     if damage == "cut":
         weights.write_bytes(weights.read_bytes()[:1000])
+    elif damage == "cut in its data":  # the header whole, the last tensor's bytes missing
+        weights.write_bytes(weights.read_bytes()[: 8 + header_length + 64])
     else:
         weights.unlink()
         weights.mkdir()

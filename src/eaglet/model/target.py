@@ -23,7 +23,7 @@ from ..formats.files import TARGET_CONFIG_FILE
 from ..formats.layers import default_aux_layer_ids
 from ..formats.target_record import TargetIdentity
 from ..fsio import atomic_directory, json_error_text, sha256_file, sha256_json, write_json_atomic
-from .weight_files import weight_files, weight_index, weights_fingerprint
+from .weight_files import parameter_count, read_headers, weight_index, weights_fingerprint
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the embedded GGUF quantizes
@@ -351,16 +351,7 @@ def open_weights(file: Path, target: Path) -> Iterator[Any]:
 def count_parameters(path: Path) -> int:
     """Sum tensor sizes from safetensors headers (no tensor data is read). With an index, only the files it names
     count (a repository may also carry the same weights consolidated into one more file)."""
-    files = weight_files(path)
-    total = 0
-    for file in files:
-        with open_weights(file, path) as handle:
-            for key in handle.keys():
-                numel = 1
-                for dim in handle.get_slice(key).get_shape():
-                    numel *= dim
-                total += numel
-    return total
+    return parameter_count(read_headers(path))
 
 
 def target_info(resolved: ResolvedTarget, tokenizer: Any | None = None) -> TargetInfo:
@@ -368,6 +359,7 @@ def target_info(resolved: ResolvedTarget, tokenizer: Any | None = None) -> Targe
     if tokenizer is None:
         tokenizer = load_tokenizer(resolved.path)
     num_layers = int(config["num_hidden_layers"])
+    weights = read_headers(resolved.path)  # one read of every header: the count and the fingerprint
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
     return TargetInfo(
         name=resolved.name,
@@ -377,14 +369,14 @@ def target_info(resolved: ResolvedTarget, tokenizer: Any | None = None) -> Targe
         num_layers=num_layers,
         hidden_size=int(config["hidden_size"]),
         vocab_size=int(config["vocab_size"]),
-        num_parameters=count_parameters(resolved.path),
+        num_parameters=parameter_count(weights),
         dtype=str(config.get("torch_dtype") or config.get("dtype") or "?"),
         has_chat_template=template is not None,
         aux_layer_ids=default_aux_layer_ids(num_layers),
         config_hash=config_identity(config),
         tokenizer_hash=tokenizer_hash(tokenizer),
         template_hash=sha256_json(template) if template else None,
-        weights_hash=weights_fingerprint(resolved.path),
+        weights_hash=weights_fingerprint(resolved.path, weights),
     )
 
 

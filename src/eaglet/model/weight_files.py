@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import struct
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from ..errors import EagletError
 from ..fsio import load_json_file
@@ -65,8 +66,20 @@ def weight_files(path: Path) -> list[Path]:
     return sorted(set(index.values())) if index is not None else sorted(path.glob("*.safetensors"))
 
 
-def read_header(file: Path, target: Path) -> tuple[dict[str, dict], int]:
-    """A safetensors file's tensor entries (name -> dtype, shape, data_offsets) and where its data starts."""
+class WeightFileHeader(NamedTuple):
+    """One safetensors file's header: its tensors' entries (name -> dtype, shape, data_offsets), the byte their
+    data starts at and the elements they hold (a packed INT4 tensor counts its int32 words)."""
+
+    file: Path
+    data_start: int
+    tensors: dict[str, dict]
+    parameters: int
+
+
+def read_header(file: Path, target: Path) -> WeightFileHeader:
+    """A safetensors file's header, refused in one line where safetensors' loader would refuse it: no JSON object
+    of tensor entries, or tensors past the file's end (a file cut in its data: known here, in preflight, not when
+    the load reaches it). Entries are checked in one pass over all of them: a 1T MoE has ~200k."""
 
     def damaged(why: str) -> EagletError:
         return EagletError(
@@ -74,43 +87,68 @@ def read_header(file: Path, target: Path) -> tuple[dict[str, dict], int]:
             "convert the target again"
         )
 
-    with open(file, "rb") as handle:
-        length_bytes = handle.read(HEADER_LENGTH_BYTES)
-        if len(length_bytes) < HEADER_LENGTH_BYTES:
-            raise damaged("shorter than a safetensors header")
-        (length,) = struct.unpack("<Q", length_bytes)
-        if length > MAX_HEADER_BYTES:
-            raise damaged(f"a header of {length:,} bytes")
-        try:
-            header = json.loads(handle.read(length))
-        except (ValueError, RecursionError):
-            raise damaged("its header is not JSON") from None
-    if not isinstance(header, dict):
+    try:
+        with open(file, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            length_bytes = handle.read(HEADER_LENGTH_BYTES)
+            if len(length_bytes) < HEADER_LENGTH_BYTES:
+                raise damaged("shorter than a safetensors header")
+            (length,) = struct.unpack("<Q", length_bytes)
+            if length > min(MAX_HEADER_BYTES, size - HEADER_LENGTH_BYTES):
+                raise damaged(f"a header of {length:,} bytes in a file of {size:,}")
+            raw = handle.read(length)
+    except OSError as exc:  # a directory in its place, no permission, an I/O error
+        raise damaged(exc.strerror or type(exc).__name__) from None
+    try:
+        tensors = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise damaged("its header is not JSON") from None
+    if not isinstance(tensors, dict):
         raise damaged("its header is not a JSON object")
-    header.pop("__metadata__", None)
-    return header, HEADER_LENGTH_BYTES + length
+    tensors.pop("__metadata__", None)
+    try:
+        data_end = max((entry["data_offsets"][1] for entry in tensors.values()), default=0)
+        parameters = sum(math.prod(entry["shape"]) for entry in tensors.values())
+        valid = type(data_end) is int and type(parameters) is int
+    except (KeyError, TypeError, IndexError):
+        valid = False
+    if not valid:
+        raise damaged("a tensor entry without integer data_offsets and shape")
+    data_start = HEADER_LENGTH_BYTES + length
+    if data_start + data_end > size:
+        raise damaged(f"its tensors end at byte {data_start + data_end:,}, the file at {size:,}: it was cut short")
+    return WeightFileHeader(file, data_start, tensors, parameters)
 
 
-def weights_fingerprint(path: Path) -> str | None:
+def read_headers(path: Path) -> list[WeightFileHeader]:
+    """The headers of the target's weight files (``weight_files``): one read of each serves the parameter count and
+    the fingerprint."""
+    return [read_header(file, path) for file in weight_files(path)]
+
+
+def parameter_count(headers: list[WeightFileHeader]) -> int:
+    return sum(header.parameters for header in headers)
+
+
+def weights_fingerprint(path: Path, headers: list[WeightFileHeader] | None = None) -> str | None:
     """A sha256 over the sampled tensors' names, dtypes, shapes and sampled bytes; None for a target without
-    safetensors weights (a config-only directory planned with --plan)."""
-    entries: dict[str, tuple[Path, int, dict]] = {}  # name -> (file, data start, header entry)
-    for file in weight_files(path):
-        header, data_start = read_header(file, path)
-        for name, entry in header.items():
-            entries[name] = (file, data_start, entry)
-    if not entries:
+    safetensors weights (a config-only directory planned with --plan). ``headers``: ``read_headers(path)``, when
+    the caller has read them already."""
+    headers = read_headers(path) if headers is None else headers
+    where = {name: header for header in headers for name in header.tensors}  # the index's map, from the headers
+    if not where:
         return None
     digest = hashlib.sha256()
     handles: dict[Path, int] = {}
     try:
-        for name in sampled_names(entries):
-            file, data_start, entry = entries[name]
-            if file not in handles:
-                handles[file] = os.open(file, os.O_RDONLY)
+        for name in sampled_names(where):
+            header = where[name]
+            entry = header.tensors[name]
+            if header.file not in handles:
+                handles[header.file] = os.open(header.file, os.O_RDONLY)
             digest.update(json.dumps([name, entry.get("dtype"), entry.get("shape")]).encode())
-            digest.update(_sampled_bytes(handles[file], data_start, entry))
-    except (OSError, TypeError, ValueError, KeyError, AttributeError) as exc:  # a header entry not safetensors'
+            digest.update(_sampled_bytes(handles[header.file], header.data_start, entry))
+    except (OSError, TypeError, ValueError, AttributeError) as exc:  # an entry's fields not safetensors'
         raise EagletError(
             f"target {path}: its weights could not be read ({exc}); download or convert the target again"
         ) from None

@@ -64,12 +64,6 @@ def available_memory(device: str) -> tuple[int, str]:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "CPU available pages"
 
 
-def weights_bytes(target_path: Path, dtype_bytes: int) -> int:
-    from ..model.target import count_parameters
-
-    return count_parameters(target_path) * dtype_bytes
-
-
 # ---------------------------------------------------------------------------------------------
 # Reusable checks
 

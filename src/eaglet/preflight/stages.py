@@ -37,7 +37,6 @@ from .checks import (
     check_target,
     check_vllm_backend,
     guarded,
-    weights_bytes,
 )
 
 BYTES_PER_GENERATED_TOKEN = 8  # JSON text of an answer, generously
@@ -138,7 +137,7 @@ def _writing_target_checks(cfg: Any) -> tuple[list[Check], Any]:
             found[0].path, cfg, device, dtype_bytes, batch, batch * (PROMPT_TOKENS_GUESS + cfg.max_new_tokens)
         )
         if not device.startswith("cuda"):
-            checks.append(check_memory(device, weights_bytes(found[0].path, dtype_bytes), "target weights"))
+            checks.append(check_memory(device, found[1].num_parameters * dtype_bytes, "target weights"))
         checks += guarded("hf engine", lambda: check_hf_engine(found[0].path, cfg, device))
     return checks, found
 
@@ -279,7 +278,7 @@ def extract_checks(cfg: Any) -> list[Check]:
         checks.append(
             check_memory(
                 device,
-                weights_bytes(resolved.path, dtype_bytes) + activations,
+                info.num_parameters * dtype_bytes + activations,
                 f"target weights + a {batch_tokens:,}-token batch",
             )
         )
@@ -418,7 +417,7 @@ def train_checks(cfg: Any) -> list[Check]:
     draft_params = draft_parameters(info.hidden_size, draft.draft_vocab_size)
     checks.append(check_disk(Path(cfg.out), draft_params * 4 * (1 + 3 * (cfg.keep_last + 1)), "draft + checkpoints"))
     device, dtype_bytes = _device_bytes(cfg.device)
-    online = weights_bytes(resolved.path, dtype_bytes) if cfg.prepared else 0
+    online = info.num_parameters * dtype_bytes if cfg.prepared else 0
     checks.append(check_memory(device, *train_memory(cfg, device, dtype_bytes, draft, info.vocab_size, online)))
     if cfg.max_steps:  # otherwise the run's length is known once its epochs are packed (train warns then)
         problem = cfg.warmup_problem(cfg.max_steps)
@@ -526,7 +525,7 @@ def eval_checks(cfg: Any) -> list[Check]:
             found[0].path, cfg, device, dtype_bytes, EVAL_FORWARD_TOKENS, PROMPT_TOKENS_GUESS + cfg.max_new_tokens
         )
         if not device.startswith("cuda"):
-            checks.append(check_memory(device, weights_bytes(found[0].path, dtype_bytes), "target weights"))
+            checks.append(check_memory(device, found[1].num_parameters * dtype_bytes, "target weights"))
         if cfg.placement == "one" and uses_static_cache(cfg.cuda_graphs, cfg.batch_size, device):
             checks.append(
                 check_static_cache(found[0].path, cfg.cuda_graphs, device.startswith("cuda"), cfg.trust_remote_code)
