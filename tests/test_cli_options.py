@@ -91,6 +91,20 @@ def test_a_bad_option_is_one_line_before_anything_runs(tmp_path, capsys):
     assert code == 2 and err.count("\n") == 1 and "--betas '0.9': item 2 is missing" in err and "Traceback" not in err
 
 
+def test_a_missing_required_option_names_the_flag_and_its_choices(tmp_path, capsys):
+    """A new user's first export leaves out --format: the line names the flag and what it takes, on the command line
+    and from a config file."""
+    code, _, err = run_cli(["export", "--draft", tmp_path, "--out", tmp_path / "x"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "command line: --format is required: the consumer the directory is written for" in err
+    assert "(vllm | sglang | speculators)" in err
+    config = tmp_path / "export.yaml"
+    config.write_text(f"draft: {tmp_path}\nout: {tmp_path / 'x'}\n")
+    code, _, err = run_cli(["export", "--config", config], capsys)
+    assert code == 2 and f"config {config}: required key 'format' is missing" in err
+    assert err.rstrip().endswith("set it there or pass --format")
+
+
 def test_every_list_of_export_formats_is_the_registry():
     assert get_args(ExportConfig.model_fields["format"].annotation) == FORMAT_NAMES
     assert RunConfig().export.formats == list(FORMAT_NAMES)

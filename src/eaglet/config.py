@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, get_args, get_origin
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -297,6 +297,9 @@ def load_yaml_text(text: str) -> Any:
     return yaml.safe_load(text)
 
 
+COMMAND_LINE = "command line"  # where a stage's settings came from when no config file was given
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """``a.b=3`` -> ("a.b", 3); values are parsed as YAML scalars/lists."""
     if "=" not in text:
@@ -339,13 +342,26 @@ def read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def describe_validation_error(error: ValidationError, source: str) -> str:
+def describe_validation_error(
+    error: ValidationError, source: str, model: type[BaseModel] | None = None, flags: bool = False
+) -> str:
+    """One line for pydantic's first error. ``model``: the config class, whose field descriptions say what a
+    missing key is for; ``flags``: its keys are also command-line options (a stage's config, not a run's)."""
     first = error.errors()[0]
     loc = ".".join(str(p) for p in first["loc"]) or "(root)"
     if first["type"] == "extra_forbidden":
         return f"{source}: unknown key '{loc}' (check the spelling; `eaglet <stage> --help` lists the options)"
     if first["type"] == "missing":
-        return f"{source}: required key '{loc}' is missing"
+        field = model.model_fields.get(str(first["loc"][0])) if model is not None and first["loc"] else None
+        what = f": {field.description}" if field is not None and field.description else ""
+        choices = get_args(field.annotation) if field is not None and get_origin(field.annotation) is Literal else ()
+        what += f" ({' | '.join(map(str, choices))})" if choices else ""
+        option = "--" + loc.replace("_", "-")
+        if source == COMMAND_LINE:
+            return f"{source}: {option} is required{what}"
+        return f"{source}: required key '{loc}' is missing{what}" + (
+            f"; set it there or pass {option}" if flags else ""
+        )
     if first["type"] == "value_error" and not first["loc"]:  # a model validator: settings that contradict
         return f"{source}: {str(first['msg']).removeprefix('Value error, ')}"
     return f"{source}: '{loc}': {str(first['msg']).removeprefix('Value error, ')} (got {shown(first.get('input'))})"
@@ -360,7 +376,7 @@ def build_config(
 ) -> ConfigT:
     """Merge the layers and validate. A YAML file may be flat or hold a section named ``stage``."""
     merged: dict[str, Any] = {}
-    source = "command line"
+    source = COMMAND_LINE
     if config_file is not None:
         path = Path(config_file)
         data = read_yaml(path)
@@ -378,7 +394,7 @@ def build_config(
     try:
         return cls.model_validate(merged)
     except ValidationError as exc:
-        raise EagletError(describe_validation_error(exc, source)) from None
+        raise EagletError(describe_validation_error(exc, source, cls, flags=True)) from None
 
 
 class ExtractConfig(VllmFields, PlacementFields):

@@ -85,7 +85,9 @@ class Pipeline:
         try:
             return cls.model_validate((defaults or {}) | section | fixed)
         except ValidationError as exc:
-            raise EagletError(describe_validation_error(exc, f"config {self.config_path} section '{name}'")) from None
+            raise EagletError(
+                describe_validation_error(exc, f"config {self.config_path} section '{name}'", cls)
+            ) from None
 
     def _build_stages(self) -> list[Stage]:
         cfg = self.config
