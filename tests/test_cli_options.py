@@ -105,6 +105,11 @@ def test_a_missing_required_option_names_the_flag_and_its_choices(tmp_path, caps
     assert err.rstrip().endswith("set it there or pass --format")
 
 
+def test_a_value_out_of_range_names_the_flag(tmp_path, capsys):
+    code, _, err = run_cli(["train", "--prepared", tmp_path, "--out", tmp_path / "run", "--lr", "-1"], capsys)
+    assert code == 2 and "command line: --lr: Input should be greater than 0 (got -1.0)" in err
+
+
 def test_every_list_of_export_formats_is_the_registry():
     assert get_args(ExportConfig.model_fields["format"].annotation) == FORMAT_NAMES
     assert RunConfig().export.formats == list(FORMAT_NAMES)

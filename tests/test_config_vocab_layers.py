@@ -18,6 +18,16 @@ def test_precedence_file_then_cli_then_set(tmp_path):
     assert (cfg.max_len, cfg.draft_vocab, cfg.inputs) == (200, 7, ["a.jsonl"])
 
 
+def test_a_bad_value_is_blamed_on_where_it_was_given(tmp_path):
+    """A flag over a config file's value is named as the flag, not as the file's key."""
+    path = tmp_path / "c.yaml"
+    path.write_text("inputs: [a]\nout: o\nmax_len: -3\n")
+    with pytest.raises(EagletError, match=r"config .*c.yaml: 'max_len': "):
+        build_config(PrepareConfig, "prepare", path)
+    with pytest.raises(EagletError, match=r"^command line: --max-len: .*\(got -5\)"):
+        build_config(PrepareConfig, "prepare", path, {"max_len": -5}, options={"max_len": "--max-len"})
+
+
 def test_flat_file_and_unknown_key(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("inputs: [a]\nout: o\nmax_lenn: 3\n")
@@ -28,10 +38,10 @@ def test_flat_file_and_unknown_key(tmp_path):
 @pytest.mark.parametrize(
     "override,fragment",
     [
-        ("max_len=abc", "'max_len'"),
+        ("max_len=abc", "command line: --set max_len: "),
         ("nonsense", "expected KEY=VALUE"),
-        ("on_bad_row=maybe", "'on_bad_row'"),
-        ("temperature=-1", "'temperature'"),
+        ("on_bad_row=maybe", "command line: --set on_bad_row: "),
+        ("temperature=-1", "command line: --set temperature: "),
     ],
 )
 def test_bad_overrides(override, fragment):

@@ -343,28 +343,36 @@ def read_yaml(path: Path) -> dict[str, Any]:
 
 
 def describe_validation_error(
-    error: ValidationError, source: str, model: type[BaseModel] | None = None, flags: bool = False
+    error: ValidationError,
+    source: str,
+    model: type[BaseModel] | None = None,
+    origins: dict[str, tuple[str, str]] | None = None,
+    options: dict[str, str] | None = None,
 ) -> str:
     """One line for pydantic's first error. ``model``: the config class, whose field descriptions say what a
-    missing key is for; ``flags``: its keys are also command-line options (a stage's config, not a run's)."""
+    missing key is for. For a stage's settings, ``origins``: where each key was given (source, the name the user
+    wrote: ``--lr``, ``--set lr`` or ``'lr'``); ``options``: each key's command-line option, for a missing one."""
     first = error.errors()[0]
     loc = ".".join(str(p) for p in first["loc"]) or "(root)"
+    top = str(first["loc"][0]) if first["loc"] else ""
+    source, written = (origins or {}).get(top, (source, f"'{top}'"))
     if first["type"] == "extra_forbidden":
         return f"{source}: unknown key '{loc}' (check the spelling; `eaglet <stage> --help` lists the options)"
     if first["type"] == "missing":
-        field = model.model_fields.get(str(first["loc"][0])) if model is not None and first["loc"] else None
+        field = model.model_fields.get(top) if model is not None else None
         what = f": {field.description}" if field is not None and field.description else ""
         choices = get_args(field.annotation) if field is not None and get_origin(field.annotation) is Literal else ()
         what += f" ({' | '.join(map(str, choices))})" if choices else ""
-        option = "--" + loc.replace("_", "-")
-        if source == COMMAND_LINE:
+        option = (options or {}).get(top)
+        if option and source == COMMAND_LINE:
             return f"{source}: {option} is required{what}"
         return f"{source}: required key '{loc}' is missing{what}" + (
-            f"; set it there or pass {option}" if flags else ""
+            f"; set it there or pass {option}" if option else ""
         )
     if first["type"] == "value_error" and not first["loc"]:  # a model validator: settings that contradict
         return f"{source}: {str(first['msg']).removeprefix('Value error, ')}"
-    return f"{source}: '{loc}': {str(first['msg']).removeprefix('Value error, ')} (got {shown(first.get('input'))})"
+    key = written if len(first["loc"]) == 1 else f"'{loc}'"
+    return f"{source}: {key}: {str(first['msg']).removeprefix('Value error, ')} (got {shown(first.get('input'))})"
 
 
 def build_config(
@@ -373,9 +381,13 @@ def build_config(
     config_file: str | Path | None = None,
     cli_values: dict[str, Any] | None = None,
     overrides: list[str] | None = None,
+    options: dict[str, str] | None = None,
 ) -> ConfigT:
-    """Merge the layers and validate. A YAML file may be flat or hold a section named ``stage``."""
+    """Merge the layers and validate. A YAML file may be flat or hold a section named ``stage``. ``options``: the
+    command-line option of each key given as one (not positionally), for the error's line."""
+    options = options or {}
     merged: dict[str, Any] = {}
+    origins: dict[str, tuple[str, str]] = {}  # key -> where it was given and as what
     source = COMMAND_LINE
     if config_file is not None:
         path = Path(config_file)
@@ -385,16 +397,20 @@ def build_config(
             raise EagletError(f"config {path}: section '{stage}' must be a mapping")
         merged.update(section)
         source = f"config {path}"
+        origins |= {str(key): (source, f"'{key}'") for key in section}
     for key, value in (cli_values or {}).items():
         if value is not None:
             merged[key] = value
+            origins[key] = (COMMAND_LINE, options.get(key, f"'{key}'"))
     for text in overrides or []:
         key, value = parse_override(text)
         _set_dotted(merged, key, value)
+        top = key.split(".", 1)[0]
+        origins[top] = (COMMAND_LINE, f"--set {top}")
     try:
         return cls.model_validate(merged)
     except ValidationError as exc:
-        raise EagletError(describe_validation_error(exc, source, cls, flags=True)) from None
+        raise EagletError(describe_validation_error(exc, source, cls, origins, options)) from None
 
 
 class ExtractConfig(VllmFields, PlacementFields):

@@ -138,9 +138,10 @@ class StageOptions:
     config_file: Path | None
     overrides: list[str]
     skip_preflight: bool
+    options: dict[str, str]  # config key -> its command-line option (positional fields have none)
 
     def build(self) -> Any:
-        cfg = build_config(self.config_class, self.stage, self.config_file, self.values, self.overrides)
+        cfg = build_config(self.config_class, self.stage, self.config_file, self.values, self.overrides, self.options)
         run_preflight(self.ctx, self.stage, cfg, self.skip_preflight)
         return cfg
 
@@ -220,6 +221,7 @@ def stage_command(
                 given.pop("config"),
                 given.pop("overrides"),
                 given.pop("skip_preflight"),
+                {name: flag for name, flag in flags.items() if name not in arguments},
             )
             body(options, **given)
 
