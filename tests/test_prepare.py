@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 from conftest import run_cli, write_jsonl
 
 from eaglet.data.vocab import DraftVocab
@@ -146,3 +147,31 @@ def test_tool_conversations_prepare_with_a_template_that_renders_them(tmp_path, 
     assert code == 2 and "does not render its tool call 'get_weather'" in err and not (tmp_path / "p2").exists()
     code, _, err = run_cli(["regenerate", data, "--out", tmp_path / "r.jsonl", "--target", tiny_target], capsys)
     assert code == 2 and "the conversation calls tools: regenerate answers plain conversations" in err, err
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (None, "chat template file not found"),
+        (b"", "the chat template file is empty"),
+        (b" \n", "the chat template file is empty"),
+        (b"\xff\xfe{{ x }}", "chat template is not UTF-8 text (byte 0)"),
+    ],
+)
+def test_a_chat_template_file_that_holds_no_template(tmp_path, capsys, tiny_target, content, message):
+    """An empty --chat-template fell back to the target's own template without a word; one not in UTF-8 was a
+    traceback. Both are refused in one line, in preflight and in the stage."""
+    data = write_jsonl(
+        tmp_path / "c.jsonl",
+        [{"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}],
+    )
+    template = tmp_path / "t.jinja"
+    if content is not None:
+        template.write_bytes(content)
+    for skip in ((), ("--skip-preflight",)):
+        code, _, err = run_cli(
+            ["prepare", data, "--out", tmp_path / "p", "--target", tiny_target, "--chat-template", template, *skip],
+            capsys,
+        )
+        assert code == 2 and f"{template}: {message}" in err and "Traceback" not in err, err
+        assert not (tmp_path / "p").exists()

@@ -181,12 +181,26 @@ def coverage_warning(draft_vocab: dict) -> str | None:
 
 def _chat_template(config: PrepareConfig) -> str | None:
     """The --chat-template file's text (None: the tokenizer's own template)."""
-    if not config.chat_template:
-        return None
-    path = Path(config.chat_template)
+    return read_chat_template(Path(config.chat_template)) if config.chat_template else None
+
+
+def read_chat_template(path: Path) -> str:
+    """A --chat-template file's text, refused in one line when it is missing, not UTF-8 or empty (an empty one
+    would fall back to the target's own template without a word)."""
     if not path.is_file():
-        raise EagletError(f"{path}: chat template file not found")
-    return path.read_text(encoding="utf-8")
+        raise EagletError(f"{path}: chat template file not found; pass the .jinja file the target is served with")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise EagletError(f"{path}: chat template unreadable ({exc.strerror}); check the file") from None
+    except UnicodeDecodeError as exc:
+        raise EagletError(f"{path}: chat template is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    if not text.strip():
+        raise EagletError(
+            f"{path}: the chat template file is empty; pass the .jinja file the target is served with, or leave "
+            "out --chat-template to use the target's own"
+        )
+    return text
 
 
 @dataclass

@@ -96,20 +96,19 @@ def prepare_checks(cfg: Any) -> list[Check]:
     if found and "max_len" in cfg.model_fields_set:
         checks.append(check_max_len(found[0].path, cfg.max_len))
     if cfg.chat_template is not None:
-        exists = Path(cfg.chat_template).is_file()
-        checks.append(
-            Check(
-                "chat template",
-                PASS if exists else FAIL,
-                cfg.chat_template,
-                "" if exists else "the --chat-template file does not exist",
-            )
-        )
+        checks += guarded("chat template", lambda: _chat_template_check(Path(cfg.chat_template)))
     checks.append(check_rows(cfg.inputs, need_assistant=True, skip_bad=cfg.on_bad_row == "skip"))
     checks.append(check_output_dir(Path(cfg.out), cfg.overwrite, resumable=False))
     size = sum(Path(p).stat().st_size for p in cfg.inputs if Path(p).is_file())
     checks.append(check_disk(Path(cfg.out), int(size * PREPARED_BYTES_PER_INPUT_BYTE), "prepared set"))
     return checks
+
+
+def _chat_template_check(path: Path) -> list[Check]:
+    from ..data.prepare import read_chat_template
+
+    read_chat_template(path)
+    return [Check("chat template", PASS, str(path))]
 
 
 def _jsonl_output(out: Path, when_there: str) -> Check:
