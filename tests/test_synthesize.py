@@ -133,7 +133,7 @@ def test_too_few_prompts_is_one_line_naming_the_drops(tmp_path, capsys, tiny_tar
             "--batch-size",
             "2",
             "--max-new-tokens",
-            "4",
+            "5",
             "--max-batches",
             "2",
             "--device",
@@ -141,17 +141,35 @@ def test_too_few_prompts_is_one_line_naming_the_drops(tmp_path, capsys, tiny_tar
         ],
         capsys,
     )
-    assert code == 2 and "0 of 2 prompts after 2 batches (dropped: 4 unfinished)" in err, err
-    assert "raise --max-batches" in err and not out.exists()
+    assert code == 2 and "0 of 2 prompts after 2 of --max-batches 2 (dropped: 4 unfinished)" in err, err
+    assert "raise --max-new-tokens" in err and not out.exists()
+
+
+def test_a_run_that_keeps_nothing_gives_up_early(tmp_path, capsys, tiny_target):
+    """100 batches of 4 could fill --count 50 only at a keep rate of 1 in 8: nothing kept in 52 messages would
+    happen at that rate once in a thousand runs, so the run stops there instead of generating all 100."""
+    out = tmp_path / "prompts.jsonl"
+    args = ["synthesize", "--out", out, "--target", tiny_target, "--count", "50", "--batch-size", "4"]
+    code, _, err = run_cli([*args, "--max-new-tokens", "5", "--max-batches", "100", "--device", "cpu"], capsys)
+    assert code == 2 and "0 of 50 prompts after 13 of --max-batches 100 (dropped: 52 unfinished)" in err, err
+    assert not out.exists()
+
+
+def test_settings_that_could_never_keep_a_message(tmp_path, capsys, tiny_target):
+    out = tmp_path / "prompts.jsonl"
+    code, _, err = run_cli(["synthesize", "--out", out, "--max-new-tokens", "3", "--min-words", "3"], capsys)
+    assert code == 2 and "--max-new-tokens 3 cannot hold a message of --min-words 3 and its turn's end" in err
+    code, _, err = run_cli(["regenerate", "demo", "--out", tmp_path / "a.jsonl", "--n", "2"], capsys)
+    assert code == 2 and "--n 2 at --temperature 0 writes the same greedy answer 2 times" in err
 
 
 @pytest.mark.parametrize(
     "bad, message",
     [
         (["--out", "prompts.txt"], "is not a .jsonl file"),
-        (["--out", "p.jsonl", "--count", "0"], "'count'"),
-        (["--out", "p.jsonl", "--max-similarity", "1.5"], "'max_similarity'"),
-        (["--out", "p.jsonl", "--max-opening-share", "0"], "'max_opening_share'"),
+        (["--out", "p.jsonl", "--count", "0"], "command line: --count: "),
+        (["--out", "p.jsonl", "--max-similarity", "1.5"], "command line: --max-similarity: "),
+        (["--out", "p.jsonl", "--max-opening-share", "0"], "command line: --max-opening-share: "),
     ],
 )
 def test_bad_settings_are_refused_before_the_target_loads(tmp_path, capsys, bad, message):

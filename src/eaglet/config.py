@@ -186,6 +186,15 @@ class RegenerateConfig(GenerationFields, VllmFields, PlacementFields):
     on_bad_row: OnBadRow = "error"
     trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
 
+    @model_validator(mode="after")
+    def _samples_that_differ(self) -> "RegenerateConfig":
+        if self.n > 1 and self.temperature == 0:
+            raise ValueError(
+                f"--n {self.n} at --temperature 0 writes the same greedy answer {self.n} times (training would "
+                f"weigh each prompt {self.n} times over); pass --temperature > 0 to sample different answers, or --n 1"
+            )
+        return self
+
 
 class SynthesizeConfig(GenerationFields, PlacementFields):
     """`eaglet synthesize`: user prompts written by the target from its chat template's user prefix (Magpie)."""
@@ -219,6 +228,16 @@ class SynthesizeConfig(GenerationFields, PlacementFields):
     device: str = Field(default="auto", description="auto, cpu, cuda, cuda:1 ...")
     dtype: ComputeDtype = "auto"
     trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
+
+    @model_validator(mode="after")
+    def _room_for_a_message(self) -> "SynthesizeConfig":
+        # a word takes at least one token (tokenizers split at spaces), and the turn's end one more
+        if self.max_new_tokens < self.min_words + 1:
+            raise ValueError(
+                f"--max-new-tokens {self.max_new_tokens} cannot hold a message of --min-words {self.min_words} and "
+                f"its turn's end: every message would be dropped; raise --max-new-tokens (default 128)"
+            )
+        return self
 
 
 ConfigT = TypeVar("ConfigT", bound=StrictModel)

@@ -46,6 +46,9 @@ OPENING_WORDS = 2  # a message's opening, for the diversity cap ("can you ...", 
 BATCH_SEED_STRIDE = 1_000_003
 SPLIT_BUCKETS = 10_000
 MANIFEST_SCHEMA = "eaglet.synthesized/1"
+# give up early once a run that has kept nothing would, at this chance or less, have kept nothing so far even at
+# the lowest rate that still fills --count within --max-batches (a message is kept less often as more are kept)
+GIVE_UP_CHANCE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,16 @@ def filter_prompts(
     kept = PromptFilter(min_words, max_similarity, count, max_opening_share)
     kept.add(texts)
     return kept
+
+
+def hopeless(filtered: PromptFilter, config: SynthesizeConfig, batch_size: int, batches_done: int) -> bool:
+    """Nothing kept after so many messages that even the lowest keep rate that could still fill ``config.count``
+    in ``config.max_batches`` would have kept one by now, but for a ``GIVE_UP_CHANCE``: stop rather than run every
+    batch (a --max-new-tokens too short to close a turn left a CPU run generating for hours)."""
+    if filtered.kept or batches_done >= config.max_batches:
+        return False
+    lowest_rate = config.count / (config.max_batches * batch_size)
+    return (1 - lowest_rate) ** (batches_done * batch_size) <= GIVE_UP_CHANCE
 
 
 def split_of(text: str, heldout_fraction: float) -> str:
@@ -285,15 +298,20 @@ def _synthesize(config: SynthesizeConfig, out: Path, console: Console) -> Synthe
                     append_lines_durable(raw, [line])
             filtered.add(batches[index])
             progress.update(task, completed=len(filtered.kept))
-            if filtered.full:
+            if filtered.full or hopeless(filtered, config, len(batches[index]), index + 1):
                 break
     if writer is not None and not writer.writes:
         return SynthesizeResult(out, len(filtered.kept), len(texts()), time.perf_counter() - started, {})
     if len(filtered.kept) < config.count:
         raise EagletError(
-            f"{out}: {len(filtered.kept)} of {config.count} prompts after {config.max_batches} batches (dropped: "
-            f"{', '.join(f'{n} {reason}' for reason, n in filtered.dropped.items() if n)}); raise --max-batches, "
-            "lower --min-words, or raise --max-similarity or --max-opening-share"
+            f"{out}: {len(filtered.kept)} of {config.count} prompts after {index + 1} of --max-batches "
+            f"{config.max_batches} (dropped: "
+            f"{', '.join(f'{n} {reason}' for reason, n in filtered.dropped.items() if n)}); "
+            + (
+                "raise --max-new-tokens (messages must close their turn within it)"
+                if filtered.dropped["unfinished"] == sum(filtered.dropped.values())
+                else "raise --max-batches, lower --min-words, or raise --max-similarity or --max-opening-share"
+            )
         )
     rows = [
         {
