@@ -439,5 +439,5 @@ def test_verify_names_shard_holding_other_samples(tmp_path, capsys, tiny_store):
 def test_unknown_storage_dtype_refused_before_anything(tmp_path, capsys, tiny_prepared, tiny_target):
     store = tmp_path / "store"
     code, _, err = run_cli(extract_args(tiny_prepared, store, tiny_target, "--storage-dtype", "fp9"), capsys)
-    assert code == 2 and "'storage_dtype': Input should be 'bf16', 'fp8' or 'fp8-aux' (got 'fp9')" in err
+    assert code == 2 and "--storage-dtype: Input should be 'bf16', 'fp8' or 'fp8-aux' (got 'fp9')" in err
     assert len(err.strip().splitlines()) == 1 and not store.exists()

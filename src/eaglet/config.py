@@ -377,6 +377,8 @@ def describe_validation_error(
     source, written = (origins or {}).get(top, (source, f"'{top}'"))
     if first["type"] == "extra_forbidden":
         return f"{source}: unknown key '{loc}' (check the spelling; `eaglet <stage> --help` lists the options)"
+    if first["type"] == "missing" and len(first["loc"]) > 1:  # an item of a list or mapping given
+        return f"{source}: {written} is missing '{loc}'"
     if first["type"] == "missing":
         field = model.model_fields.get(top) if model is not None else None
         what = f": {field.description}" if field is not None and field.description else ""

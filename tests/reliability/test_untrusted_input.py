@@ -132,19 +132,19 @@ def test_a_yaml_that_is_not_utf8(tmp_path, capsys, tiny_store):
 @pytest.mark.parametrize(
     "stage,args,option",
     [
-        ("train", ["--lr", "inf"], "'lr': Input should be a finite number"),
-        ("train", ["--lr", "nan"], "'lr': Input should be a finite number"),
-        ("train", ["--set", "feature_noise_std=inf"], "'feature_noise_std': Input should be a finite number"),
+        ("train", ["--lr", "inf"], "--lr: Input should be a finite number"),
+        ("train", ["--lr", "nan"], "--lr: Input should be a finite number"),
+        ("train", ["--set", "feature_noise_std=inf"], "--set feature_noise_std: Input should be a finite number"),
         (
             "train",
             ["--set", "feature_noise_std=1e300"],
-            "'feature_noise_std': Input should be less than or equal to 100",
+            "--set feature_noise_std: Input should be less than or equal to 100",
         ),
-        ("train", ["--epochs", "inf"], "'epochs': Input should be a finite number"),
+        ("train", ["--epochs", "inf"], "--epochs: Input should be a finite number"),
         ("train", ["--set", "betas=[0.9, 1.5]"], "'betas.1': Input should be less than 1"),
-        ("extract", ["--shard-mb", "inf"], "'shard_mb': Input should be a finite number"),
-        ("eval", ["--temperature", "inf"], "'temperature': Input should be a finite number"),
-        ("regenerate", ["--temperature", "nan"], "'temperature': Input should be a finite number"),
+        ("extract", ["--shard-mb", "inf"], "--shard-mb: Input should be a finite number"),
+        ("eval", ["--temperature", "inf"], "--temperature: Input should be a finite number"),
+        ("regenerate", ["--temperature", "nan"], "--temperature: Input should be a finite number"),
     ],
 )
 def test_every_float_option_is_finite_and_in_range(
