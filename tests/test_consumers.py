@@ -199,7 +199,7 @@ def test_export_bad_inputs_write_nothing(tmp_path, capsys, drafts):
     (orphan / "config.json").write_text(json.dumps(record | {"target": {"name": "lost"}}))
     cases = [
         (["--draft", orphan, "--format", "speculators"], "does not record its target"),
-        (["--draft", drafts["subset"], "--format", "onnx"], "'format'"),
+        (["--draft", drafts["subset"], "--format", "onnx"], "--format: "),
         (["--draft", tmp_path / "none", "--format", "vllm"], "not a draft"),
         (["--draft", drafts["subset"], "--format", "vllm", "--engine", "vllm-0.34"], "expected ENGINE==VERSION"),
     ]

@@ -380,7 +380,7 @@ def test_vllm_backend_where_vllm_is_not_installed_is_one_line_and_writes_nothing
     [
         (["--tensor-parallel-size", "2"], "--tensor-parallel-size is the vllm backend's"),
         (["--backend", "vllm", "--placement", "split"], "vLLM places the target itself"),
-        (["--backend", "vllm", "--gpu-memory-utilization", "1.2"], "'gpu_memory_utilization': Input should be less"),
+        (["--backend", "vllm", "--gpu-memory-utilization", "1.2"], "--gpu-memory-utilization: Input should be less"),
         (["--backend", "vllm", "--hf-engine", "static"], "--hf-engine is the hf backend's; --backend vllm generates"),
         (["--backend", "openai", "--hf-engine", "generate"], "--hf-engine is the hf backend's; --backend openai"),
     ],

@@ -168,10 +168,10 @@ def test_vllms_validation_error_is_one_line_that_says_why():
 @pytest.mark.parametrize(
     "option, value, message",
     [
-        ("--gpu-memory-utilization", "1.5", "'gpu_memory_utilization': Input should be less than 1 (got 1.5)"),
-        ("--gpu-memory-utilization", "0", "'gpu_memory_utilization': Input should be greater than 0 (got 0"),
-        ("--tensor-parallel-size", "0", "'tensor_parallel_size': Input should be greater than or equal to 1 (got 0"),
-        ("--backend", "sglang", "'backend': Input should be 'hf' or 'vllm' (got 'sglang')"),
+        ("--gpu-memory-utilization", "1.5", "--gpu-memory-utilization: Input should be less than 1 (got 1.5)"),
+        ("--gpu-memory-utilization", "0", "--gpu-memory-utilization: Input should be greater than 0 (got 0"),
+        ("--tensor-parallel-size", "0", "--tensor-parallel-size: Input should be greater than or equal to 1 (got 0"),
+        ("--backend", "sglang", "--backend: Input should be 'hf' or 'vllm' (got 'sglang')"),
     ],
 )
 def test_bad_vllm_settings_are_one_line_before_anything(tmp_path, capsys, tiny_prepared, option, value, message):
