@@ -557,6 +557,23 @@ def cases(w: Path, made: dict[str, Path]) -> list[tuple[str, list, str]]:
             ["run", file("ok2.yaml", yaml_base), "--out", project_with_eval_folder(w), "--plan"],
             "refused",
         ),
+        (
+            "prepare an empty --chat-template",
+            ["prepare", sharegpt, "--out", w / "p20", "--chat-template", file("empty.jinja", "")],
+            "refused",
+        ),
+        (
+            "prepare a --chat-template not in UTF-8",
+            ["prepare", sharegpt, "--out", w / "p21", "--chat-template", file("latin1.jinja", b"\xff\xfe{{ x }}")],
+            "refused",
+        ),
+        (
+            "synthesize --max-new-tokens 1",
+            ["synthesize", "--out", w / "s20.jsonl", "--count", "3", "--max-new-tokens", "1"],
+            "refused",
+        ),
+        ("regenerate --n 3 at temperature 0", ["regenerate", prompt, "--out", w / "r20.jsonl", "--n", "3"], "refused"),
+        ("export without --format", ["export", "--draft", draft, "--out", w / "x20"], "refused"),
     ]
 
 
