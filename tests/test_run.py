@@ -253,8 +253,9 @@ def test_bad_run_configs_are_one_line_errors(tmp_path, capsys, tiny_target):
     taken = tmp_path / "notes.txt"
     taken.write_text("mine")
     for args in (["run", config, "--out", taken], ["run", config, "--out", taken, "--plan"], ["demo", "--out", taken]):
-        code, _, err = run_cli([*args, "--plan"] if args[0] == "demo" else args, capsys)
+        code, out, err = run_cli([*args, "--plan"] if args[0] == "demo" else args, capsys)
         assert code == 2 and "a file, not a directory" in err and taken.read_text() == "mine", err
+        assert "stage" not in out  # no plan sized for a run that cannot start
 
 
 def test_a_run_recorded_before_target_fingerprints_keeps_its_finished_stages(tmp_path, capsys, tiny_target):

@@ -545,15 +545,15 @@ def _run_directory(out: str) -> str:
 
 
 def _print_plan(pipeline, plans: list) -> None:
-    """The plan's table; then the first refusal of a stage to run (and a run directory that cannot be one) as the
-    error the run itself would stop with."""
+    """The plan's table, then the first refusal of a stage to run as the error the run itself would stop with; a
+    run directory that cannot be one (a file) is refused before the table, which would size a run that cannot start."""
     from ..fsio import check_output_dir
 
+    check_output_dir(pipeline.out)
     out_console.print(_plan_table(plans, pipeline.out))
     refused = next((p.refusal for p in plans if p.action == "run" and p.refusal), None)
     if refused:
         raise EagletError(refused)
-    check_output_dir(pipeline.out)
 
 
 @app.command()
