@@ -430,3 +430,14 @@ def test_the_engine_is_checked_before_the_weights_load(tmp_path, capsys, tiny_ta
     code, _, err = run_cli(regen_args(prompts, out, sliding, "--hf-engine", "static"), capsys)
     assert code == 2 and "preflight failed for regenerate: hf engine: --hf-engine static: GptOssConfig" in err, err
     assert "use --hf-engine generate" in err and not out.exists()
+
+
+def test_a_split_no_row_has_names_the_splits_the_rows_have(tmp_path, capsys):
+    """--split train over rows all marked 'test' said "no prompts selected (split=train)"; it names what is there."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"p{i}", "prompt": "hi", "split": "test"} for i in range(3)])
+    for skip in ((), ("--skip-preflight",)):
+        code, _, err = run_cli(
+            ["regenerate", prompts, "--out", tmp_path / "a.jsonl", "--split", "train", *skip], capsys
+        )
+        assert code == 2 and "no prompts of --split train (the rows' splits: 'test' 3)" in err, err
+        assert "pass --split all" in err and not (tmp_path / "a.jsonl").exists()

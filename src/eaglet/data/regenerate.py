@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -83,11 +84,13 @@ def plan_requests(config: RegenerateConfig, console: Console) -> list[Request]:
     requests: list[Request] = []
     bad: list[BadRow] = []
     prompts = 0
+    other_splits: Counter[str] = Counter()  # rows left out for their split, for a selection that is empty
     for item in read_conversations([resolve_input(p) for p in config.prompts]):
         if isinstance(item, BadRow):
             bad.append(item)
             continue
         if config.split != "all" and item.meta.get("split", "train") != config.split:
+            other_splits[str(item.meta.get("split", "train"))] += 1
             continue
         if item.uses_tools:
             bad.append(BadRow(item.source, TOOLS_NOT_ANSWERED))
@@ -103,7 +106,14 @@ def plan_requests(config: RegenerateConfig, console: Console) -> list[Request]:
             fail_on_bad_rows(bad, console)
         console.print(f"[yellow]skipped {len(bad)} bad row(s)[/]; first: {bad[0]}")
     if not requests:
-        raise EagletError(f"{', '.join(config.prompts)}: no prompts selected (split={config.split})")
+        seen = ", ".join(f"{split!r} {count:,}" for split, count in other_splits.most_common())
+        where = ", ".join(config.prompts)
+        if seen:
+            raise EagletError(
+                f"{where}: no prompts of --split {config.split} (the rows' splits: {seen}); pass --split all, or "
+                "the split they have"
+            )
+        raise EagletError(f"{where}: no prompts to answer" + (f" ({len(bad):,} bad rows skipped)" if bad else ""))
     return requests
 
 
