@@ -189,6 +189,12 @@ def test_export_check_command(tmp_path, capsys, drafts):
         broken.mkdir()
         code, _, err = run_cli(["export", "--check", broken], capsys)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    # `eaglet train`'s output checked as if exported: its config.json is eaglet's own, which SGLang's loader failed
+    # on with "unsupported operand type(s) for +: 'Unknown' and 'int'", blamed on the engine
+    code, _, err = run_cli(["export", "--check", drafts["subset"]], capsys)
+    assert (
+        code == 2 and "an eaglet draft (`eaglet train`'s output), not an export; export it for the engine first" in err
+    ), err
 
 
 def test_export_bad_inputs_write_nothing(tmp_path, capsys, drafts):

@@ -70,6 +70,11 @@ def read_export(directory: Path) -> ExportFacts:
     config = load_json_file(config_file, EXPORT_AGAIN)
     if not isinstance(config, dict):
         raise EagletError(f"{config_file}: not a config (a JSON object); {EXPORT_AGAIN}")
+    if "aux_layer_convention" in config:  # eaglet's own draft config: an engine's loader misreads it, blamed on itself
+        raise EagletError(
+            f"{directory}: an eaglet draft (`eaglet train`'s output), not an export; export it for the engine first "
+            f"(`eaglet export --draft {directory} --format vllm|sglang|speculators --out DIR`) and check DIR"
+        )
     try:
         with safe_open(str(weights_file), framework="pt") as handle:
             tensors = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
