@@ -574,6 +574,7 @@ def cases(w: Path, made: dict[str, Path]) -> list[tuple[str, list, str]]:
         ),
         ("regenerate --n 3 at temperature 0", ["regenerate", prompt, "--out", w / "r20.jsonl", "--n", "3"], "refused"),
         ("export without --format", ["export", "--draft", draft, "--out", w / "x20"], "refused"),
+        ("export --check a draft not exported", ["export", "--check", draft], "refused"),
     ]
 
 
