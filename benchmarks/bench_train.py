@@ -22,6 +22,7 @@ Usage: python benchmarks/bench_train.py --shape 8b|smollm [--tokens 2048] [--ttt
              the target's whole vocabulary included, which the other variants leave out
   [--freeze-lm-head]: every variant with the draft's LM head frozen (train's --freeze-lm-head; speculators 0.9.0
              freezes it): no head weight gradient, no AdamW over its rows
+  [--train-kernels one|per_step|split]: the train_step variants' attention layout (default: train's)
   [--only NAME,...]: time these variants alone (names as the output prints them). A recorded variant (train_step,
              train_step+copied_in, LAYOUT+graph) recorded after another one in the same process once failed on the
              H200 (cudaErrorStreamCaptureInvalidated), so benchmarks/e2e_h200.sh gives each its own process
@@ -94,6 +95,9 @@ def main() -> None:
         "--freeze-lm-head", action="store_true", help="every variant with the draft's LM head frozen (speculators')"
     )
     parser.add_argument("--only", default=None, help="comma-separated variant names: time those alone")
+    parser.add_argument(
+        "--train-kernels", default=None, help="the attention layout of the train_step variants (default: train's)"
+    )
     args = parser.parse_args()
 
     import torch
@@ -175,11 +179,14 @@ def main() -> None:
         from eaglet.train.setup import Model
         from eaglet.train.ttt import TTTModule
 
-        train = TrainConfig(out="-", store="-", ttt_steps=args.ttt, token_budget=args.tokens, cuda_graphs=cuda_graphs)
+        chosen = {"attention_kernels": args.train_kernels} if args.train_kernels else {}
+        train = TrainConfig(
+            out="-", store="-", ttt_steps=args.ttt, token_budget=args.tokens, cuda_graphs=cuda_graphs, **chosen
+        )
         draft = new_draft()
         if device.type == "cuda":
             draft.compile_pointwise()
-        module = TTTModule(draft, args.ttt, train.loss_decay, 0.0, "one")
+        module = TTTModule(draft, args.ttt, train.loss_decay, 0.0, train.attention_kernels)
         parallel = Parallel("ddp", Dist(rank=0, world=1, local_rank=0), device)
         parameters = [p for p in module.parameters() if p.requires_grad]
         graphed = train.records_step(device.type, 1)
@@ -217,6 +224,7 @@ def main() -> None:
             "step_ms_spread": spread[0],
             "final_loss": final_loss,
             "recorded": graphed,
+            "attention_kernels": train.attention_kernels,
         }
 
     def measure(attention, compile_pointwise: bool = False, graphed: bool = False, deferred: bool = False) -> dict:

@@ -340,6 +340,52 @@ def test_flex_attention_kernel_count(kernels, compiles, doc_offsets):
         torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("steps", [1, 2, 5])
+@pytest.mark.parametrize("doc_offsets", [(0, 7, 12, 19), BLOCK_ALIGNED_DOCS])
+def test_split_attention_merges_to_the_dense_attention(steps, doc_offsets):
+    """The split layout (step-0 keys in one attention, each earlier step's own-position key merged in through the
+    log-sum-exps) gives the dense path's loss and every gradient: its merge under autograd on the CPU, the step-0
+    part a dense softmax there (FlexAttention has no CPU backward; the GPU test runs FlexAttention's)."""
+    from eaglet.train.ttt import SplitFlexTTTAttention
+
+    draft, inputs = tiny_setup(doc_offsets=doc_offsets)
+    draft, inputs = draft.float(), float_inputs(inputs)
+    results = {}
+    for name, attention in [("dense", TTTAttention), ("split", SplitFlexTTTAttention)]:
+        draft.zero_grad()
+        out = ttt_forward(draft, inputs, steps, attention_factory=attention)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+        results[name] = out, grads
+    (split, split_grads), (dense, dense_grads) = results["split"], results["dense"]
+    torch.testing.assert_close(split.loss, dense.loss, rtol=1e-5, atol=1e-6)
+    assert split_grads.keys() == dense_grads.keys()
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(split_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_merge_diagonal_is_the_softmax_over_the_union():
+    """merge_diagonal on its own: an attention over some keys, widened by one key per query (fewer visible than
+    slots), equals one softmax over all of them; the hidden slots change nothing, however large their scores."""
+    from eaglet.train.ttt import merge_diagonal
+
+    torch.manual_seed(0)
+    kv_heads, groups, tokens, slots, head_dim = 2, 3, 5, 4, 8
+    q = torch.randn(kv_heads * groups, tokens, head_dim)
+    prefix_keys, prefix_values = torch.randn(2, kv_heads, 6, head_dim)
+    keys, values = torch.randn(2, kv_heads, tokens, slots, head_dim)
+    keys[:, :, 2:] = 50.0  # hidden slots with huge scores
+    scale = head_dim**-0.5
+    expand = lambda x: x.repeat_interleave(groups, 0)  # noqa: E731
+    prefix_scores = q @ expand(prefix_keys).transpose(-1, -2) * scale  # [Hq, T, 6]
+    prefix = torch.softmax(prefix_scores, -1) @ expand(prefix_values)
+    merged = merge_diagonal(prefix, torch.logsumexp(prefix_scores, -1), q, keys, values, torch.tensor(2))
+    own = (q[:, :, None] * expand(keys[:, :, :2])).sum(-1) * scale  # [Hq, T, 2]
+    weights = torch.softmax(torch.cat([prefix_scores, own], -1), -1)
+    expected = weights[..., :6] @ expand(prefix_values) + (weights[..., 6:, None] * expand(values[:, :, :2])).sum(-2)
+    torch.testing.assert_close(merged, expected)
+
+
 def test_small_heads_use_the_dense_path_on_gpu():
     """FlexAttention's GPU kernels refuse heads under 16 dims: such drafts must still train there."""
     from eaglet.train.ttt import FlexTTTAttention, attention_for
@@ -351,7 +397,7 @@ def test_small_heads_use_the_dense_path_on_gpu():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs a GPU")
-@pytest.mark.parametrize("kernels", ["one", "per_step"])
+@pytest.mark.parametrize("kernels", ["one", "per_step", "split"])
 @pytest.mark.parametrize("doc_offsets", [(0, 7, 12, 19), BLOCK_ALIGNED_DOCS])
 def test_flex_attention_gradients_match_on_gpu(kernels, doc_offsets):
     from eaglet.train.ttt import ATTENTION_KERNELS

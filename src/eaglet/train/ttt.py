@@ -12,6 +12,7 @@ the target token is an assistant token and the teacher's full-vocab argmax lies 
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -368,7 +369,108 @@ class PerStepFlexTTTAttention(FlexTTTAttention):
         return ttt_block_mask(self.doc_ids, filled_steps, filled_steps, self.mask_mod(filled_steps))
 
 
-ATTENTION_KERNELS = {"one": FlexTTTAttention, "per_step": PerStepFlexTTTAttention}
+def merge_diagonal(
+    prefix: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor,
+) -> torch.Tensor:
+    """Attention over step-0 keys (its output ``prefix`` [Hq, T, d] and log-sum-exp ``prefix_lse`` [Hq, T]) widened
+    by one key per query and earlier step: ``keys``/``values`` [Hkv, T, S, d] hold slot j's key at the query's own
+    position, the first ``visible`` (a 0-d tensor) slots real. Softmax over the union, from the two parts' sums:
+    out = (e^(lse - m)·prefix + Σ_j e^(s_j - m)·v_j) / (e^(lse - m) + Σ_j e^(s_j - m)), m the largest term."""
+    kv_heads, tokens, slots, head_dim = keys.shape
+    groups = q.shape[0] // kv_heads
+    acc = torch.promote_types(q.dtype, torch.float32)
+    grouped_q = q.view(kv_heads, groups, tokens, 1, head_dim).to(acc)
+    scores = (grouped_q * keys[:, None].to(acc)).sum(-1) * head_dim**-0.5  # [Hkv, G, T, S]
+    hidden = torch.arange(slots, device=q.device) >= visible  # [S]: slots of steps not run yet
+    scores = scores.masked_fill(hidden, float("-inf"))
+    lse = prefix_lse.view(kv_heads, groups, tokens).to(acc)
+    top = torch.maximum(lse, scores.amax(-1))  # [Hkv, G, T]; finite: every query sees its own step-0 key
+    prefix_weight = torch.exp(lse - top)
+    diagonal_weights = torch.exp(scores - top[..., None])  # [Hkv, G, T, S]
+    mixed = prefix_weight[..., None] * prefix.view(kv_heads, groups, tokens, head_dim).to(acc)
+    mixed = mixed + (diagonal_weights[..., None] * values[:, None].to(acc)).sum(-2)
+    total = prefix_weight + diagonal_weights.sum(-1)
+    return (mixed / total[..., None]).view(q.shape).to(prefix.dtype)
+
+
+@functools.cache
+def _compiled_merge():
+    return torch.compile(merge_diagonal, dynamic=False)
+
+
+class SplitFlexTTTAttention(FlexTTTAttention):
+    """The same attention in two parts merged by their log-sum-exps: step-0 keys (causal inside the document)
+    through FlexAttention over T keys — one block mask and one compiled kernel for all K steps — and the
+    diagonal keys of steps 1..k (one per query, at its own position) elementwise (``merge_diagonal``).
+
+    The one-kernel layout instead runs FlexAttention over all K steps' keys: it concatenates them into a
+    [T*K] buffer every step and lists each step's diagonal as a masked 128 x 128 block per query block,
+    128 scores computed for each one kept. Off the GPU with autograd on (FlexAttention has no CPU backward)
+    the step-0 part is a dense masked softmax."""
+
+    def __init__(self, doc_ids: torch.Tensor, steps: int):
+        super().__init__(doc_ids, steps)
+        self.visible = torch.arange(
+            steps, device=doc_ids.device
+        )  # [K]: diagonal slots step k sees (a tensor: one graph)
+
+    def prefix_mask_mod(self):
+        """FlexAttention's rule for step-0 keys: causal inside the query's document."""
+        doc_ids = self.doc_ids
+
+        def allowed(batch, head, query, key):
+            return (key <= query) & (doc_ids[key] == doc_ids[query])
+
+        return allowed
+
+    def _block_mask(self, filled_steps: int):
+        if self._layout is None:
+            self._layout = ttt_block_mask(self.doc_ids, 1, 1, self.prefix_mask_mod())
+        return self._layout
+
+    def _prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over step-0 keys: output [Hq, T, d] and its log-sum-exp [Hq, T] (natural log)."""
+        if q.device.type == "cuda" or not torch.is_grad_enabled():
+            from torch.nn.attention.flex_attention import AuxRequest
+
+            out, aux = self._kernel(q.device)(
+                q[None],
+                k[None],
+                v[None],
+                block_mask=self._block_mask(1),
+                enable_gqa=q.shape[0] != k.shape[0],
+                return_aux=AuxRequest(lse=True),
+            )
+            return out[0], aux.lse[0]
+        groups = q.shape[0] // k.shape[0]
+        tokens = q.shape[1]
+        index = torch.arange(tokens, device=q.device)
+        allowed = (index[None, :] <= index[:, None]) & (self.doc_ids[None, :] == self.doc_ids[:, None])
+        scores = (q @ _expand_kv(k, groups).transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32))
+        scores = (scores * q.shape[-1] ** -0.5).masked_fill(~allowed, float("-inf"))  # [Hq, T, T]
+        lse = torch.logsumexp(scores, dim=-1)
+        return torch.softmax(scores, dim=-1).to(v.dtype) @ _expand_kv(v, groups), lse
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.keys.append(k)
+        self.values.append(v)
+        prefix, lse = self._prefix(q, self.keys[0], self.values[0])
+        slots = self.steps - 1
+        if slots == 0:
+            return prefix
+        missing = [torch.zeros_like(k)] * (slots - len(self.keys) + 1)
+        diagonal_keys = torch.stack(self.keys[1:] + missing, dim=2)  # [Hkv, T, S, d]
+        diagonal_values = torch.stack(self.values[1:] + missing, dim=2)
+        merge = _compiled_merge() if q.device.type == "cuda" else merge_diagonal
+        return merge(prefix, lse, q, diagonal_keys, diagonal_values, self.visible[len(self.keys) - 1])
+
+
+ATTENTION_KERNELS = {"one": FlexTTTAttention, "per_step": PerStepFlexTTTAttention, "split": SplitFlexTTTAttention}
 
 
 class ReferenceAttention:
