@@ -89,8 +89,9 @@ def plan_requests(config: RegenerateConfig, console: Console) -> list[Request]:
         if isinstance(item, BadRow):
             bad.append(item)
             continue
-        if config.split != "all" and item.meta.get("split", "train") != config.split:
-            other_splits[str(item.meta.get("split", "train"))] += 1
+        split = str(item.meta.get("split", "train"))
+        if config.split != "all" and split != config.split:
+            other_splits[split] += 1
             continue
         if item.uses_tools:
             bad.append(BadRow(item.source, TOOLS_NOT_ANSWERED))

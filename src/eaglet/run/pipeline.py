@@ -284,11 +284,11 @@ class Pipeline:
         if edited:
             return f"{edited} changed"
         recorded = record.get("target")
-        differs = [
-            key
-            for key in TARGET_HASHES
-            if isinstance(recorded, dict) and recorded.get(key) != self._target_hashes()[key]
-        ]
+        differs = (
+            [key for key in TARGET_HASHES if recorded.get(key) != self._target_hashes()[key]]
+            if isinstance(recorded, dict)
+            else []
+        )
         if differs:
             return f"target {self.config.target} changed ({differs[0].removesuffix('_hash')})"
         return "settings or inputs changed"
