@@ -388,9 +388,10 @@ def test_merge_diagonal_is_the_softmax_over_the_union():
 
 def test_small_heads_use_the_dense_path_on_gpu():
     """FlexAttention's GPU kernels refuse heads under 16 dims: such drafts must still train there."""
-    from eaglet.train.ttt import FlexTTTAttention, attention_for
+    from eaglet.train.ttt import FlexTTTAttention, SplitFlexTTTAttention, attention_for
 
-    assert attention_for(torch.device("cuda"), FLEX_MIN_HEAD_DIM) is FlexTTTAttention
+    assert attention_for(torch.device("cuda"), FLEX_MIN_HEAD_DIM) is SplitFlexTTTAttention
+    assert attention_for(torch.device("cuda"), FLEX_MIN_HEAD_DIM, "one") is FlexTTTAttention
     assert attention_for(torch.device("cuda"), FLEX_MIN_HEAD_DIM, "per_step") is not FlexTTTAttention
     assert attention_for(torch.device("cuda"), 8) is TTTAttention
     assert attention_for(torch.device("cpu"), 128) is TTTAttention

@@ -502,8 +502,8 @@ class ReferenceAttention:
 FLEX_MIN_HEAD_DIM = 16  # FlexAttention's compiled GPU kernels refuse smaller heads (torch 2.11: "NYI ... at least 16")
 
 
-def attention_for(device: torch.device, head_dim: int, kernels: str = "one"):
-    """FlexAttention on GPU (``kernels``: "one" compiled kernel for all TTT steps, or one "per_step" key
-    length), the dense path elsewhere (FlexAttention has no CPU backward) and for heads too small for its
-    kernels."""
+def attention_for(device: torch.device, head_dim: int, kernels: str = "split"):
+    """FlexAttention on GPU (``kernels``: step-0 keys with the diagonal merged in, "split"; "one" compiled kernel
+    over all TTT steps' keys; or one per key length, "per_step"), the dense path elsewhere (FlexAttention has no
+    CPU backward) and for heads too small for its kernels."""
     return ATTENTION_KERNELS[kernels] if device.type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM else TTTAttention
