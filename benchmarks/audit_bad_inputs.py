@@ -53,7 +53,7 @@ def set_up(root: Path) -> dict[str, Path]:
     root.mkdir(parents=True)
     answers, prepared, store, draft = root / "answers.jsonl", root / "prepared", root / "store", root / "draft"
     steps = [
-        ["regenerate", "demo", "--max-prompts", "4", "--max-new-tokens", "24", "--out", answers],
+        ["regenerate", "demo", "--split", "train", "--max-prompts", "4", "--max-new-tokens", "24", "--out", answers],
         ["prepare", answers, "--out", prepared],
         ["extract", "--prepared", prepared, "--out", store, "--reserve-gb", "0"],
         train_draft(store, draft, SET_UP_TOKEN_BUDGET),

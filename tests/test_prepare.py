@@ -175,3 +175,40 @@ def test_a_chat_template_file_that_holds_no_template(tmp_path, capsys, tiny_targ
         )
         assert code == 2 and f"{template}: {message}" in err and "Traceback" not in err, err
         assert not (tmp_path / "p").exists()
+
+
+def test_held_out_rows_are_left_out_of_training(tmp_path, capsys, tiny_target):
+    """Rows marked held out are what `eaglet eval` scores (its default split): prepare leaves them out unless
+    --split all asks, says how many, and refuses a file with none of the split, naming the splits it has."""
+    rows = conversations(6)
+    for row in rows[:2]:
+        row["split"] = "heldout"
+    rows[2]["split"] = "train"
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    code, _, err = run_cli(["prepare", data, "--target", tiny_target, "--out", tmp_path / "train"], capsys)
+    assert code == 0 and "left out 2 rows not of --split train ('heldout' 2); --split all trains on them" in err, err
+    prepared = pq.read_table(tmp_path / "train" / "samples.parquet").column("id").to_pylist()
+    manifest = json.loads((tmp_path / "train" / "manifest.json").read_text())
+    assert prepared == ["c2", "c3", "c4", "c5"] and manifest["counts"]["left_out_other_splits"] == {"heldout": 2}
+    assert manifest["counts"]["rows_read"] == 6
+    code, _, err = run_cli(
+        ["prepare", data, "--target", tiny_target, "--out", tmp_path / "all", "--split", "all"], capsys
+    )
+    assert code == 0 and "left out" not in err
+    assert len(pq.read_table(tmp_path / "all" / "samples.parquet")) == 6
+    held = write_jsonl(tmp_path / "held.jsonl", rows[:2])
+    code, _, err = run_cli(["prepare", held, "--target", tiny_target, "--out", tmp_path / "none"], capsys)
+    assert code == 2 and "no rows of --split train (the rows' splits: 'heldout' 2); pass --split all" in err, err
+    assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.parametrize("key,value", [("split", 1), ("split", ["heldout"]), ("category", {"name": "math"})])
+def test_a_split_or_category_that_is_not_a_string_is_a_bad_row(tmp_path, capsys, tiny_target, key, value):
+    """A split that was not a string was dropped without a word, and the row counted as the default split: a row
+    meant to be held out was trained on."""
+    rows = conversations(2)
+    rows[1][key] = value
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    code, _, err = run_cli(["prepare", data, "--target", tiny_target, "--out", tmp_path / "p"], capsys)
+    assert code == 2 and f"d.jsonl:2: '{key}' must be a string, got" in err and "Traceback" not in err, err
+    assert not (tmp_path / "p").exists()

@@ -441,3 +441,22 @@ def test_a_split_no_row_has_names_the_splits_the_rows_have(tmp_path, capsys):
         )
         assert code == 2 and "no prompts of --split train (the rows' splits: 'test' 3)" in err, err
         assert "pass --split all" in err and not (tmp_path / "a.jsonl").exists()
+
+
+def test_answers_keep_their_prompts_split_and_prepare_leaves_the_held_out_ones_out(tmp_path, capsys, tiny_target):
+    """`eaglet regenerate demo` (every split) then `eaglet prepare` trained on the held-out prompts `eaglet eval`
+    scores by default: the answers carry their prompt's split, and prepare leaves the held-out ones out."""
+    rows = [{"id": f"p{i}", "prompt": f"Question {i}?", "split": "heldout" if i < 2 else "train"} for i in range(4)]
+    rows.append({"id": "p4", "prompt": "No split here?"})
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+    answers = tmp_path / "a.jsonl"
+    code, _, err = run_cli(regen_args(prompts, answers, tiny_target), capsys)
+    assert code == 0, err
+    written = [json.loads(line) for line in answers.read_text().splitlines()]
+    assert [row.get("split") for row in written] == ["heldout", "heldout", "train", "train", None]
+    code, _, err = run_cli(["prepare", answers, "--target", tiny_target, "--out", tmp_path / "prepared"], capsys)
+    assert code == 0 and "left out 2 rows" in err, err
+    import pyarrow.parquet as pq
+
+    ids = pq.read_table(tmp_path / "prepared" / "samples.parquet").column("id").to_pylist()
+    assert ids == ["p2", "p3", "p4"]

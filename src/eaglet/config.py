@@ -142,6 +142,11 @@ class PrepareConfig(StrictModel):
     chat_template: str | None = Field(default=None, description="a .jinja file replacing the target's template")
     max_len: int = Field(default=2048, ge=8, description="tokens per sample; longer samples are truncated")
     draft_vocab: int | None = Field(default=None, ge=1, description="draft vocabulary size (default: min(32000, V))")
+    split: Split = Field(
+        default="train",
+        description="rows whose `split` field matches (none: train); held-out rows are what eval scores, so they "
+        "are left out of training unless asked",
+    )
     on_bad_row: OnBadRow = Field(default="error", description="skip: skipped rows are listed in the manifest")
     overwrite: bool = Field(default=False, description="replace an existing --out")
     trust_remote_code: bool = Field(default=False, description=TRUST_HELP)

@@ -8,6 +8,7 @@ temporary directory renamed at the end: an interrupted run leaves no ``DIR``.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,18 +61,21 @@ def _to_table(rows: list[Rendered]) -> pa.Table:
     )
 
 
-def _collect(config: PrepareConfig) -> tuple[list[Conversation], list[BadRow]]:
-    conversations, bad = [], []
+def _collect(config: PrepareConfig) -> tuple[list[Conversation], list[BadRow], Counter[str]]:
+    """The conversations of ``config.split``, the bad rows, and how many rows each other split had."""
+    conversations, bad, other_splits = [], [], Counter()
     for item in read_conversations(config.inputs):
         if isinstance(item, BadRow):
             bad.append(item)
+        elif config.split != "all" and (split := item.meta.get("split", "train")) != config.split:
+            other_splits[split] += 1
         elif not item.has_assistant:
             bad.append(
                 BadRow(item.source, "no assistant turn (prompt-only rows need answers: run `eaglet regenerate` first)")
             )
         else:
             conversations.append(item)
-    return conversations, bad
+    return conversations, bad, other_splits
 
 
 def _length_stats(lengths: np.ndarray) -> dict[str, float]:
@@ -100,11 +104,23 @@ def run_prepare(config: PrepareConfig, console: Console | None = None) -> Prepar
     renderer = ChatRenderer(tokenizer, chat_template=_chat_template(config), max_len=max_len)
     vocab_size = max(info.vocab_size, len(tokenizer))
 
-    conversations, bad = _collect(config)
+    conversations, bad, other_splits = _collect(config)
     if bad and config.on_bad_row == "error":
         fail_on_bad_rows(bad, console)
+    splits = ", ".join(f"{split!r} {count:,}" for split, count in other_splits.most_common())
+    if not conversations and other_splits:
+        raise EagletError(
+            f"{', '.join(config.inputs)}: no rows of --split {config.split} (the rows' splits: {splits}); pass "
+            "--split all to train on every row (a held-out row trained on inflates eval's τ on it)"
+        )
     if not conversations:
         raise EagletError(f"{', '.join(config.inputs)}: no usable conversations (all {len(bad)} rows were bad)")
+    if other_splits:
+        console.print(
+            f"left out {sum(other_splits.values()):,} rows not of --split {config.split} ({splits}); "
+            "--split all trains on them",
+            highlight=False,
+        )
     if not any(m["role"] == "assistant" and m["content"].strip() for c in conversations for m in c.messages):
         raise EagletError(
             f"{', '.join(config.inputs)}: no assistant answer to train on; run `eaglet regenerate` "
@@ -137,7 +153,8 @@ def run_prepare(config: PrepareConfig, console: Console | None = None) -> Prepar
             "config": config.model_dump(),
             "inputs": [{"path": str(p), "sha256": sha256_file(p)} for p in config.inputs],
             "counts": {
-                "rows_read": len(conversations) + len(bad),
+                "rows_read": len(conversations) + len(bad) + sum(other_splits.values()),
+                "left_out_other_splits": dict(other_splits),
                 "samples": len(tally.lengths),
                 "bad_rows_skipped": len(bad) + len(rejected),
                 "dropped_no_assistant_tokens_within_max_len": len(tally.dropped) - len(rejected),

@@ -232,6 +232,9 @@ def parse_row(row: Any, source: str, default_id: str) -> Conversation:
         raise RowError(f"'id' must be a non-empty string or an integer, got {shown(raw_id)}")
     if isinstance(raw_id, str):
         _encodable(raw_id, "'id'")
+    for key in ("category", "split"):  # dropped silently, a row's split became the default: trained on
+        if row.get(key) is not None and not isinstance(row[key], str):
+            raise RowError(f"'{key}' must be a string, got {shown(row[key])}")
     meta: dict[str, Any] = {
         k: _encodable(row[k], f"'{k}'") for k in ("category", "split") if isinstance(row.get(k), str)
     }

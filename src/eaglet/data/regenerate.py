@@ -49,6 +49,7 @@ class Request:
     messages: list[dict[str, str]]  # the prompt: everything before the answer to write
     category: str | None
     source: str = ""  # "file:line" of the prompt's row
+    split: str | None = None  # the prompt row's split, kept on its answers (prepare leaves held-out ones out)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -100,7 +101,17 @@ def plan_requests(config: RegenerateConfig, console: Console) -> list[Request]:
             break
         prompt = item.prompt_messages
         for sample in range(config.n):
-            requests.append(Request(len(requests), item.id, sample, prompt, item.meta.get("category"), item.source))
+            requests.append(
+                Request(
+                    len(requests),
+                    item.id,
+                    sample,
+                    prompt,
+                    item.meta.get("category"),
+                    item.source,
+                    item.meta.get("split"),
+                )
+            )
         prompts += 1
     if bad:
         if config.on_bad_row == "error":
@@ -176,6 +187,8 @@ def output_row(request: Request, answer: Answer, settings: dict[str, Any]) -> di
     }
     if request.category:
         row["category"] = request.category
+    if request.split:
+        row["split"] = request.split
     row["provenance"] = settings | {
         "prompt_id": request.prompt_id,
         "sample_index": request.sample_index,

@@ -125,7 +125,11 @@ def _configure_prepare(pipeline: Pipeline) -> tuple[PrepareConfig, PrepareConfig
         None
         if cfg.heldout is None
         else prepare.model_copy(
-            update={"inputs": [str(pipeline.path("regenerate_heldout"))], "out": str(pipeline.path("prepare_heldout"))}
+            update={
+                "inputs": [str(pipeline.path("regenerate_heldout"))],
+                "out": str(pipeline.path("prepare_heldout")),
+                "split": "heldout",
+            }
         )
     )
     return prepare, heldout
