@@ -354,6 +354,46 @@ def cases(w: Path, made: dict[str, Path]) -> list[tuple[str, list, str]]:
             "refused",
         ),
         ("prepare a directory as input", ["prepare", config_only, "--out", w / "p11"], "refused"),
+        (  # what `eaglet regenerate heldout-only prompts` writes: the prompts eval scores by default
+            "prepare answers all held out",
+            [
+                "prepare",
+                file(
+                    "held.jsonl",
+                    json.dumps(
+                        {
+                            "id": "h1",
+                            "split": "heldout",
+                            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+                        }
+                    )
+                    + "\n",
+                ),
+                "--out",
+                w / "p12",
+            ],
+            "refused",
+        ),
+        (
+            "prepare a split that is a number",
+            [
+                "prepare",
+                file(
+                    "split_number.jsonl",
+                    json.dumps(
+                        {
+                            "id": "n1",
+                            "split": 1,
+                            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+                        }
+                    )
+                    + "\n",
+                ),
+                "--out",
+                w / "p13",
+            ],
+            "refused",
+        ),
         (
             "prepare two assistant turns in a row",
             [
