@@ -415,9 +415,8 @@ class SplitFlexTTTAttention(FlexTTTAttention):
 
     def __init__(self, doc_ids: torch.Tensor, steps: int):
         super().__init__(doc_ids, steps)
-        self.visible = torch.arange(
-            steps, device=doc_ids.device
-        )  # [K]: diagonal slots step k sees (a tensor: one graph)
+        # [K]: how many diagonal slots step k sees, a tensor (as an int it would compile the merge once per step)
+        self.visible = torch.arange(steps, device=doc_ids.device)
 
     def prefix_mask_mod(self):
         """FlexAttention's rule for step-0 keys: causal inside the query's document."""
