@@ -26,7 +26,7 @@ from ..formats.target_record import target_source
 from ..fsio import atomic_directory, check_output_apart, check_output_dir, sha256_file, sha256_json, write_json_atomic
 from ..model.target import context_length, hub_id_of, load_tokenizer, resolve_target, target_info
 from ..progress import progress_bar
-from .readers import BadRow, Conversation, fail_on_bad_rows, read_conversations
+from .readers import BadRow, Conversation, describe_splits, fail_on_bad_rows, read_conversations
 from .render import ChatRenderer, Rendered
 from .vocab import build_draft_vocab, default_draft_vocab_size
 
@@ -107,7 +107,7 @@ def run_prepare(config: PrepareConfig, console: Console | None = None) -> Prepar
     conversations, bad, other_splits = _collect(config)
     if bad and config.on_bad_row == "error":
         fail_on_bad_rows(bad, console)
-    splits = ", ".join(f"{split!r} {count:,}" for split, count in other_splits.most_common())
+    splits = describe_splits(other_splits)
     if not conversations and other_splits:
         raise EagletError(
             f"{', '.join(config.inputs)}: no rows of --split {config.split} (the rows' splits: {splits}); pass "

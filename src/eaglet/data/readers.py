@@ -14,6 +14,7 @@ chat template lists); the calls are trained on like any answer, the results are 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -61,6 +62,11 @@ class Conversation:
         """Everything up to and including the last user turn: what the target answers."""
         last_user = max(i for i, m in enumerate(self.messages) if m["role"] == "user")
         return self.messages[: last_user + 1]
+
+
+def describe_splits(counts: Counter[str]) -> str:
+    """Rows left out per split, most first ("'heldout' 128, 'test' 3"): what a selection that skipped them names."""
+    return ", ".join(f"{split!r} {count:,}" for split, count in counts.most_common())
 
 
 @dataclass

@@ -38,7 +38,7 @@ from ..fsio import (
 from ..progress import progress_bar
 from ..resources import resolve_input
 from .generation import load_generator, stop_token_ids, until_stop
-from .readers import BadRow, fail_on_bad_rows, read_conversations
+from .readers import BadRow, describe_splits, fail_on_bad_rows, read_conversations
 
 
 @dataclass(frozen=True)
@@ -90,9 +90,10 @@ def plan_requests(config: RegenerateConfig, console: Console) -> list[Request]:
         if isinstance(item, BadRow):
             bad.append(item)
             continue
-        split = str(item.meta.get("split", "train"))
-        if config.split != "all" and split != config.split:
-            other_splits[split] += 1
+        split = item.meta.get("split")  # the row's own, kept on its answers (None: it names none)
+        selected_as = "train" if split is None else split
+        if config.split != "all" and selected_as != config.split:
+            other_splits[selected_as] += 1
             continue
         if item.uses_tools:
             bad.append(BadRow(item.source, TOOLS_NOT_ANSWERED))
@@ -109,7 +110,7 @@ def plan_requests(config: RegenerateConfig, console: Console) -> list[Request]:
                     prompt,
                     item.meta.get("category"),
                     item.source,
-                    item.meta.get("split"),
+                    split,
                 )
             )
         prompts += 1
@@ -118,7 +119,7 @@ def plan_requests(config: RegenerateConfig, console: Console) -> list[Request]:
             fail_on_bad_rows(bad, console)
         console.print(f"[yellow]skipped {len(bad)} bad row(s)[/]; first: {bad[0]}")
     if not requests:
-        seen = ", ".join(f"{split!r} {count:,}" for split, count in other_splits.most_common())
+        seen = describe_splits(other_splits)
         where = ", ".join(config.prompts)
         if seen:
             raise EagletError(
