@@ -379,7 +379,8 @@ def test_merge_diagonal_is_the_softmax_over_the_union():
     expand = lambda x: x.repeat_interleave(groups, 0)  # noqa: E731
     prefix_scores = q @ expand(prefix_keys).transpose(-1, -2) * scale  # [Hq, T, 6]
     prefix = torch.softmax(prefix_scores, -1) @ expand(prefix_values)
-    merged = merge_diagonal(prefix, torch.logsumexp(prefix_scores, -1), q, keys, values, torch.tensor(2))
+    slot_keys, slot_values = list(keys.unbind(2)), list(values.unbind(2))  # S tensors [Hkv, T, d]
+    merged = merge_diagonal(prefix, torch.logsumexp(prefix_scores, -1), q, slot_keys, slot_values, torch.tensor(2))
     own = (q[:, :, None] * expand(keys[:, :, :2])).sum(-1) * scale  # [Hq, T, 2]
     weights = torch.softmax(torch.cat([prefix_scores, own], -1), -1)
     expected = weights[..., :6] @ expand(prefix_values) + (weights[..., 6:, None] * expand(values[:, :, :2])).sum(-2)

@@ -373,27 +373,31 @@ def merge_diagonal(
     prefix: torch.Tensor,
     prefix_lse: torch.Tensor,
     q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
     visible: torch.Tensor,
 ) -> torch.Tensor:
     """Attention over step-0 keys (its output ``prefix`` [Hq, T, d] and log-sum-exp ``prefix_lse`` [Hq, T]) widened
-    by one key per query and earlier step: ``keys``/``values`` [Hkv, T, S, d] hold slot j's key at the query's own
-    position, the first ``visible`` (a 0-d tensor) slots real. Softmax over the union, from the two parts' sums:
+    by one key per query and earlier step: ``keys``/``values`` hold S slots [Hkv, T, d], slot j's key at the query's
+    own position, the first ``visible`` (a 0-d tensor) slots real. Slots come as separate tensors, not one stacked
+    [Hkv, T, S, d]: compiled, the merge reads them where they are instead of a copy made every step.
+    Softmax over the union, from the two parts' sums:
     out = (e^(lse - m)·prefix + Σ_j e^(s_j - m)·v_j) / (e^(lse - m) + Σ_j e^(s_j - m)), m the largest term."""
-    kv_heads, tokens, slots, head_dim = keys.shape
+    kv_heads, tokens, head_dim = keys[0].shape
     groups = q.shape[0] // kv_heads
     acc = torch.promote_types(q.dtype, torch.float32)
-    grouped_q = q.view(kv_heads, groups, tokens, 1, head_dim).to(acc)
-    scores = (grouped_q * keys[:, None].to(acc)).sum(-1) * head_dim**-0.5  # [Hkv, G, T, S]
-    hidden = torch.arange(slots, device=q.device) >= visible  # [S]: slots of steps not run yet
+    grouped_q = q.view(kv_heads, groups, tokens, head_dim).to(acc)
+    scores = torch.stack([(grouped_q * key[:, None].to(acc)).sum(-1) for key in keys], -1)  # [Hkv, G, T, S]
+    scores = scores * head_dim**-0.5
+    hidden = torch.arange(len(keys), device=q.device) >= visible  # [S]: slots of steps not run yet
     scores = scores.masked_fill(hidden, float("-inf"))
     lse = prefix_lse.view(kv_heads, groups, tokens).to(acc)
     top = torch.maximum(lse, scores.amax(-1))  # [Hkv, G, T]; finite: every query sees its own step-0 key
     prefix_weight = torch.exp(lse - top)
     diagonal_weights = torch.exp(scores - top[..., None])  # [Hkv, G, T, S]
     mixed = prefix_weight[..., None] * prefix.view(kv_heads, groups, tokens, head_dim).to(acc)
-    mixed = mixed + (diagonal_weights[..., None] * values[:, None].to(acc)).sum(-2)
+    for slot, value in enumerate(values):
+        mixed = mixed + diagonal_weights[..., slot, None] * value[:, None].to(acc)
     total = prefix_weight + diagonal_weights.sum(-1)
     return (mixed / total[..., None]).view(q.shape).to(prefix.dtype)
 
@@ -462,11 +466,13 @@ class SplitFlexTTTAttention(FlexTTTAttention):
         slots = self.steps - 1
         if slots == 0:
             return prefix
-        missing = [torch.zeros_like(k)] * (slots - len(self.keys) + 1)
-        diagonal_keys = torch.stack(self.keys[1:] + missing, dim=2)  # [Hkv, T, S, d]
-        diagonal_values = torch.stack(self.values[1:] + missing, dim=2)
+        # the slots of steps not run yet: a distinct zero tensor each (aliased inputs would be a new guard, a new
+        # compile), needing a gradient like the real ones (a different requires_grad pattern per step would too)
+        missing = 2 * (slots - len(self.keys) + 1)
+        blanks = [torch.zeros_like(k, requires_grad=k.requires_grad) for _ in range(missing)]
+        keys, values = self.keys[1:] + blanks[: missing // 2], self.values[1:] + blanks[missing // 2 :]
         merge = _compiled_merge() if q.device.type == "cuda" else merge_diagonal
-        return merge(prefix, lse, q, diagonal_keys, diagonal_values, self.visible[len(self.keys) - 1])
+        return merge(prefix, lse, q, keys, values, self.visible[len(self.keys) - 1])
 
 
 ATTENTION_KERNELS = {"one": FlexTTTAttention, "per_step": PerStepFlexTTTAttention, "split": SplitFlexTTTAttention}
