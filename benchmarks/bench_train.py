@@ -18,8 +18,11 @@ Usage: python benchmarks/bench_train.py --shape 8b|smollm [--tokens 2048] [--ttt
   [--train-step]: also the step `eaglet train` runs ("train_step", its defaults for this device: on a GPU recorded
              as two CUDA graphs, train.graphed, its batches copied to the GPU ahead by the prefetch thread as train's
              loop does; on a GPU also "train_step+copied_in", the batch copied from pinned host memory by the
-             step itself, and "train_step+no_cuda_graphs", the step eager): the batch's copy and the teacher over
-             the target's whole vocabulary included, which the other variants leave out
+             step itself, and "train_step+no_cuda_graphs", the step eager): the batch's copy and the teacher
+             included, which the other variants leave out: its logits over the draft vocabulary, the target's argmax
+             read from the batch as `eaglet extract` stores it
+  [--computed-teacher-argmax]: the train_step variants' teacher as for a store without the argmax (vLLM's
+             extraction, online training): the LM head over the target's whole vocabulary every step
   [--freeze-lm-head]: every variant with the draft's LM head frozen (train's --freeze-lm-head; speculators 0.9.0
              freezes it): no head weight gradient, no AdamW over its rows
   [--train-kernels one|per_step|split]: the train_step variants' attention layout (default: train's)
@@ -93,6 +96,11 @@ def main() -> None:
     parser.add_argument("--train-step", action="store_true", help="also the step `eaglet train` runs, batch included")
     parser.add_argument(
         "--freeze-lm-head", action="store_true", help="every variant with the draft's LM head frozen (speculators')"
+    )
+    parser.add_argument(
+        "--computed-teacher-argmax",
+        action="store_true",
+        help="train_step: the target's argmax from the whole LM head each step, not read from the batch",
     )
     parser.add_argument("--only", default=None, help="comma-separated variant names: time those alone")
     parser.add_argument(
@@ -203,6 +211,10 @@ def main() -> None:
             last=torch.randn(args.tokens, shape["hidden_size"]).to(torch.bfloat16),
             doc_offsets=offsets,
             sample_index=torch.arange(len(lengths)),
+            # the target's argmax as a store keeps it; a quarter in the draft vocabulary, as the ids here are
+            target_top=None
+            if args.computed_teacher_argmax
+            else torch.randint(shape["vocab_size"], (args.tokens,)).int(),
         )
         batch = pad_to_budget(host, args.tokens, pin=device.type == "cuda")
         feed = prefetched(repeat(batch), Stager(device), PREFETCH_STEPS) if staged and graphed else None
@@ -225,6 +237,7 @@ def main() -> None:
             "final_loss": final_loss,
             "recorded": graphed,
             "attention_kernels": train.attention_kernels,
+            "teacher_argmax": "computed" if args.computed_teacher_argmax else "stored",
         }
 
     def measure(attention, compile_pointwise: bool = False, graphed: bool = False, deferred: bool = False) -> dict:
@@ -333,6 +346,7 @@ def main() -> None:
         "ttt_steps": args.ttt,
         "draft_vocab": vocab,
         "lm_head_frozen": args.freeze_lm_head,
+        "teacher_argmax": "computed" if args.computed_teacher_argmax else "stored",
         "flops_per_step": flops,
         "eaglet": ours,
         "eaglet_one_kernel": one_kernel,

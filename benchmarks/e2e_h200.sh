@@ -46,16 +46,18 @@ case "${1:-}" in
     # Each variant in its own process (VARIANTS): a second CUDA-graph recording in one process once failed here.
     # FROZEN_HEAD_VARIANTS: these again with the draft's LM head frozen, as speculators 0.9.0 trains it (its
     # Eagle3 draft's lm_head has requires_grad False): the same work per step as the anchor's.
-    # A train_step variant may name its attention layout: train_step@split (default: train's).
+    # A train_step variant may name its attention layout: train_step@split (default: train's); and end in
+    # :computed_top, its teacher as for a store without the target's argmax (the whole LM head every step).
     runs="${VARIANTS:-train_step one train_step+copied_in one+graph+deferred}"
     for variant in ${FROZEN_HEAD_VARIANTS:-}; do runs="$runs $variant:frozen_head"; done
     for run in $runs; do
-      variant=${run%:frozen_head} frozen="" train_kernels=""
+      variant=${run%:frozen_head} frozen="" train_kernels="" top=""
       [ "$run" != "$variant" ] && frozen=--freeze-lm-head
+      [[ "$variant" == *:computed_top ]] && top=--computed-teacher-argmax variant=${variant%:computed_top}
       [[ "$variant" == *@* ]] && train_kernels="--train-kernels ${variant#*@}" variant=${variant%@*}
       name=${run//+/_} name=${name//:/_} name=${name//@/_}
       python3 benchmarks/bench_train.py --shape 8b --kernels "${KERNELS:-one}" --pointwise compiled --graph --deferred \
-        --skip-naive --steps 20 ${BENCH_EXTRA:-} $frozen $train_kernels --only "$variant" --profile \
+        --skip-naive --steps 20 ${BENCH_EXTRA:-} $frozen $top $train_kernels --only "$variant" --profile \
         --out "$OUT/train_8b_h200_${name}.json" > "$OUT/train_8b_profile_${name}.txt" 2>&1
       grep -E '^\{"' "$OUT/train_8b_profile_${name}.txt" | head -1
     done

@@ -191,6 +191,62 @@ def test_a_store_planned_before_tail_pieces_resumes_by_its_own_plan(
     assert code == 0, err
 
 
+def test_the_store_keeps_the_targets_own_argmax(tiny_store, tiny_prepared, tiny_target):
+    """Each token's ``target_top`` is the token the target itself ranks first there (its own forward's logits over the
+    whole vocabulary): what training's in-draft-vocabulary mask reads instead of multiplying the whole LM head."""
+    manifest = read_manifest(tiny_store)
+    assert manifest["target_top"] is True
+    model = load_model(resolve_target(str(tiny_target)).path, device="cpu")
+    checked = 0
+    for entry in manifest["shards"][:3]:
+        tensors = read_shard(tiny_store, entry)
+        offsets = tensors["offsets"].tolist()
+        for row in range(len(tensors["sample_index"])):
+            begin, end = offsets[row], offsets[row + 1]
+            with torch.no_grad():
+                logits = model(input_ids=tensors["input_ids"][begin:end].long()[None]).logits[0]  # [L, V]
+            assert torch.equal(tensors["target_top"][begin:end], logits.argmax(-1).int())
+            checked += end - begin
+    assert checked > 100
+
+
+def test_a_store_made_before_the_argmax_was_stored_resumes_and_trains_without_it(
+    tmp_path, capsys, monkeypatch, tiny_store, tiny_prepared, tiny_target
+):
+    """A store an earlier eaglet made (no ``target_top`` in its manifest or shards), killed before its last shard:
+    this eaglet finishes it without the argmax (every shard of a store holds the same tensors), `store verify` passes,
+    and training computes the argmax from ``last`` as it did, to the same losses as on a store that keeps it."""
+    import eaglet.formats.store_manifest as store_manifest
+
+    monkeypatch.setattr(store_manifest, "stores_target_top", lambda backend: False)  # this eaglet as it was before
+    store = tmp_path / "legacy"
+    assert run_cli(extract_args(tiny_prepared, store, tiny_target), capsys)[0] == 0
+    monkeypatch.undo()
+    manifest = json.loads((store / "manifest.json").read_text())
+    del manifest["target_top"]
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    last = manifest["num_shards"] - 1
+    (store / f"shard-{last:05d}.safetensors").unlink()
+    (store / f"shard-{last:05d}.json").unlink()
+
+    code, out, err = run_cli(extract_args(tiny_prepared, store, tiny_target), capsys)
+    assert code == 0 and "computed 1 shard(s) this run" in out, err
+    assert read_manifest(store)["target_top"] is False
+    assert "target_top" not in load_file(store / f"shard-{last:05d}.safetensors")
+    assert run_cli(["store", "verify", store], capsys)[0] == 0
+
+    losses = {}
+    for name, source in (("kept", tiny_store), ("computed", store)):
+        run = tmp_path / name
+        args = ["train", "--store", source, "--out", run, "--target", tiny_target, "--max-steps", "3"]
+        args += ["--token-budget", "128", "--log-every", "1", "--seed", "1", "--set", "eval_fraction=0"]
+        code, _, err = run_cli(args, capsys)
+        assert code == 0, err
+        losses[name] = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses["kept"]) == 3
+    np.testing.assert_allclose(losses["computed"], losses["kept"], rtol=1e-5)
+
+
 def test_resuming_a_store_across_the_weights_fingerprint(tmp_path, capsys, tiny_prepared, tiny_target):
     """A store an earlier eaglet began (its manifest records no weights fingerprint) resumes; one whose target was
     rewritten in place since (a new fine-tune: its weights fingerprint differs) is refused, shards computed from the
@@ -268,7 +324,9 @@ def test_fp8_storage_quality_size_and_training(tmp_path, tiny_prepared, tiny_tar
         outs[dtype] = decode_features(load_file(next((tmp_path / dtype).glob("*.safetensors"))))
         totals = read_manifest(tmp_path / dtype)["totals"]
         sizes[dtype] = totals["bytes"]
-        assert 0 <= totals["bytes"] - totals["tokens"] * bytes_per_token(64, dtype) < 4096  # + headers and offsets
+        assert (
+            0 <= totals["bytes"] - totals["tokens"] * bytes_per_token(64, dtype, True) < 4096
+        )  # + headers and offsets
     aux16, last16 = outs["bf16"]
     model = load_model(resolve_target(str(tiny_target)).path, device="cpu")
     for dtype in ("fp8", "fp8-aux"):

@@ -201,7 +201,8 @@ def test_train_preflight_counts_the_batches_a_recorded_step_keeps_on_the_gpu(tmp
     assert f"{STAGED_BATCHES} batches copied ahead" in recorded[1]
     assert "copied ahead" not in eager[1] and "copied ahead" not in on_cpu[1]
     assert recorded[0] - eager[0] == STAGED_BATCHES * staged_batch_bytes(2048, 4096)
-    assert staged_batch_bytes(2048, 4096) == 2048 * (8 + 1 + 4 * 4096 * 2 + 3 * 8)  # ids, mask, features, documents
+    # ids, mask, features, the target's argmax, documents
+    assert staged_batch_bytes(2048, 4096) == 2048 * (8 + 1 + 4 * 4096 * 2 + 4 + 3 * 8)
 
 
 def test_a_warm_up_as_long_as_the_run_is_said_before_and_while_training(capsys, tmp_path, tiny_store, tiny_target):

@@ -99,6 +99,21 @@ def _offsets(change):
             lambda t: t | {"extra": torch.zeros(3)},
             "tensor 'extra' is not part of a bf16 store",
         ),
+        (
+            "the target's argmax beyond the vocabulary",
+            lambda t: t | {"target_top": t["target_top"] + 100_000},
+            "target_top names tokens outside the target's vocabulary",
+        ),
+        (
+            "the target's argmax as int64",
+            lambda t: t | {"target_top": t["target_top"].long()},
+            "tensor 'target_top' has dtype torch.int64",
+        ),
+        (
+            "the target's argmax missing from a store that keeps it",
+            lambda t: {k: v for k, v in t.items() if k != "target_top"},
+            "tensor 'target_top' missing",
+        ),
     ],
 )
 def test_shard_content_is_checked_beyond_its_checksum(tmp_path, capsys, store, tiny_target, case, edit, message):
@@ -156,6 +171,7 @@ def test_manifest_keys_missing(tmp_path, capsys, store, tiny_target, key):
         (("shards", 0, "sha256"), "not-a-hash", "'shards.0.sha256': String should match pattern"),
         (("tail_pieces",), 0, "'tail_pieces': Input should be greater than or equal to 1"),
         (("tail_pieces",), "8", "'tail_pieces': Input should be a valid integer"),
+        (("target_top",), "yes", "'target_top': Input should be a valid boolean"),
     ],
 )
 def test_manifest_values_out_of_their_range(tmp_path, capsys, store, tiny_target, path, value, message):

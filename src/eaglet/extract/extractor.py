@@ -38,7 +38,7 @@ from ..formats.store_manifest import (
 )
 from ..formats.target_record import require_same_target, stage_target, target_source
 from ..fsio import check_output_apart, check_output_dir, free_disk_bytes, output_lock, write_json_atomic
-from ..model.capture import FeatureCapture, batches_by_length, right_padded
+from ..model.capture import FeatureCapture, batches_by_length, right_padded, target_argmax
 from ..model.distributed import init_distributed
 from ..model.final_norm import load_final_norm
 from ..model.placement import describe, output_device, topology
@@ -115,8 +115,10 @@ class ShardExtractor:
         storage_dtype: str,
         batch_tokens: int,
         max_shard_tokens: int,
+        target_top: bool,
     ):
         self.capture = FeatureCapture(model, layer_ids)
+        self.target_top = target_top  # store the target's argmax per token (the store's manifest says whether)
         self.device = output_device(model)  # where the features come out, are encoded and copied from
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -176,6 +178,8 @@ class ShardExtractor:
             bad = ~(torch.isfinite(aux).flatten(1).all(1) & torch.isfinite(last).all(1))
             flags.append(torch.where(bad.any(), bad.int().argmax(), -1))
             encoded = encode_features(aux, last, self.storage_dtype)
+            if self.target_top:
+                encoded["target_top"] = target_argmax(self.capture.model, last)  # [sum L] int32
             pooled = pooled or self._buffers(encoded)
             self._copy(encoded, pooled, position)
             position += len(aux)
@@ -388,7 +392,7 @@ def _extract(
     device = dist.device(config.device)
     identity = planned_identity(config, info, prepared, store, dtype_name(config.dtype, device))
     layers = tuple(identity["aux_layer_ids"])
-    per_token = bytes_per_token(info.hidden_size, config.storage_dtype)
+    per_token = bytes_per_token(info.hidden_size, config.storage_dtype, identity["target_top"])
     plans = plan_shards(prepared.lengths, identity["tokens_per_shard"], tail_pieces=identity["tail_pieces"])
     source = target_source(resolved.spec, resolved.path, hub_id_of(resolved))
 
@@ -439,7 +443,9 @@ def _extract(
         if engine is not None:
             extractor = VllmShardExtractor(engine)
         else:
-            extractor = ShardExtractor(model, layers, config.storage_dtype, batch_tokens, max_shard_tokens)
+            extractor = ShardExtractor(
+                model, layers, config.storage_dtype, batch_tokens, max_shard_tokens, identity["target_top"]
+            )
 
         with progress_bar("tok", console) as progress:
             task = progress.add_task(

@@ -8,7 +8,9 @@ Layout::
                                       sample_index [N] int64 (the shard's samples, longest first: the
                                       order they were computed in), aux [T,3,H], last [T,H] (bf16, or fp8 e4m3
                                       with aux_scale [T,3] / last_scale [T] float32 per-token scales;
-                                      STORAGE_FORMATS says which)
+                                      STORAGE_FORMATS says which), and where the manifest's ``target_top``
+                                      is true target_top [T] int32: the target's own argmax over its whole
+                                      vocabulary at each token (training's in-draft-vocabulary mask)
     STORE/shard-00000.json            the shard's record (sha256, bytes, samples, tokens), written after it
 
 Shards are planned from the sample lengths alone, so the plan (and every shard's bytes) is the same
@@ -50,6 +52,7 @@ SORT_WINDOW_SHARDS = 64  # shards per length-sorted window: more = less padding,
 # and moved (0.36 s for 541 MB at 1.5 GB/s, ~7% of a 230k-token run on the H200); a piece of it, an eighth of that.
 TAIL_PIECES = 8
 LEGACY_TAIL_PIECES = 1  # a store whose manifest has no ``tail_pieces`` was planned without pieces
+TOP_BYTES = 4  # target_top: one int32 token id per token
 
 
 @dataclass(frozen=True)
@@ -63,10 +66,11 @@ class ShardPlan:
         return len(self.samples)
 
 
-def bytes_per_token(hidden_size: int, storage_dtype: str) -> int:
-    """Disk bytes per token: 4 feature vectors (3 aux + last), a scale per fp8 vector, ids and mask."""
+def bytes_per_token(hidden_size: int, storage_dtype: str, target_top: bool) -> int:
+    """Disk bytes per token: 4 feature vectors (3 aux + last), a scale per fp8 vector, ids and mask, and the
+    target's argmax where the store keeps it."""
     vectors = {"aux": 3, "last": 1}
-    total = 4 + 1  # input id (int32) + loss mask (uint8)
+    total = 4 + 1 + (TOP_BYTES if target_top else 0)  # input id (int32) + loss mask (uint8) + target_top
     for feature, dtype in STORAGE_FORMATS[storage_dtype].items():
         total += vectors[feature] * (hidden_size * BYTES_PER_DTYPE[dtype] + (SCALE_BYTES if dtype == "fp8" else 0))
     return total
@@ -195,6 +199,7 @@ class StoreManifest(Record):
     tokens_per_shard: Positive
     sort_window_shards: Positive
     tail_pieces: Positive = LEGACY_TAIL_PIECES
+    target_top: bool = False  # shards hold target_top (a store made before it was stored has none)
     complete: bool
     num_shards: Positive
     totals: StoreTotals
@@ -316,6 +321,7 @@ def store_identity(
     tokens_per_shard: int,
     tail_pieces: int,
     model_dtype: str,
+    target_top: bool,
 ) -> dict[str, Any]:
     """Everything that decides the store's bytes; a resumed run must match it exactly."""
     return {
@@ -335,6 +341,7 @@ def store_identity(
         "tokens_per_shard": tokens_per_shard,
         "sort_window_shards": SORT_WINDOW_SHARDS,
         "tail_pieces": tail_pieces,
+        "target_top": target_top,
     }
 
 
@@ -342,8 +349,25 @@ def planned_identity(config: Any, info: Any, prepared: Any, store: Path, model_d
     """``store_identity`` of the store an extract ``config`` asks for, its target (``info``: a ``TargetInfo``) computed
     in ``model_dtype``; a resumed store keeps its own tail plan. The preflight and the stage judge a resume by it."""
     layers = resolve_aux_layer_ids(config.layers, info.num_layers)
-    tokens_per_shard = shard_tokens(config.shard_mb, bytes_per_token(info.hidden_size, config.storage_dtype))
-    return store_identity(config, info, layers, prepared, tokens_per_shard, planned_tail_pieces(store), model_dtype)
+    top = planned_target_top(store, config.backend)
+    tokens_per_shard = shard_tokens(config.shard_mb, bytes_per_token(info.hidden_size, config.storage_dtype, top))
+    return store_identity(
+        config, info, layers, prepared, tokens_per_shard, planned_tail_pieces(store), model_dtype, top
+    )
+
+
+def stores_target_top(backend: str) -> bool:
+    """Whether an extraction by ``backend`` stores the target's argmax: transformers' forward has the LM head at
+    hand; vLLM's worker hands over hidden states only (training computes the argmax from ``last`` instead)."""
+    return backend == "hf"
+
+
+def planned_target_top(store: Path, backend: str) -> bool:
+    """Whether the store's shards hold ``target_top``: a new store as its backend can, a resumed one as it began
+    (every shard of a store holds the same tensors)."""
+    if not (store / MANIFEST_FILE).is_file():
+        return stores_target_top(backend)
+    return read_manifest(store, check_shards=False).get("target_top") is True
 
 
 def planned_tail_pieces(store: Path) -> int:
@@ -358,7 +382,7 @@ def planned_tail_pieces(store: Path) -> int:
 # target's name (its directory's: renamed or reached by another path, the hashes say it is the same target)
 RESUME_FREE_FIELDS = {("prepared", "path"), ("target", "name")}
 # identity fields recorded since stores were first made: a store made before one resumes without it
-RECORDED_SINCE = {("target", "weights_hash")}
+RECORDED_SINCE = {("target", "weights_hash"), ("target_top",)}
 
 
 def _first_difference(was: Any, now: Any, where: tuple[str, ...] = ()) -> tuple[str, Any, Any] | None:
@@ -381,7 +405,7 @@ def resume_problem(store: Path, identity: dict[str, Any]) -> str | None:
         return None
     existing = read_manifest(store, check_shards=False)  # its shard list is rebuilt from the shard records
     existing = existing | {"tail_pieces": plan_tail_pieces(existing)}  # a store planned before pieces has none
-    found = _first_difference({key: existing.get(key) for key in identity}, identity)
+    found = _first_difference({key: existing[key] for key in identity if key in existing}, identity)
     if found is None:
         return None
     field, was, now = found

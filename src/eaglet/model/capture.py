@@ -2,8 +2,9 @@
 
 ``aux[:, k]`` is the hidden state entering decoder layer ``layer_ids[k]`` (= HF ``hidden_states[i]``)
 and ``last`` is the base model's final-normed output (= ``last_hidden_state``), so the teacher's
-logits are ``lm_head(last)``. Forward pre-hooks grab the three tensors as they pass; neither the LM
-head nor ``output_hidden_states`` runs, so no other layer's activations stay alive.
+logits are ``lm_head(last)``. Forward pre-hooks grab the three tensors as they pass; ``output_hidden_states`` does
+not run (no other layer's activations stay alive) and the forward's LM head sees one position only: the target's
+argmax at every token (``target_argmax``) is taken from ``last`` a chunk at a time.
 """
 
 from __future__ import annotations
@@ -128,6 +129,17 @@ def teacher_logits(model: nn.Module, last: torch.Tensor) -> torch.Tensor:
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return logits
+
+
+ARGMAX_CHUNK_TOKENS = 1024  # tokens whose full-vocabulary logits are alive at once (1024 x 128k bf16: 256 MB)
+
+
+@torch.inference_mode()
+def target_argmax(model: nn.Module, last: torch.Tensor) -> torch.Tensor:
+    """last [T, H] -> the target's argmax token over its whole vocabulary at each position [T] int32, its logits made
+    a chunk of tokens at a time. Stored by extraction, it spares every training step the LM head over the whole
+    vocabulary (the draft-vocabulary logits are a quarter of it at a 128k vocabulary)."""
+    return torch.cat([teacher_logits(model, chunk).argmax(-1).int() for chunk in last.split(ARGMAX_CHUNK_TOKENS)])
 
 
 def right_padded(tokens_of: Callable[[int], np.ndarray], lengths: np.ndarray, batch: np.ndarray) -> np.ndarray:

@@ -304,12 +304,11 @@ def read_shard(store: Path, entry: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def expected_tensors(
-    entry: dict[str, Any],
-    hidden_size: int,
-    storage_dtype: str,
+    entry: dict[str, Any], hidden_size: int, storage_dtype: str, target_top: bool
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """What a shard holding ``entry``'s tokens and samples in ``storage_dtype`` contains: every tensor's shape
-    and dtype (an fp8 feature adds its float32 ``<name>_scale``, one per vector)."""
+    and dtype (an fp8 feature adds its float32 ``<name>_scale``, one per vector; ``target_top``, the target's
+    argmax per token, where the store keeps it)."""
     tokens, samples = entry["tokens"], entry["num_samples"]
     expected = {
         "input_ids": ((tokens,), torch.int32),
@@ -323,14 +322,20 @@ def expected_tensors(
             expected[f"{name}_scale"] = (shape[:-1], torch.float32)
         else:
             expected[name] = (shape, torch.bfloat16)
+    if target_top:
+        expected["target_top"] = ((tokens,), torch.int32)
     return expected
 
 
 def check_layout(
-    found: dict[str, tuple[torch.dtype, tuple[int, ...]]], entry: dict[str, Any], hidden_size: int, storage_dtype: str
+    found: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+    entry: dict[str, Any],
+    hidden_size: int,
+    storage_dtype: str,
+    target_top: bool,
 ) -> None:
     """The shard holds exactly the tensors its manifest entry and storage format say, in their shapes and dtypes."""
-    expected = expected_tensors(entry, hidden_size, storage_dtype)
+    expected = expected_tensors(entry, hidden_size, storage_dtype, target_top)
     for key, (shape, dtype) in expected.items():
         if key not in found:
             raise ShardError(f"tensor '{key}' missing")
@@ -357,6 +362,7 @@ class StoreReader:
         self.prepared = prepared  # a PreparedSet, or None (verify --no-prepared)
         self.hidden_size = manifest["hidden_size"]
         self.storage_dtype = manifest["storage_dtype"]
+        self.target_top = manifest.get("target_top") is True
         self.vocab_size = manifest["target"]["vocab_size"]
         self.num_samples = manifest["prepared"]["samples"]
         self.plans: dict[int, ShardPlan] | None = None
@@ -378,7 +384,7 @@ class StoreReader:
             raise ShardError("not a file" if path.exists() else "file missing")
         if path.stat().st_size != entry["bytes"]:
             raise ShardError(f"size {path.stat().st_size} bytes, the manifest says {entry['bytes']}")
-        check_layout(read_header(path), entry, self.hidden_size, self.storage_dtype)
+        check_layout(read_header(path), entry, self.hidden_size, self.storage_dtype, self.target_top)
         offsets, samples = read_tensor(path, "offsets"), read_tensor(path, "sample_index")
         self._check_packing(entry, offsets, samples)
         return samples.tolist(), offsets.tolist()
@@ -386,9 +392,8 @@ class StoreReader:
     def read(self, entry: dict[str, Any]) -> dict[str, torch.Tensor]:
         """A shard's tensors, checksummed as they are read and their content checked."""
         tensors = read_shard(self.store, entry)
-        check_layout(
-            {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}, entry, self.hidden_size, self.storage_dtype
-        )
+        found = {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}
+        check_layout(found, entry, self.hidden_size, self.storage_dtype, self.target_top)
         self._check_packing(entry, tensors["offsets"], tensors["sample_index"])
         self._check_tokens(tensors)
         return tensors
@@ -423,6 +428,9 @@ class StoreReader:
         ids, mask = tensors["input_ids"], tensors["loss_mask"]
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
             raise ShardError(f"token ids outside the target's vocabulary (0..{self.vocab_size - 1})")
+        top = tensors.get("target_top")
+        if top is not None and len(top) and (int(top.min()) < 0 or int(top.max()) >= self.vocab_size):
+            raise ShardError(f"target_top names tokens outside the target's vocabulary (0..{self.vocab_size - 1})")
         if len(mask) and int(mask.max()) > 1:
             raise ShardError("loss mask values other than 0 and 1")
         if self.prepared is not None:

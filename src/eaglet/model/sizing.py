@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import EagletError
 from ..formats.draft_config import attention_head_dim
+from ..formats.store_manifest import TOP_BYTES
 from ..fsio import GIB
 
 BF16_BYTES = 2
@@ -507,8 +508,9 @@ INDEX_BYTES = 8  # int64: input ids, and the three document tensors per token
 
 def staged_batch_bytes(tokens: int, hidden_size: int, feature_bytes: int = 2) -> int:
     """One padded micro-batch on the device (``train.step.DeviceBatch``): ids, loss mask, aux [T, 3, H] and last
-    [T, H] in the store's dtype (bf16 at most), and the document ids, positions and ends."""
-    return tokens * (INDEX_BYTES + 1 + 4 * hidden_size * feature_bytes + 3 * INDEX_BYTES)
+    [T, H] in the store's dtype (bf16 at most), the target's argmax (int32) and the document ids, positions and
+    ends."""
+    return tokens * (INDEX_BYTES + 1 + 4 * hidden_size * feature_bytes + TOP_BYTES + 3 * INDEX_BYTES)
 
 
 PROBE_SIZE = 1024  # the matrix multiply that measures this CPU's float32 rate

@@ -226,7 +226,7 @@ def _prompt_length_check(cfg: Any, target_path: Path) -> Check:
 def extract_checks(cfg: Any) -> list[Check]:
     from ..config import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS
     from ..formats.prepared import load_prepared
-    from ..formats.store_manifest import bytes_per_token
+    from ..formats.store_manifest import bytes_per_token, planned_target_top
 
     checks = [Check("config", PASS, "valid"), check_device(cfg.device)]
     if checks[-1].status == FAIL:
@@ -264,7 +264,7 @@ def extract_checks(cfg: Any) -> list[Check]:
         checks += guarded("output", lambda: _resume_check(cfg, info, prepared, store))
     else:
         checks.append(check_output_dir(store, overwrite=False, resumable=True))
-    per_token = bytes_per_token(info.hidden_size, cfg.storage_dtype)
+    per_token = bytes_per_token(info.hidden_size, cfg.storage_dtype, planned_target_top(store, cfg.backend))
     needed = int(prepared.lengths.sum()) * per_token
     checks.append(check_disk(store, int(needed + cfg.reserve_gb * GIB), f"store ({cfg.storage_dtype}) + reserve"))
     if cfg.backend == "vllm":  # its fit is vLLM's own (check_vllm_backend): transformers' does not apply
@@ -431,7 +431,7 @@ def train_memory(
 ) -> tuple[int, str]:
     """(bytes, what they hold) of `eaglet train` on ``device``: the draft and AdamW's copies, the teacher head, one
     step, and where the step is recorded its companions; ``online`` the target's weights (online training)."""
-    teacher = target_vocab * draft.hidden_size * dtype_bytes
+    teacher = (target_vocab + draft.draft_vocab_size) * draft.hidden_size * dtype_bytes  # + its draft-vocab rows
     step = train_step_bytes(draft, cfg.token_budget, cfg.ttt_steps, dense_attention=not device.startswith("cuda"))
     # a recorded step keeps its memory in its graph's pool: held-out forwards need their own beside it
     recorded = cfg.records_step(device, 1)

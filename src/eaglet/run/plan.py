@@ -62,7 +62,7 @@ def planned_machine(config: RunConfig) -> Any:
 
 def estimate(pipeline: Pipeline, plans: list[StagePlan]) -> list[StagePlan]:
     """Disk, time and per-GPU memory of each stage that will run, from the settings and config.json alone."""
-    from ..formats.store_manifest import bytes_per_token
+    from ..formats.store_manifest import bytes_per_token, stores_target_top
     from ..model.sizing import draft_parameters
     from ..model.target import read_config, resolve_target
 
@@ -122,7 +122,7 @@ def estimate(pipeline: Pipeline, plans: list[StagePlan]) -> list[StagePlan]:
             plan.disk_bytes = prepared_tokens * 5
             plan.seconds = 10 + prepared_tokens / 200_000
         elif plan.name == "extract":
-            per_token = bytes_per_token(hidden, stage.config.storage_dtype)
+            per_token = bytes_per_token(hidden, stage.config.storage_dtype, stores_target_top(stage.config.backend))
             plan.disk_bytes = prepared_tokens * per_token
             batch_tokens = stage.config.batch_tokens or (GPU_BATCH_TOKENS if machine.gpus else CPU_BATCH_TOKENS)
             stated = pipeline.config.machine and pipeline.config.machine.extract_tokens_per_s

@@ -40,6 +40,9 @@ class FeatureBatch:
     last: torch.Tensor  # [T, H], final-normed: teacher logits = lm_head(last)
     doc_offsets: torch.Tensor  # [n+1] int64, sample boundaries inside the batch
     sample_index: torch.Tensor  # [n] int64, rows of the prepared set
+    # [T] int32: the target's argmax over its whole vocabulary at each token, where the store keeps it (else the
+    # teacher computes it from ``last``)
+    target_top: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
@@ -85,9 +88,11 @@ def plan_epoch(order: list[int], lengths: np.ndarray, token_budget: int) -> list
 
 
 def assemble(pieces: list[tuple[int, dict[str, torch.Tensor]]], token_budget: int) -> FeatureBatch:
-    """pieces: (sample index, {input_ids, loss_mask, aux, last} for that sample), each cut to the budget."""
+    """pieces: (sample index, {input_ids, loss_mask, aux, last[, target_top]} for that sample), each cut to the
+    budget; the batch has ``target_top`` where every piece does."""
     cut = [{k: v[: kept_length(len(v), token_budget)] for k, v in piece.items()} for _, piece in pieces]
     lengths = torch.tensor([len(p["input_ids"]) for p in cut])
+    top = all("target_top" in p for p in cut)
     return FeatureBatch(
         input_ids=torch.cat([p["input_ids"] for p in cut]).long(),
         loss_mask=torch.cat([p["loss_mask"] for p in cut]),
@@ -95,6 +100,7 @@ def assemble(pieces: list[tuple[int, dict[str, torch.Tensor]]], token_budget: in
         last=torch.cat([p["last"] for p in cut]),
         doc_offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
         sample_index=torch.tensor([index for index, _ in pieces], dtype=torch.int64),
+        target_top=torch.cat([p["target_top"] for p in cut]) if top else None,
     )
 
 
@@ -128,6 +134,7 @@ def pad_to_budget(batch: FeatureBatch, budget: int, pin: bool = False) -> Featur
         last=padded(batch.last),
         doc_offsets=torch.cat([batch.doc_offsets, torch.tensor([budget])]) if missing > 0 else batch.doc_offsets,
         sample_index=batch.sample_index,
+        target_top=None if batch.target_top is None else padded(batch.target_top),
     )
 
 
@@ -239,6 +246,8 @@ class StoreSource(FeatureSource):
                 "aux": aux[begin:end],
                 "last": last[begin:end],
             }
+            if "target_top" in tensors:
+                samples[sample]["target_top"] = tensors["target_top"][begin:end]
         return samples
 
     def fetch(self, groups: list[list[int]]) -> Iterator[FeatureBatch]:

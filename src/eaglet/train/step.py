@@ -25,6 +25,7 @@ class DeviceBatch:
     doc_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     doc_end: torch.Tensor  # [T] int64
+    target_top: torch.Tensor | None = None  # [T] int32, where the store keeps the target's argmax
 
     @classmethod
     def from_host(cls, batch: FeatureBatch, device: torch.device) -> "DeviceBatch":
@@ -37,6 +38,7 @@ class DeviceBatch:
             doc_ids,
             positions,
             doc_end,
+            None if batch.target_top is None else to_device(batch.target_top, device),
         )
 
     def copy_from(self, batch: FeatureBatch | DeviceBatch) -> None:
@@ -46,6 +48,7 @@ class DeviceBatch:
             sources = batch.tensors()
         else:
             sources = [batch.input_ids, batch.loss_mask, batch.aux, batch.last, *documents(batch.doc_offsets, _CPU)]
+            sources += [] if batch.target_top is None else [batch.target_top]
         for target, source in zip(self.tensors(), sources, strict=True):
             if target.shape != source.shape or target.dtype != source.dtype:
                 raise ValueError(
@@ -56,7 +59,8 @@ class DeviceBatch:
             target.copy_(source, non_blocking=True)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.input_ids, self.loss_mask, self.aux, self.last, self.doc_ids, self.positions, self.doc_end]
+        tensors = [self.input_ids, self.loss_mask, self.aux, self.last, self.doc_ids, self.positions, self.doc_end]
+        return tensors + ([] if self.target_top is None else [self.target_top])
 
 
 _CPU = torch.device("cpu")
@@ -64,7 +68,7 @@ _CPU = torch.device("cpu")
 
 def ttt_inputs(batch: DeviceBatch, teacher: TeacherHead, dtype: torch.dtype) -> TTTInputs:
     """The TTT module's inputs from a batch on the device: features in ``dtype``, the teacher's logits."""
-    teacher_logits, in_vocab = teacher(batch.last)
+    teacher_logits, in_vocab = teacher(batch.last, batch.target_top)
     return TTTInputs(
         input_ids=batch.input_ids,
         aux=batch.aux.to(dtype),
