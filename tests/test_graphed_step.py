@@ -48,14 +48,16 @@ def parameters_of(model):
     return {name: p.detach().clone() for name, p in model.module.named_parameters() if p.requires_grad}
 
 
-def test_the_recorded_steps_work_equals_the_eager_step(tmp_path, tiny_store, tiny_target):
-    """Eight steps with a warm-up schedule (the learning rate changes every step): the split step gives the
-    eager step's statistics and parameters — to float32's rounding of the learning rate, which the recorded AdamW
-    reads from a float32 tensor (fused AdamW's kernel reads float32) where the eager one gets a Python float."""
-    config, setup, eager = built(tiny_store, tiny_target, tmp_path)
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_recorded_steps_work_equals_the_eager_step(tmp_path, tiny_store, tiny_target, fused):
+    """Eight steps with a warm-up schedule (the learning rate changes every step) and a clip that bites: the split
+    step gives the eager step's statistics and parameters — to float32's rounding of the learning rate, which the
+    recorded AdamW reads from a float32 tensor (fused AdamW's kernel reads float32) where the eager one gets a Python
+    float. Fused (as on a GPU), AdamW clips the gradients as it reads them: clip_grad_norm_'s scale, applied there."""
+    config, setup, eager = built(tiny_store, tiny_target, tmp_path, clip=0.05)
     graphed_model = copy.deepcopy(eager)
     graphed_model.optimizer = torch.optim.AdamW(
-        graphed_model.parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+        graphed_model.parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, fused=fused
     )
     schedules = [
         torch.optim.lr_scheduler.LambdaLR(model.optimizer, lr_schedule(config, 8)) for model in (eager, graphed_model)
@@ -71,6 +73,7 @@ def test_the_recorded_steps_work_equals_the_eager_step(tmp_path, tiny_store, tin
         for schedule in schedules:
             schedule.step()
     assert step.forward_backward is not None and len(set(rates)) > 2  # recorded after 2 steps; the rate moved
+    assert step.clip_in_adamw is fused and (float(step.unclip) > 1) is fused  # fused: AdamW's clip bit
     assert isinstance(graphed_model.optimizer.param_groups[0]["lr"], float)  # the scheduler's float, kept
     want, have = parameters_of(eager), parameters_of(graphed_model)
     assert want.keys() == have.keys() and all(torch.allclose(want[k], have[k], rtol=1e-5, atol=1e-7) for k in want)

@@ -7,10 +7,10 @@ recorded in two parts so that a non-finite loss or gradient is still caught befo
 (``NonFiniteStep``, as in the eager step):
 
     forward_backward: the batch (copied into the same device tensors every step) -> the teacher's logits, the TTT
-        forward and backward, gradient clipping; out: the step's statistics and [loss, gradient norm]
+        forward and backward, the gradient norm; out: the step's statistics and [loss, gradient norm]
     apply: AdamW, fused and capturable (its step count lives on the device), with the learning rate read from a
         device tensor filled from the scheduler's float before each replay (the scheduler and checkpoints keep
-        floats)
+        floats), clipping the gradients as it reads them (an unfused AdamW: clipped in forward_backward)
 
 Both share one memory pool. Recording needs every step to have the same shapes (batches are padded to the token
 budget), one micro-batch a step and one process; the first ``CAPTURE_WARMUP`` steps run eagerly on a side stream
@@ -34,6 +34,7 @@ from .setup import Model
 from .step import DeviceBatch, NonFiniteStep, StepStats, finite, train_step, ttt_inputs
 
 CAPTURE_WARMUP = 3  # eager steps before recording: compiles, AdamW's state and the allocator settle
+CLIP_EPS = 1e-6  # clip_grad_norm_'s: the scale is clip / (norm + CLIP_EPS)
 
 
 @dataclass
@@ -104,6 +105,10 @@ class GraphedStep:
         self.forward_backward: Recorded | None = None
         self.apply: Recorded | None = None
         self.rates: list[torch.Tensor] = []  # per parameter group: the learning rate the recorded AdamW reads
+        # fused AdamW divides each gradient by a device scalar as it reads it (``grad_scale``, the attribute
+        # torch.amp.GradScaler hands it): clipping folded into AdamW's one pass instead of a pass of its own
+        self.clip_in_adamw = bool(model.optimizer.defaults.get("fused"))
+        self.unclip = torch.ones((), device=device)  # max(1, norm / clip): what AdamW divides the gradients by
 
     def __call__(self, batches: list[FeatureBatch | StagedBatch]) -> StepStats:
         """One step on ``batches[0]``: a host batch (copied in here) or one ``Stager`` copied to the device ahead."""
@@ -172,7 +177,11 @@ class GraphedStep:
             with model.autocast():
                 loss, losses_k, correct_k, counts_k = model.wrapped(inputs)
                 loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters, self.clip)
+        if self.clip_in_adamw:  # as clip_grad_norm_ scales them (clip / (norm + 1e-6), at most 1), applied by AdamW
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters if p.grad is not None])
+            self.unclip.copy_(((grad_norm + CLIP_EPS) / self.clip).clamp_min(1.0))
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters, self.clip)
         loss = loss.detach()
         counts = counts_k.float()
         stats = StepStats(loss, losses_k.detach().float() * counts, correct_k.float(), counts)
@@ -184,11 +193,15 @@ class GraphedStep:
         floats = [group["lr"] for group in groups]
         for group, rate in zip(groups, self.rates):
             group["lr"] = rate
+        if self.clip_in_adamw:
+            self.model.optimizer.grad_scale = self.unclip
         try:
             self.model.optimizer.step()
         finally:
             for group, value in zip(groups, floats):
                 group["lr"] = value
+            if self.clip_in_adamw:
+                del self.model.optimizer.grad_scale
 
 
 def step_function(model: Model, config: TrainConfig, device: torch.device) -> Callable[[list[FeatureBatch]], StepStats]:
