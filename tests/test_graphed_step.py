@@ -72,8 +72,8 @@ def test_the_recorded_steps_work_equals_the_eager_step(tmp_path, tiny_store, tin
         rates.append(graphed_model.optimizer.param_groups[0]["lr"])
         for schedule in schedules:
             schedule.step()
-    assert step.forward_backward is not None and len(set(rates)) > 2  # recorded after 2 steps; the rate moved
-    assert step.clip_in_adamw is fused and (float(step.unclip) > 1) is fused  # fused: AdamW's clip bit
+    assert step.recorded is not None and len(set(rates)) > 2  # recorded after 2 steps; the rate moved
+    assert (step.apply is None) is fused and (float(step.unclip) > 1) is fused  # fused: one part, AdamW's clip bit
     assert isinstance(graphed_model.optimizer.param_groups[0]["lr"], float)  # the scheduler's float, kept
     want, have = parameters_of(eager), parameters_of(graphed_model)
     assert want.keys() == have.keys() and all(torch.allclose(want[k], have[k], rtol=1e-5, atol=1e-7) for k in want)
@@ -107,20 +107,26 @@ def test_batches_copied_to_the_device_ahead_give_the_same_steps(tmp_path, tiny_s
         from_stage([stage(longer)])
 
 
-def test_a_non_finite_batch_stops_the_recorded_step_before_adamw(tmp_path, tiny_store, tiny_target):
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_non_finite_batch_stops_the_recorded_step_before_adamw(tmp_path, tiny_store, tiny_target, fused):
+    """Unfused, AdamW is not replayed; fused (one recorded step), AdamW skips the update: either way the parameters,
+    the moments and AdamW's step count stay as the last good step left them."""
     config, setup, model = built(tiny_store, tiny_target, tmp_path)
+    model.optimizer = torch.optim.AdamW(model.parameters, lr=config.lr, fused=fused)
     good, bad = padded_batches(setup, 2)
     bad.aux[3] = float("nan")
     step = GraphedStep(model, torch.device("cpu"), config.ttt_steps, config.clip, warmup=0)
     step([good])
     before = parameters_of(model)
     adam_steps = [float(s["step"]) for s in model.optimizer.state.values()]
+    moments = {k: s["exp_avg"].clone() for k, s in model.optimizer.state.items()}
     with pytest.raises(NonFiniteStep) as caught:
         step([bad])
     assert caught.value.what == "loss" and caught.value.batch is bad
     after = parameters_of(model)
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert [float(s["step"]) for s in model.optimizer.state.values()] == adam_steps
+    assert all(torch.equal(moments[k], s["exp_avg"]) for k, s in model.optimizer.state.items())
 
 
 def test_a_recorded_step_takes_one_micro_batch(tmp_path, tiny_store, tiny_target):

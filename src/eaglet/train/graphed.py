@@ -1,18 +1,20 @@
-"""The training step recorded as CUDA graphs: the host launches two graphs a step instead of ~1,200 kernels.
+"""The training step recorded as a CUDA graph: the host launches one graph a step instead of ~1,200 kernels.
 
 An eager step at the 8B shape is host-bound (its launches take longer than the GPU's work); recorded, the host only
 copies the batch in and checks one pair of numbers (RESULTS, "`eaglet train` records its step": 76.95 ms, 1.39×
-speculators 0.9.0's step in the same call; at the demo's 16,384 tokens the GPU is the bound either way). The step is
-recorded in two parts so that a non-finite loss or gradient is still caught before AdamW applies it
-(``NonFiniteStep``, as in the eager step):
+speculators 0.9.0's step in the same call; at the demo's 16,384 tokens the GPU is the bound either way). A non-finite
+loss or gradient never reaches the parameters (``NonFiniteStep``, as in the eager step):
 
-    forward_backward: the batch (copied into the same device tensors every step) -> the teacher's logits, the TTT
-        forward and backward, the gradient norm; out: the step's statistics and [loss, gradient norm]
-    apply: AdamW, fused and capturable (its step count lives on the device), with the learning rate read from a
-        device tensor filled from the scheduler's float before each replay (the scheduler and checkpoints keep
-        floats), clipping the gradients as it reads them (an unfused AdamW: clipped in forward_backward)
+    the step (fused AdamW, train's on a GPU): the batch (copied into the same device tensors every step) -> the
+        teacher's logits, the TTT forward and backward, the gradient norm, then AdamW, capturable (its step count
+        lives on the device), reading the learning rate from a device tensor filled from the scheduler's float before
+        each replay (the scheduler and checkpoints keep floats), clipping the gradients as it reads them and skipping
+        the update where the loss or gradient norm is not finite; out: the step's statistics and [loss, gradient
+        norm], checked by the host after the replay
+    with an unfused AdamW, two parts: forward and backward (clipping included) -> the same out, checked by the host
+        before the second, AdamW, is replayed
 
-Both share one memory pool. Recording needs every step to have the same shapes (batches are padded to the token
+Two parts share one memory pool. Recording needs every step to have the same shapes (batches are padded to the token
 budget), one micro-batch a step and one process; the first ``CAPTURE_WARMUP`` steps run eagerly on a side stream
 (compiles, AdamW's state, the allocator settle), as torch's CUDA-graph notes ask.
 
@@ -102,13 +104,14 @@ class GraphedStep:
         # forward/backward graph, has finished by then: the finite check waited for it)
         self.copies = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.buffers: DeviceBatch | None = None
-        self.forward_backward: Recorded | None = None
-        self.apply: Recorded | None = None
-        self.rates: list[torch.Tensor] = []  # per parameter group: the learning rate the recorded AdamW reads
-        # fused AdamW divides each gradient by a device scalar as it reads it (``grad_scale``, the attribute
-        # torch.amp.GradScaler hands it): clipping folded into AdamW's one pass instead of a pass of its own
-        self.clip_in_adamw = bool(model.optimizer.defaults.get("fused"))
+        # fused AdamW takes two device scalars as torch.amp.GradScaler hands them (``grad_scale``, ``found_inf``):
+        # it divides each gradient by the first as it reads it (clipping in AdamW's one pass, not a pass of its
+        # own) and skips the whole update where the second is 1, so a fused step is one graph, checked after it
+        self.fused = bool(model.optimizer.defaults.get("fused"))
         self.unclip = torch.ones((), device=device)  # max(1, norm / clip): what AdamW divides the gradients by
+        self.recorded: Recorded | None = None  # the step (fused AdamW), or its forward and backward -> stats, check
+        self.apply: Recorded | None = None  # an unfused AdamW, replayed once the check passed
+        self.rates: list[torch.Tensor] = []  # per parameter group: the learning rate the recorded AdamW reads
 
     def __call__(self, batches: list[FeatureBatch | StagedBatch]) -> StepStats:
         """One step on ``batches[0]``: a host batch (copied in here) or one ``Stager`` copied to the device ahead."""
@@ -126,12 +129,13 @@ class GraphedStep:
             self._copy_staged(given)
         else:
             self._copy_in(batch)
-        stats, check = self.forward_backward.replay()
-        if not finite(check):  # the one host sync of a step, as in the eager step
-            raise NonFiniteStep("loss" if not finite(check[0]) else "gradient", batch)
         for rate, group in zip(self.rates, self.model.optimizer.param_groups):
             rate.fill_(group["lr"])
-        self.apply.replay()
+        stats, check = self.recorded.replay()
+        if not finite(check):  # the one host sync of a step, as in the eager step; a fused AdamW skipped the update
+            raise NonFiniteStep("loss" if not finite(check[0]) else "gradient", batch)
+        if self.apply is not None:
+            self.apply.replay()
         return StepStats(*(tensor.clone() for tensor in stats.tensors()))  # the graph rewrites its outputs
 
     def _copy_in(self, batch: FeatureBatch) -> None:
@@ -165,8 +169,17 @@ class GraphedStep:
     def _record(self) -> None:
         groups = self.model.optimizer.param_groups
         self.rates = [torch.tensor(float(group["lr"]), dtype=torch.float32, device=self.device) for group in groups]
-        self.forward_backward = Recorded(self._forward_backward, self.device)
-        self.apply = Recorded(self._apply, self.device, self.forward_backward.pool())
+        if self.fused:
+            self.recorded = Recorded(self._whole_step, self.device)
+        else:
+            self.recorded = Recorded(self._forward_backward, self.device)
+            self.apply = Recorded(self._apply, self.device, self.recorded.pool())
+
+    def _whole_step(self) -> tuple[StepStats, torch.Tensor]:
+        """Forward, backward and a fused AdamW that skips the update unless the loss and gradient are finite."""
+        stats, check = self._forward_backward()
+        self._apply(skip=(~torch.isfinite(check).all()).float())
+        return stats, check
 
     def _forward_backward(self) -> tuple[StepStats, torch.Tensor]:
         """Gradients start from none each step (recorded: the graph writes them afresh instead of adding)."""
@@ -177,7 +190,7 @@ class GraphedStep:
             with model.autocast():
                 loss, losses_k, correct_k, counts_k = model.wrapped(inputs)
                 loss.backward()
-        if self.clip_in_adamw:  # as clip_grad_norm_ scales them (clip / (norm + 1e-6), at most 1), applied by AdamW
+        if self.fused:  # as clip_grad_norm_ scales them (clip / (norm + 1e-6), at most 1), applied by AdamW
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters if p.grad is not None])
             self.unclip.copy_(((grad_norm + CLIP_EPS) / self.clip).clamp_min(1.0))
         else:
@@ -187,21 +200,23 @@ class GraphedStep:
         stats = StepStats(loss, losses_k.detach().float() * counts, correct_k.float(), counts)
         return stats, torch.stack([loss, grad_norm.to(loss.device, loss.dtype)])
 
-    def _apply(self) -> None:
-        """AdamW reading the learning rate from ``rates`` (only while it runs: the scheduler keeps floats)."""
-        groups = self.model.optimizer.param_groups
+    def _apply(self, skip: torch.Tensor | None = None) -> None:
+        """AdamW reading the learning rate from ``rates`` (only while it runs: the scheduler keeps floats); fused, also
+        the clip's ``unclip`` and ``skip`` (1.0: leave parameters, moments and step count as they are)."""
+        optimizer = self.model.optimizer
+        groups = optimizer.param_groups
         floats = [group["lr"] for group in groups]
         for group, rate in zip(groups, self.rates):
             group["lr"] = rate
-        if self.clip_in_adamw:
-            self.model.optimizer.grad_scale = self.unclip
+        if self.fused:
+            optimizer.grad_scale, optimizer.found_inf = self.unclip, skip
         try:
-            self.model.optimizer.step()
+            optimizer.step()
         finally:
             for group, value in zip(groups, floats):
                 group["lr"] = value
-            if self.clip_in_adamw:
-                del self.model.optimizer.grad_scale
+            if self.fused:
+                del optimizer.grad_scale, optimizer.found_inf
 
 
 def step_function(model: Model, config: TrainConfig, device: torch.device) -> Callable[[list[FeatureBatch]], StepStats]:
