@@ -70,6 +70,12 @@ ATTENTION_WEIGHT_BYTES = 4  # the dense path's softmax runs in float32
 ATTENTION_KEEP_BYTES = 1 << 30
 
 
+def document_causal(doc_ids: torch.Tensor) -> torch.Tensor:
+    """doc_ids [T] -> [T, T] bool: query t sees key s iff s <= t in the same document (step 0's keys)."""
+    index = torch.arange(len(doc_ids), device=doc_ids.device)
+    return (index[None, :] <= index[:, None]) & (doc_ids[None, :] == doc_ids[:, None])
+
+
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=0)
 
@@ -84,9 +90,7 @@ class TTTAttention:
     def __init__(self, doc_ids: torch.Tensor, steps: int = 1):
         self.doc_ids = doc_ids
         self.steps = steps
-        tokens = len(doc_ids)
-        index = torch.arange(tokens, device=doc_ids.device)
-        self.causal = (index[None, :] <= index[:, None]) & (doc_ids[None, :] == doc_ids[:, None])  # [T, T]
+        self.causal = document_causal(doc_ids)  # [T, T]
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 
@@ -451,9 +455,7 @@ class SplitFlexTTTAttention(FlexTTTAttention):
             )
             return out[0], aux.lse[0]
         groups = q.shape[0] // k.shape[0]
-        tokens = q.shape[1]
-        index = torch.arange(tokens, device=q.device)
-        allowed = (index[None, :] <= index[:, None]) & (self.doc_ids[None, :] == self.doc_ids[:, None])
+        allowed = document_causal(self.doc_ids)  # [T, T]
         scores = (q @ _expand_kv(k, groups).transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32))
         scores = (scores * q.shape[-1] ** -0.5).masked_fill(~allowed, float("-inf"))  # [Hq, T, T]
         lse = torch.logsumexp(scores, dim=-1)
@@ -495,10 +497,8 @@ class ReferenceAttention:
         groups = q.shape[0] // k.shape[0]
         keys = torch.cat(self.keys, dim=1).repeat_interleave(groups, 0)  # [Hq, T*(k+1), d]
         values = torch.cat(self.values, dim=1).repeat_interleave(groups, 0)
-        index = torch.arange(tokens, device=q.device)
-        causal = (index[None, :] <= index[:, None]) & (self.doc_ids[None, :] == self.doc_ids[:, None])
         diagonal = torch.eye(tokens, dtype=torch.bool, device=q.device)
-        allowed = torch.cat([causal] + [diagonal] * (len(self.keys) - 1), dim=1)  # [T, T*(k+1)]
+        allowed = torch.cat([document_causal(self.doc_ids)] + [diagonal] * (len(self.keys) - 1), dim=1)  # [T, T*(k+1)]
         scores = (q @ keys.transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32)) * q.shape[-1] ** -0.5
         weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
         return weights.to(values.dtype) @ values
