@@ -279,8 +279,8 @@ def test_eval_refuses_a_prompt_file_with_none_of_the_split(tmp_path, capsys, tin
     own = write_jsonl(tmp_path / "own.jsonl", [{"id": "a", "prompt": "the cat sat", "split": "heldout"}])
     train_only = write_jsonl(tmp_path / "train.jsonl", [{"id": "b", "prompt": "one bird", "split": "train"}])
     code, _, err = run_cli(eval_args(tiny_draft, tiny_target, own, tmp_path / "x", "--prompts", train_only), capsys)
-    assert code == 2 and f"{train_only}: no prompts of the heldout split" in err and "Traceback" not in err, err
-    assert not (tmp_path / "x").exists()
+    assert code == 2 and f"{train_only}: no prompts of the heldout split (it holds 'train' 1)" in err, err
+    assert "Traceback" not in err and not (tmp_path / "x").exists()
 
 
 def test_eval_refuses_a_prompt_that_calls_tools(tmp_path, capsys, tiny_draft, tiny_target):

@@ -12,7 +12,10 @@ from typing import Any
 from ..errors import EagletError
 from ..model.target import context_length, load_tokenizer
 from ..resources import resolve_input
-from .readers import BadRow, read_conversations
+from .readers import BadRow, describe_splits, read_conversations
+
+# a prompt row without a split is held out: a prompt file written for evaluation (MT-Bench's) marks none
+UNMARKED_SPLIT = "heldout"
 
 
 @dataclass(frozen=True)
@@ -41,11 +44,13 @@ def select_prompts(
     rows: list[EvalPrompt] = []
     labels = _source_labels(config.prompts)
     for source in config.prompts:
-        chosen, where = [], {}
+        chosen, where, other_splits = [], {}, Counter()
         for item in read_conversations([resolve_input(source)]):
             if isinstance(item, BadRow):
                 raise EagletError(f"{item}; fix the prompt file")
-            if config.split != "all" and item.meta.get("split", "heldout") != config.split:
+            split = item.meta.get("split", UNMARKED_SPLIT)
+            if config.split != "all" and split != config.split:
+                other_splits[split] += 1
                 continue
             if item.uses_tools:
                 raise EagletError(f"{item.source}: the prompt calls tools; eval decodes plain prompts, drop the row")
@@ -57,7 +62,8 @@ def select_prompts(
             where[item.id] = item.source
         if not chosen and each_file:
             raise EagletError(
-                f"{source}: no prompts of the {config.split} split; pick another --split or drop the file"
+                f"{source}: no prompts of the {config.split} split (it holds {describe_splits(other_splits) or 'none'}); "
+                "pick another --split or drop the file"
             )
         selected = _spread(chosen, config.max_prompts) if config.max_prompts and chosen else chosen
         for row in selected:  # only the prompts decoded: --max-prompts may leave a long one out
