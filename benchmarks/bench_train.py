@@ -201,7 +201,8 @@ def main() -> None:
         optimizer = torch.optim.AdamW(parameters, lr=1e-4, fused=device.type == "cuda", capturable=graphed)
         head = torch.randn(shape["vocab_size"], shape["hidden_size"], device=device) * 0.02
         teacher = TeacherHead(head.to(torch.bfloat16 if device.type == "cuda" else torch.float32),
-                              torch.zeros(vocab, dtype=torch.long, device=device))  # fmt: skip
+                              torch.zeros(vocab, dtype=torch.long, device=device),
+                              whole_head=args.computed_teacher_argmax)  # fmt: skip
         model = Model(draft, module, module, parallel, teacher, parameters, optimizer, autocast, graphed)
         step = step_function(model, train, device)
         host = FeatureBatch(

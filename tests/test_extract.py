@@ -241,7 +241,8 @@ def test_a_store_made_before_the_argmax_was_stored_resumes_and_trains_without_it
 ):
     """A store an earlier eaglet made (no ``target_top`` in its manifest or shards), killed before its last shard:
     this eaglet finishes it without the argmax (every shard of a store holds the same tensors), `store verify` passes,
-    and training computes the argmax from ``last`` as it did, to the same losses as on a store that keeps it."""
+    and training computes the argmax from ``last`` as it did, to the same losses as on a store that keeps it; only
+    then does its teacher hold the whole LM head (the preflight's memory says so too)."""
     import eaglet.formats.store_manifest as store_manifest
 
     monkeypatch.setattr(store_manifest, "stores_target_top", lambda backend: False)  # this eaglet as it was before
@@ -271,6 +272,29 @@ def test_a_store_made_before_the_argmax_was_stored_resumes_and_trains_without_it
         losses[name] = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(losses["kept"]) == 3
     np.testing.assert_allclose(losses["computed"], losses["kept"], rtol=1e-5)
+
+    # the teacher keeps the whole LM head only where a store read lacks the argmax, and the preflight sizes it so
+    from eaglet.config import TrainConfig
+    from eaglet.model.distributed import Dist
+    from eaglet.preflight.stages import argmax_stored, train_memory
+    from eaglet.train.setup import build_model, build_setup
+
+    def config(source, held_out=None):
+        held_out = None if held_out is None else str(held_out)
+        return TrainConfig(out=str(tmp_path / "m"), store=str(source), target=str(tiny_target), eval_store=held_out)
+
+    kept, computed = config(tiny_store), config(store)
+    assert [argmax_stored(c) for c in (kept, computed, config(tiny_store, store))] == [True, False, False]
+    models = {}
+    for name, train in (("kept", kept), ("computed", computed)):
+        setup = build_setup(train, "cpu")
+        models[name] = build_model(train, setup, torch.device("cpu"), Dist(rank=0, world=1, local_rank=0))
+        assert setup.argmax_stored is (name == "kept")
+    assert models["kept"].teacher.lm_head is None and models["computed"].teacher.lm_head is not None
+    draft, vocab = models["kept"].draft.config, models["kept"].teacher.vocab_size
+    assert models["kept"].teacher.draft_rows.shape == (draft.draft_vocab_size, draft.hidden_size)
+    sizes = [train_memory(c, "cpu", 4, draft, vocab, 0)[0] for c in (kept, computed)]
+    assert sizes[1] - sizes[0] == vocab * draft.hidden_size * 4
 
 
 def test_resuming_a_store_across_the_weights_fingerprint(tmp_path, capsys, tiny_prepared, tiny_target):

@@ -104,6 +104,8 @@ def store_summary(store: Path) -> dict[str, Any]:
         "convention": manifest["aux_convention"],
         "storage_dtype": manifest["storage_dtype"],
         "hidden_size": manifest["hidden_size"],
+        # the target's argmax per token: training's mask read, not computed from the whole LM head each step
+        "target_top": manifest.get("target_top") is True,
         "shards": f"{len(manifest['shards'])} of {manifest['num_shards']}",
         "samples": manifest["totals"]["samples"],
         "tokens": manifest["totals"]["tokens"],

@@ -362,12 +362,17 @@ def stores_target_top(backend: str) -> bool:
     return backend == "hf"
 
 
+def keeps_target_top(store: Path) -> bool:
+    """Whether the store at ``store`` holds ``target_top`` in its shards (False where there is no store yet)."""
+    if not (store / MANIFEST_FILE).is_file():
+        return False
+    return read_manifest(store, check_shards=False).get("target_top") is True
+
+
 def planned_target_top(store: Path, backend: str) -> bool:
     """Whether the store's shards hold ``target_top``: a new store as its backend can, a resumed one as it began
     (every shard of a store holds the same tensors)."""
-    if not (store / MANIFEST_FILE).is_file():
-        return stores_target_top(backend)
-    return read_manifest(store, check_shards=False).get("target_top") is True
+    return keeps_target_top(store) if (store / MANIFEST_FILE).is_file() else stores_target_top(backend)
 
 
 def planned_tail_pieces(store: Path) -> int:

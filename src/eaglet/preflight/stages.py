@@ -12,7 +12,7 @@ from ..export import FORMATS
 from ..formats.draft_config import DraftConfig, read_draft_config
 from ..formats.files import MANIFEST_FILE, VOCAB_FILE
 from ..formats.layers import default_aux_layer_ids
-from ..formats.store_manifest import prepared_path, read_manifest
+from ..formats.store_manifest import keeps_target_top, prepared_path, read_manifest
 from ..model.sizing import STAGED_BATCHES, draft_parameters, staged_batch_bytes, train_step_bytes
 from ..model.support import compiles_draft_round, draft_compile_problem, static_cache_problem, uses_static_cache
 from .checks import (
@@ -431,7 +431,8 @@ def train_memory(
 ) -> tuple[int, str]:
     """(bytes, what they hold) of `eaglet train` on ``device``: the draft and AdamW's copies, the teacher head, one
     step, and where the step is recorded its companions; ``online`` the target's weights (online training)."""
-    teacher = (target_vocab + draft.draft_vocab_size) * draft.hidden_size * dtype_bytes  # + its draft-vocab rows
+    # the head's draft-vocabulary rows, and the whole head unless every store read keeps the target's argmax
+    teacher = (draft.draft_vocab_size + (0 if argmax_stored(cfg) else target_vocab)) * draft.hidden_size * dtype_bytes
     step = train_step_bytes(draft, cfg.token_budget, cfg.ttt_steps, dense_attention=not device.startswith("cuda"))
     # a recorded step keeps its memory in its graph's pool: held-out forwards need their own beside it
     recorded = cfg.records_step(device, 1)
@@ -459,15 +460,31 @@ def _draft_vocab_size(vocab_file: Path, target_vocab: int) -> int:
         return min(DEFAULT_DRAFT_VOCAB_CAP, target_vocab)
 
 
+def _keeps_target_top(store: Path) -> bool:
+    try:
+        return keeps_target_top(store)
+    except EagletError:  # the store's own check names a broken manifest
+        return False
+
+
+def argmax_stored(cfg: Any) -> bool:
+    """Training reads the target's argmax from every store it reads (``train.setup.Setup.argmax_stored``)."""
+    stores = [store for store in (cfg.store, cfg.eval_store) if store]
+    return bool(cfg.store) and all(_keeps_target_top(Path(store)) for store in stores)
+
+
 def _cpu_step_time(cfg: Any, draft: Any, info: Any) -> Check:
     """On a CPU a step's FLOPs decide everything: the estimate from this CPU's measured rate, and what cuts it."""
     from ..model.sizing import draft_train_flops_per_token, measured_cpu_flops
 
+    keeps_top = argmax_stored(cfg)  # the teacher's head: the draft vocabulary's rows, else all of them
+
     def seconds(tokens: int, vocab: int) -> float:
         config = dataclasses.replace(draft, draft_vocab_size=vocab)
+        teacher_rows = vocab if keeps_top else info.vocab_size
         flops = tokens * (
-            draft_train_flops_per_token(config, cfg.ttt_steps, tokens / 2) + 2 * info.hidden_size * info.vocab_size
-        )  # + the teacher head
+            draft_train_flops_per_token(config, cfg.ttt_steps, tokens / 2) + 2 * info.hidden_size * teacher_rows
+        )
         return flops / (rate * CPU_TRAIN_EFFICIENCY)
 
     rate = measured_cpu_flops()

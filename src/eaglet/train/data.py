@@ -195,6 +195,7 @@ class StoreSource(FeatureSource):
             )
         self.prepared = prepared
         self.reader = StoreReader(self.store, self.manifest, prepared)
+        self.keeps_target_top = self.reader.target_top  # every batch carries the target's argmax
         self.hidden_size = self.manifest["hidden_size"]
         self.lengths = {}
         self.plans = [self._open(entry) for entry in self.manifest["shards"]]

@@ -11,13 +11,23 @@ TEACHER_CHUNK_TOKENS = 1024  # teacher logits over the full vocab are computed t
 
 
 class TeacherHead:
-    """The target's frozen LM head: draft-vocab logits and whether the full argmax is in the draft vocab."""
+    """The target's frozen LM head: draft-vocab logits and whether the full argmax is in the draft vocab. Where every
+    batch carries the target's argmax (a store that keeps it), only the draft vocabulary's rows are kept."""
 
-    def __init__(self, lm_head: torch.Tensor, d2t: torch.Tensor, softcap: float | None = None):
-        self.lm_head = lm_head  # [V, H]
-        self.used = torch.arange(len(d2t), device=d2t.device) + d2t  # [Vd] target ids of the draft vocab
-        self.draft_rows = lm_head[self.used]  # [Vd, H]: the head's rows for the draft vocabulary, contiguous
-        self.in_vocab = torch.zeros(lm_head.shape[0], dtype=torch.bool, device=lm_head.device)
+    def __init__(
+        self,
+        lm_head: torch.Tensor,
+        d2t: torch.Tensor,
+        softcap: float | None = None,
+        device: torch.device | None = None,
+        whole_head: bool = True,
+    ):
+        device = device or lm_head.device
+        self.vocab_size = lm_head.shape[0]
+        self.used = (torch.arange(len(d2t)) + d2t.cpu()).to(device)  # [Vd] target ids of the draft vocab
+        self.draft_rows = lm_head[self.used.to(lm_head.device)].to(device)  # [Vd, H], contiguous
+        self.lm_head = lm_head.to(device) if whole_head else None  # [V, H]
+        self.in_vocab = torch.zeros(self.vocab_size, dtype=torch.bool, device=device)
         self.in_vocab[self.used] = True
         self.softcap = softcap
 
@@ -30,8 +40,12 @@ class TeacherHead:
         in-vocab argmax [T] bool). With the argmax stored, only the draft vocabulary's rows are multiplied (a
         quarter of the head at a 128k vocabulary); without, the whole vocabulary's, a chunk at a time."""
         if target_top is not None:
-            logits = self._capped(last.to(self.lm_head.dtype) @ self.draft_rows.T)  # [T, Vd]
+            logits = self._capped(last.to(self.draft_rows.dtype) @ self.draft_rows.T)  # [T, Vd]
             return logits.float(), self.in_vocab[target_top.long()]
+        if self.lm_head is None:
+            raise ValueError(
+                "a batch without the target's argmax, and the teacher kept only the draft vocabulary's rows"
+            )
         draft_logits, in_vocab = [], []
         for chunk in last.split(TEACHER_CHUNK_TOKENS):
             logits = self._capped(chunk.to(self.lm_head.dtype) @ self.lm_head.T)  # [c, V]: one chunk alive at a time
