@@ -148,6 +148,7 @@ class FeatureSource:
     seed: int
     hidden_size: int
     layer_ids: tuple[int, ...]
+    keeps_target_top: bool = False  # every batch carries the target's argmax (a store that keeps it)
 
     def plan(self, epoch: int, select: SampleFilter | None = None) -> list[list[int]]:
         return plan_epoch(epoch_order(self.plans, self.seed, epoch, select), self.lengths, self.token_budget)
@@ -195,7 +196,7 @@ class StoreSource(FeatureSource):
             )
         self.prepared = prepared
         self.reader = StoreReader(self.store, self.manifest, prepared)
-        self.keeps_target_top = self.reader.target_top  # every batch carries the target's argmax
+        self.keeps_target_top = self.reader.target_top
         self.hidden_size = self.manifest["hidden_size"]
         self.lengths = {}
         self.plans = [self._open(entry) for entry in self.manifest["shards"]]

@@ -63,7 +63,7 @@ class Setup:
         """Every batch, trained on or held out, carries the target's argmax: the teacher needs only the LM head's
         draft-vocabulary rows (a 128k-vocabulary target's whole head is 1 GB in bf16 at hidden 4096)."""
         sources = [self.source] + ([self.eval_source] if self.eval_source is not None else [])
-        return all(getattr(source, "keeps_target_top", False) for source in sources)
+        return all(source.keeps_target_top for source in sources)
 
 
 def build_setup(config: TrainConfig, device: str) -> Setup:
