@@ -470,9 +470,9 @@ class SplitFlexTTTAttention(FlexTTTAttention):
             return prefix
         # the slots of steps not run yet: a distinct zero tensor each (aliased inputs would be a new guard, a new
         # compile), needing a gradient like the real ones (a different requires_grad pattern per step would too)
-        missing = 2 * (slots - len(self.keys) + 1)
-        blanks = [torch.zeros_like(k, requires_grad=k.requires_grad) for _ in range(missing)]
-        keys, values = self.keys[1:] + blanks[: missing // 2], self.values[1:] + blanks[missing // 2 :]
+        missing = range(slots - len(self.keys) + 1)
+        keys = self.keys[1:] + [torch.zeros_like(k, requires_grad=k.requires_grad) for _ in missing]
+        values = self.values[1:] + [torch.zeros_like(v, requires_grad=v.requires_grad) for _ in missing]
         merge = _compiled_merge() if q.device.type == "cuda" else merge_diagonal
         return merge(prefix, lse, q, keys, values, self.visible[len(self.keys) - 1])
 
