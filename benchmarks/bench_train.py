@@ -250,7 +250,7 @@ def main() -> None:
         optimizer = torch.optim.AdamW(parameters, lr=1e-4, fused=device.type == "cuda", capturable=graphed)
 
         def train_step():
-            with deferred_weight_grads(draft) if deferred else nullcontext():
+            with deferred_weight_grads(draft, calls_per_layer=args.ttt) if deferred else nullcontext():
                 with autocast():
                     out = ttt_forward(draft, inputs, args.ttt, attention_factory=attention)
                 out.loss.backward()

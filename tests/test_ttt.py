@@ -98,12 +98,14 @@ def float_inputs(inputs, device=torch.device("cpu")):
     return TTTInputs(**{k: (v.float() if v.is_floating_point() else v).to(device) for k, v in vars(inputs).items()})
 
 
-def loss_and_grads(draft, inputs, attention, autocast, steps=3, deferred=False, micro_batches=1):
+def loss_and_grads(draft, inputs, attention, autocast, steps=3, deferred=False, micro_batches=1, laid_out=True):
     """TTT forward + backward: (output, {parameter name: gradient}), the draft's gradients cleared after.
-    ``deferred``: the shared layers' weight gradients made once per block; ``micro_batches``: accumulated into
-    ``.grad`` as the trainer does."""
+    ``deferred``: the shared layers' weight gradients made once per block (``laid_out``: the LM head's gradients
+    written into one buffer for the K calls, as the trainer does; else a slot per call); ``micro_batches``:
+    accumulated into ``.grad`` as the trainer does."""
     for _ in range(micro_batches):
-        with deferred_weight_grads(draft) if deferred else contextlib.nullcontext():
+        block = deferred_weight_grads(draft, calls_per_layer=steps if laid_out else None)
+        with block if deferred else contextlib.nullcontext():
             with autocast():
                 out = ttt_forward(draft, inputs, steps, attention_factory=attention)
             out.loss.backward()
@@ -222,6 +224,61 @@ def test_the_compiled_loss_is_one_graph_for_every_step():
             torch.testing.assert_close(logits.grad, eager_logits.grad)
             assert torch.equal(predicted, logits.detach().argmax(-1))
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_the_compiled_loss_writes_each_steps_gradient_into_the_heads_buffer_in_one_graph():
+    """Training's deferred path, compiled here on the CPU: each step's loss writes its logits' gradient into its rows
+    of the LM head's buffer (slots at unaligned offsets: an odd vocabulary), one compiled graph for every step; the
+    head's and its inputs' gradients equal autograd's through the plain head and loss."""
+    from torch._dynamo.utils import counters
+
+    from eaglet.train.loss import head_soft_cross_entropy
+
+    torch.manual_seed(0)
+    tokens, hidden, vocab, steps = 24, 16, 41, 4
+    probs = torch.softmax(torch.randn(tokens + steps, vocab), -1)  # step k reads rows 1+k..: views at odd offsets
+    weights = torch.rand(tokens)
+    head = SharedLinear(hidden, vocab)
+    inputs = [torch.randn(tokens, hidden, requires_grad=True) for _ in range(steps)]
+    torch._dynamo.reset()
+    counters.clear()
+    with deferred_weight_grads(head, calls_per_layer=steps):
+        total = 0
+        for k, x in enumerate(inputs):
+            loss, predicted = head_soft_cross_entropy(head, x, probs[1 + k : 1 + k + tokens], weights, compiled=True)
+            assert torch.equal(predicted, (x @ head.weight.T).argmax(-1))
+            total = total + 0.8**k * loss
+        total.backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    deferred = [head.weight.grad.clone()] + [x.grad.clone() for x in inputs]
+    head.weight.grad = None
+    plain_inputs = [x.detach().clone().requires_grad_() for x in inputs]
+    total = 0
+    for k, x in enumerate(plain_inputs):
+        logits = x @ head.weight.T
+        cross_entropy = -(probs[1 + k : 1 + k + tokens] * torch.log_softmax(logits, -1)).sum(-1)
+        total = total + 0.8**k * (weights * cross_entropy).sum()
+    total.backward()
+    for got, expected in zip(deferred, [head.weight.grad] + [x.grad for x in plain_inputs]):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_deferred_head_refuses_more_calls_than_its_buffer_was_laid_out_for():
+    """A block told K calls whose head is called K + 1 times (or with another row count) stops, instead of writing a
+    call's gradient over another's."""
+    from eaglet.train.loss import head_soft_cross_entropy
+
+    head = SharedLinear(8, 5)
+    probs, weights = torch.full((6, 5), 0.2), torch.ones(6)
+    with pytest.raises(RuntimeError, match="does not fit the buffer laid out for 2 calls of 6 rows"):
+        with deferred_weight_grads(head, calls_per_layer=2):
+            for rows in (6, 6, 6):
+                head_soft_cross_entropy(head, torch.randn(rows, 8, requires_grad=True), probs, weights)
+    with pytest.raises(RuntimeError, match="laid out for 2 calls of 6 rows"):
+        with deferred_weight_grads(head, calls_per_layer=2):
+            for rows in (6, 4):
+                head_soft_cross_entropy(head, torch.randn(rows, 8, requires_grad=True), probs[:rows], weights[:rows])
+    assert head.weight.grad is None
 
 
 def test_library_reference_attention_equals_the_loop_reference():
@@ -475,12 +532,16 @@ def test_attention_recomputed_in_the_backward_gives_the_kept_gradients(monkeypat
         torch.testing.assert_close(again[name], kept[name], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("laid_out", [True, False])
 @pytest.mark.parametrize("steps,draft_layers", [(1, 1), (4, 1), (3, 2)])
-def test_deferred_weight_gradients_equal_autograds(steps, draft_layers):
-    """One matmul over the K calls' rows gives every parameter the gradient autograd gives it call by call."""
+def test_deferred_weight_gradients_equal_autograds(steps, draft_layers, laid_out):
+    """One matmul over the K calls' rows gives every parameter the gradient autograd gives it call by call (the LM
+    head's gradients written by the loss into one buffer, or a slot per call; the TTT decay moved onto its inputs)."""
     draft, inputs = tiny_setup(draft_layers=draft_layers)
     plain, plain_grads = loss_and_grads(draft, inputs, TTTAttention, contextlib.nullcontext, steps)
-    deferred, deferred_grads = loss_and_grads(draft, inputs, TTTAttention, contextlib.nullcontext, steps, deferred=True)
+    deferred, deferred_grads = loss_and_grads(
+        draft, inputs, TTTAttention, contextlib.nullcontext, steps, deferred=True, laid_out=laid_out
+    )
     assert deferred_grads.keys() == plain_grads.keys()
     assert "lm_head.weight" in deferred_grads and "midlayer.mlp.down_proj.weight" in deferred_grads
     torch.testing.assert_close(deferred.loss, plain.loss, rtol=1e-12, atol=0)
@@ -564,6 +625,6 @@ def test_the_trainer_defers_weight_gradients_only_in_one_process_on_a_gpu(strate
 
     draft, _ = tiny_setup()
     parallel = Parallel(strategy, Dist(rank=0, world=world, local_rank=0), torch.device(device))
-    with parallel.weight_grads(draft, tokens):
+    with parallel.weight_grads(draft, tokens, ttt_steps=3):
         assert (draft.lm_head.calls is not None) == deferred
     assert draft.lm_head.calls is None

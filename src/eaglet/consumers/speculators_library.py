@@ -80,7 +80,8 @@ def compare_logits(directory: Path, steps: int = 3, seed: int = 0) -> list[float
     aux = torch.randn(tokens, 3, config.target_hidden_size, generator=generator)
     doc_offsets = torch.tensor([0, CONFORMANCE_SPLIT, tokens])
     doc_ids, positions, doc_end = documents(doc_offsets, torch.device("cpu"))
-    ours = list(unroll(draft, input_ids, aux, doc_ids, positions, doc_end, steps, TTTAttention))
+    head_inputs = unroll(draft, input_ids, aux, doc_ids, positions, doc_end, steps, TTTAttention)
+    ours = [draft.lm_head(head_input) for head_input in head_inputs]
 
     theirs: list[torch.Tensor] = []
     handle = speculators_model.lm_head.register_forward_hook(lambda module, args, out: theirs.append(out[0]))

@@ -300,11 +300,23 @@ class Eagle3Draft(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step: (new hidden [T, H], draft-vocab logits [T, Vd]); ``attends``: one per layer,
         each keeping that layer's keys across steps."""
+        hidden, normed = self.advance(input_ids, hidden, cos, sin, attends)
+        return hidden, self.lm_head(normed)
+
+    def advance(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attends: Sequence[AttentionFn],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``step`` up to its LM head: (new hidden [T, H], the head's input [T, H]); training applies the head with
+        its loss (``train.loss.head_soft_cross_entropy``)."""
         hidden = self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, attends[0])
         for index, layer in enumerate(self.layers.values(), start=1):
             hidden = layer(hidden, cos, sin, attends[index])
-        normed = self.pointwise.norm(hidden, self.norm.weight, self.norm.eps, autocast_dtype(hidden.device.type))
-        return hidden, self.lm_head(normed)
+        return hidden, self.pointwise.norm(hidden, self.norm.weight, self.norm.eps, autocast_dtype(hidden.device.type))
 
     def compile_pointwise(self, backend: str = "inductor") -> None:
         """Run the elementwise work between the matmuls (norms, RoPE, SwiGLU, residuals) through torch.compile:

@@ -481,10 +481,10 @@ def draft_train_flops_per_token(config: Any, steps: int, mean_context: float, he
 
 def train_step_bytes(config: Any, tokens: int, steps: int, dense_attention: bool) -> int:
     """Peak memory of one TTT step of ``tokens`` tokens (config: the draft's): the fused loss keeps each step's
-    logit gradient [T, Vd] (float32), the teacher's logits and probabilities, the draft's activations, the output
-    gradients the shared layers keep for their one weight-gradient matmul (``model.shared_linear``: each layer's
-    K calls, at most its bound plus one call), and on the dense path (CPU) one step's [heads, T, T] attention weights
-    while they are computed."""
+    logit gradient [T, Vd] (float32; deferred, the LM head's weight gradient reads them where they are), the teacher's
+    logits and probabilities, the draft's activations, the output gradients the other shared layers keep for their one
+    weight-gradient matmul (``model.shared_linear``: each layer's K calls, at most its bound plus one call), and on the
+    dense path (CPU) one step's [heads, T, T] attention weights while they are computed."""
     from .shared_linear import KEPT_GRAD_BYTES
 
     float_bytes = 4
@@ -494,7 +494,7 @@ def train_step_bytes(config: Any, tokens: int, steps: int, dense_attention: bool
     attention = 3 * config.num_attention_heads * tokens * tokens * float_bytes if dense_attention else 0
     q_out, kv_out = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     layer_outputs = [q_out, kv_out, kv_out, config.hidden_size, config.intermediate_size, config.intermediate_size,
-                     config.hidden_size] * config.num_hidden_layers + [config.draft_vocab_size]  # fmt: skip
+                     config.hidden_size] * config.num_hidden_layers  # fmt: skip
     kept = sum(
         min(steps * tokens * out * float_bytes, KEPT_GRAD_BYTES + tokens * out * float_bytes) for out in layer_outputs
     )

@@ -186,7 +186,7 @@ class GraphedStep:
         model = self.model
         model.optimizer.zero_grad(set_to_none=True)
         inputs = ttt_inputs(self.buffers, model.teacher, torch.float32)
-        with model.parallel.weight_grads(model.draft, len(inputs.input_ids)):
+        with model.parallel.weight_grads(model.draft, len(inputs.input_ids), self.ttt_steps):
             with model.autocast():
                 loss, losses_k, correct_k, counts_k = model.wrapped(inputs)
                 loss.backward()

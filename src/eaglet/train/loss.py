@@ -7,6 +7,8 @@ import functools
 
 import torch
 
+from ..model.shared_linear import SharedLinear
+
 TEACHER_CHUNK_TOKENS = 1024  # teacher logits over the full vocab are computed this many tokens at a time
 
 
@@ -55,16 +57,17 @@ class TeacherHead:
 
 
 def _soft_cross_entropy_rows(
-    logits: torch.Tensor, teacher_probs: torch.Tensor, weights: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits [T, Vd], teacher_probs [T, Vd] (rows summing to 1, or 0 where weights are 0), weights [T] ->
-    (Σ_t w_t · H(p_t, softmax(z_t)), its gradient dLoss/dz [T, Vd] in the logits' dtype, argmax z [T]).
-    H(p, softmax(z)) = logsumexp(z) - p·z, so its gradient is softmax(z) - p: computed here, in one pass."""
+    logits: torch.Tensor, teacher_probs: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, Vd], teacher_probs [T, Vd] (rows summing to 1, or 0 where weights are 0), weights [T], grad_out
+    [T, Vd] in the logits' dtype -> (Σ_t w_t · H(p_t, softmax(z_t)), argmax z [T]), the gradient dLoss/dz written
+    into ``grad_out``. H(p, softmax(z)) = logsumexp(z) - p·z, so its gradient is softmax(z) - p: made here, in one
+    pass (compiled, the write into ``grad_out`` is the kernel's own store)."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))
     lse = torch.logsumexp(z, dim=-1, keepdim=True)  # [T, 1]
     loss = (weights * (lse[:, 0] - (teacher_probs * z).sum(-1))).sum()
-    grad = ((torch.exp(z - lse) - teacher_probs) * weights[:, None]).to(logits.dtype)
-    return loss, grad, z.argmax(-1)
+    grad_out.copy_((torch.exp(z - lse) - teacher_probs) * weights[:, None])
+    return loss, z.argmax(-1)
 
 
 class _FusedSoftCrossEntropy(torch.autograd.Function):
@@ -75,8 +78,9 @@ class _FusedSoftCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, teacher_probs, weights, row_math):
+        grad = torch.empty_like(logits)
         with torch.autocast(logits.device.type, enabled=False):  # the row math picks its own dtypes
-            loss, grad, predicted = row_math(logits, teacher_probs, weights)
+            loss, predicted = row_math(logits, teacher_probs, weights, grad)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(predicted)
         return loss, predicted
@@ -92,12 +96,31 @@ def _compiled_row_math():
     return torch.compile(_soft_cross_entropy_rows)
 
 
+def _row_math(device: torch.device, compiled: bool | None):
+    """The row math compiled on GPU by default (one compile: batches are padded to the token budget); eager on CPU,
+    where compiling needs a C++ toolchain at run time."""
+    compiled = device.type == "cuda" if compiled is None else compiled
+    return _compiled_row_math() if compiled else _soft_cross_entropy_rows
+
+
 def soft_cross_entropy(
     logits: torch.Tensor, teacher_probs: torch.Tensor, weights: torch.Tensor, compiled: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ_t w_t · H(p_t, softmax(z_t)) (differentiable in the logits) and argmax z [T]. The row math is
-    compiled on GPU by default (one compile: batches are padded to the token budget); eager on CPU, where
-    compiling needs a C++ toolchain at run time."""
-    compiled = logits.device.type == "cuda" if compiled is None else compiled
-    row_math = _compiled_row_math() if compiled else _soft_cross_entropy_rows
-    return _FusedSoftCrossEntropy.apply(logits, teacher_probs, weights, row_math)
+    """Σ_t w_t · H(p_t, softmax(z_t)) (differentiable in the logits) and argmax z [T]."""
+    return _FusedSoftCrossEntropy.apply(logits, teacher_probs, weights, _row_math(logits.device, compiled))
+
+
+def head_soft_cross_entropy(
+    head: SharedLinear,
+    x: torch.Tensor,
+    teacher_probs: torch.Tensor,
+    weights: torch.Tensor,
+    compiled: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``soft_cross_entropy(head(x), ...)``, x [T, H]. Where the head defers its weight gradient, the two are one
+    step: the gradient in the logits goes straight into the head's buffer for its one weight-gradient matmul, and
+    the TTT decay on this step's loss scales x [T, H] rather than the gradient [T, Vd] (no [T, Vd] pass in the
+    backward, no concatenation at the flush)."""
+    if head.deferring():
+        return head.objective(x, _row_math(x.device, compiled), teacher_probs, weights)
+    return soft_cross_entropy(head(x), teacher_probs, weights, compiled)

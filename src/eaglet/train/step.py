@@ -134,7 +134,7 @@ def train_step(
         inputs = device_inputs(batch, model.teacher, device, torch.float32)
         with (
             model.parallel.accumulating(model.wrapped, last=index == len(batches) - 1),
-            model.parallel.weight_grads(model.draft, batch.tokens),
+            model.parallel.weight_grads(model.draft, batch.tokens, ttt_steps),
         ):
             with model.autocast():
                 loss, losses_k, correct_k, counts_k = model.wrapped(inputs)

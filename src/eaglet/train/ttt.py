@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..model.draft import Eagle3Draft
 from ..model.transfer import to_device
-from .loss import soft_cross_entropy
+from .loss import head_soft_cross_entropy
 
 
 @dataclass
@@ -135,7 +135,8 @@ def unroll(
     steps: int,
     attention_factory=TTTAttention,
 ) -> Iterator[torch.Tensor]:
-    """The draft's logits [T, Vd] of each TTT step in turn (the module docstring says what step k sees)."""
+    """Each TTT step's input to the draft's LM head [T, H] in turn (the module docstring says what step k sees);
+    ``draft.lm_head`` of it is the step's logits [T, Vd]."""
     attends = [attention_factory(doc_ids, steps) for _ in range(draft.config.num_hidden_layers)]  # key caches per layer
     hidden = draft.fuse(aux.to(draft.fc.weight.dtype))
     index = torch.arange(len(input_ids), device=input_ids.device)
@@ -144,8 +145,8 @@ def unroll(
         # step k sits k positions past t, as serving runs it (vLLM and SGLang advance the draft's positions by
         # one per step; EAGLE-3's reference trains with position_ids + step): its query and its own key
         cos, sin = draft.rope(positions + k)
-        hidden, logits = draft.step(ids, hidden, cos, sin, attends)
-        yield logits
+        hidden, head_input = draft.advance(ids, hidden, cos, sin, attends)
+        yield head_input
 
 
 def ttt_forward(
@@ -169,10 +170,10 @@ def ttt_forward(
     teacher_top = torch.cat([teacher.argmax(-1), teacher.new_full((steps,), -1, dtype=torch.long)])  # [T+K]
     total = torch.zeros((), device=aux.device)
     step_losses, step_correct, step_counts = [], [], []
-    step_logits = unroll(
+    head_inputs = unroll(
         draft, inputs.input_ids, aux, inputs.doc_ids, inputs.positions, inputs.doc_end, steps, attention_factory
     )
-    for k, logits in enumerate(step_logits):
+    for k, head_input in enumerate(head_inputs):
         mask = (
             (index + 2 + k < inputs.doc_end)
             & shift(inputs.loss_mask, 2 + k, False)
@@ -181,7 +182,9 @@ def ttt_forward(
         count = mask.sum()
         weights = mask.to(teacher_probs.dtype) / count.clamp_min(1)
         # teacher at t+1+k: the target's distribution over x[t+2+k], what step k predicts
-        loss, predicted = soft_cross_entropy(logits, teacher_probs[1 + k : 1 + k + tokens], weights)
+        loss, predicted = head_soft_cross_entropy(
+            draft.lm_head, head_input, teacher_probs[1 + k : 1 + k + tokens], weights
+        )
         total = total + decay**k * loss
         step_losses.append(loss.detach())
         step_correct.append(((predicted == teacher_top[1 + k : 1 + k + tokens]) & mask).sum().detach())
