@@ -13,7 +13,7 @@ from ..config import ExtractConfig, describe_validation_error
 from ..errors import EagletError
 from ..formats.files import MANIFEST_FILE, record_name, shard_name
 from ..formats.prepared import load_prepared
-from ..formats.store_manifest import prepared_path, read_manifest
+from ..formats.store_manifest import manifest_keeps_target_top, prepared_path, read_manifest
 from ..model.shards import StoreReader
 from ..progress import progress_bar
 
@@ -105,7 +105,7 @@ def store_summary(store: Path) -> dict[str, Any]:
         "storage_dtype": manifest["storage_dtype"],
         "hidden_size": manifest["hidden_size"],
         # the target's argmax per token: training's mask read, not computed from the whole LM head each step
-        "target_top": manifest.get("target_top") is True,
+        "target_top": manifest_keeps_target_top(manifest),
         "shards": f"{len(manifest['shards'])} of {manifest['num_shards']}",
         "samples": manifest["totals"]["samples"],
         "tokens": manifest["totals"]["tokens"],

@@ -362,11 +362,16 @@ def stores_target_top(backend: str) -> bool:
     return backend == "hf"
 
 
+def manifest_keeps_target_top(manifest: dict[str, Any]) -> bool:
+    """Whether a store's shards hold ``target_top``, from its manifest (stores made before it was kept say nothing)."""
+    return manifest.get("target_top") is True
+
+
 def keeps_target_top(store: Path) -> bool:
     """Whether the store at ``store`` holds ``target_top`` in its shards (False where there is no store yet)."""
     if not (store / MANIFEST_FILE).is_file():
         return False
-    return read_manifest(store, check_shards=False).get("target_top") is True
+    return manifest_keeps_target_top(read_manifest(store, check_shards=False))
 
 
 def planned_target_top(store: Path, backend: str) -> bool:

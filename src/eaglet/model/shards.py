@@ -17,7 +17,7 @@ import torch
 
 from ..errors import EagletError, shown
 from ..formats.files import record_name, shard_name
-from ..formats.store_manifest import STORAGE_FORMATS, ShardPlan, store_plans
+from ..formats.store_manifest import STORAGE_FORMATS, ShardPlan, manifest_keeps_target_top, store_plans
 from ..fsio import atomic_file, fsync_dir, sha256_mapped, write_json_atomic
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -362,7 +362,7 @@ class StoreReader:
         self.prepared = prepared  # a PreparedSet, or None (verify --no-prepared)
         self.hidden_size = manifest["hidden_size"]
         self.storage_dtype = manifest["storage_dtype"]
-        self.target_top = manifest.get("target_top") is True
+        self.target_top = manifest_keeps_target_top(manifest)
         self.vocab_size = manifest["target"]["vocab_size"]
         self.num_samples = manifest["prepared"]["samples"]
         self.plans: dict[int, ShardPlan] | None = None

@@ -428,6 +428,7 @@ class SplitFlexTTTAttention(FlexTTTAttention):
         super().__init__(doc_ids, steps)
         # [K]: how many diagonal slots step k sees, a tensor (as an int it would compile the merge once per step)
         self.visible = torch.arange(steps, device=doc_ids.device)
+        self._dense_allowed: torch.Tensor | None = None  # the CPU path's step-0 mask, made on first use
 
     def prefix_mask_mod(self):
         """FlexAttention's rule for step-0 keys: causal inside the query's document."""
@@ -458,9 +459,10 @@ class SplitFlexTTTAttention(FlexTTTAttention):
             )
             return out[0], aux.lse[0]
         groups = q.shape[0] // k.shape[0]
-        allowed = document_causal(self.doc_ids)  # [T, T]
+        if self._dense_allowed is None:
+            self._dense_allowed = document_causal(self.doc_ids)  # [T, T], the same for every step and layer call
         scores = (q @ _expand_kv(k, groups).transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32))
-        scores = (scores * q.shape[-1] ** -0.5).masked_fill(~allowed, float("-inf"))  # [Hq, T, T]
+        scores = (scores * q.shape[-1] ** -0.5).masked_fill(~self._dense_allowed, float("-inf"))  # [Hq, T, T]
         lse = torch.logsumexp(scores, dim=-1)
         return torch.softmax(scores, dim=-1).to(v.dtype) @ _expand_kv(v, groups), lse
 
