@@ -290,17 +290,9 @@ class Eagle3Draft(nn.Module):
         """aux [T, 3, H_target] -> [T, H]."""
         return self.fc(aux.flatten(1))
 
-    def step(
-        self,
-        input_ids: torch.Tensor,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attends: Sequence[AttentionFn],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step: (new hidden [T, H], draft-vocab logits [T, Vd]); ``attends``: one per layer,
-        each keeping that layer's keys across steps."""
-        hidden, normed = self.advance(input_ids, hidden, cos, sin, attends)
+    def step(self, *inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step from ``advance``'s inputs: (new hidden [T, H], draft-vocab logits [T, Vd])."""
+        hidden, normed = self.advance(*inputs)
         return hidden, self.lm_head(normed)
 
     def advance(
@@ -311,8 +303,9 @@ class Eagle3Draft(nn.Module):
         sin: torch.Tensor,
         attends: Sequence[AttentionFn],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``step`` up to its LM head: (new hidden [T, H], the head's input [T, H]); training applies the head with
-        its loss (``train.loss.head_soft_cross_entropy``)."""
+        """One draft step up to its LM head: (new hidden [T, H], the head's input [T, H]); ``attends``: one per layer,
+        each keeping that layer's keys across steps. ``step`` adds the head; training applies it with its loss
+        (``train.loss.head_soft_cross_entropy``)."""
         hidden = self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, attends[0])
         for index, layer in enumerate(self.layers.values(), start=1):
             hidden = layer(hidden, cos, sin, attends[index])

@@ -40,7 +40,7 @@ class _Calls:
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # call index -> its output gradient [rows, out]
     calls: int = 0
     capacity: int | None = None  # calls a block makes (sizes the objectives' buffer); None: a slot per call
-    written: torch.Tensor | None = None  # [capacity·rows, out] the objectives' output gradients, call i at rows i·rows
+    written: torch.Tensor | None = None  # [capacity·rows, out] objectives' output gradients, call i at rows i·rows
     slots: dict[int, torch.Tensor] = field(default_factory=dict)  # call index -> its written gradient [rows, out]
     scaled: list[int] = field(default_factory=list)  # calls whose backward has run: slot and scaled input final
 

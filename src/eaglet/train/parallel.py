@@ -51,9 +51,9 @@ class Parallel:
     def weight_grads(self, draft: torch.nn.Module, tokens: int, ttt_steps: int):
         """Around a micro-batch's forward and backward: in one process on a GPU, with at most DEFERRED_MAX_TOKENS
         tokens a micro-batch, the draft's shared layers make their weight gradients once over the K = ``ttt_steps``
-        TTT calls (``model.shared_linear``). DDP and FSDP2 reduce gradients from autograd's per-weight hooks; on the CPU (float32,
-        no casts to save) and past the token bound, the kept gradients cost more than they save: there autograd makes
-        them call by call."""
+        TTT calls (``model.shared_linear``). DDP and FSDP2 reduce gradients from autograd's per-weight hooks; on the
+        CPU (float32, no casts to save) and past the token bound, the kept gradients cost more than they save: there
+        autograd makes them call by call."""
         if self.strategy == "none" and self.device.type == "cuda" and tokens <= DEFERRED_MAX_TOKENS:
             from ..model.shared_linear import deferred_weight_grads
 
