@@ -538,6 +538,11 @@ def cases(w: Path, made: dict[str, Path]) -> list[tuple[str, list, str]]:
             ["train", "--store", store, "--out", w / "t10", "--eval-fraction", "0.9999", "--max-steps", "1"],
             "refused",
         ),
+        (  # the set-up's samples are ~80 tokens, their answers after the first 16
+            "train --token-budget ending before every answer",
+            ["train", "--store", store, "--out", w / "t11", "--token-budget", "16", "--max-steps", "1"],
+            "refused",
+        ),
         (
             "eval a draft whose config.json layer ids were edited",
             ["eval", "--draft", layers_edited(Path(draft), w / "draft_edited"), "--out", w / "e5"],

@@ -211,6 +211,34 @@ def test_an_eval_fraction_that_holds_out_every_sample(tmp_path, capsys, tiny_pre
     assert not out.exists()
 
 
+def test_a_token_budget_that_cuts_the_answers_off(tmp_path, capsys, tiny_prepared, tiny_store, tiny_target):
+    """Training sees a sample's first --token-budget tokens: a budget ending before every sample's first trainable
+    token is refused (it would train at loss 0); one that cuts some trainable tokens trains and says how many."""
+    from eaglet.formats.prepared import load_prepared
+
+    prepared = load_prepared(tiny_prepared)
+    masks = [prepared.sample(sample)[1] for sample in range(len(prepared))]
+    before_any = min(int(mask.nonzero()[0][0]) for mask in masks if mask.any())  # no sample trains on a token before
+    longest = max(len(mask) for mask in masks)
+    past_last = max(int(mask.nonzero()[0][-1]) + 1 for mask in masks if mask.any())  # ... nor on one from here on
+    args = ["train", "--store", tiny_store, "--target", tiny_target, "--eval-fraction", "0", "--max-steps", "1"]
+    out = tmp_path / "refused"
+    assert_refused(
+        run_cli([*args, "--out", out, "--token-budget", str(before_any)], capsys),
+        f"--token-budget {before_any} cuts every training sample before its first trainable token",
+        f"raise --token-budget to {longest}",
+    )
+    assert not out.exists()
+    budget = past_last - 1  # the sample training on the latest token loses it
+    cut = sum(len(mask) > budget for mask in masks)
+    code, out_text, err = run_cli([*args, "--out", tmp_path / "cut", "--token-budget", str(budget)], capsys)
+    assert code == 0, err
+    assert f"--token-budget {budget} cuts {cut} of {len(prepared)} training samples (the longest {longest}" in err
+    assert "of the trainable tokens are never trained on" in err
+    code, _, err = run_cli([*args, "--out", tmp_path / "whole", "--token-budget", str(past_last)], capsys)
+    assert code == 0 and "never trained on" not in err, err
+
+
 def long_answers(path: Path, words: int) -> Path:
     """Conversations whose answers run to about ``words`` tokens."""
     rows = [

@@ -125,8 +125,9 @@ def _train(config: TrainConfig, console: Console, dist: Dist, run: Path) -> Trai
     per_step = dist.world * config.grad_accum
     steps = total_steps(config, per_step, setup.source.plan(0, select), setup.lengths)
     scheduler = torch.optim.lr_scheduler.LambdaLR(model.optimizer, lr_schedule(config, steps))
-    if dist.is_main and (problem := config.warmup_problem(steps)):
-        console.print(f"[yellow]warning[/] {problem[0]} ({problem[1]})", highlight=False)
+    for problem in [config.warmup_problem(steps), setup.budget_cut]:
+        if dist.is_main and problem:
+            console.print(f"[yellow]warning[/] {problem[0]} ({problem[1]})", highlight=False)
     state = _resume(run, model, scheduler, setup, console)
     resumed_from = state.step
     run.mkdir(parents=True, exist_ok=True)

@@ -51,6 +51,7 @@ class Setup:
     target_path: Path
     target_config: dict[str, Any]
     eval_source: FeatureSource | None = None  # a separate held-out store, when given
+    budget_cut: tuple[str, str] | None = None  # (why, fix) where --token-budget cuts trainable tokens off samples
 
     def train_select(self, config: TrainConfig) -> Callable[[int], bool] | None:
         return training_samples(config)
@@ -101,7 +102,7 @@ def build_setup(config: TrainConfig, device: str) -> Setup:
                 "tensor-parallel group; extract a store with `torchrun ... eaglet extract --placement tp`"
                 " and train on it, or use --placement split"
             )
-        check_trainable(prepared, config)
+    budget_cut = check_trainable(prepared, config, samples_of(source) if config.store else None)
     # before the online target loads: a bad eval store is known from files alone
     eval_source = open_eval_store(config, identity, layer_ids, prepared, samples_of(source) if config.store else None)
     if config.store is None:
@@ -138,6 +139,7 @@ def build_setup(config: TrainConfig, device: str) -> Setup:
         resolved.path,
         read_config(resolved.path),
         eval_source,
+        budget_cut,
     )
 
 
@@ -155,8 +157,6 @@ def open_store(
     if prepared.manifest_sha256 != manifest["prepared"]["manifest_sha256"]:
         raise EagletError(f"{store}: its prepared set {prepared.path} changed since extraction; re-extract")
     check_store_counts(store, manifest, prepared)
-    if what == "store":
-        check_trainable(prepared, config, manifest["prepared"]["samples"])
     return StoreSource(store, config.token_budget, config.seed, prepared=prepared, manifest=manifest), prepared
 
 
@@ -211,9 +211,18 @@ def training_samples(config: TrainConfig) -> Callable[[int], bool] | None:
     return None
 
 
-def check_trainable(prepared: PreparedSet, config: TrainConfig, samples: int | None = None) -> None:
-    """Refuse a set whose training samples hold no loss-masked token: it would train at loss 0 and ship an untrained
-    draft."""
+def trainable_tokens(prepared: PreparedSet) -> np.ndarray:
+    """[N] loss-masked tokens per sample, summed in one pass over the set's mask (an empty sample holds none)."""
+    if not len(prepared.mask):
+        return np.zeros(len(prepared), dtype=np.int64)
+    starts = np.minimum(prepared.offsets[:-1], len(prepared.mask) - 1)  # reduceat needs indices inside the array
+    return np.add.reduceat(prepared.mask, starts, dtype=np.int64) * (prepared.lengths > 0)
+
+
+def check_trainable(prepared: PreparedSet, config: TrainConfig, samples: int | None = None) -> tuple[str, str] | None:
+    """Refuse a set whose training samples hold no loss-masked token within the tokens training sees (a sample is
+    cut to --token-budget): it would train at loss 0 and ship an untrained draft. Where the cut drops some of them:
+    (why, fix) for a warning."""
     count = len(prepared) if samples is None else samples
     select = training_samples(config)
     trained = [sample for sample in range(count) if select is None or select(sample)]
@@ -222,11 +231,30 @@ def check_trainable(prepared: PreparedSet, config: TrainConfig, samples: int | N
             f"{prepared.path}: --eval-fraction {config.eval_fraction} holds out all {count:,} of its samples, "
             "leaving none to train on; lower --eval-fraction, or give a held-out set with --eval-store"
         )
-    if not any(prepared.sample(sample)[1].any() for sample in trained):
+    index = np.asarray(trained)
+    total = int(trainable_tokens(prepared)[index].sum())
+    if not total:
         raise EagletError(
             f"{prepared.path}: none of its {len(trained):,} training samples has a trainable token (every loss "
             "mask is 0); prepare conversations with assistant answers"
         )
+    budget = config.token_budget
+    cut = index[prepared.lengths[index] > budget]  # samples training sees only the first `budget` tokens of
+    lost = sum(int(prepared.sample(sample)[1][budget:].sum()) for sample in cut.tolist())
+    if not lost:
+        return None
+    longest = int(prepared.lengths[cut].max())
+    if lost == total:
+        raise EagletError(
+            f"{prepared.path}: --token-budget {budget:,} cuts every training sample before its first trainable token "
+            f"(training sees a sample's first {budget:,} tokens; the longest is {longest:,}); raise --token-budget to "
+            f"{longest:,}"
+        )
+    return (
+        f"--token-budget {budget:,} cuts {len(cut):,} of {len(trained):,} training samples (the longest {longest:,} "
+        f"tokens): {lost / total:.1%} of the trainable tokens are never trained on",
+        f"raise --token-budget to {longest:,}, or prepare with --max-len {budget:,}",
+    )
 
 
 @dataclass
