@@ -466,15 +466,15 @@ def test_shard_writer_output_reads_back_with_safetensors(tmp_path):
         "loss_mask": torch.tensor([0, 1, 1, 0, 1], dtype=torch.uint8),
         "offsets": torch.tensor([0, 2, 5]),
         "empty": torch.empty(0, dtype=torch.int64),
+        "step": torch.tensor(3.0),  # 0-dim: an optimizer's step count in a checkpoint
     }
     size, digest = write_safetensors(tmp_path / "x.safetensors", tensors)
     assert size == (tmp_path / "x.safetensors").stat().st_size and digest == sha256_file(tmp_path / "x.safetensors")
     loaded = load_file(str(tmp_path / "x.safetensors"))
     assert set(loaded) == set(tensors)
     for name, tensor in tensors.items():
-        assert loaded[name].dtype == tensor.dtype and torch.equal(
-            loaded[name].view(torch.uint8), tensor.view(torch.uint8)
-        )
+        assert loaded[name].dtype == tensor.dtype and loaded[name].shape == tensor.shape
+        assert torch.equal(loaded[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8))
     with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as handle:
         assert handle.get_slice("aux").get_shape() == [5, 3, 7]
 

@@ -277,7 +277,19 @@ def trained(tmp_path, tiny_store, tiny_target):
             lambda c: (c / "draft.safetensors").write_bytes((c / "draft.safetensors").read_bytes()[:100]),
             "damaged checkpoint",
         ),
-        (lambda c: (c / "optimizer.pt").write_bytes((c / "optimizer.pt").read_bytes()[:200]), "optimizer.pt"),
+        (
+            lambda c: (c / "optimizer.safetensors").write_bytes((c / "optimizer.safetensors").read_bytes()[:200]),
+            "optimizer.safetensors",
+        ),
+        (
+            lambda c: (c / "optimizer.json").write_text('{"state": {"__tensor__": "/state/nope"}}'),
+            "optimizer.json: /state: refers to tensor '/state/nope', which is not stored",
+        ),
+        (lambda c: (c / "optimizer.json").write_text('{"param_groups": []}'), "no 'state' mapping"),
+        (  # a checkpoint of an earlier eaglet: its optimizer state pickled, which is never loaded
+            lambda c: [(c / "optimizer.json").unlink(), (c / "optimizer.safetensors").rename(c / "optimizer.pt")],
+            "optimizer state pickled in optimizer.pt",
+        ),
     ],
 )
 def test_a_damaged_checkpoint_at_resume(tmp_path, capsys, trained, tiny_store, tiny_target, damage, message):

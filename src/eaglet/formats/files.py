@@ -50,7 +50,9 @@ METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
 TRAINER_STATE_FILE = "trainer.json"
 CHECKPOINT_WEIGHTS_FILE = "draft.safetensors"
-OPTIMIZER_FILE = "optimizer.pt"  # tensors and plain containers only, loaded with weights_only=True
+OPTIMIZER_TENSORS_FILE = "optimizer.safetensors"  # the optimizer state's tensors (``formats.tensor_tree``)
+OPTIMIZER_STATE_FILE = "optimizer.json"  # the rest of it, each tensor a reference into the file above
+PICKLED_OPTIMIZER_FILE = "optimizer.pt"  # an earlier eaglet's pickled optimizer state: refused, never unpickled
 RNG_FILE = "rng.safetensors"
 
 

@@ -131,7 +131,7 @@ def write_safetensors(
             tensor = contiguous[name]
             if not tensor.numel():
                 continue
-            memory = memoryview(tensor.view(torch.uint8).reshape(-1).numpy())
+            memory = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # flat first: 0-dim tensors too
             for begin in range(0, len(memory), WRITE_CHUNK_BYTES):
                 chunk = memory[begin : begin + WRITE_CHUNK_BYTES]
                 digest.update(chunk)  # hashlib and file writes release the GIL on large buffers

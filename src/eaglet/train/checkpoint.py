@@ -1,8 +1,8 @@
 """Trainer checkpoints: model, optimizer, scheduler, RNG and data position; atomic; the last N kept.
 
 Layout: ``RUN/checkpoints/step-000200/`` with ``draft.safetensors`` (trainable weights + buffers),
-``optimizer.pt`` (loaded with ``weights_only=True``: tensors and plain containers only, no pickled
-objects), ``rng.safetensors`` and ``trainer.json`` (step, epoch, position in the epoch, scheduler).
+``optimizer.safetensors`` + ``optimizer.json`` (the optimizer's state: its tensors, and the rest with references to
+them; nothing pickled), ``rng.safetensors`` and ``trainer.json`` (step, epoch, position in the epoch, scheduler).
 """
 
 from __future__ import annotations
@@ -18,13 +18,16 @@ from ..errors import EagletError
 from ..formats.files import (
     CHECKPOINT_WEIGHTS_FILE,
     CHECKPOINTS_DIR,
-    OPTIMIZER_FILE,
+    OPTIMIZER_STATE_FILE,
+    OPTIMIZER_TENSORS_FILE,
+    PICKLED_OPTIMIZER_FILE,
     RNG_FILE,
     TRAINER_STATE_FILE,
     checkpoint_dir_name,
 )
 from ..formats.records import Count, Record, parse_record
 from ..formats.target_record import TargetIdentity
+from ..formats.tensor_tree import join_tensors, split_tensors
 from ..fsio import atomic_directory, load_json_file, write_json_atomic
 from ..model.shards import write_safetensors
 
@@ -48,37 +51,6 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
-class _WriteRecorder:
-    """A file torch.save writes through, keeping the OSError of a failed write: torch reports it as a RuntimeError
-    without the errno (a full disk would read as an internal error)."""
-
-    def __init__(self, handle: Any):
-        self.handle = handle
-        self.error: OSError | None = None
-
-    def write(self, data: Any) -> int:
-        try:
-            return self.handle.write(data)
-        except OSError as exc:
-            self.error = exc
-            raise
-
-    def flush(self) -> None:
-        self.handle.flush()
-
-
-def _torch_save(obj: Any, path: Path) -> None:
-    """``torch.save`` whose failed write raises the OSError the system gave."""
-    with open(path, "wb") as handle:
-        recorder = _WriteRecorder(handle)
-        try:
-            torch.save(obj, recorder)
-        except RuntimeError:
-            if recorder.error is not None:
-                raise recorder.error from None
-            raise
-
-
 def save_checkpoint(
     run: Path,
     model_state: dict[str, torch.Tensor],
@@ -92,7 +64,9 @@ def save_checkpoint(
     final = run / CHECKPOINTS_DIR / checkpoint_dir_name(state.step)
     with atomic_directory(final, overwrite=True) as tmp:
         write_safetensors(tmp / CHECKPOINT_WEIGHTS_FILE, model_state)
-        _torch_save(optimizer_state, tmp / OPTIMIZER_FILE)
+        document, tensors = split_tensors(optimizer_state)
+        write_safetensors(tmp / OPTIMIZER_TENSORS_FILE, tensors)
+        write_json_atomic(tmp / OPTIMIZER_STATE_FILE, document)
         write_safetensors(tmp / RNG_FILE, _rng_state())
         write_json_atomic(
             tmp / TRAINER_STATE_FILE,
@@ -153,6 +127,11 @@ def load_checkpoint(path: Path, expected_keys: set[str], scheduler: Any, identit
         state = TrainerState(**saved.state)
     except TypeError as exc:
         raise damaged_checkpoint(path, f"{TRAINER_STATE_FILE}: {exc}") from None
+    if (path / PICKLED_OPTIMIZER_FILE).is_file() and not (path / OPTIMIZER_STATE_FILE).is_file():
+        raise EagletError(
+            f"{path}: a checkpoint of an earlier eaglet, its optimizer state pickled in {PICKLED_OPTIMIZER_FILE} (eaglet "
+            "no longer unpickles anything); resume it with the eaglet that wrote it, or train into another --out"
+        )
     try:
         model_state = load_file(str(path / CHECKPOINT_WEIGHTS_FILE))
         rng = load_file(str(path / RNG_FILE))
@@ -163,12 +142,7 @@ def load_checkpoint(path: Path, expected_keys: set[str], scheduler: Any, identit
             f"{path}: checkpoint weights do not match the draft "
             f"(missing {sorted(expected_keys - set(model_state))}, unexpected {sorted(set(model_state) - expected_keys)})"
         )
-    try:
-        optimizer_state = torch.load(path / OPTIMIZER_FILE, weights_only=True, map_location="cpu")
-    except Exception as exc:  # a cut zip, or a pickle with anything but tensors and plain containers
-        raise damaged_checkpoint(
-            path, f"{OPTIMIZER_FILE}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-        ) from None
+    optimizer_state = _optimizer_state(path, fix)
     try:
         scheduler.load_state_dict(saved.scheduler)
         torch.set_rng_state(rng["cpu"])
@@ -179,3 +153,23 @@ def load_checkpoint(path: Path, expected_keys: set[str], scheduler: Any, identit
         if cuda_states:
             torch.cuda.set_rng_state_all(cuda_states[: torch.cuda.device_count()])
     return LoadedCheckpoint(state, model_state, optimizer_state)
+
+
+def _optimizer_state(path: Path, fix: str) -> dict[str, Any]:
+    """The optimizer state from its safetensors file and JSON document; a damaged or mismatched pair refused."""
+    from safetensors.torch import load_file
+
+    document = load_json_file(path / OPTIMIZER_STATE_FILE, fix)
+    try:
+        tensors = load_file(str(path / OPTIMIZER_TENSORS_FILE))
+    except Exception as exc:  # safetensors' errors for a missing, cut or foreign file
+        raise damaged_checkpoint(
+            path, f"{OPTIMIZER_TENSORS_FILE}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        ) from None
+    try:
+        state = join_tensors(document, tensors)
+    except ValueError as exc:
+        raise damaged_checkpoint(path, f"{OPTIMIZER_STATE_FILE}: {exc}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("state"), dict):
+        raise damaged_checkpoint(path, f"{OPTIMIZER_STATE_FILE}: not an optimizer state (no 'state' mapping)")
+    return state
