@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglet.formats.tensor_tree import join_tensors, split_tensors
+from eaglet.train.tensor_tree import join_tensors, split_tensors
 
 
 def trained(fused: bool = False, state: dict | None = None, steps: int = 2, start: int = 0):

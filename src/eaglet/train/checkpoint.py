@@ -27,9 +27,9 @@ from ..formats.files import (
 )
 from ..formats.records import Count, Record, parse_record
 from ..formats.target_record import TargetIdentity
-from ..formats.tensor_tree import join_tensors, split_tensors
 from ..fsio import atomic_directory, load_json_file, write_json_atomic
 from ..model.shards import write_safetensors
+from .tensor_tree import join_tensors, split_tensors
 
 
 @dataclass
