@@ -111,20 +111,22 @@ def write_safetensors(
     path: Path,
     tensors: dict[str, torch.Tensor],
     metadata: dict[str, str] | None = None,
-) -> tuple[int, str]:
-    """Write a safetensors file straight from the tensors' memory, hashing as it goes: every safetensors file eaglet
-    writes (shards, drafts, checkpoints, exports), so a full disk or a file-size limit is the OSError it is.
+    hashed: bool = True,
+) -> tuple[int, str | None]:
+    """Write a safetensors file straight from the tensors' memory, hashing as it goes (``hashed``: a checkpoint's
+    optimizer state, whose bytes nothing records, skips it): every safetensors file eaglet writes (shards, drafts,
+    checkpoints, exports), so a full disk or a file-size limit is the OSError it is.
 
     ``safetensors.torch.save_file`` first copies every tensor to bytes (0.8 GB/s measured on the
     H200 host, below the disk's 1.4 GB/s); this writes the same format (header: JSON, space-padded
     to 8 bytes; then the raw little-endian data) from zero-copy views with the GIL released, so
     several writer threads run in parallel. Files are read back with the safetensors library.
-    Returns (bytes written, sha256 of the file).
+    Returns (bytes written, sha256 of the file or None).
     """
     contiguous = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
     specs = {name: (tensor.dtype, tuple(tensor.shape)) for name, tensor in contiguous.items()}
     prefix, _, data_bytes = safetensors_prefix(specs, metadata)
-    digest = hashlib.sha256(prefix)
+    digest = hashlib.sha256(prefix) if hashed else None
     with open(path, "wb") as handle:
         handle.write(prefix)
         for name in sorted(contiguous):
@@ -134,9 +136,10 @@ def write_safetensors(
             memory = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # flat first: 0-dim tensors too
             for begin in range(0, len(memory), WRITE_CHUNK_BYTES):
                 chunk = memory[begin : begin + WRITE_CHUNK_BYTES]
-                digest.update(chunk)  # hashlib and file writes release the GIL on large buffers
+                if digest is not None:
+                    digest.update(chunk)  # hashlib and file writes release the GIL on large buffers
                 handle.write(chunk)
-    return len(prefix) + data_bytes, digest.hexdigest()
+    return len(prefix) + data_bytes, None if digest is None else digest.hexdigest()
 
 
 def write_shard(store: Path, plan: ShardPlan, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
