@@ -38,3 +38,9 @@ def shown(value: object) -> str:
     """``repr(value)`` cut to ``MAX_SHOWN`` characters: an error line repeats what was given, not all of it."""
     text = repr(value)
     return text if len(text) <= MAX_SHOWN else text[: MAX_SHOWN - 3] + "..."
+
+
+def first_line(exc: BaseException) -> str:
+    """A third-party exception's first line (its type's name when it says nothing): what an error line quotes."""
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import EagletError
+from ..errors import EagletError, first_line
 from ..formats.files import TARGET_CONFIG_FILE
 from ..formats.layers import default_aux_layer_ids
 from ..formats.target_record import TargetIdentity
@@ -89,7 +89,7 @@ def _download_hub(repo_id: str, trust_remote_code: bool) -> Path:
             repo_id, allow_patterns=list(HUB_FILES + (HUB_CODE_FILES if trust_remote_code else ()))
         )
     except Exception as exc:  # network or auth problems become one line
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        reason = first_line(exc)
         raise EagletError(
             f"target {repo_id}: could not fetch from the hub ({reason}); pass a local directory"
         ) from None
@@ -339,7 +339,7 @@ def open_weights(file: Path, target: Path) -> Iterator[Any]:
     try:
         handle = safe_open(str(file), framework="pt")
     except Exception as exc:  # SafetensorError, OSError (a directory, no permission, an I/O error)
-        said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        said = first_line(exc)
         raise EagletError(
             f"target {target}: {file.name} is unreadable ({said}); its weights are damaged or "
             "incomplete: download or convert the target again"

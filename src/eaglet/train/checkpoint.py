@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..errors import EagletError
+from ..errors import EagletError, first_line
 from ..formats.files import (
     CHECKPOINT_WEIGHTS_FILE,
     CHECKPOINTS_DIR,
@@ -136,7 +136,7 @@ def load_checkpoint(path: Path, expected_keys: set[str], scheduler: Any, identit
         model_state = load_file(str(path / CHECKPOINT_WEIGHTS_FILE))
         rng = load_file(str(path / RNG_FILE))
     except Exception as exc:  # safetensors' errors for a missing, cut or foreign file
-        raise damaged_checkpoint(path, str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+        raise damaged_checkpoint(path, first_line(exc)) from None
     if set(model_state) != expected_keys:
         raise EagletError(
             f"{path}: checkpoint weights do not match the draft "
@@ -163,9 +163,7 @@ def _optimizer_state(path: Path, fix: str) -> dict[str, Any]:
     try:
         tensors = load_file(str(path / OPTIMIZER_TENSORS_FILE))
     except Exception as exc:  # safetensors' errors for a missing, cut or foreign file
-        raise damaged_checkpoint(
-            path, f"{OPTIMIZER_TENSORS_FILE}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-        ) from None
+        raise damaged_checkpoint(path, f"{OPTIMIZER_TENSORS_FILE}: {first_line(exc)}") from None
     try:
         state = join_tensors(document, tensors)
     except ValueError as exc:

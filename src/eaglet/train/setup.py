@@ -102,9 +102,10 @@ def build_setup(config: TrainConfig, device: str) -> Setup:
                 "tensor-parallel group; extract a store with `torchrun ... eaglet extract --placement tp`"
                 " and train on it, or use --placement split"
             )
-    budget_cut = check_trainable(prepared, config, samples_of(source) if config.store else None)
+    covered = samples_of(source) if config.store else None  # a store made with --max-samples: its first samples
+    budget_cut = check_trainable(prepared, config, covered)
     # before the online target loads: a bad eval store is known from files alone
-    eval_source = open_eval_store(config, identity, layer_ids, prepared, samples_of(source) if config.store else None)
+    eval_source = open_eval_store(config, identity, layer_ids, prepared, covered)
     if config.store is None:
         model = load_model(resolved.path, device, "auto", config.trust_remote_code, config)
         source = LiveSource(
