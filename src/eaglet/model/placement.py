@@ -83,17 +83,20 @@ def topology(config: Any, rank: int, world: int) -> Topology:
 
 
 def causal_lm_problem(target_path: Path, trust_remote_code: bool) -> str | None:
-    """Why ``AutoModelForCausalLM`` (the only class eaglet loads targets with) would refuse the target's config.json
-    (the whole file: a multimodal wrapper's own model_type decides the class), or None: its model_type has a
-    causal-LM class in this transformers, or the model's own code provides one and is allowed."""
+    """Why transformers would refuse to load the target's config.json as a causal LM (the whole file: a multimodal
+    wrapper's own model_type decides the class), or None: its model_type has a causal-LM class in this transformers,
+    it is a wrapper whose language model transformers loads alone (``model.text_model``), or the model's own code
+    provides one and is allowed."""
     import json
 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    from .text_model import target_language_model
+
     target_config = json.loads((target_path / TARGET_CONFIG_FILE).read_text(encoding="utf-8"))  # read_config checked it
     model_type = str(target_config.get("model_type", "?"))
-    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return None
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or target_language_model(target_path) is not None:
+        return None  # transformers' class for it, or for the language model a wrapper holds (model.text_model)
     if "AutoModelForCausalLM" in (target_config.get("auto_map") or {}):
         if trust_remote_code:
             return None

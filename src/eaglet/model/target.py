@@ -265,9 +265,9 @@ def config_identity(config: dict[str, Any]) -> str:
 REQUIRED_CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")
 
 
-def read_config(path: Path) -> dict[str, Any]:
-    """The target's config.json (a multimodal wrapper's ``text_config``), refused in one line when it is not
-    JSON or not a decoder's config: otherwise the tokenizer or the model load fails on it, blamed on themselves."""
+def raw_config(path: Path) -> dict[str, Any]:
+    """The target's config.json as written (a multimodal wrapper's own fields, its ``text_config`` inside), refused in
+    one line when it is not a JSON object."""
     import json
 
     file = path / TARGET_CONFIG_FILE
@@ -282,6 +282,15 @@ def read_config(path: Path) -> dict[str, Any]:
         raise EagletError(f"target {file}: unreadable ({exc}); fix the file or fetch the model again") from None
     if not isinstance(config, dict):
         raise EagletError(f"target {file}: holds a {type(config).__name__}, not a model config; fetch the model again")
+    return config
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The target's config.json (a multimodal wrapper's ``text_config``, with the wrapper's ``architectures``), refused
+    in one line when it is not JSON or not a decoder's config: otherwise the tokenizer or the model load fails on it,
+    blamed on themselves. What decides which engine class runs it is the whole file's: ``raw_config``."""
+    config = raw_config(path)
+    file = path / TARGET_CONFIG_FILE
     text = config.get("text_config", config)  # multimodal wrappers keep the language model's fields here
     missing = [
         key for key in REQUIRED_CONFIG_FIELDS if not isinstance(text, dict) or not isinstance(text.get(key), int)
@@ -510,10 +519,14 @@ def load_model(
     if problem:
         raise EagletError(problem)
     kwargs = load_kwargs(placement, world) if placement is not None else {}
+    loader, wrapped = AutoModelForCausalLM, wrapped_language_model_of(path)
+    if wrapped is not None:  # a multimodal wrapper transformers has no class for: its language model alone
+        loader = wrapped.model_class()
+        kwargs |= {"config": wrapped.config(config), "key_mapping": wrapped.key_mapping()}
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its load report would print before eaglet's one line on missing weights
     try:
-        model, loading = AutoModelForCausalLM.from_pretrained(
+        model, loading = loader.from_pretrained(
             path,
             dtype=pick_dtype(dtype, device),
             trust_remote_code=trust_remote_code,
@@ -531,7 +544,31 @@ def load_model(
             f"transformers reads it (first: {missing[0]}); this checkpoint's format is not one "
             f"transformers loads fully for {type(model).__name__}"
         )
+    if wrapped is not None:  # compressed-tensors decompresses fused experts in the scales' dtype: one dtype throughout
+        model = model.to(pick_dtype(dtype, device))
     return (model.to(device) if mode == "one" else model).eval()
+
+
+def generation_eos(path: Path) -> int | list[int] | None:
+    """The end(s) of sequence the target's generation config gives (generation_config.json, else config.json's)."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # no generation_config.json
+        return read_config(path).get("eos_token_id")
+
+
+def wrapped_language_model_of(path: Path) -> Any:
+    """The language model transformers loads alone from a wrapper whose own model_type it has no class for
+    (``model.text_model``), or None: the target loads through ``AutoModelForCausalLM``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from .text_model import target_language_model
+
+    if str(raw_config(path).get("model_type", "")) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return None
+    return target_language_model(path)
 
 
 # Where architectures keep the final norm (the one before the LM head), and the families whose RMSNorm

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .vllm_releases import DEEPSEEK_LAST_LAYER_SINCE
+
 REGISTRY = "vllm/model_executor/models/registry.py"
 MODELS = "vllm/model_executor/models"
 REGISTERED = re.compile(r'"(\w+)"\s*:\s*\(\s*"(\w+)"\s*,\s*"(\w+)"\s*\)')  # "Arch": ("module", "Class")
@@ -42,7 +44,8 @@ def installed_vllm_root() -> Path | None:
 
 
 def last_layer_capture(config: dict[str, Any], root: Path, version: str) -> CaptureVerdict:
-    """Whether vLLM (its sources under ``root``) captures layer id N for the model ``config`` (config.json)."""
+    """Whether vLLM (its sources under ``root``) captures layer id N for the model ``config`` (config.json as
+    written, not ``read_config``'s flattening: a wrapper's own class and its ``text_config``'s are both judged)."""
     verdict = CaptureVerdict()
     registry = root / REGISTRY
     if not registry.is_file():
@@ -67,14 +70,17 @@ def last_layer_capture(config: dict[str, Any], root: Path, version: str) -> Capt
             verdict.problem = (
                 f"vLLM {version}'s {arch} ({MODELS}/{module}.py) captures hidden states only at decoder layers' "
                 "inputs, not the last layer's output that eaglet's `last` feature needs (its engine would die on "
-                "the first step, after the model load); install a vLLM release that captures it (vllm==0.33.0 "
-                "does), or use --backend hf"
+                f"the first step, after the model load); install a vLLM release that captures it (vllm>="
+                f"{DEEPSEEK_LAST_LAYER_SINCE}), or use --backend hf"
             )
         return verdict
     return verdict
 
 
-def installed_capture(config: dict[str, Any], version: str) -> CaptureVerdict | None:
-    """``last_layer_capture`` against the installed vLLM, or None where its source is not found."""
+def installed_capture(target_path: Path, version: str) -> CaptureVerdict | None:
+    """``last_layer_capture`` of the target (its config.json as written: a wrapper's class and its language model's)
+    against the installed vLLM, or None where its source is not found."""
+    from .target import raw_config
+
     root = installed_vllm_root()
-    return None if root is None else last_layer_capture(config, root, version)
+    return None if root is None else last_layer_capture(raw_config(target_path), root, version)
