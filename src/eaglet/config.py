@@ -45,6 +45,13 @@ Split = Literal["all", "train", "heldout"]  # rows whose `split` field matches
 OnBadRow = Literal["error", "skip"]
 # hf: transformers in this process (eaglet.extract); vllm: eaglet.model.vllm_engine
 ExtractBackend = Literal["hf", "vllm"]
+EvalBackend = Literal["hf", "vllm"]  # hf: eaglet.decode's own engines; vllm: eaglet.decode.vllm_serving
+# vLLM's KV cache dtypes eaglet offers (vLLM's CacheDType; fp8 is e4m3 on NVIDIA GPUs); the extract route stores the
+# captured hidden states in its cache layer and takes only the unquantized ones (vllm extract_hidden_states.py)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+KvCacheDtype = Literal[KV_CACHE_DTYPES]  # type: ignore[valid-type]
+EXTRACT_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
+MAX_VLLM_SEQUENCES = 1 << 20  # past it a typo: vLLM preallocates per sequence
 DEFAULT_VLLM_MEMORY_SHARE = 0.85  # of the GPU vLLM takes for weights + KV cache (the norm and encode need the rest)
 TARGET_HELP = "'embedded' (SmolLM2-135M-Instruct), an HF model directory, a .gguf file or a hub id"
 RECORDED_TARGET_HELP = "the target (default: the one its input records)"
@@ -113,11 +120,34 @@ class GenerationFields(StrictModel):
 
 
 class VllmFields(StrictModel):
-    """How vLLM holds the target, for every stage with a vllm backend (``model.vllm_engine``)."""
+    """How vLLM holds the target, for every stage with a vllm backend (``model.vllm_engine.EngineHold``)."""
 
     tensor_parallel_size: int = Field(default=1, ge=1, description="vllm: GPUs vLLM splits the target over")
     gpu_memory_utilization: float = Field(
         default=DEFAULT_VLLM_MEMORY_SHARE, gt=0, lt=1, description="vllm: share of each GPU vLLM may take"
+    )
+    enable_expert_parallel: bool = Field(
+        default=False,
+        description="vllm: a MoE target's experts spread whole over the tensor-parallel GPUs instead of each split",
+    )
+    max_num_seqs: int | None = Field(
+        default=None, ge=1, le=MAX_VLLM_SEQUENCES, description="vllm: sequences vLLM runs at once (default: vLLM's)"
+    )
+    kv_cache_dtype: KvCacheDtype = Field(
+        default="auto",
+        description="vllm: the KV cache's dtype (fp8: half the cache; generation only: the extract route keeps "
+        "hidden states in it and takes auto, bfloat16 or float16)",
+    )
+    max_model_len: int | None = Field(
+        default=None,
+        ge=1,
+        description="vllm: tokens a request may hold, prompt and answer (default: the target's own context, whose KV "
+        "cache vLLM must hold at start; extraction sets it to the longest sample)",
+    )
+    language_model_only: bool = Field(
+        default=True,
+        description="vllm: a multimodal target (Kimi-K2.5's wrapper) opened for text: its vision tower is not built, "
+        "its tokenizer is loaded for vLLM's input processor",
     )
 
     @model_validator(mode="after")
@@ -130,6 +160,15 @@ class VllmFields(StrictModel):
             )
         if backend != "vllm" and self.tensor_parallel_size != 1:
             raise ValueError("--tensor-parallel-size is the vllm backend's; the hf backend uses --placement tp")
+        vllm_only = {
+            "--enable-expert-parallel": self.enable_expert_parallel,
+            "--max-num-seqs": self.max_num_seqs is not None,
+            "--kv-cache-dtype": self.kv_cache_dtype != "auto",
+            "--max-model-len": self.max_model_len is not None,
+        }
+        given = next((option for option, set_ in vllm_only.items() if set_), None)
+        if backend != "vllm" and given:
+            raise ValueError(f"{given} is the vllm backend's; --backend {backend} does not start vLLM")
         if backend != "hf" and getattr(self, "hf_engine", "auto") != "auto":
             raise ValueError(f"--hf-engine is the hf backend's; --backend {backend} generates its own way")
         return self
@@ -495,6 +534,11 @@ class ExtractConfig(VllmFields, PlacementFields):
                 f"--replica {self.replica} is for tensor-parallel groups (--placement tp); without it, torchrun's "
                 "ranks already split the work"
             )
+        if self.kv_cache_dtype not in EXTRACT_KV_CACHE_DTYPES:
+            raise ValueError(
+                f"--kv-cache-dtype {self.kv_cache_dtype}: vLLM's extract route keeps the hidden states it captures in "
+                f"its KV cache and refuses a quantized one; use {' or '.join(EXTRACT_KV_CACHE_DTYPES)}"
+            )
         return self
 
 
@@ -633,8 +677,16 @@ TUNE_TREES = ((7, 8, 56), (8, 8, 64), (10, 10, 96))
 TREE_LIMITS = {"depth": (1, 16), "topk": (1, 64), "budget": (1, 512)}  # the bounds of a tree's (and chain's) shape
 
 
-class EvalConfig(PlacementFields):
-    draft: str = Field(description="a draft directory (`eaglet train` output or an `eaglet export` directory)")
+class EvalConfig(VllmFields, PlacementFields):
+    draft: str = Field(
+        description="a draft directory (`eaglet train` output or an `eaglet export` directory; --backend vllm: "
+        "an `eaglet export --format vllm` one)"
+    )
+    backend: EvalBackend = Field(
+        default="hf",
+        description="hf: eaglet's own decoder on transformers' target; vllm: vLLM serves the target with the "
+        "exported draft (τ from vLLM's own counters, tok/s with and without it)",
+    )
     out: str = Field(description="report directory")
     prompts: FileList = Field(
         default_factory=lambda: ["demo"],
@@ -686,7 +738,8 @@ class EvalConfig(PlacementFields):
     dtype: ComputeDtype = Field(
         default="float32",
         description="target and draft; float32 makes the greedy lossless check exact (bf16 rounds "
-        "a k-token verify differently from a 1-token step, so near-ties flip); auto = bf16 on GPU",
+        "a k-token verify differently from a 1-token step, so near-ties flip); auto = bf16 on GPU "
+        "(--backend vllm: auto unless given)",
     )
     hf_generate_baseline: bool = Field(default=False, description="also time plain HF generate")
     cuda_graphs: Literal["auto", "on", "off"] = Field(
@@ -703,6 +756,8 @@ class EvalConfig(PlacementFields):
 
     def decoding_problem(self) -> str | None:
         """Settings no decoder runs, found from the settings alone (before any stage of a run, any model load)."""
+        if self.backend == "vllm":
+            return self._vllm_problem()
         if self.batch_size > 1 and (self.mode != "chain" or self.temperature > 0):
             return (
                 f"--batch-size {self.batch_size}: batched decoding drafts chains greedily; use --mode chain and "
@@ -722,4 +777,22 @@ class EvalConfig(PlacementFields):
                         f"tune_trees {list(shape)}: {name} {value} is outside {low}..{high}; give each shape as "
                         "[depth, top-k, budget]"
                     )
+        return None
+
+    def _vllm_problem(self) -> str | None:
+        """eaglet's own engines' settings vLLM's eagle3 route has no counterpart for."""
+        if self.mode != "chain":
+            return "--backend vllm drafts chains of --depth tokens (vLLM's eagle3 route); use --mode chain"
+        given = [
+            option
+            for option, set_ in (
+                ("--tune", self.tune),
+                ("--cuda-graphs", self.cuda_graphs != "auto"),
+                ("--compile-draft", self.compile_draft != "auto"),
+                ("--hf-generate-baseline", self.hf_generate_baseline),
+            )
+            if set_
+        ]
+        if given:
+            return f"{given[0]} is the hf backend's; vLLM compiles and graphs the target and draft itself"
         return None

@@ -360,37 +360,21 @@ class VllmBackend:
     writes = True
 
     def __init__(self, config: RegenerateConfig):
-        from transformers import GenerationConfig
+        from ..model.target import generation_eos, load_tokenizer, pick_dtype, resolve_target
+        from ..model.vllm_engine import EngineHold, EngineUse, open_llm, start_problem, vllm_runs_on
 
-        from ..model.target import load_tokenizer, pick_dtype, resolve_target
-        from ..model.vllm_engine import start_problem, starting, vllm_missing, vllm_runs_on
-
-        try:
-            from vllm import LLM
-        except ImportError as exc:
-            raise vllm_missing(exc) from None
         self.config = config
         resolved = resolve_target(config.target, config.trust_remote_code)
-        problem = start_problem(resolved.path, config.device, config.tensor_parallel_size)
+        problem = start_problem(resolved.path, config)
         if problem:
             raise EagletError(problem)
         self.tokenizer = load_tokenizer(resolved.path, config.trust_remote_code)
-        try:
-            eos = GenerationConfig.from_pretrained(resolved.path).eos_token_id
-        except OSError:  # no generation_config.json: the config's and tokenizer's end of sequence
-            eos = None
+        eos = generation_eos(resolved.path)
         self.stop_ids = stop_token_ids(eos, self.tokenizer, _needs_template(self.tokenizer, config.target))
         self.model = str(resolved.path)
-        with starting(self.model):
-            self.llm = LLM(
-                model=self.model,
-                skip_tokenizer_init=True,  # eaglet renders and decodes with the target's own tokenizer
-                trust_remote_code=config.trust_remote_code,
-                tensor_parallel_size=config.tensor_parallel_size,
-                dtype=str(pick_dtype(config.dtype, vllm_runs_on() or "cuda")).removeprefix("torch."),  # as hf does
-                seed=config.seed,
-                gpu_memory_utilization=config.gpu_memory_utilization,
-            )
+        dtype = str(pick_dtype(config.dtype, vllm_runs_on() or "cuda")).removeprefix("torch.")  # as hf does
+        # eaglet renders and decodes with the target's own tokenizer: vLLM loads one only for a multimodal wrapper
+        self.llm = open_llm(EngineHold.of(config, resolved.path, dtype, config.seed), EngineUse())
 
     def answers(self, requests: list[Request]) -> Iterator[tuple[list[Request], list[Answer]]]:
         """The requests' answers, in groups as they finish (each group written durably at once)."""

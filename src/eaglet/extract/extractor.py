@@ -49,7 +49,6 @@ from ..model.target import (
     hub_id_of,
     load_model,
     load_tokenizer,
-    read_config,
     resolve_target,
     target_info,
 )
@@ -57,6 +56,7 @@ from ..model.transfer import to_device
 from ..model.vllm_capture import installed_capture
 from ..model.vllm_engine import (
     GENERATED_TOKENS,
+    EngineHold,
     EngineSettings,
     HiddenStateEngine,
     start_problem,
@@ -503,27 +503,28 @@ def open_vllm_engine(
 ) -> HiddenStateEngine:
     """vLLM on the target, sized for the longest sample and a forward of ``--batch-tokens``; ``profile_dir``: where
     vLLM's torch profiler writes its worker's traces (benchmarks/vllm_extract_parity.py; off in `eaglet extract`)."""
-    problem = start_problem(target_path, config.device, config.tensor_parallel_size)
+    problem = start_problem(target_path, config)
     if problem is None:
-        verdict = installed_capture(read_config(target_path), vllm_version() or "?")
+        verdict = installed_capture(target_path, vllm_version() or "?")
         problem = verdict.problem if verdict is not None else None
     if problem:
         raise EagletError(problem)
     load_final_norm(target_path, "cpu", torch.float32)  # vLLM's worker forms `last` with it: its absence, named now
     longest = int(prepared.lengths.max())
+    if config.max_model_len is not None and config.max_model_len < longest + GENERATED_TOKENS:
+        raise EagletError(
+            f"--max-model-len {config.max_model_len}: the prepared set's longest sample has {longest:,} tokens and "
+            f"vLLM needs {longest + GENERATED_TOKENS:,}; leave --max-model-len out (extraction sizes it) or raise it"
+        )
     settings = EngineSettings(
-        model=str(target_path),
+        hold=EngineHold.of(config, target_path, model_dtype),
         aux_layer_ids=layers,
         num_layers=num_layers,
         hidden_size=hidden_size,
         spool=spool_dir(config.spool_dir, store),
         storage_dtype=config.storage_dtype,
-        tensor_parallel_size=config.tensor_parallel_size,
-        dtype=model_dtype,
         max_model_len=longest + GENERATED_TOKENS,
         max_num_batched_tokens=max(config.batch_tokens or GPU_BATCH_TOKENS, longest + GENERATED_TOKENS),
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        trust_remote_code=config.trust_remote_code,
         profile_dir=profile_dir,
     )
     return HiddenStateEngine(settings)

