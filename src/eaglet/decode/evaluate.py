@@ -17,6 +17,7 @@ from .. import __version__
 from ..config import EvalConfig
 from ..data.eval_prompts import EvalPrompt, select_prompts
 from ..errors import EagletError
+from ..formats.draft_config import SERVED_BY_VLLM, read_draft_config, require_export
 from ..formats.eval_report import draft_weights_digest
 from ..formats.files import REPORT_FILE, REPORT_MARKDOWN_FILE
 from ..formats.target_record import other_weights, require_same_target, stage_target
@@ -26,6 +27,7 @@ from ..model.draft import load_draft
 from ..model.placement import input_device, output_device
 from ..model.target import (
     context_length,
+    generation_eos,
     load_head_weights,
     load_model,
     load_tokenizer,
@@ -129,45 +131,24 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     resolved = resolve_target(stage_target(config), config.trust_remote_code)
     tokenizer = load_tokenizer(resolved.path, config.trust_remote_code)
     info = target_info(resolved, tokenizer)
-    draft = load_draft(config.draft, embed=load_head_weights(resolved.path).embed.float())
-    require_same_target(
-        info.identity,
-        draft.config.target,
-        str(config.draft),
-        "trained for",
-        "pass the matching --target",
-        config_only=True,
-    )
-    if other_weights(info.identity, draft.config.target):
-        console.print(
-            f"[yellow]warning[/] {config.draft} was trained against other weights of {info.name} than "
-            f"{resolved.path} holds (a new fine-tune saved there since?): τ measures the draft on weights it never "
-            "saw",
-            highlight=False,
-        )
-    layer_ids = tuple(draft.config.eagle_aux_hidden_state_layer_ids)
+    draft_config = _draft_for(config, info, resolved.path, console)
     context = context_length(resolved.path)
     prompts = select_prompts(config, tokenizer, context)  # before the target loads: a bad prompt file is known now
+    if config.backend == "vllm":
+        from .vllm_serving import serve_eval
+
+        stop = _stop_ids(tokenizer, generation_eos(resolved.path))
+        report = serve_eval(config, resolved.path, info.name, prompts, stop, console)
+        return _write_report(config, report)
+    draft = load_draft(config.draft, embed=load_head_weights(resolved.path).embed.float())
+    layer_ids = tuple(draft_config.eagle_aux_hidden_state_layer_ids)
     dist = init_distributed()  # --placement tp: every rank runs the same decoding; rank 0 reports
     device = dist.device(config.device)
     model = load_model(resolved.path, device, config.dtype, config.trust_remote_code, config, dist.world)
     device = str(output_device(model))  # the draft runs where the target's logits and features come out
     draft = draft.to(device=device, dtype=next(model.parameters()).dtype).eval()
     greedy = config.temperature <= 0
-    stop = sorted(
-        {
-            i
-            for i in [
-                tokenizer.eos_token_id,
-                *(
-                    model.generation_config.eos_token_id
-                    if isinstance(model.generation_config.eos_token_id, list)
-                    else [model.generation_config.eos_token_id]
-                ),
-            ]
-            if i is not None
-        }
-    )
+    stop = _stop_ids(tokenizer, model.generation_config.eos_token_id)
     tuning = None
     if config.tune:
         tune_rows, tuned_on = _tuning_prompts(config, tokenizer, context, prompts)
@@ -218,7 +199,6 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
                 )
             progress.advance(task, len(group))
     report = _report(config, results, info.name, str(device))
-    report["draft_weights_sha256"] = draft_weights_digest(config.draft)  # export checks its report is this draft's
     report["settings"].update(decoders.settings)
     if tuning is not None:
         report["tuning"] = tuning
@@ -226,7 +206,41 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
         report["hf_generate_tokens_per_s"] = round(
             _hf_generate_tokens_per_s(model, [p.ids for p in prompts], config.max_new_tokens, stop), 2
         )
-    if dist.is_main:
+    return _write_report(config, report, dist.is_main)
+
+
+def _draft_for(config: EvalConfig, info: Any, target: Path, console: Console) -> Any:
+    """The draft's config, refused when it was trained for another target (``--backend vllm``: when it is not a
+    directory vLLM loads); a warning when trained on other weights of the same target."""
+    stored = require_export(config.draft, *SERVED_BY_VLLM) if config.backend == "vllm" else None
+    draft_config = (stored or read_draft_config(config.draft)).config
+    require_same_target(
+        info.identity,
+        draft_config.target,
+        str(config.draft),
+        "trained for",
+        "pass the matching --target",
+        config_only=True,
+    )
+    if other_weights(info.identity, draft_config.target):
+        console.print(
+            f"[yellow]warning[/] {config.draft} was trained against other weights of {info.name} than "
+            f"{target} holds (a new fine-tune saved there since?): τ measures the draft on weights it never saw",
+            highlight=False,
+        )
+    return draft_config
+
+
+def _stop_ids(tokenizer: Any, generation_eos: int | list[int] | None) -> list[int]:
+    """Where a decode ends: the tokenizer's end of sequence and the generation config's."""
+    ends = generation_eos if isinstance(generation_eos, list) else [generation_eos]
+    return sorted({i for i in [tokenizer.eos_token_id, *ends] if i is not None})
+
+
+def _write_report(config: EvalConfig, report: dict[str, Any], writes: bool = True) -> dict[str, Any]:
+    """report.json (with the draft's weights digest: export checks its report is this draft's), report.md, plots."""
+    report["draft_weights_sha256"] = draft_weights_digest(config.draft)
+    if writes:
         out = Path(config.out)
         out.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out / REPORT_FILE, report)
@@ -317,6 +331,8 @@ def _report(config: EvalConfig, results: list[PromptResult], target_name: str, d
 
 
 def _engine_words(settings: dict[str, Any]) -> str:
+    if settings.get("device") == "vllm":
+        return settings["engine"]
     if not settings.get("static_cache"):
         return "dynamic KV caches, eager kernels"
     graphs = "replayed as CUDA graphs" if settings.get("cuda_graphs") else "run eagerly (no GPU)"

@@ -240,3 +240,19 @@ def check_against_training_record(config: DraftConfig, config_file: Path) -> Non
             f"the draft was trained against ({trained_hash[:12]}, {record_file.name}); put the trained target's "
             "record back, or train again"
         )
+
+
+SERVED_BY_VLLM = ("vllm", "--backend vllm (vLLM's eagle3 loader)")  # the export `eval --backend vllm` serves, and why
+
+
+def require_export(directory: str | Path, export_format: str, needed_by: str) -> StoredDraft:
+    """The draft at ``directory``, refused in one line unless it is an `eaglet export --format export_format`
+    directory (what ``needed_by`` loads), with the command that makes one."""
+    stored = read_draft_config(directory)
+    if stored.export_format != export_format:
+        made_by = "`eaglet train`'s output" if stored.export_format is None else f"a {stored.export_format} export"
+        raise EagletError(
+            f"--draft {directory}: {made_by}; {needed_by} loads an {export_format} export: run `eaglet export "
+            f"--draft {directory} --format {export_format} --out DIR` and pass --draft DIR"
+        )
+    return stored

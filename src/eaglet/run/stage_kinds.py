@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..config import EvalConfig, ExtractConfig, PrepareConfig, RegenerateConfig, SynthesizeConfig, TrainConfig
 from ..errors import EagletError, Interrupted
+from ..formats.draft_config import SERVED_BY_VLLM
 from ..formats.files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, MANIFEST_FILE, REPORT_FILE, answers_manifest
 from .run_config import RunConfig
 
@@ -230,6 +231,14 @@ def _configure_eval(pipeline: Pipeline) -> tuple[EvalConfig, None]:
         held_out = _configure_synthesize(pipeline)[0].heldout_fraction > 0
         if held_out or evaluate.split != "heldout":
             evaluate = evaluate.model_copy(update={"prompts": [*evaluate.prompts, str(pipeline.path("synthesize"))]})
+    if evaluate.backend == "vllm":  # vLLM serves the export the run writes before eval, as a user would serve it
+        served = SERVED_BY_VLLM[0]
+        if served not in pipeline.config.export.formats:
+            raise EagletError(
+                f"config {pipeline.config_path}: eval.backend vllm serves the {served} export; add {served} to "
+                "export.formats"
+            )
+        evaluate = evaluate.model_copy(update={"draft": str(pipeline.path("export") / served)})
     return evaluate, None
 
 
