@@ -470,6 +470,8 @@ def _plan_table(plans: list, out: Path) -> Table:
     caption = f"needs ~{_human_bytes(needed)}; {_human_bytes(free)} free at {out}"
     if needed > free:
         caption = f"[bold red]{caption}: not enough disk[/]"
+    sources = [f"{plan.name} time at {plan.rate_source}" for plan in plans if plan.action == "run" and plan.rate_source]
+    caption = "\n".join([caption, *map(escape, sources)])
     table = Table(title="eaglet run --plan (nothing runs)", caption=caption)
     placed = any(plan.memory for plan in plans)  # GPU plans: where the target goes, per GPU
     for column in ("stage", "action", "why", "disk (est.)", "time (est.)") + (

@@ -38,6 +38,10 @@ MXFP4_GROUP = 32  # one 8-bit scale per 32 4-bit values
 # or on the first forward (its quantizer's docstring); either way a forward holds them dense. Measured: a tiny INT4
 # checkpoint of 302 KB occupies 745 KB once loaded.
 HF_DEQUANTIZES = ("compressed-tensors",)
+# what vLLM keeps whole on every tensor-parallel rank (vllm/model_executor/models/deepseek_v2.py: MLA's q_a_proj and
+# kv_a_proj_with_mqa are ReplicatedLinear, fused as fused_qkv_a_proj; the MoE router is a GateLinear, unsplit);
+# one-dimensional parameters (norms, the router's score bias) are whole too
+VLLM_REPLICATED = re.compile(r"\.(q_a_proj|kv_a_proj_with_mqa)\.|\.mlp\.gate\.weight$")
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class Weights:
     bytes_by_format: dict[str, int] = field(default_factory=dict)  # storage format -> bytes
     tp_sharded_bytes: int = 0  # of ``bytes``, what the architecture's tensor-parallel plan splits over the ranks
     checkpoint_bytes: int = 0  # on disk (what a load reads)
+    vllm_replicated_bytes: int = 0  # of ``checkpoint_bytes``, what vLLM keeps whole on every tensor-parallel rank
 
     @property
     def stored_bytes(self) -> int:
@@ -60,6 +65,11 @@ class Weights:
     def per_rank(self, tp_size: int) -> int:
         """Bytes one rank holds under tensor parallelism: what the plan splits, over the ranks; the rest whole."""
         return self.bytes - self.tp_sharded_bytes + -(-self.tp_sharded_bytes // max(1, tp_size))
+
+    def vllm_per_rank(self, tp_size: int) -> int:
+        """Bytes one vLLM rank holds: the checkpoint as stored, what vLLM replicates whole, the rest over the ranks."""
+        sharded = self.stored_bytes - self.vllm_replicated_bytes
+        return self.vllm_replicated_bytes + -(-sharded // max(1, tp_size))
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -204,7 +214,7 @@ def weights_of(config: dict[str, Any], dtype_bytes: int | None = None) -> Weight
     experts = int(text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts") or 0)
     top_k = int(text.get("num_experts_per_tok") or 0)
     total = active = 0
-    size = sharded = on_disk = 0.0
+    size = sharded = on_disk = replicated = 0.0
     by_format: dict[str, int] = {}
     for name, shape, is_linear, in_plan in meta_parameters(config):
         count = 1
@@ -216,13 +226,22 @@ def weights_of(config: dict[str, Any], dtype_bytes: int | None = None) -> Weight
         kind, per_parameter = loaded_bytes_per_parameter(quantization, name, is_linear, dense_bytes)
         size += count * per_parameter
         sharded += count * per_parameter if in_plan else 0
-        on_disk += count * _bytes_per_parameter(quantization, name, is_linear, dense_bytes)[1]
+        stored = count * _bytes_per_parameter(quantization, name, is_linear, dense_bytes)[1]
+        on_disk += stored
+        replicated += stored if len(shape) == 1 or VLLM_REPLICATED.search(name) else 0
         by_format[kind] = by_format.get(kind, 0) + int(count * per_parameter)
-    return Weights(total, active, int(size), by_format, int(sharded), int(on_disk))
+    return Weights(total, active, int(size), by_format, int(sharded), int(on_disk), int(replicated))
 
 
-def activation_bytes_per_token(config: dict[str, Any], tp_size: int = 1, dtype_bytes: int = BF16_BYTES) -> int:
-    """Upper bound of one layer's live activations per token in a feature forward (no KV cache), on one GPU."""
+def activation_bytes_per_token(
+    config: dict[str, Any],
+    tp_size: int = 1,
+    dtype_bytes: int = BF16_BYTES,
+    hidden_copies: int = HIDDEN_COPIES + FEATURE_COPIES,
+) -> int:
+    """Upper bound of one layer's live activations per token in a feature forward (no KV cache), on one GPU;
+    ``hidden_copies``: hidden-width tensors live beside attention's and the MLP's (eaglet's forward keeps its
+    features too)."""
     text = text_config(config)
     hidden = int(text["hidden_size"])
     heads = int(text["num_attention_heads"])
@@ -237,7 +256,7 @@ def activation_bytes_per_token(config: dict[str, Any], tp_size: int = 1, dtype_b
     dense_width = int(text.get("intermediate_size") or 4 * hidden)
     shared = int(text.get("n_shared_experts") or 0)
     mlp = 3 * max(dense_width, (top_k + shared) * moe_width if moe_width else 0)
-    return dtype_bytes * (HIDDEN_COPIES * hidden + FEATURE_COPIES * hidden + (attention + mlp) // tp_size)
+    return dtype_bytes * (hidden_copies * hidden + (attention + mlp) // tp_size)
 
 
 @dataclass(frozen=True)
@@ -366,48 +385,6 @@ def this_machine() -> Machine:
         return Machine(0, 0, "CPU")
     properties = torch.cuda.get_device_properties(0)
     return Machine(torch.cuda.device_count(), int(properties.total_memory), properties.name)
-
-
-@dataclass(frozen=True)
-class VllmLayout:
-    """vLLM's hold on a target: the checkpoint as stored (INT4 stays INT4) split over its tensor-parallel ranks, within
-    ``gpu_memory_utilization`` of each GPU; the rest of that share is its KV cache."""
-
-    tensor_parallel_size: int
-    weights_per_gpu: float
-    share_per_gpu: float
-    problems: tuple[str, ...]  # empty: it fits
-
-    def describe(self) -> str:
-        return (
-            f"vllm tp x{self.tensor_parallel_size}: {self.weights_per_gpu / GIB:,.1f} GiB weights of "
-            f"{self.share_per_gpu / GIB:,.0f} (the rest KV cache)"
-        )
-
-
-def vllm_layout(weights: Weights, machine: Machine, tensor_parallel_size: int, memory_share: float) -> VllmLayout:
-    per_gpu = weights.stored_bytes / tensor_parallel_size
-    share = machine.gpu_memory * memory_share
-    problems = []
-    if tensor_parallel_size > machine.gpus:
-        problems.append(f"--tensor-parallel-size {tensor_parallel_size} but the machine has {machine.gpus} GPUs")
-    if per_gpu > share:
-        problems.append(
-            f"{per_gpu / GIB:,.1f} GiB of weights per GPU over {share / GIB:,.1f} GiB "
-            f"(--gpu-memory-utilization {memory_share:g}); raise --tensor-parallel-size"
-        )
-    return VllmLayout(tensor_parallel_size, per_gpu, share, tuple(problems))
-
-
-def smallest_vllm_layout(weights: Weights, machine: Machine, memory_share: float) -> VllmLayout | None:
-    """The fewest GPUs (a power of two) over which vLLM holds the checkpoint, or None: not on this machine."""
-    tp = 1
-    while tp <= machine.gpus:
-        chosen = vllm_layout(weights, machine, tp, memory_share)
-        if not chosen.problems:
-            return chosen
-        tp *= 2
-    return None
 
 
 # Throughput, for time estimates when the user states none

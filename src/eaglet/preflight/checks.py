@@ -302,25 +302,32 @@ def check_memory(device: str, needed: int, what: str) -> Check:
 
 
 def check_vllm_backend(
-    target_path: Path, tensor_parallel_size: int, memory_share: float, captures: bool = True
+    target_path: Path,
+    config: Any,
+    captures: bool = True,
+    max_model_len: int | None = None,
+    max_num_batched_tokens: int | None = None,
 ) -> list[Check]:
-    """The checkpoint is one vLLM's loader takes, vLLM is installed, eaglet's calls into it bind to its source, its
-    model for the target captures the layers eaglet extracts (``captures``: the extract route, not generation), and
-    the GPUs it would split the target over exist and hold its weights: all before ``import vllm`` (seconds) and its
-    model load (minutes)."""
-    from ..model.sizing import this_machine, vllm_layout, weights_of
-    from ..model.target import read_config
+    """The checkpoint is one vLLM's loader takes as the stage asks it to hold it (``config``: its ``VllmFields``),
+    vLLM is installed, eaglet's calls into it bind to its source, its model for the target captures the layers eaglet
+    extracts (``captures``: the extract route, not generation), and the GPUs it would split the target over exist and
+    hold it (``max_model_len`` and ``max_num_batched_tokens``: what the stage asks of the engine beyond ``config``;
+    None: the config's, else vLLM's default): all before ``import vllm`` (seconds) and its model load (minutes)."""
+    from ..model.sizing import this_machine, weights_of
+    from ..model.target import raw_config, read_config
     from ..model.vllm_engine import (
-        TESTED_VLLM,
-        TESTED_VLLM_CPU,
-        config_problem,
+        hold_problem,
         installed_cpu_attention_problem,
-        tensor_parallel_problem,
         vllm_runs_on,
         vllm_version,
     )
+    from ..model.vllm_memory import VllmAsk, vllm_layout
+    from ..model.vllm_processor import installed_processor_problem
+    from ..model.vllm_releases import release_verdict
 
-    problem = config_problem(target_path) or tensor_parallel_problem(read_config(target_path), tensor_parallel_size)
+    tensor_parallel_size = config.tensor_parallel_size
+
+    problem = hold_problem(target_path, config)
     checks = [
         Check("vllm load", FAIL, problem) if problem else Check("vllm load", PASS, "config.json as vLLM reads it")
     ]
@@ -335,20 +342,22 @@ def check_vllm_backend(
             )
         ]
     on_cpu = vllm_runs_on() == "cpu"
-    releases = TESTED_VLLM_CPU if on_cpu else TESTED_VLLM
-    tested = version in releases
-    build = "'s CPU build" if on_cpu else ""
+    tested, words = release_verdict(version, on_cpu)
     checks += [
         Check(
             "vllm",
             PASS if tested else WARN,
-            f"vLLM {version}{build}" + ("" if tested else f"; eaglet's route is tested on {', '.join(releases)}"),
+            words,
             "" if tested else "the API check below says whether eaglet's calls still bind",
         ),
         check_library_api("vllm"),
+        check_vllm_internals(),
     ]
     if captures:
         checks.append(check_vllm_capture(target_path, version))
+    problem = installed_processor_problem(target_path, config.trust_remote_code)
+    if problem:
+        checks.append(Check("vllm image processor", FAIL, problem))
     if on_cpu:
         problem = installed_cpu_attention_problem(target_path)
         return checks + [
@@ -367,7 +376,8 @@ def check_vllm_backend(
                 "lower --tensor-parallel-size or run where the GPUs are",
             )
         ]
-    fit = vllm_layout(weights_of(read_config(target_path)), machine, tensor_parallel_size, memory_share)
+    ask = VllmAsk.of(config, max_model_len or config.max_model_len, max_num_batched_tokens)
+    fit = vllm_layout(raw_config(target_path), weights_of(read_config(target_path)), machine, ask)
     checks.append(Check("fit", FAIL if fit.problems else PASS, "; ".join((fit.describe(), *fit.problems))))
     return checks
 
@@ -390,10 +400,9 @@ def check_vllm_on_cpu(weights: Any) -> Check:
 
 def check_vllm_capture(target_path: Path, version: str) -> Check:
     """vLLM's model for the target captures the last layer's output (read from the installed vLLM's source)."""
-    from ..model.target import read_config
     from ..model.vllm_capture import installed_capture
 
-    verdict = installed_capture(read_config(target_path), version)
+    verdict = installed_capture(target_path, version)
     if verdict is None:
         return Check("vllm capture", WARN, "the installed vLLM's source was not found; vLLM will say at load")
     if verdict.problem:
@@ -404,13 +413,34 @@ def check_vllm_capture(target_path: Path, version: str) -> Check:
 def _supported_release(package: str) -> str:
     """What to install: eaglet's pin for its dependencies, the tested releases for vLLM (not a dependency)."""
     if package == "vllm":
-        from ..model.vllm_engine import TESTED_VLLM
+        from ..model.vllm_releases import install_advice
 
-        return f"install a vLLM release eaglet's route is tested on ({' or '.join(f'vllm=={v}' for v in TESTED_VLLM)})"
+        return install_advice()
     return f"install the {package} version eaglet supports (pyproject.toml)"
 
 
 @functools.lru_cache(maxsize=None)
+def check_vllm_internals() -> Check:
+    """The attributes eaglet reads off vLLM's objects (model/vllm_internals.py), found in the installed vLLM's
+    source: what the API check of calls cannot see, before any model load."""
+    import importlib.util
+
+    from ..model.vllm_internals import READS, missing_reads
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return Check("vllm internals", WARN, "vLLM's source not found: not checked")
+    missing = missing_reads(Path(list(spec.submodule_search_locations)[0]).parent)
+    if missing:
+        return Check(
+            "vllm internals",
+            FAIL,
+            f"{len(missing)} of the {len(READS)} attributes eaglet reads off vLLM's objects are gone: {missing[0]}",
+            _supported_release("vllm") + ", or report it",
+        )
+    return Check("vllm internals", PASS, f"the {len(READS)} attributes eaglet reads off vLLM's objects are there")
+
+
 def check_library_api(package: str = "transformers") -> Check:
     """eaglet's own calls into ``package``, bound statically against the installed version: an upgrade
     that breaks them is reported here, before the model load, not after it. Once per process (the

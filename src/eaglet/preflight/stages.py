@@ -9,7 +9,7 @@ from typing import Any, Callable
 from ..config import DEFAULT_DRAFT_VOCAB_CAP
 from ..errors import EagletError
 from ..export import FORMATS
-from ..formats.draft_config import DraftConfig, read_draft_config
+from ..formats.draft_config import SERVED_BY_VLLM, DraftConfig, read_draft_config, require_export
 from ..formats.files import MANIFEST_FILE, VOCAB_FILE
 from ..formats.layers import default_aux_layer_ids
 from ..formats.store_manifest import keeps_target_top, prepared_path, read_manifest
@@ -192,9 +192,7 @@ def regenerate_checks(cfg: Any) -> list[Check]:
         target_checks, found = check_stage_target(cfg, need_template=True)
         checks += target_checks
         if found:
-            checks += check_vllm_backend(
-                found[0].path, cfg.tensor_parallel_size, cfg.gpu_memory_utilization, captures=False
-            )
+            checks += check_vllm_backend(found[0].path, cfg, captures=False)
     if cfg.backend != "openai" and found:
         checks += guarded("prompt lengths", lambda: _prompt_length_check(cfg, found[0].path))
     rows = cfg.max_prompts or 1000
@@ -227,6 +225,7 @@ def extract_checks(cfg: Any) -> list[Check]:
     from ..config import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS
     from ..formats.prepared import load_prepared
     from ..formats.store_manifest import bytes_per_token, planned_target_top
+    from ..model.vllm_engine import GENERATED_TOKENS
 
     checks = [Check("config", PASS, "valid"), check_device(cfg.device)]
     if checks[-1].status == FAIL:
@@ -241,11 +240,12 @@ def extract_checks(cfg: Any) -> list[Check]:
     if not found:
         return checks
     resolved, info = found
-    checks += (
-        check_vllm_backend(resolved.path, cfg.tensor_parallel_size, cfg.gpu_memory_utilization)
-        if cfg.backend == "vllm"
-        else [check_library_api()]
-    )
+    if cfg.backend == "vllm":  # the engine extraction opens: sized to the longest sample (extract.extractor)
+        longest = int(prepared.lengths.max()) + GENERATED_TOKENS
+        batched = max(cfg.batch_tokens or GPU_BATCH_TOKENS, longest)
+        checks += check_vllm_backend(resolved.path, cfg, max_model_len=longest, max_num_batched_tokens=batched)
+    else:
+        checks.append(check_library_api())
     checks.append(
         _target_check(
             "tokenizer",
@@ -515,6 +515,8 @@ def eval_checks(cfg: Any) -> list[Check]:
     checks += target_checks
     try:
         stored = read_draft_config(Path(cfg.draft))
+        if cfg.backend == "vllm":
+            require_export(cfg.draft, *SERVED_BY_VLLM)
     except EagletError as exc:
         checks.append(Check("draft", FAIL, exc.message))
         stored = None
@@ -534,6 +536,8 @@ def eval_checks(cfg: Any) -> list[Check]:
     checks.append(check_rows([resolve_input(p) for p in cfg.prompts], need_assistant=False))
     if found and checks[-1].status != FAIL:
         checks += guarded("prompts", lambda: _evaluated_prompts_check(cfg, found[0].path))
+    if found and cfg.backend == "vllm":  # vLLM holds the target its own way: transformers' load and fit do not apply
+        return checks + check_vllm_backend(found[0].path, cfg, captures=False)
     if found:
         checks.append(check_library_api())
         device, dtype_bytes = _device_bytes(cfg.device, cfg.dtype)
@@ -557,11 +561,34 @@ def eval_early_checks(cfg: Any) -> list[Check]:
     from ..resources import resolve_input
 
     ready = [p for p in cfg.prompts if Path(resolve_input(p)).is_file()]
+    planned = _planned_only(cfg.target)
+    if planned:
+        return [planned]
     checks, found = check_stage_target(cfg, need_template=True)
     if found and ready:
         ready_config = cfg.model_copy(update={"prompts": ready})
         checks += guarded("prompts", lambda: _evaluated_prompts_check(ready_config, found[0].path))
     return checks
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model")
+
+
+def _planned_only(target: str | None) -> Check | None:
+    """A WARN for a target directory holding config.json alone (planned with --plan on another machine, as the
+    shipped Kimi example is): its tokenizer and prompts are checked by preflight where the target is; else None."""
+    if not target or not (Path(target) / "config.json").is_file():
+        return None
+    from ..model.weight_files import weight_files
+
+    if any((Path(target) / name).is_file() for name in TOKENIZER_FILES) or weight_files(Path(target)):
+        return None
+    return Check(
+        "target",
+        WARN,
+        f"{target}: config.json only (no tokenizer or weights here): planned from it; its tokenizer, template and "
+        "prompts are checked by `eaglet preflight` where the target is",
+    )
 
 
 def _resume_check(cfg: Any, info: Any, prepared: Any, store: Path) -> Check:

