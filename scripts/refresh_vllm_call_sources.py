@@ -2,14 +2,18 @@
 
 `eaglet preflight` binds eaglet's calls into vLLM (``model/vllm_engine.py``, ``model/vllm_connector.py``) against the
 installed vLLM before the vllm backend loads anything, and reads whether vLLM's model for the target captures the last
-layer's output (``model/vllm_capture.py``) and, for its CPU build, which head sizes its attention runs
+layer's output (``model/vllm_capture.py``), the attributes eaglet reads off vLLM's objects (``model/vllm_internals.py``)
+and, for its CPU build, which head sizes its attention runs
 (``model/vllm_cpu.py``). The tests run that check against real releases without installing them (vLLM does not
 install on a CPU machine): this script unpacks each wheel (``pip download --no-deps vllm==X``), runs the checks, and
 stores exactly the files they read, verbatim, in tests/fixtures/vllm_call_sources.zip under ``<version>/``, with each
 wheel's name and sha256 in ``<version>/WHEEL``.
 
-    pip download --no-deps vllm==0.24.0 vllm==0.33.0 vllm==0.16.0 -d /tmp/wheels
+    pip download --no-deps vllm==0.25.1 -d /tmp/wheels      (each release of model/vllm_releases.CHECKED)
     python scripts/refresh_vllm_call_sources.py /tmp/wheels/vllm-*.whl
+
+Releases already in the archive and not given keep their files (0.16.0, the release before the extract route, is no
+longer on every index).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from eaglet.apicheck.check import check_calls  # noqa: E402
 from eaglet.model.vllm_capture import last_layer_capture  # noqa: E402
 from eaglet.model.vllm_cpu import CPU_ATTENTION  # noqa: E402
+from eaglet.model.vllm_internals import READS, SPEC_DECODE_METRICS  # noqa: E402
 
 KIMI = json.loads((ROOT / "tests" / "fixtures" / "targets" / "kimi-k2.5" / "config.json").read_text())
 CAPTURE_TARGETS = [{"architectures": ["LlamaForCausalLM"]}, {"architectures": ["DeepseekV3ForCausalLM"]}, KIMI]
@@ -45,6 +50,8 @@ def sources_read(wheel: Path, scratch: Path) -> tuple[str, dict[str, bytes]]:
         read += last_layer_capture(config, root, report.version).files
     if (root / CPU_ATTENTION).is_file():  # the head sizes vLLM's CPU build runs
         read.append(root / CPU_ATTENTION)
+    # the modules defining the attributes eaglet reads off vLLM's objects (model/vllm_internals.py)
+    read += [root / module for module in {r.module for r in READS} | {SPEC_DECODE_METRICS} if (root / module).is_file()]
     files = {path.relative_to(root).as_posix(): path.read_bytes() for path in read}
     print(f"{wheel.name}: vllm {report.version}, {len(files)} files, {len(report.errors)} errors", file=sys.stderr)
     return report.version, files
@@ -54,13 +61,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("wheels", nargs="+", type=Path)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as scratch, zipfile.ZipFile(OUT, "w", zipfile.ZIP_DEFLATED) as out:
+    kept: dict[str, bytes] = {}
+    if OUT.is_file():
+        with zipfile.ZipFile(OUT) as previous:
+            kept = {name: previous.read(name) for name in previous.namelist()}
+    with tempfile.TemporaryDirectory() as scratch:
+        refreshed = {}
         for wheel in args.wheels:
             version, files = sources_read(wheel, Path(scratch))
             digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
-            out.writestr(f"{version}/WHEEL", f"{wheel.name} sha256:{digest}\n")
-            for name, data in sorted(files.items()):
-                out.writestr(f"{version}/{name}", data)
+            refreshed[f"{version}/WHEEL"] = f"{wheel.name} sha256:{digest}\n".encode()
+            refreshed |= {f"{version}/{name}": data for name, data in files.items()}
+    versions = {name.split("/")[0] for name in refreshed}
+    kept = {name: data for name, data in kept.items() if name.split("/")[0] not in versions}
+    with zipfile.ZipFile(OUT, "w", zipfile.ZIP_DEFLATED) as out:
+        for name, data in sorted((kept | refreshed).items()):
+            out.writestr(name, data)
     print(f"wrote {OUT} ({OUT.stat().st_size:,} bytes)", file=sys.stderr)
 
 

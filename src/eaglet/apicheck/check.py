@@ -272,7 +272,8 @@ def _check_call(library: Library, site: Site, report: Report) -> None:
         bound_by_class = site.receiver != "bound" and "classmethod" in labels and _is_method(obj)
         if bound_by_instance or bound_by_class:
             signatures = [s.drop_first() for s in signatures]
-        _bind(report, site, Constructor(signatures, _location(resolved), resolved.path), shape)
+        called = Constructor(signatures, _location(resolved), resolved.path, library.keyword_forwarding(obj))
+        _bind(report, site, called, shape)
         return
     _unverified(report, site, "calls a value (attribute or module), not a function or class")
 
@@ -358,6 +359,13 @@ def _check_override(library: Library, site: Site, report: Report) -> None:
         )
 
 
+def _onward(callable_: Constructor) -> Constructor:
+    """The callable ``callable_`` passes its ``**kwargs`` to, named as reached through it."""
+    onward = callable_.forwards_to
+    assert onward is not None
+    return dataclasses.replace(onward, qualname=f"{onward.qualname} (through {callable_.qualname}'s **kwargs)")
+
+
 def _is_method(function: Any) -> bool:
     return isinstance(function.parent, griffe.Class)
 
@@ -368,6 +376,11 @@ def _bind(report: Report, site: Site, callable_: Constructor, shape: CallShape) 
     if clean:
         for problem in clean[0]:  # warnings of a binding that works (e.g. keyword silently ignored)
             _add(report, site, problem.level, callable_.qualname, problem.message, callable_.defined_at)
+        signature = callable_.signatures[outcomes.index(clean[0])]
+        passed_on = [k for k in shape.keywords if k not in signature.named]
+        if passed_on and callable_.forwards_to is not None:  # the **kwargs the callable hands on bind there
+            onward = CallShape(0, tuple(passed_on), double_star=True)  # the rest of its arguments are the callable's
+            _bind(report, site, _onward(callable_), onward)
         return
     problems = outcomes[0]
     message = "; ".join(p.message for p in problems if p.level == "error")

@@ -20,6 +20,7 @@ import griffe
 from .signature import Kind, Param, Signature
 
 MAX_ALIAS_HOPS = 40  # re-export chains longer than this are treated as cycles
+MAX_FORWARDING_DEPTH = 4  # **kwargs followed through at most this many functions
 DATACLASS_DECORATORS = {"dataclasses.dataclass"}
 PYDANTIC_DATACLASS_DECORATORS = {"pydantic.dataclasses.dataclass"}
 # decorators known to hand back the class they decorate (a library's own are read: see _returns_its_argument)
@@ -74,6 +75,9 @@ class Constructor:
     signatures: list[Signature]
     defined_at: str  # "path:line" of the __init__ (or of the class whose fields generate it)
     qualname: str
+    # where keywords its signature's ``**kwargs`` takes go on to: the one callable of the library its body passes
+    # ``**kwargs`` to (vLLM's ``LLM(**kwargs)`` -> ``EngineArgs(**kwargs)``), whose signature then binds them
+    forwards_to: "Constructor | None" = None
 
 
 @dataclass
@@ -390,6 +394,7 @@ class Library:
                         [s.drop_first() for s in self.function_signatures(member)],
                         f"{owner.filepath}:{member.lineno}",
                         f"{owner_path}.{special}",
+                        self.keyword_forwarding(member),
                     )
             generated = self.generated_init(owner, owner_path)
             if generated is not None:
@@ -547,6 +552,48 @@ class Library:
                     return "dataclass", {"kw_only": kw_only}
         return None, {}
 
+    def keyword_forwarding(self, function: Any, depth: int = 0) -> Constructor | None:
+        """What a function with ``**kwargs`` passes them on to, when its body does so in calls of one callable of the
+        library (found by name in the function's module); None when it passes them nowhere, to several callables, or
+        to one that cannot be read."""
+        variadic = next((p.name for p in function.parameters if p.kind.value == Kind.VAR_KEYWORD.value), None)
+        node = self._function_node(function) if variadic is not None and depth < MAX_FORWARDING_DEPTH else None
+        if node is None:
+            return None
+        targets = {
+            ast.unparse(call.func)
+            for call in ast.walk(node)
+            if isinstance(call, ast.Call)
+            and any(k.arg is None and isinstance(k.value, ast.Name) and k.value.id == variadic for k in call.keywords)
+        }
+        if len(targets) != 1:
+            return None
+        resolved = self.resolve(f"{function.module.path}.{targets.pop()}")
+        if not resolved.found:
+            return None
+        if isinstance(resolved.obj, griffe.Class):
+            built = self.constructor(resolved.obj, resolved.path)
+            return built if isinstance(built, Constructor) else None
+        if isinstance(resolved.obj, griffe.Function):
+            return Constructor(
+                self.function_signatures(resolved.obj),
+                f"{resolved.obj.filepath}:{resolved.obj.lineno}",
+                resolved.path,
+                self.keyword_forwarding(resolved.obj, depth + 1),
+            )
+        return None
+
+    def _function_node(self, function: Any) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+        """A function's own AST, parsed from its module's text (None when the text cannot be read or parsed)."""
+        text = self._text(function.module.path) if hasattr(function, "module") else None
+        if text is None or function.lineno is None or function.endlineno is None:
+            return None
+        try:
+            tree = ast.parse(textwrap.dedent("\n".join(text.splitlines()[function.lineno - 1 : function.endlineno])))
+        except SyntaxError:
+            return None
+        return next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
+
     def _returns_its_argument(self, decorator_path: str) -> bool:
         """A decorator of the library whose every ``return`` hands back its first parameter (registries, checks)."""
         if not self.inside(decorator_path):
@@ -554,15 +601,7 @@ class Library:
         resolved = self.resolve(decorator_path)
         if not resolved.found or not isinstance(resolved.obj, griffe.Function) or not resolved.obj.parameters:
             return False
-        function = resolved.obj
-        text = self._text(function.module.path) if hasattr(function, "module") else None
-        if text is None or function.lineno is None or function.endlineno is None:
-            return False
-        try:
-            tree = ast.parse(textwrap.dedent("\n".join(text.splitlines()[function.lineno - 1 : function.endlineno])))
-        except SyntaxError:
-            return False
-        node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
+        node = self._function_node(resolved.obj)
         if node is None or not node.args.args:
             return False
         first = node.args.args[0].arg

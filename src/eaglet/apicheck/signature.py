@@ -34,6 +34,11 @@ class Signature:
         return Signature(params, self.ignores_unknown_keywords)
 
     @property
+    def named(self) -> set[str]:
+        """The parameters a keyword argument can name."""
+        return {p.name for p in self.params if p.kind in (Kind.POSITIONAL_OR_KEYWORD, Kind.KEYWORD_ONLY)}
+
+    @property
     def accepts_anything(self) -> bool:
         kinds = {p.kind for p in self.params}
         return Kind.VAR_POSITIONAL in kinds and Kind.VAR_KEYWORD in kinds
