@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,3 +169,89 @@ def test_vllms_tensor_parallel_ranks_store_what_one_rank_stores(
     assert code == 0, err
     assert run_cli(extract_args(tiny_prepared, hf_store, vllm_target, *small), capsys)[0] == 0
     _assert_same_features(_by_sample(tp2), _by_sample(hf_store))
+
+
+TARGETS = Path(__file__).parent / "fixtures" / "targets"
+
+
+@pytest.mark.parametrize("target", ["kimi-k2.5", "llama-3.1-70b"])  # yarn with mscale; llama3's scaling
+def test_the_served_drafts_rope_is_the_one_eaglet_trained_it_with(tmp_path, target):
+    """vLLM reads the exported draft's config.json through transformers and asks its own get_rope for the rotary
+    embedding; its cos/sin over every position equal eaglet's DraftRope of the same draft config (the scale included:
+    Kimi's yarn trains at 1.0, which vLLM <= 0.26 only reaches through the exported attn_factor)."""
+    from transformers import AutoConfig
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from eaglet.export.spec import llama_fields
+    from eaglet.formats.draft_config import DraftConfig
+    from eaglet.model.draft import DraftRope
+    from eaglet.model.sizing import text_config
+
+    target_config = text_config(json.loads((TARGETS / target / "config.json").read_text()))
+    draft = DraftConfig.from_target(target_config, 1024, (2, 4, 6))
+    export = tmp_path / "export"
+    export.mkdir()
+    served = {"architectures": ["LlamaForCausalLMEagle3"], **llama_fields(draft.to_dict())}
+    (export / "config.json").write_text(json.dumps(served))
+    read = AutoConfig.from_pretrained(export)  # as vLLM's draft loader reads it
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(
+            draft.head_dim,
+            max_position=read.max_position_embeddings,
+            is_neox_style=True,
+            rope_parameters=getattr(read, "rope_parameters", None),
+            dtype=torch.float32,
+        )
+    cache = rope.cos_sin_cache.float()  # [positions, head_dim]: cos, then sin, half the dim each
+    cos, sin = DraftRope(draft)(torch.arange(cache.shape[0]))  # [positions, head_dim], halves repeated
+    half = draft.head_dim // 2
+    assert torch.allclose(cache[:, :half], cos[:, :half], atol=1e-5)
+    assert torch.allclose(cache[:, half:], sin[:, :half], atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def kimi_bf16(tmp_path_factory):
+    """The tiny Kimi-K2.5 with bf16 experts: vLLM's CPU build has no INT4 (WNA16) MoE kernel."""
+    from kimi import kimi_target
+
+    return kimi_target(tmp_path_factory.mktemp("kimi") / "target", int4_experts=False)
+
+
+def test_the_kimi_wrapper_runs_through_vllms_engine_as_eaglet_opens_it(tmp_path, capsys, kimi_bf16):
+    """Kimi-K2.5's wrapper (language-only, its tokenizer for vLLM's input processor), MLA and MoE through vLLM's
+    own engine: extract through the route stores what transformers computes, and `eval --backend vllm` serves an
+    exported draft on it, τ from vLLM's counters."""
+    prepared, store, hf_store = tmp_path / "prepared", tmp_path / "store", tmp_path / "hf"
+    rows = [
+        {"conversations": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "an answer"}]}
+        for i in range(8)
+    ]
+    write_jsonl(tmp_path / "c.jsonl", rows)
+    assert run_cli(["prepare", tmp_path / "c.jsonl", "--out", prepared, "--target", kimi_bf16], capsys)[0] == 0
+    common = ("--dtype", "float32", "--shard-mb", "0.05")
+    code, _, err = run_cli(extract_args(prepared, store, kimi_bf16, *common, "--backend", "vllm"), capsys)
+    assert code == 0, err
+    assert run_cli(extract_args(prepared, hf_store, kimi_bf16, *common), capsys)[0] == 0
+    _assert_same_features(_by_sample(store), _by_sample(hf_store))
+    draft, export, report = tmp_path / "draft", tmp_path / "export", tmp_path / "eval"
+    assert run_cli(["train", "--store", store, "--out", draft, "--max-steps", "2"], capsys)[0] == 0
+    assert run_cli(["export", "--draft", draft, "--out", export, "--format", "vllm"], capsys)[0] == 0
+    args = [
+        "eval",
+        "--draft",
+        export,
+        "--target",
+        kimi_bf16,
+        "--out",
+        report,
+        "--backend",
+        "vllm",
+        "--max-prompts",
+        "2",
+    ]
+    code, _, err = run_cli([*args, "--max-new-tokens", "16", "--depth", "2"], capsys)
+    assert code == 0, err
+    result = json.loads((report / "report.json").read_text())
+    assert result["engine"] == "vllm" and result["acceptance_length"] >= 1.0
+    assert result["vllm_counters"]["drafts"] > 0 and len(result["acceptance_by_position"]) == 2

@@ -3,6 +3,7 @@ check's readers, the run's serve commands) is read from the registry of these, `
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -36,6 +37,35 @@ class ExportFormat:
         return name
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched ``factor`` times (transformers' and vLLM's formula)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(scaling: dict[str, Any]) -> float:
+    """The cos/sin scale transformers' YaRN gives (and eaglet's draft trains with): ``attention_factor`` when stated,
+    else DeepSeek's ratio of ``mscale`` to ``mscale_all_dim`` when both are there, else the plain correction."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+    return yarn_mscale(factor)
+
+
+def serving_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The draft's ``rope_scaling`` as every engine reads it the way eaglet trained it. A YaRN scaling carries its
+    cos/sin scale outright: ``attention_factor`` (transformers', vLLM >= 0.27's) and ``attn_factor`` (vLLM <= 0.26's
+    YaRN, which ignores DeepSeek's ``mscale``/``mscale_all_dim`` and multiplies ``yarn_mscale(factor)`` by it):
+    Kimi-K2's scaling (factor 64, mscale = mscale_all_dim = 1) trains at 1.0 and served by vLLM 0.25 without it at
+    1.416, its attention logits twice as sharp."""
+    if not scaling or (scaling.get("rope_type") or scaling.get("type")) != "yarn":
+        return scaling
+    attention = yarn_attention_factor(scaling)
+    return scaling | {"attention_factor": attention, "attn_factor": attention / yarn_mscale(float(scaling["factor"]))}
+
+
 def llama_fields(config: dict[str, Any]) -> dict[str, Any]:
     """The Llama decoder settings every format's config carries, from eaglet's draft config."""
     return {
@@ -49,7 +79,7 @@ def llama_fields(config: dict[str, Any]) -> dict[str, Any]:
         "hidden_act": config["hidden_act"],
         "rms_norm_eps": config["rms_norm_eps"],
         "rope_theta": config["rope_theta"],
-        "rope_scaling": config["rope_scaling"],
+        "rope_scaling": serving_rope_scaling(config["rope_scaling"]),
         "max_position_embeddings": config["max_position_embeddings"],
         "vocab_size": config["vocab_size"],
         "tie_word_embeddings": False,
