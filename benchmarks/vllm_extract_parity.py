@@ -386,7 +386,9 @@ def bare(target: str, prepared: str, sizes: list[int | None], batch_tokens: int,
     return results
 
 
-def compare(store_a: Path, store_b: Path) -> dict:
+def compare(store_a: Path, store_b: Path, common: bool = False) -> dict:
+    """Per-token cosine of every aux layer and of `last`, sample by sample; ``common``: over the samples both stores
+    hold (a reference extracted with --max-samples beside a whole store), else the stores must hold the same."""
     import torch
 
     from eaglet.formats.store_manifest import read_manifest
@@ -404,7 +406,9 @@ def compare(store_a: Path, store_b: Path) -> dict:
         return rows
 
     a, b = by_sample(store_a), by_sample(store_b)
-    assert a.keys() == b.keys(), "the stores hold different samples"
+    if common:
+        a, b = ({k: v for k, v in rows.items() if k in a.keys() & b.keys()} for rows in (a, b))
+    assert a and a.keys() == b.keys(), "the stores hold different samples"
     cosines: dict[str, list] = {"aux0": [], "aux1": [], "aux2": [], "last": []}
     first_token = []  # True where a token opens its sample (the attention sink: the largest activations)
     for sample in sorted(a):
@@ -422,6 +426,7 @@ def compare(store_a: Path, store_b: Path) -> dict:
         summary[name] = {
             "min": round(values.min().item(), 6),
             "p0.1": round(values.quantile(0.001).item(), 6),
+            "p1": round(values.quantile(0.01).item(), 6),
             "mean": round(values.mean().item(), 6),
             "tokens_below_0.999": int((values < 0.999).sum()),
             "of_them_first_tokens": int(((values < 0.999) & opens).sum()),
@@ -499,6 +504,7 @@ def main() -> None:
     cmp = sub.add_parser("compare")
     cmp.add_argument("a", type=Path)
     cmp.add_argument("b", type=Path)
+    cmp.add_argument("--common", action="store_true", help="only the samples both stores hold")
     args, rest = parser.parse_known_args()
     if rest and args.command != "extract":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -531,7 +537,7 @@ def main() -> None:
     elif args.command == "answers":
         result = answers(args.a, args.b)
     else:
-        result = compare(args.a, args.b)
+        result = compare(args.a, args.b, args.common)
     print(json.dumps(result), flush=True)
     sys.stdout.flush()
 
