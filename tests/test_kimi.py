@@ -146,6 +146,9 @@ def test_a_wrapper_vllm_cannot_build_the_image_processor_of_is_refused_before_th
         json.dumps({"image_processor_type": "CLIPImageProcessor"})
     )
     assert image_processor_problem(library_processor, wrapper, "0.25.1", False, NUMBA_BESIDE_NUMPY_2_5) is None
+    (library_processor / "preprocessor_config.json").write_text('{"image_processor_type": ')  # cut short
+    with pytest.raises(EagletError, match=r"preprocessor_config.json: not valid JSON .*restore the checkpoint's own"):
+        image_processor_problem(library_processor, wrapper, "0.25.1", False, NUMBA_BESIDE_NUMPY_2_5)
 
 
 def test_the_exported_drafts_yarn_rope_states_the_scale_eaglet_trained_with(tmp_path):
@@ -190,6 +193,20 @@ def test_vllms_moe_settings_are_validated_before_anything_loads(kimi, tmp_path, 
     assert code == 2 and err.count("\n") == 1 and "--max-num-seqs" in err
     code, _, err = run_cli(["eval", "--draft", "d", "--out", "o", "--backend", "vllm", "--mode", "tree"], capsys)
     assert code != 0 and "--mode chain" in err and "Traceback" not in err
+
+
+def test_a_max_model_len_under_the_longest_sample_is_refused_before_vllm_starts(kimi, tmp_path, capsys):
+    """Extraction sizes vLLM's context to the longest prepared sample; a smaller --max-model-len would cut samples,
+    so preflight refuses it in one line with the fix."""
+    from conftest import small_conversations, write_jsonl
+
+    prepared = tmp_path / "prepared"
+    write_jsonl(tmp_path / "c.jsonl", small_conversations(4))
+    assert run_cli(["prepare", tmp_path / "c.jsonl", "--out", prepared, "--target", kimi], capsys)[0] == 0
+    args = ["extract", "--prepared", prepared, "--out", tmp_path / "store", "--backend", "vllm", "--max-model-len", "8"]
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and "--max-model-len 8: the prepared set's longest sample needs" in err, err
+    assert "leave --max-model-len out" in err and not (tmp_path / "store").exists()
 
 
 def test_eval_through_vllm_needs_the_vllm_export(kimi, tmp_path):
@@ -270,6 +287,22 @@ def test_plan_refuses_what_vllm_would_refuse_with_advice_the_machine_can_follow(
     assert code == 2 and refusal in err and "regenerate (vllm backend)" in err, err
     if "all" in refusal:  # every GPU already in use: more tensor parallelism is not advice this machine can follow
         assert "raise --tensor-parallel-size" not in err
+
+
+def test_the_one_gpu_kimi_example_differs_from_the_8_gpu_one_only_in_target_machine_and_sizes(kimi, tmp_path, capsys):
+    """examples/kimi_tiny_1gpu_vllm.yaml (the run the H100 went through) plans clean on the tiny Kimi, and its
+    stages and backends are the 8 x H200 example's."""
+    import yaml
+
+    tiny = yaml.safe_load((EXAMPLE.parent / "kimi_tiny_1gpu_vllm.yaml").read_text())
+    big = yaml.safe_load(EXAMPLE.read_text())
+    assert list(tiny) == list(big)
+    assert all(tiny[stage].get("backend") == big[stage].get("backend") for stage in ("regenerate", "extract", "eval"))
+    tiny["target"] = str(kimi)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny))
+    code, out, err = run_cli(["run", path, "--plan", "--out", tmp_path / "run"], capsys)
+    assert code == 0 and "vllm tp x1:" in out and "refused" not in out, err
 
 
 def test_plan_and_preflight_refuse_the_same_split(tmp_path):

@@ -95,14 +95,16 @@ def groups(prompts: list[EvalPrompt], size: int) -> Iterator[list[EvalPrompt]]:
 class ServingEngine:
     """vLLM on the target, with the draft or without it, kept only while it decodes (``close``)."""
 
-    def __init__(self, config: EvalConfig, target: Path, dtype: str, speculative: dict[str, Any] | None):
+    def __init__(
+        self, config: EvalConfig, target: Path, dtype: str, speculative: dict[str, Any] | None, max_model_len: int
+    ):
         from ..model.vllm_engine import EngineHold, EngineUse, open_llm
 
         self.config = config
         self.llm = open_llm(
             EngineHold.of(config, target, dtype, config.seed),
             EngineUse(
-                max_model_len=None,
+                max_model_len=max_model_len,
                 speculative_config=speculative,
                 disable_log_stats=speculative is None,  # the counters are kept only where a draft runs
             ),
@@ -145,9 +147,10 @@ def run_engine(
     batches: list[list[EvalPrompt]],
     stop: list[int],
     console: Console,
+    max_model_len: int,
 ) -> tuple[list[GroupRun], list[Counters]]:
     """One engine over every group (after a warm-up on the first): each group's run and counters' change."""
-    engine = ServingEngine(config, target, dtype, speculative)
+    engine = ServingEngine(config, target, dtype, speculative, max_model_len)
     try:
         engine.decode(batches[0][:1], stop)  # warm-up: compilation and CUDA graphs are not timed
         runs, changes = [], []
@@ -206,8 +209,18 @@ def serve_eval(
         "model": str(Path(config.draft).resolve()),
         "num_speculative_tokens": config.depth,
     }
-    plain, _ = run_engine(config, target, dtype, None, batches, stop, console)
-    drafted, counters = run_engine(config, target, dtype, speculative, batches, stop, console)
+    # the engines' context: what the prompts need (the longest, its answer and a draft round past it) unless
+    # --max-model-len says; vLLM keeps a KV cache for one request of it at start, and Kimi's whole 262,144 tokens
+    # take GiBs the answers never use
+    needed = max(len(row.ids) for row in prompts) + config.max_new_tokens + config.depth + 1
+    if config.max_model_len is not None and config.max_model_len < needed:
+        raise EagletError(
+            f"--max-model-len {config.max_model_len}: the longest prompt with --max-new-tokens {config.max_new_tokens} "
+            f"and a draft round needs {needed:,}; raise it or leave it out (eval sizes it)"
+        )
+    max_model_len = config.max_model_len or needed
+    plain, _ = run_engine(config, target, dtype, None, batches, stop, console, max_model_len)
+    drafted, counters = run_engine(config, target, dtype, speculative, batches, stop, console, max_model_len)
     greedy = config.temperature <= 0
     # greedy: where each prompt's output with the draft first leaves vLLM's own (vLLM gives no logits to say by how
     # much; eaglet's hf eval does)

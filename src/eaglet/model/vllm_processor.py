@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import first_line
+from ..errors import EagletError, first_line
 from .vllm_releases import release_key
 
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
@@ -38,7 +38,12 @@ def processor_is_remote_code(target_path: Path) -> bool:
     path = Path(target_path) / PREPROCESSOR_CONFIG
     if not path.is_file():
         return False
-    declared = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        declared = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EagletError(f"{path}: not valid JSON ({first_line(exc)}); restore the checkpoint's own file") from None
+    if not isinstance(declared, dict):
+        raise EagletError(f"{path}: not a JSON object; restore the checkpoint's own file")
     name = declared.get("image_processor_type")
     if isinstance(name, str) and hasattr(transformers, name):
         return False

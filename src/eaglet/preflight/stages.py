@@ -242,6 +242,15 @@ def extract_checks(cfg: Any) -> list[Check]:
     resolved, info = found
     if cfg.backend == "vllm":  # the engine extraction opens: sized to the longest sample (extract.extractor)
         longest = int(prepared.lengths.max()) + GENERATED_TOKENS
+        if cfg.max_model_len is not None and cfg.max_model_len < longest:
+            return checks + [
+                Check(
+                    "max model len",
+                    FAIL,
+                    f"--max-model-len {cfg.max_model_len}: the prepared set's longest sample needs {longest:,}",
+                    "leave --max-model-len out (extraction sizes it) or raise it",
+                )
+            ]
         batched = max(cfg.batch_tokens or GPU_BATCH_TOKENS, longest)
         checks += check_vllm_backend(resolved.path, cfg, max_model_len=longest, max_num_batched_tokens=batched)
     else:
@@ -537,7 +546,7 @@ def eval_checks(cfg: Any) -> list[Check]:
     if found and checks[-1].status != FAIL:
         checks += guarded("prompts", lambda: _evaluated_prompts_check(cfg, found[0].path))
     if found and cfg.backend == "vllm":  # vLLM holds the target its own way: transformers' load and fit do not apply
-        return checks + check_vllm_backend(found[0].path, cfg, captures=False)
+        return checks + check_vllm_backend(found[0].path, cfg, captures=False, max_model_len=_served_length(cfg, found))
     if found:
         checks.append(check_library_api())
         device, dtype_bytes = _device_bytes(cfg.device, cfg.dtype)
@@ -601,6 +610,20 @@ def _resume_check(cfg: Any, info: Any, prepared: Any, store: Path) -> Check:
     if problem:
         return Check("output", FAIL, problem)
     return Check("output", PASS, f"{store} exists; missing shards are computed")
+
+
+def _served_length(cfg: Any, found: Any) -> int | None:
+    """The context `eval --backend vllm` opens vLLM with (decode.vllm_serving): the longest prompt, its answer and a
+    draft round past it, unless --max-model-len says; None when the prompts cannot be read (their check says why)."""
+    from ..data.eval_prompts import evaluated_prompts
+
+    if cfg.max_model_len is not None:
+        return cfg.max_model_len
+    try:
+        rows = evaluated_prompts(cfg, found[0].path)
+    except EagletError:
+        return None
+    return max((len(row.ids) for row in rows), default=0) + cfg.max_new_tokens + cfg.depth + 1
 
 
 def _evaluated_prompts_check(cfg: Any, target_path: Path) -> Check:

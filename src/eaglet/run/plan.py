@@ -176,7 +176,8 @@ def estimate(pipeline: Pipeline, plans: list[StagePlan]) -> list[StagePlan]:
             evaluation = stage.config
             prompts = (evaluation.max_prompts or HELD_OUT_PROMPTS_GUESS) * len(evaluation.prompts)  # per file
             if evaluation.backend == "vllm":  # two engines, one after the other: vLLM alone, then with the draft
-                sizing.place_vllm(plan, evaluation)
+                served = PROMPT_TOKENS_GUESS + evaluation.max_new_tokens + evaluation.depth + 1  # decode.vllm_serving
+                sizing.place_vllm(plan, evaluation, evaluation.max_model_len or served)
                 decoded = 2 * prompts * evaluation.max_new_tokens
                 plan.seconds = 2 * sizing.load_seconds() + decoded / generate_rate
             else:
