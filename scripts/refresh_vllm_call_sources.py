@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from eaglet.apicheck.check import check_calls  # noqa: E402
 from eaglet.model.vllm_capture import last_layer_capture  # noqa: E402
-from eaglet.model.vllm_cpu import CPU_ATTENTION  # noqa: E402
+from eaglet.model.vllm_cpu import CPU_ATTENTION, CPU_MLA  # noqa: E402
 from eaglet.model.vllm_internals import READS, SPEC_DECODE_METRICS  # noqa: E402
 
 KIMI = json.loads((ROOT / "tests" / "fixtures" / "targets" / "kimi-k2.5" / "config.json").read_text())
@@ -48,8 +48,9 @@ def sources_read(wheel: Path, scratch: Path) -> tuple[str, dict[str, bytes]]:
     read = list(report.sources)
     for config in CAPTURE_TARGETS:  # the model sources eaglet reads to know whether vLLM captures layer N
         read += last_layer_capture(config, root, report.version).files
-    if (root / CPU_ATTENTION).is_file():  # the head sizes vLLM's CPU build runs
-        read.append(root / CPU_ATTENTION)
+    for cpu_backend in (CPU_ATTENTION, CPU_MLA):  # the head and block sizes vLLM's CPU build runs
+        if (root / cpu_backend).is_file():
+            read.append(root / cpu_backend)
     # the modules defining the attributes eaglet reads off vLLM's objects (model/vllm_internals.py)
     read += [root / module for module in {r.module for r in READS} | {SPEC_DECODE_METRICS} if (root / module).is_file()]
     files = {path.relative_to(root).as_posix(): path.read_bytes() for path in read}

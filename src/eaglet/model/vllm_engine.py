@@ -518,3 +518,14 @@ def installed_cpu_attention_problem(target_path: Path) -> str | None:
 
     root = installed_vllm_root()
     return None if root is None else cpu_attention_problem(read_config(target_path), root, vllm_version() or "?")
+
+
+def installed_cpu_draft_problem(target_path: Path) -> str | None:
+    """Why the installed vLLM's CPU build cannot serve the target with an EAGLE-3 draft (read from its source), or
+    None (and None off its CPU build)."""
+    from .target import read_config
+    from .vllm_capture import installed_vllm_root
+    from .vllm_cpu import cpu_draft_problem
+
+    root = installed_vllm_root() if vllm_runs_on() == "cpu" else None
+    return None if root is None else cpu_draft_problem(read_config(target_path), root, vllm_version() or "?")

@@ -419,7 +419,6 @@ def _supported_release(package: str) -> str:
     return f"install the {package} version eaglet supports (pyproject.toml)"
 
 
-@functools.lru_cache(maxsize=None)
 def check_vllm_internals() -> Check:
     """The attributes eaglet reads off vLLM's objects (model/vllm_internals.py), found in the installed vLLM's
     source: what the API check of calls cannot see, before any model load."""
@@ -441,6 +440,7 @@ def check_vllm_internals() -> Check:
     return Check("vllm internals", PASS, f"the {len(READS)} attributes eaglet reads off vLLM's objects are there")
 
 
+@functools.lru_cache(maxsize=None)
 def check_library_api(package: str = "transformers") -> Check:
     """eaglet's own calls into ``package``, bound statically against the installed version: an upgrade
     that breaks them is reported here, before the model load, not after it. Once per process (the

@@ -546,7 +546,11 @@ def eval_checks(cfg: Any) -> list[Check]:
     if found and checks[-1].status != FAIL:
         checks += guarded("prompts", lambda: _evaluated_prompts_check(cfg, found[0].path))
     if found and cfg.backend == "vllm":  # vLLM holds the target its own way: transformers' load and fit do not apply
-        return checks + check_vllm_backend(found[0].path, cfg, captures=False, max_model_len=_served_length(cfg, found))
+        from ..model.vllm_engine import installed_cpu_draft_problem
+
+        checks += check_vllm_backend(found[0].path, cfg, captures=False, max_model_len=_served_length(cfg, found))
+        problem = installed_cpu_draft_problem(found[0].path)
+        return checks + ([Check("vllm cpu draft", FAIL, problem)] if problem else [])
     if found:
         checks.append(check_library_api())
         device, dtype_bytes = _device_bytes(cfg.device, cfg.dtype)
