@@ -157,14 +157,7 @@ class Analyzer:
                 scope = dict(module.scope)
                 self._bind_parameters(method, scope, module, node.name)
                 for statement in ast.walk(method):
-                    targets = (
-                        statement.targets
-                        if isinstance(statement, ast.Assign)
-                        else [statement.target]
-                        if isinstance(statement, ast.AnnAssign)
-                        else []
-                    )
-                    for target in targets:
+                    for target in assigned_targets(statement):
                         if (
                             isinstance(target, ast.Attribute)
                             and isinstance(target.value, ast.Name)
@@ -514,6 +507,13 @@ class _Bound:
 
     class_path: str
     member: str
+
+
+def assigned_targets(node: ast.AST) -> list[ast.expr]:
+    """What an assignment statement (``x = ...``, ``x: T = ...``) assigns to; empty for any other node."""
+    if isinstance(node, ast.Assign):
+        return list(node.targets)
+    return [node.target] if isinstance(node, ast.AnnAssign) else []
 
 
 def _top_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:

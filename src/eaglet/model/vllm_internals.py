@@ -64,14 +64,9 @@ def class_defines(tree: ast.Module, owner: str, attribute: str) -> bool | None:
             for item in ast.walk(node):
                 if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == attribute:
                     return True
-                targets = (
-                    item.targets
-                    if isinstance(item, ast.Assign)
-                    else [item.target]
-                    if isinstance(item, ast.AnnAssign)
-                    else []
-                )
-                for target in targets:
+                if not isinstance(item, (ast.Assign, ast.AnnAssign)):
+                    continue
+                for target in getattr(item, "targets", None) or [item.target]:  # x = ... / x: T = ...
                     if isinstance(target, ast.Name) and target.id == attribute:
                         return True
                     if isinstance(target, ast.Attribute) and target.attr == attribute:
