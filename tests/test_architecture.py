@@ -195,3 +195,66 @@ def test_every_part_has_a_place_in_the_layers():
     placed = set(FOUNDATION + FORMATS + DECLARATIONS + SETTINGS + MODEL + STAGES + RUN) | {"eaglet.cli", "eaglet"}
     names = {".".join(module_name(path).split(".")[:2]) for path in (SOURCE / "eaglet").rglob("*.py")}
     assert names <= placed, f"not placed in ARCHITECTURE.md's layers: {sorted(names - placed)}"
+
+
+# imported by eaglet only where the user asked for what needs them, each guarded, none a dependency of eaglet's own
+OPTIONAL_IMPORTS = {
+    "vllm": "the vllm backend (pip install 'eaglet[vllm]')",
+    "numba": "model.vllm_processor asks whether vLLM's in-process image processor can run",
+    "speculators": "export --check's speculators reader, run where speculators is installed",
+}
+
+
+def _project() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on; CI's is 3.11
+    return tomllib.loads((SOURCE.parent / "pyproject.toml").read_text())["project"]
+
+
+def _declared_distributions() -> set[str]:
+    import re
+
+    project = _project()
+    requirements = list(project["dependencies"]) + [
+        r for extra in project["optional-dependencies"].values() for r in extra
+    ]
+    return {re.split(r"[\s<>=!~\[;]", r, maxsplit=1)[0].lower().replace("_", "-") for r in requirements}
+
+
+def test_every_package_eaglet_imports_is_declared():
+    """`pip install eaglet` brings every third-party package its code imports (pyproject's dependencies or an extra),
+    apart from the few optional ones named above, each imported only where the user asked for what needs it."""
+    import importlib.metadata
+
+    distributions = importlib.metadata.packages_distributions()
+    declared = _declared_distributions()
+    imported: dict[str, str] = {}
+    for path in (SOURCE / "eaglet").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                else []
+            )
+            for name in names:
+                top = name.split(".")[0]
+                if top != "eaglet" and top not in sys.stdlib_module_names:
+                    imported.setdefault(top, str(path.relative_to(SOURCE)))
+    undeclared = {
+        module: where
+        for module, where in imported.items()
+        if module not in OPTIONAL_IMPORTS
+        and module.lower() not in declared  # griffe: the distribution of that name installs griffelib
+        and not {d.lower().replace("_", "-") for d in distributions.get(module, [module])} & declared
+    }
+    assert undeclared == {}, f"imported but not declared in pyproject.toml: {undeclared}"
+
+
+def test_the_vllm_extra_spans_the_checked_releases():
+    """`pip install 'eaglet[vllm]'` asks for the releases preflight calls checked, from the first whose DeepseekV3
+    hands over the last layer to the newest checked: one range, stated once in model/vllm_releases.py."""
+    from eaglet.model.vllm_releases import CHECKED, DEEPSEEK_LAST_LAYER_SINCE, release_key
+
+    newest = max(CHECKED, key=release_key)
+    assert _project()["optional-dependencies"]["vllm"] == [f"vllm>={DEEPSEEK_LAST_LAYER_SINCE},<={newest}"]
