@@ -340,3 +340,15 @@ def test_vllms_memory_is_counted_as_its_worker_counts_it():
     assert not short.problems and short.kv_tokens >= 4096  # 0.95 of an H100 holds Kimi at 4k context
     whole = vllm_layout(raw, weights, Machine(8, 80 * GIB, "H100"), VllmAsk(8, 0.95))
     assert whole.problems and "max_model_len 262,144" in whole.problems[0]
+
+
+def test_run_takes_dotted_overrides_of_its_config(tmp_path, capsys):
+    """`eaglet run CONFIG --set section.key=value` overrides one key of one stage, as a stage command's --set does;
+    a key no section has is refused in one line naming it."""
+    out = tmp_path / "run"
+    code, _, err = run_cli(["run", EXAMPLE, "--plan", "--out", out, "--set", "extract.tensor_parallel_size=6"], capsys)
+    assert code == 2 and "extract (vllm backend)" in err and "do not split evenly over 6 ranks" in err, err
+    code, _, err = run_cli(["run", EXAMPLE, "--plan", "--out", out, "--set", "extract.no_such_key=1"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "no_such_key" in err, err
+    code, _, err = run_cli(["run", EXAMPLE, "--plan", "--out", out, "--set", "train"], capsys)
+    assert code == 2 and "expected KEY=VALUE" in err, err

@@ -4,6 +4,7 @@ from the first change on; --plan runs nothing; --only/--from; bad configs refuse
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -88,6 +89,8 @@ def test_run_all_then_skip_then_rerun_from_the_change(tmp_path, capsys, tiny_tar
     assert code == 0, err
     assert statuses(run_dir, out) == {s: "skipped" for s in ("prepare", "extract", "train", "export", "eval")}
 
+    code, out, err = run_cli(["run", config, "--plan", "--set", "train.lr=0.001"], capsys)  # the README's way
+    assert code == 0 and out.count("settings or inputs changed") == 1 and re.search(r"train\s*│ run ", out), err
     changed = run_config(tmp_path, tiny_target, train__lr=0.001)
     code, out, err = run_cli(["run", changed, "--plan"], capsys)
     assert "settings or inputs changed" in out

@@ -287,7 +287,8 @@ class SynthesizeConfig(GenerationFields, PlacementFields):
 ConfigT = TypeVar("ConfigT", bound=StrictModel)
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """``tree[a][b] = value`` for ``a.b``, making sections on the way (a key holding a value is not a section)."""
     parts = dotted.split(".")
     node = tree
     for part in parts[:-1]:
@@ -469,7 +470,7 @@ def build_config(
             origins[key] = (COMMAND_LINE, options.get(key, f"'{key}'"))
     for text in overrides or []:
         key, value = parse_override(text)
-        _set_dotted(merged, key, value)
+        set_dotted(merged, key, value)
         top = key.split(".", 1)[0]
         origins[top] = (COMMAND_LINE, f"--set {top}")
     try:

@@ -523,6 +523,9 @@ def run(
     from_stage: Optional[str] = typer.Option(None, "--from", help="re-run from this stage on"),
     only: Optional[str] = typer.Option(None, "--only", help="run only this stage"),
     plan: bool = typer.Option(False, "--plan", help="print what would run, with estimated disk and time; run nothing"),
+    sets: list[str] = typer.Option(
+        [], "--set", help="override a key of the config: --set train.lr=1e-4 (section.key=value, repeatable)"
+    ),
 ) -> None:
     """The whole path from one YAML: regenerate -> prepare -> extract (or online) -> train -> export -> eval.
 
@@ -530,7 +533,7 @@ def run(
     run resumes with the same command."""
     from ..run import Pipeline, load_run_config
 
-    cfg = load_run_config(config, {"out": _run_directory(out)} if out is not None else None)
+    cfg = load_run_config(config, {"out": _run_directory(out)} if out is not None else None, sets)
     pipeline = Pipeline(cfg, config, err_console)
     if plan:
         _print_plan(pipeline, pipeline.plan(from_stage, only))

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
-from ..config import ExportFormat, StrictModel, describe_validation_error, read_yaml
+from ..config import ExportFormat, StrictModel, describe_validation_error, parse_override, read_yaml, set_dotted
 from ..errors import EagletError
 from ..export import FORMAT_NAMES
 
@@ -64,8 +64,13 @@ class RunConfig(StrictModel):
     machine: MachineSection | None = Field(default=None, description="plan for this machine instead of the one here")
 
 
-def load_run_config(path: Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+def load_run_config(path: Path, overrides: dict[str, Any] | None = None, sets: list[str] | None = None) -> RunConfig:
+    """The run config in ``path``, with ``overrides`` (whole top-level keys) and ``sets`` (``--set train.lr=1e-4``,
+    dotted into the sections) over it."""
     data = read_yaml(path) | (overrides or {})
+    for text in sets or []:
+        key, value = parse_override(text)
+        set_dotted(data, key, value)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
