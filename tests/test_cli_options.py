@@ -211,3 +211,20 @@ def test_a_file_given_twice_is_refused_before_anything_runs(tmp_path, capsys, mo
     code, _, err = run_cli(args, capsys)
     assert code == 2 and message in err and "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
+
+
+@pytest.mark.parametrize(
+    "per_second, unit, shown",
+    [
+        (12_345.6, "tok", "12,346 tok/s"),
+        (45.67, "prompts", "45.7 prompts/s"),
+        (2.456, "steps", "2.46 steps/s"),
+        (0.25, "steps", "4.0 s/step"),  # was "0 steps/s"
+        (0.5, "answers", "2.0 s/answer"),
+        (0.0, "tok", "0 tok/s"),
+    ],
+)
+def test_progress_rates_keep_three_significant_digits_or_say_seconds_per_item(per_second, unit, shown):
+    from eaglet.progress import format_rate
+
+    assert format_rate(per_second, unit) == shown
