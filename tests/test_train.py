@@ -450,3 +450,17 @@ def test_moving_a_batch_to_the_gpu_never_waits_for_the_stream(prefetched):
         torch.cuda.set_sync_debug_mode("default")
     assert inputs.aux.shape == (64, 3, hidden) and inputs.aux.dtype == torch.float32
     assert inputs.doc_ids.device.type == "cuda" and int(inputs.loss_mask.sum()) == tokens
+
+
+def test_a_figure_is_drawn_once_it_has_two_points(tmp_path):
+    """A run with one held-out evaluation (the CPU demo's) gets its loss curve, and no accuracy or τ figure of one
+    dot; a second evaluation draws them."""
+    from eaglet.train.metrics import plot_run
+
+    rows = [{"kind": "train", "step": s, "loss": 3.0 - s / 10} for s in (1, 2, 3)]
+    rows.append({"kind": "eval", "step": 3, "tokens": 384, "tau": 1.2, "acc": [0.4, 0.2]})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [p.name for p in plot_run(tmp_path)] == ["loss.png"]
+    with (tmp_path / "metrics.jsonl").open("a") as metrics:
+        metrics.write(json.dumps({"kind": "eval", "step": 6, "tokens": 768, "tau": 1.3, "acc": [0.5, 0.3]}) + "\n")
+    assert [p.name for p in plot_run(tmp_path)] == ["loss.png", "accuracy.png", "tau.png"]

@@ -92,13 +92,17 @@ def _line_plot(path: Path, series: dict[str, tuple[list, list]], xlabel: str, yl
     return path
 
 
+MIN_PLOT_POINTS = 2  # a line of one point shows nothing: its figure is not drawn
+
+
 def plot_run(run: Path) -> list[Path]:
-    """loss.png, accuracy.png (per TTT step) and tau.png (simulated acceptance vs training tokens)."""
+    """loss.png, accuracy.png (per TTT step) and tau.png (simulated acceptance vs training tokens), each drawn once
+    it has two points (the console and metrics.jsonl already say a lone value)."""
     records = read_metrics(run)
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval" and r.get("tau") is not None]
     written = []
-    if train:
+    if len(train) >= MIN_PLOT_POINTS:
         written.append(
             _line_plot(
                 run / "loss.png",
@@ -108,7 +112,7 @@ def plot_run(run: Path) -> list[Path]:
                 "training loss",
             )
         )
-    if evals:
+    if len(evals) >= MIN_PLOT_POINTS:
         steps = [r["step"] for r in evals]
         accuracy = {f"step {k}": (steps, [r["acc"][k] for r in evals]) for k in range(len(evals[-1]["acc"]))}
         written.append(
