@@ -105,6 +105,12 @@ def test_export_golden(tmp_path, capsys, tiny_draft, fmt):
         )
     card = (out / "README.md").read_text()
     assert "org/tiny-target" in card and ("vllm serve" in card or "sglang.launch_server" in card)
+    # the Hub's metadata, as the Hub reads it: YAML between the first two --- lines
+    import yaml
+
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front["base_model"] == "org/tiny-target" and front["library_name"] == fmt
+    assert {"eagle3", "speculative-decoding", fmt} <= set(front["tags"]) and front["eaglet_version"]
 
 
 def test_round_trip_gives_identical_greedy_outputs(tmp_path, tiny_draft, tiny_target):
@@ -722,3 +728,20 @@ def test_eval_tune_bad_settings_refused_before_loading(tmp_path, capsys, tiny_dr
     )
     assert code == 2 and message in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+
+
+def test_a_card_names_no_base_model_for_a_target_known_only_by_its_local_path(tmp_path, monkeypatch):
+    """A local directory is nothing on the Hub: the card's metadata leaves base_model out rather than publish it."""
+    import yaml
+
+    from eaglet.export import export_format
+    from eaglet.export.write import card_front_matter
+
+    fmt = export_format("vllm")
+    (tmp_path / "models" / "mine").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    for local in (str(tmp_path / "models" / "mine"), "models/mine"):
+        front = yaml.safe_load(card_front_matter(fmt, (local, "a local path")).split("---\n")[1])
+        assert "base_model" not in front and front["library_name"] == "vllm"
+    hub = yaml.safe_load(card_front_matter(fmt, ("meta-llama/Llama-3.1-8B-Instruct", "hub id")).split("---\n")[1])
+    assert hub["base_model"] == "meta-llama/Llama-3.1-8B-Instruct"

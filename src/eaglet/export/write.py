@@ -10,6 +10,7 @@ vLLM and speculators build no mapping parameter, and a shipped one fails the loa
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,25 @@ def serving_weights(
     return out
 
 
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # ORG/NAME
+CARD_TAGS = ("eagle3", "speculative-decoding", "draft-model", "eaglet")  # the Hub's search finds drafts by these
+
+
+def card_front_matter(fmt: ExportFormat, verifier: tuple[str, str]) -> str:
+    """The model card's Hub metadata (YAML between ``---`` lines): the library that loads the directory, tags, and the
+    target as ``base_model`` when the configs name it by hub id (a local path names nothing on the Hub)."""
+    import yaml
+
+    from .. import __version__
+
+    name, _ = verifier
+    meta: dict[str, Any] = {}
+    if HUB_ID.fullmatch(name) and not Path(name).exists():
+        meta["base_model"] = name
+    meta |= {"library_name": fmt.name, "tags": [*CARD_TAGS, fmt.name], "eaglet_version": __version__}
+    return f"---\n{yaml.safe_dump(meta, sort_keys=False)}---\n\n"
+
+
 def model_card(
     fmt: ExportFormat,
     config: dict[str, Any],
@@ -73,7 +93,9 @@ def model_card(
     )
     source = config.get("target", {}).get("source")
     trained_on = f"\nTrained on the features of {source}.\n" if source else ""
-    return f"""# EAGLE-3 draft for {name} ({fmt.name} format)
+    return (
+        card_front_matter(fmt, verifier)
+        + f"""# EAGLE-3 draft for {name} ({fmt.name} format)
 
 Trained with eaglet. One Llama-style decoder layer over the target's aux hidden states
 (eaglet/vLLM layer ids {ids}: the inputs of those decoder layers), draft vocabulary of
@@ -91,6 +113,7 @@ Acceptance: {measured}.
 
 `eaglet export --check PATH/TO/THIS/DIR` checks this directory against each engine's released loader.
 """
+    )
 
 
 def _target_embedding(config: dict[str, Any], target: str | None) -> torch.Tensor:
