@@ -352,3 +352,23 @@ def test_run_takes_dotted_overrides_of_its_config(tmp_path, capsys):
     assert code == 2 and err.count("\n") == 1 and "no_such_key" in err, err
     code, _, err = run_cli(["run", EXAMPLE, "--plan", "--out", out, "--set", "train"], capsys)
     assert code == 2 and "expected KEY=VALUE" in err, err
+
+
+def test_plan_times_a_training_run_bounded_by_epochs_or_steps(tmp_path, capsys):
+    """Training without --max-minutes gets a time from its tokens (epochs over the planned prepared tokens, or steps
+    of the token budget) at the draft step's FLOPs, with that rate's source; twice the epochs, twice the time."""
+    from rich.console import Console
+
+    from eaglet.run import Pipeline, load_run_config
+
+    def train_plan(*sets: str):
+        config = load_run_config(EXAMPLE, {"target": str(KIMI_CONFIG), "out": str(tmp_path / "run")}, list(sets))
+        return next(p for p in Pipeline(config, EXAMPLE, Console(quiet=True)).plan() if p.name == "train")
+
+    one, two = train_plan("train.max_minutes=null"), train_plan("train.max_minutes=null", "train.epochs=2")
+    assert one.seconds > 0 and two.seconds == pytest.approx(2 * one.seconds, rel=1e-6)
+    assert "50% MFU" in one.rate_source and "tok/s" in one.rate_source
+    steps = train_plan("train.max_minutes=null", "train.max_steps=100", "train.token_budget=4096")
+    assert f"{100 * 4096:,} tokens" in steps.rate_source
+    capped = train_plan("train.max_steps=100000000")  # the example's 60 minutes come first
+    assert capped.seconds == 3600 and capped.rate_source == "its --max-minutes"

@@ -165,7 +165,9 @@ def estimate(pipeline: Pipeline, plans: list[StagePlan]) -> list[StagePlan]:
                 plan.memory = f"{plan.memory}; {store_line}" if plan.memory else store_line
         elif plan.name == "train":
             train = stage.config
-            plan.seconds = train.max_minutes * 60 if train.max_minutes else float("nan")
+            plan.seconds, plan.rate_source = _train_time(
+                train, target_config, draft_vocab, prepared_tokens, pipeline.out / "prepared", machine
+            )
             # fp32 weights + 2 AdamW moments per checkpoint kept, and the saved draft
             plan.disk_bytes = draft_params * FP32_BYTES * (1 + 3 * (train.keep_last + 1))
             if train.prepared is not None:  # online: the target runs in training
@@ -334,6 +336,45 @@ EXTRACT_SOURCE = (
     "43% MFU at 2 FLOPs per active parameter, the dense 8B shape's extraction on an H200 (a MoE's is not fitted: "
     "its smaller expert matmuls run below it); state yours in machine.extract_tokens_per_s"
 )
+
+
+# `eaglet train`'s step on an H100 at the 8B shape (RESULTS "The LM head and its loss one step": 50.2-50.6% MFU,
+# K = 7); a small draft's step reaches less
+TRAIN_MFU = 0.50
+TRAIN_SOURCE = "50% MFU, the 8B-shaped draft's step on an H100 (a small draft's reaches less)"
+DEFAULT_EPOCHS = 1  # TrainConfig: one epoch when no other limit is given
+
+
+def _train_time(
+    train: Any, target_config: dict[str, Any], draft_vocab: int, tokens: int, prepared: Path, machine: Any
+) -> tuple[float, str]:
+    """(seconds, the rate's source) of the training stage: its --max-minutes, else its steps or epochs over the
+    prepared tokens at the draft step's FLOPs per token (the TTT unroll and the teacher head) and a measured rate."""
+    from ..formats.draft_config import DraftConfig
+    from ..model.sizing import draft_train_flops_per_token, measured_cpu_flops, peak_flops, text_config
+    from ..preflight.stages import CPU_TRAIN_EFFICIENCY
+
+    text = text_config(target_config)
+    draft = DraftConfig.from_target(text, draft_vocab, (1, 2, 3))  # the ids do not change the FLOPs
+    samples = _prepared_samples(prepared) or _samples_guess(tokens) or 1
+    per_token = draft_train_flops_per_token(draft, train.ttt_steps, tokens / samples / 2) + 2 * draft.hidden_size * (
+        draft_vocab
+    )
+    if machine.gpus:
+        rate, source = TRAIN_MFU * peak_flops(machine) / per_token, TRAIN_SOURCE
+    else:
+        measured = measured_cpu_flops()
+        rate = CPU_TRAIN_EFFICIENCY * measured / per_token
+        source = f"{CPU_TRAIN_EFFICIENCY:.0%} of this CPU's measured {measured / 1e9:,.0f} GFLOP/s"
+    by_steps = train.max_steps * train.token_budget * train.grad_accum if train.max_steps else None
+    by_epochs = int(tokens * train.epochs) if train.epochs else None
+    trained = min(t for t in (by_steps, by_epochs) if t) if (by_steps or by_epochs) else tokens * DEFAULT_EPOCHS
+    seconds = trained / rate
+    if train.max_minutes:
+        seconds = min(seconds, train.max_minutes * 60) if (by_steps or by_epochs) else train.max_minutes * 60
+        if seconds == train.max_minutes * 60:
+            return seconds, "its --max-minutes"
+    return seconds, f"{rate:,.0f} tok/s: {source}, {trained:,} tokens"
 
 
 def _generate_source(rate: float, stated: Any, machine: Any) -> str:
