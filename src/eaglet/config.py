@@ -755,6 +755,11 @@ class EvalConfig(VllmFields, PlacementFields):
     )
     trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
 
+    def served_length(self, longest_prompt: int) -> int:
+        """The context `eval --backend vllm` needs of vLLM (unless --max-model-len says): the longest prompt, its
+        answer and a draft round past it (vLLM keeps a KV cache for one request of it at start)."""
+        return longest_prompt + self.max_new_tokens + self.depth + 1
+
     def decoding_problem(self) -> str | None:
         """Settings no decoder runs, found from the settings alone (before any stage of a run, any model load)."""
         if self.backend == "vllm":

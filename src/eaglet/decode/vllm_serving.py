@@ -212,7 +212,7 @@ def serve_eval(
     # the engines' context: what the prompts need (the longest, its answer and a draft round past it) unless
     # --max-model-len says; vLLM keeps a KV cache for one request of it at start, and Kimi's whole 262,144 tokens
     # take GiBs the answers never use
-    needed = max(len(row.ids) for row in prompts) + config.max_new_tokens + config.depth + 1
+    needed = config.served_length(max(len(row.ids) for row in prompts))
     if config.max_model_len is not None and config.max_model_len < needed:
         raise EagletError(
             f"--max-model-len {config.max_model_len}: the longest prompt with --max-new-tokens {config.max_new_tokens} "

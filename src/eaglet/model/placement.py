@@ -91,11 +91,11 @@ def causal_lm_problem(target_path: Path, trust_remote_code: bool) -> str | None:
 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from .text_model import target_language_model
+    from .target import wrapped_language_model_of
 
     target_config = json.loads((target_path / TARGET_CONFIG_FILE).read_text(encoding="utf-8"))  # read_config checked it
     model_type = str(target_config.get("model_type", "?"))
-    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or target_language_model(target_path) is not None:
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or wrapped_language_model_of(target_path) is not None:
         return None  # transformers' class for it, or for the language model a wrapper holds (model.text_model)
     if "AutoModelForCausalLM" in (target_config.get("auto_map") or {}):
         if trust_remote_code:

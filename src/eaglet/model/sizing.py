@@ -456,6 +456,12 @@ def draft_train_flops_per_token(config: Any, steps: int, mean_context: float, he
     return 3 * (fuse + steps * per_step) - skipped
 
 
+def train_flops_per_token(config: Any, steps: int, mean_context: float, teacher_rows: int) -> float:
+    """A training step's FLOPs per token: the draft's TTT unroll (``draft_train_flops_per_token``) and the teacher
+    head's forward over ``teacher_rows`` of the target's vocabulary."""
+    return draft_train_flops_per_token(config, steps, mean_context) + 2 * config.target_hidden_size * teacher_rows
+
+
 def train_step_bytes(config: Any, tokens: int, steps: int, dense_attention: bool) -> int:
     """Peak memory of one TTT step of ``tokens`` tokens (config: the draft's): the fused loss keeps each step's
     logit gradient [T, Vd] (float32; deferred, the LM head's weight gradient reads them where they are), the teacher's

@@ -227,16 +227,15 @@ def tensor_parallel_problem(config: dict[str, Any], tensor_parallel_size: int) -
     return None
 
 
-MOE_EXPERT_FIELDS = ("n_routed_experts", "num_experts", "num_local_experts")  # config.json's routed expert count
-
-
 def expert_parallel_problem(config: dict[str, Any], enable_expert_parallel: bool) -> str | None:
     """Why ``--enable-expert-parallel`` cannot apply to the target (config.json's, as ``read_config`` gives it), or
     None: vLLM's expert parallelism places a MoE's routed experts, and a dense model has none."""
     if not enable_expert_parallel:
         return None
+    from .support import EXPERT_COUNT_KEYS
+
     text = text_config(config)
-    if any(isinstance(text.get(field), int) and text[field] > 1 for field in MOE_EXPERT_FIELDS):
+    if any(isinstance(text.get(field), int) and text[field] > 1 for field in EXPERT_COUNT_KEYS):
         return None
     return "--enable-expert-parallel: the target has no routed experts (not a MoE model); leave it off"
 

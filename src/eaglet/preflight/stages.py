@@ -484,16 +484,14 @@ def argmax_stored(cfg: Any) -> bool:
 
 def _cpu_step_time(cfg: Any, draft: Any, info: Any) -> Check:
     """On a CPU a step's FLOPs decide everything: the estimate from this CPU's measured rate, and what cuts it."""
-    from ..model.sizing import draft_train_flops_per_token, measured_cpu_flops
+    from ..model.sizing import measured_cpu_flops, train_flops_per_token
 
     keeps_top = argmax_stored(cfg)  # the teacher's head: the draft vocabulary's rows, else all of them
 
     def seconds(tokens: int, vocab: int) -> float:
         config = dataclasses.replace(draft, draft_vocab_size=vocab)
         teacher_rows = vocab if keeps_top else info.vocab_size
-        flops = tokens * (
-            draft_train_flops_per_token(config, cfg.ttt_steps, tokens / 2) + 2 * info.hidden_size * teacher_rows
-        )
+        flops = tokens * train_flops_per_token(config, cfg.ttt_steps, tokens / 2, teacher_rows)
         return flops / (rate * CPU_TRAIN_EFFICIENCY)
 
     rate = measured_cpu_flops()
@@ -543,12 +541,15 @@ def eval_checks(cfg: Any) -> list[Check]:
             )
         )
     checks.append(check_rows([resolve_input(p) for p in cfg.prompts], need_assistant=False))
+    selected: list[Any] = []  # the prompts eval decodes, selected once: their check, then vLLM's context
     if found and checks[-1].status != FAIL:
-        checks += guarded("prompts", lambda: _evaluated_prompts_check(cfg, found[0].path))
+        checks += guarded("prompts", lambda: _evaluated_prompts_check(cfg, found[0].path, selected))
     if found and cfg.backend == "vllm":  # vLLM holds the target its own way: transformers' load and fit do not apply
         from ..model.vllm_engine import installed_cpu_draft_problem
 
-        checks += check_vllm_backend(found[0].path, cfg, captures=False, max_model_len=_served_length(cfg, found))
+        needed = cfg.served_length(max(len(row.ids) for row in selected)) if selected else None
+        served = cfg.max_model_len or needed
+        checks += check_vllm_backend(found[0].path, cfg, captures=False, max_model_len=served)
         problem = installed_cpu_draft_problem(found[0].path)
         return checks + ([Check("vllm cpu draft", FAIL, problem)] if problem else [])
     if found:
@@ -616,25 +617,14 @@ def _resume_check(cfg: Any, info: Any, prepared: Any, store: Path) -> Check:
     return Check("output", PASS, f"{store} exists; missing shards are computed")
 
 
-def _served_length(cfg: Any, found: Any) -> int | None:
-    """The context `eval --backend vllm` opens vLLM with (decode.vllm_serving): the longest prompt, its answer and a
-    draft round past it, unless --max-model-len says; None when the prompts cannot be read (their check says why)."""
-    from ..data.eval_prompts import evaluated_prompts
-
-    if cfg.max_model_len is not None:
-        return cfg.max_model_len
-    try:
-        rows = evaluated_prompts(cfg, found[0].path)
-    except EagletError:
-        return None
-    return max((len(row.ids) for row in rows), default=0) + cfg.max_new_tokens + cfg.depth + 1
-
-
-def _evaluated_prompts_check(cfg: Any, target_path: Path) -> Check:
-    """The prompts eval selects: each file has some of the split, and each fits the target's context."""
+def _evaluated_prompts_check(cfg: Any, target_path: Path, selected: list[Any] | None = None) -> Check:
+    """The prompts eval selects: each file has some of the split, and each fits the target's context (kept in
+    ``selected`` for the checks after this one)."""
     from ..data.eval_prompts import evaluated_prompts
 
     rows = evaluated_prompts(cfg, target_path)
+    if selected is not None:
+        selected.extend(rows)
     return Check("prompts", PASS, f"{len(rows):,} prompts of the {cfg.split} split, each inside the context")
 
 

@@ -178,8 +178,9 @@ def estimate(pipeline: Pipeline, plans: list[StagePlan]) -> list[StagePlan]:
             evaluation = stage.config
             prompts = (evaluation.max_prompts or HELD_OUT_PROMPTS_GUESS) * len(evaluation.prompts)  # per file
             if evaluation.backend == "vllm":  # two engines, one after the other: vLLM alone, then with the draft
-                served = PROMPT_TOKENS_GUESS + evaluation.max_new_tokens + evaluation.depth + 1  # decode.vllm_serving
-                sizing.place_vllm(plan, evaluation, evaluation.max_model_len or served)
+                sizing.place_vllm(
+                    plan, evaluation, evaluation.max_model_len or evaluation.served_length(PROMPT_TOKENS_GUESS)
+                )
                 decoded = 2 * prompts * evaluation.max_new_tokens
                 plan.seconds = 2 * sizing.load_seconds() + decoded / generate_rate
             else:
@@ -351,15 +352,13 @@ def _train_time(
     """(seconds, the rate's source) of the training stage: its --max-minutes, else its steps or epochs over the
     prepared tokens at the draft step's FLOPs per token (the TTT unroll and the teacher head) and a measured rate."""
     from ..formats.draft_config import DraftConfig
-    from ..model.sizing import draft_train_flops_per_token, measured_cpu_flops, peak_flops, text_config
+    from ..model.sizing import measured_cpu_flops, peak_flops, text_config, train_flops_per_token
     from ..preflight.stages import CPU_TRAIN_EFFICIENCY
 
     text = text_config(target_config)
     draft = DraftConfig.from_target(text, draft_vocab, (1, 2, 3))  # the ids do not change the FLOPs
     samples = _prepared_samples(prepared) or _samples_guess(tokens) or 1
-    per_token = draft_train_flops_per_token(draft, train.ttt_steps, tokens / samples / 2) + 2 * draft.hidden_size * (
-        draft_vocab
-    )
+    per_token = train_flops_per_token(draft, train.ttt_steps, tokens / samples / 2, draft_vocab)
     if machine.gpus:
         rate, source = TRAIN_MFU * peak_flops(machine) / per_token, TRAIN_SOURCE
     else:
