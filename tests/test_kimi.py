@@ -372,3 +372,16 @@ def test_plan_times_a_training_run_bounded_by_epochs_or_steps(tmp_path, capsys):
     assert f"{100 * 4096:,} tokens" in steps.rate_source
     capped = train_plan("train.max_steps=100000000")  # the example's 60 minutes come first
     assert capped.seconds == 3600 and capped.rate_source == "its --max-minutes"
+
+
+def test_an_eval_max_model_len_under_what_its_prompts_need_is_refused_before_vllm_starts(
+    tmp_path, capsys, tiny_draft, tiny_target
+):
+    """`eval --backend vllm` opens vLLM at the longest prompt, its answer and a draft round; a --max-model-len under
+    that would cut answers short, so preflight refuses it in one line with the fix."""
+    export = tmp_path / "export"
+    assert run_cli(["export", "--draft", tiny_draft, "--format", "vllm", "--out", export], capsys)[0] == 0
+    args = ["eval", "--draft", export, "--target", tiny_target, "--out", tmp_path / "eval", "--backend", "vllm"]
+    code, _, err = run_cli([*args, "--max-model-len", "8", "--max-prompts", "2"], capsys)
+    assert code == 2 and "--max-model-len 8: the longest prompt with --max-new-tokens 128" in err, err
+    assert "raise it or leave it out" in err and not (tmp_path / "eval").exists()

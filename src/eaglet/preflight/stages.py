@@ -548,6 +548,16 @@ def eval_checks(cfg: Any) -> list[Check]:
         from ..model.vllm_engine import installed_cpu_draft_problem
 
         needed = cfg.served_length(max(len(row.ids) for row in selected)) if selected else None
+        if needed and cfg.max_model_len is not None and cfg.max_model_len < needed:
+            return checks + [
+                Check(
+                    "max model len",
+                    FAIL,
+                    f"--max-model-len {cfg.max_model_len}: the longest prompt with --max-new-tokens "
+                    f"{cfg.max_new_tokens} and a draft round needs {needed:,}",
+                    "raise it or leave it out (eval sizes it)",
+                )
+            ]
         served = cfg.max_model_len or needed
         checks += check_vllm_backend(found[0].path, cfg, captures=False, max_model_len=served)
         problem = installed_cpu_draft_problem(found[0].path)
