@@ -77,7 +77,7 @@ def main() -> None:
             }
             print(
                 f"{storage}: store {runs[storage]['store_bytes'] / 1e6:.1f} MB, last loss {losses[-1]:.4f}, "
-                f"held-out τ {result.final_eval.get('tau')}",
+                f"held-out τ {result.final_eval.get('acceptance_length')}",
                 flush=True,
             )
     reference = runs["bf16"]

@@ -198,7 +198,12 @@ def main() -> None:
             record = json.loads(line)
             if record["kind"] == "eval":
                 curve.append(
-                    {"step": record["step"], "tokens": record["tokens"], "tau": record["tau"], "acc": record["acc"]}
+                    {
+                        "step": record["step"],
+                        "tokens": record["tokens"],
+                        "acceptance_length": record["acceptance_length"],
+                        "acc": record["acc"],
+                    }
                 )
     reports = {}
     for mode in ("chain", "tree"):
@@ -222,7 +227,7 @@ def main() -> None:
         "benchmark": "tau_embedded",
         "timings_s": timings,
         "curve": curve,
-        "final_simulated_acceptance": curve[-1]["tau"] if curve else None,
+        "final_acceptance_length": curve[-1]["acceptance_length"] if curve else None,
         "eval": reports,
     }
     (work / "tau.json").write_text(json.dumps(result, indent=2) + "\n")

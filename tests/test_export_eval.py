@@ -730,6 +730,23 @@ def test_eval_tune_bad_settings_refused_before_loading(tmp_path, capsys, tiny_dr
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
 
 
+def test_a_cards_tau_is_the_one_measured_for_the_command_it_prints(tmp_path, capsys, tiny_draft, tiny_target):
+    """Exported with an eval report of a chain of 2 and no --speculative-tokens, the serve command is that chain's;
+    asked for another chain length, the card says its τ was measured for another shape than the command serves."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "the cat sat", "split": "heldout"}])
+    args = eval_args(tiny_draft, tiny_target, prompts, tmp_path / "eval", "--max-new-tokens", "8", "--depth", "2")
+    assert run_cli(args, capsys)[0] == 0
+    report = tmp_path / "eval" / "report.json"
+    export = ["export", "--draft", tiny_draft, "--format", "vllm", "--report", report]
+    assert run_cli([*export, "--out", tmp_path / "same"], capsys)[0] == 0
+    card = (tmp_path / "same" / "README.md").read_text()
+    assert '"num_speculative_tokens": 2' in card and "a chain of 2 draft tokens" in card and "not measured" not in card
+    assert run_cli([*export, "--out", tmp_path / "other", "--speculative-tokens", "5"], capsys)[0] == 0
+    card = (tmp_path / "other" / "README.md").read_text()
+    assert '"num_speculative_tokens": 5' in card
+    assert "a chain of 2 draft tokens" in card and "serves a chain of 5, not measured" in card
+
+
 def test_a_card_names_no_base_model_for_a_target_known_only_by_its_local_path(tmp_path, monkeypatch):
     """A local directory is nothing on the Hub: the card's metadata leaves base_model out rather than publish it."""
     import yaml

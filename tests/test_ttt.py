@@ -16,9 +16,9 @@ from eaglet.train.ttt import (
     FLEX_MIN_HEAD_DIM,
     TTTAttention,
     TTTInputs,
+    acceptance_length,
     documents,
     shift,
-    simulated_acceptance,
     ttt_forward,
 )
 
@@ -307,10 +307,11 @@ def test_documents_helper():
     assert doc_end.tolist() == [3, 3, 3, 5, 5]
 
 
-def test_simulated_acceptance():
-    assert simulated_acceptance([1.0, 1.0, 1.0]) == 3.0
-    assert simulated_acceptance([0.5, 0.5]) == pytest.approx(0.75)
-    assert simulated_acceptance([]) == 0.0
+def test_acceptance_length_counts_the_targets_own_token_as_vllm_does():
+    assert acceptance_length([1.0, 1.0, 1.0]) == 4.0  # 3 accepted + the bonus token, every round
+    assert acceptance_length([0.5, 0.5]) == pytest.approx(1.75)
+    assert acceptance_length([0.0, 1.0]) == 1.0  # nothing past a rejection is accepted
+    assert acceptance_length([]) == 1.0
 
 
 @pytest.mark.parametrize("doc_offsets", [(0, 7, 12, 19), BLOCK_ALIGNED_DOCS])

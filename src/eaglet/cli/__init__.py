@@ -251,15 +251,13 @@ def store_info(
 def train(options: StageOptions) -> None:
     """Train the EAGLE-3 draft (training-time test) on a store or online; resumable; torchrun for DDP or FSDP2."""
     from ..train import run_train
+    from ..train.heldout import held_out_tau
 
     cfg = options.build()
     result = run_train(cfg, err_console)
     evaluation = result.final_eval
-    if evaluation.get("tau") is not None:
-        tau = (
-            f", held-out simulated acceptance {evaluation['tau']:.2f} draft tokens per forward "
-            f"(accuracy by step {evaluation['acc']})"
-        )
+    if evaluation.get("acceptance_length") is not None:
+        tau = f", {held_out_tau(evaluation)} (accuracy by step {evaluation['acc']})"
     elif evaluation:
         tau = ", no held-out samples to evaluate (use --eval-store, or more data)"
     else:

@@ -18,7 +18,13 @@ import torch
 
 from ..errors import EagletError
 from ..formats.draft_config import FIRST_LAYER_PREFIX, TRAINED_WEIGHTS_KEY, read_draft_config
-from ..formats.eval_report import EvalReportRecord, draft_weights_digest, read_eval_report
+from ..formats.eval_report import (
+    EvalReportRecord,
+    chain_depth,
+    draft_weights_digest,
+    measured_shape,
+    read_eval_report,
+)
 from ..formats.files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, EXPORTED_DRAFT_CONFIG_FILE, MODEL_CARD_FILE
 from ..formats.target_record import require_same_target
 from ..fsio import atomic_directory, check_output_apart, check_output_dir, write_json_atomic
@@ -79,10 +85,17 @@ def model_card(
 ) -> str:
     measured = "not measured yet (run `eaglet eval`)"
     if report:
+        where = "vLLM serving it" if report.engine == "vllm" else "eaglet's decoder"
         measured = (
             f"τ = {report.acceptance_length:.2f} accepted tokens per target forward, speedup "
-            f"{report.speedup:.2f}× ({report.settings.mode}, measured by `eaglet eval` on {report.settings.device})"
+            f"{report.speedup:.2f}× ({measured_shape(report)}, measured by `eaglet eval` through {where} on "
+            f"{report.settings.device})"
         )
+        if chain_depth(report) != speculative_tokens:  # the τ of another shape than the command serves
+            measured += (
+                f"; the command below serves a chain of {speculative_tokens}, not measured (`eaglet eval --draft "
+                f"PATH/TO/THIS/DIR --depth {speculative_tokens}` measures it)"
+            )
     name, how = verifier
     serve = fmt.serve_command(name, speculative_tokens, "PATH/TO/THIS/DIR")
     ids = config["eagle_aux_hidden_state_layer_ids"]
@@ -144,7 +157,7 @@ def export_draft(
     format_name: str,
     out: str | Path,
     verifier: str | None = None,
-    speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS,
+    speculative_tokens: int | None = None,
     report_path: str | Path | None = None,
     overwrite: bool = False,
     target: str | None = None,
@@ -169,6 +182,8 @@ def export_draft(
         )
     reference = verifier_reference(config, verifier)
     report = read_eval_report(report_path, draft_dir) if report_path else None
+    if speculative_tokens is None:  # the shape the report measured, so the card's τ is the command's
+        speculative_tokens = (chain_depth(report) if report else None) or DEFAULT_SPECULATIVE_TOKENS
     embedding = _target_embedding(config, target) if fmt.carries_embedding else None
     weights = serving_weights(read_draft_weights(draft_dir, stored), config, fmt, embedding)
     with atomic_directory(out, overwrite=overwrite) as tmp:

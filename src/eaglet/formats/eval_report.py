@@ -21,9 +21,18 @@ PASS_A_REPORT = "pass the report.json `eaglet eval` wrote for this draft"
 class EvalSettings(Record):
     mode: Literal["chain", "tree"]
     device: str
+    depth: int | None = Field(default=None, ge=1)  # draft tokens a round (chain) or the tree's depth
+    topk: int | None = None
+    budget: int | None = None
 
 
-class EvalReportRecord(Record):
+class EvalReportShape(Record):
+    """What the report says of where it was measured: eaglet's decoder or a serving engine."""
+
+    engine: str | None = None  # "vllm": served by vLLM (`eval --backend vllm`); None: eaglet's own decoder
+
+
+class EvalReportRecord(EvalReportShape):
     acceptance_length: float = Field(ge=0)
     speedup: float = Field(gt=0)
     settings: EvalSettings
@@ -56,3 +65,17 @@ def read_eval_report(path: str | Path, draft_dir: str | Path) -> EvalReportRecor
             f"are {digest[:12]}…); run `eaglet eval --draft {draft_dir}` and pass its report"
         )
     return report
+
+
+def chain_depth(report: EvalReportRecord) -> int | None:
+    """The chain length the report measured (what a serve command's num_speculative_tokens must be for its τ to
+    apply); None for a tree, or a report from before eval recorded its depth."""
+    return report.settings.depth if report.settings.mode == "chain" else None
+
+
+def measured_shape(report: EvalReportRecord) -> str:
+    settings = report.settings
+    if settings.mode == "chain":
+        return f"a chain of {settings.depth} draft tokens" if settings.depth else "a chain"
+    shape = "/".join(str(v) for v in (settings.depth, settings.topk, settings.budget) if v is not None)
+    return f"eaglet's dynamic tree (depth/top-k/budget {shape})" if shape else "eaglet's dynamic tree"

@@ -123,6 +123,18 @@ class Pipeline:
         kind = STAGE_KINDS_BY_NAME[name.removesuffix("_heldout")]
         return self.out / (kind.heldout_output if name.endswith("_heldout") else kind.output)  # type: ignore[operator]
 
+    def speculative_tokens(self) -> int:
+        """The draft tokens a round the exports record and the serve commands print: the export section's, else the
+        chain the run's eval measures (so the cards' τ is the printed command's), else export's default."""
+        from ..export.write import DEFAULT_SPECULATIVE_TOKENS
+
+        if self.config.export.speculative_tokens is not None:
+            return self.config.export.speculative_tokens
+        evaluation = next((s for s in self.stages if s.name == "eval"), None)
+        if evaluation is not None and evaluation.config.mode == "chain":
+            return evaluation.config.depth
+        return DEFAULT_SPECULATIVE_TOKENS
+
     def current_report(self) -> Path | None:
         """The eval report, when it was made from the draft being exported (so cards quote its τ)."""
         state = self._state()
@@ -384,9 +396,7 @@ class Pipeline:
             directory = self.out / "export" / fmt
             if (directory / EXPORTED_DRAFT_CONFIG_FILE).is_file():
                 verifier, _ = verifier_reference(read_json(directory / EXPORTED_DRAFT_CONFIG_FILE))
-                commands[fmt] = FORMATS[fmt].serve_command(
-                    verifier, self.config.export.speculative_tokens, str(directory)
-                )
+                commands[fmt] = FORMATS[fmt].serve_command(verifier, self.speculative_tokens(), str(directory))
         return commands
 
 

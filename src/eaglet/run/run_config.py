@@ -14,12 +14,14 @@ from ..export import FORMAT_NAMES
 
 class ExportSection(StrictModel):
     formats: list[ExportFormat] = Field(default_factory=lambda: list(FORMAT_NAMES))
-    speculative_tokens: int = Field(default=3, ge=1, le=16)
+    speculative_tokens: int | None = Field(
+        default=None, ge=1, le=16, description="draft tokens a round (default: the eval's chain length, else 3)"
+    )
 
 
 class HeldOutSection(StrictModel):
     """The target's greedy answers to the held-out split of the regenerated prompts, extracted beside the
-    training store: training then reports its simulated acceptance on prompts it never saw (instead of
+    training store: training then reports its held-out τ on prompts it never saw (instead of
     on a sample of its own training answers, which share their prompts with the rest)."""
 
     max_prompts: int | None = Field(default=None, ge=1, description="only N held-out prompts")

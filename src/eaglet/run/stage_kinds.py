@@ -190,13 +190,16 @@ def _configure_train(pipeline: Pipeline) -> tuple[TrainConfig, None]:
 
 def _run_train(pipeline: Pipeline, stage: Stage) -> str:
     from ..train import run_train
+    from ..train.heldout import held_out_tau
 
     result = run_train(stage.config, pipeline.console)
     if result.interrupted_by:  # not complete: the next run resumes the checkpoint instead of exporting this draft
         stopped = result.interruption()
         raise Interrupted(f"train {stopped.message}", stopped.exit_code)
-    tau = result.final_eval.get("tau")
-    return f"step {result.steps}" + (f", held-out simulated acceptance {tau:.2f}" if tau is not None else "")
+    evaluation = result.final_eval
+    return f"step {result.steps}" + (
+        f", {held_out_tau(evaluation)}" if evaluation.get("acceptance_length") is not None else ""
+    )
 
 
 def _export_all(pipeline: Pipeline, report: Path | None) -> str:
@@ -208,7 +211,7 @@ def _export_all(pipeline: Pipeline, report: Path | None) -> str:
             pipeline.path("train"),
             fmt,
             pipeline.path("export") / fmt,
-            speculative_tokens=section.speculative_tokens,
+            speculative_tokens=pipeline.speculative_tokens(),
             report_path=report,
             overwrite=True,
             target=pipeline.config.target,

@@ -1,4 +1,4 @@
-"""Held-out evaluation during training: per-TTT-step accuracy and loss, and the simulated acceptance length τ."""
+"""Held-out evaluation during training: per-TTT-step accuracy and loss, and the acceptance length τ they imply."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ..model.distributed import Dist, all_reduce_sum
 from .data import FeatureBatch, held_out
 from .setup import Model, Setup
 from .step import device_inputs
-from .ttt import FlexTTTAttention, simulated_acceptance
+from .ttt import FlexTTTAttention, acceptance_length
 
 
 def evaluate(model: Model, setup: Setup, config: TrainConfig, device: torch.device, dist: Dist) -> dict[str, Any]:
@@ -29,11 +29,11 @@ def evaluate(model: Model, setup: Setup, config: TrainConfig, device: torch.devi
         finally:
             model.module.train()
     if int(counts[0]) == 0:  # nothing held out (a tiny set): report that rather than a fake zero
-        return {"acc": [], "tau": None, "eval_loss": [], "eval_tokens": 0}
+        return {"acc": [], "acceptance_length": None, "eval_loss": [], "eval_tokens": 0}
     accuracy = (correct / counts.clamp_min(1)).tolist()
     return {
         "acc": [round(a, 5) for a in accuracy],
-        "tau": round(simulated_acceptance(accuracy), 4),
+        "acceptance_length": round(acceptance_length(accuracy), 4),  # of a chain of ttt_steps draft tokens
         "eval_loss": [round(v, 5) for v in (losses / counts.clamp_min(1)).tolist()],
         "eval_tokens": int(counts[0]),
     }
@@ -65,3 +65,8 @@ def _sums(
         for _ in range(-(-total // dist.world) - len(range(dist.rank, total, dist.world))):
             forward(spare)
     return tuple(all_reduce_sum([correct, counts, losses], dist))  # type: ignore[return-value]
+
+
+def held_out_tau(evaluation: dict) -> str:
+    """An evaluation's τ as train's console and the run's table print it."""
+    return f"held-out τ {evaluation['acceptance_length']:.2f} (a {len(evaluation['acc'])}-token chain, from accuracy)"

@@ -96,11 +96,11 @@ MIN_PLOT_POINTS = 2  # a line of one point shows nothing: its figure is not draw
 
 
 def plot_run(run: Path) -> list[Path]:
-    """loss.png, accuracy.png (per TTT step) and tau.png (simulated acceptance vs training tokens), each drawn once
+    """loss.png, accuracy.png (per TTT step) and tau.png (held-out τ vs training tokens), each drawn once
     it has two points (the console and metrics.jsonl already say a lone value)."""
     records = read_metrics(run)
     train = [r for r in records if r.get("kind") == "train"]
-    evals = [r for r in records if r.get("kind") == "eval" and r.get("tau") is not None]
+    evals = [r for r in records if r.get("kind") == "eval" and r.get("acceptance_length") is not None]
     written = []
     if len(train) >= MIN_PLOT_POINTS:
         written.append(
@@ -123,10 +123,10 @@ def plot_run(run: Path) -> list[Path]:
         written.append(
             _line_plot(
                 run / "tau.png",
-                {"": ([r["tokens"] for r in evals], [r["tau"] for r in evals])},
+                {"": ([r["tokens"] for r in evals], [r["acceptance_length"] for r in evals])},
                 "training tokens",
-                "simulated accepted draft tokens per forward",
-                "simulated chain acceptance on held-out samples",
+                "τ: tokens per target forward (1 + accepted)",
+                f"held-out τ of a {len(evals[-1]['acc'])}-token chain, from per-step accuracy",
             )
         )
     return written

@@ -216,9 +216,11 @@ class TTTModule(torch.nn.Module):
         return out.loss, torch.stack(out.step_losses), torch.stack(out.step_correct), torch.stack(out.step_counts)
 
 
-def simulated_acceptance(accuracies: list[float]) -> float:
-    """Chain acceptance length Σ_k Π_{j<=k} acc_j (draft tokens accepted per target forward, bonus excluded)."""
-    total, running = 0.0, 1.0
+def acceptance_length(accuracies: list[float]) -> float:
+    """τ = 1 + Σ_k Π_{j<=k} acc_j: tokens per target forward of a chain of ``len(accuracies)`` draft tokens, were
+    step k's top-1 accepted with its held-out accuracy. The 1 is the target's own token each round, counted as vLLM
+    and `eaglet eval` count it (1 + accepted / rounds), so training's τ and the served one are the same quantity."""
+    total, running = 1.0, 1.0
     for accuracy in accuracies:
         running *= accuracy
         total += running
