@@ -15,7 +15,7 @@ from eaglet.consumers import speculators_library as speculators
 from eaglet.consumers.export_check import FAIL, PASS, check_export
 from eaglet.consumers.fixtures import ENGINES, fixtures
 from eaglet.export.write import export_draft
-from eaglet.formats.draft_config import DraftConfig
+from eaglet.formats.draft_config import EAGLE_VARIANTS, DraftConfig
 from eaglet.model.draft import Eagle3Draft, save_draft
 from eaglet.model.target import load_head_weights, read_config, resolve_target, target_info, target_record
 
@@ -23,7 +23,13 @@ CUSTOM_LAYERS = (1, 3, 6)  # not the defaults (2, 4, 5) of the 8-layer tiny targ
 
 
 def random_draft(
-    root: Path, target: Path, draft_vocab: int | None, layers=CUSTOM_LAYERS, seed: int = 0, hub_id: str | None = None
+    root: Path,
+    target: Path,
+    draft_vocab: int | None,
+    layers=CUSTOM_LAYERS,
+    seed: int = 0,
+    hub_id: str | None = None,
+    norms: dict[str, bool] | None = None,
 ) -> Path:
     """An eaglet draft directory with random weights (no training) for ``target``; ``draft_vocab`` None = the
     target's whole vocabulary."""
@@ -37,6 +43,7 @@ def random_draft(
     } | ({"hub_id": hub_id} if hub_id else {})
     vocab = info.vocab_size if draft_vocab is None else draft_vocab
     config = DraftConfig.from_target(read_config(target), vocab, layers, record)
+    config = DraftConfig(**config.to_dict() | (norms or {}))
     torch.manual_seed(seed)
     draft = Eagle3Draft(config)
     used = torch.sort(torch.randperm(info.vocab_size)[:vocab]).values
@@ -60,6 +67,11 @@ def drafts(tmp_path_factory, tiny_target):
     return {
         "subset": random_draft(root / "subset", tiny_target, 300),
         "full": random_draft(root / "full", tiny_target, None),
+        "eagle3.1": random_draft(root / "eagle3.1", tiny_target, 300, norms=EAGLE_VARIANTS["3.1"]),
+        # speculators' own default: one norm over the concatenated aux features, the normed state fed back
+        "speculators-norms": random_draft(
+            root / "speculators-norms", tiny_target, 300, norms={"norm_before_fc": True, "norm_output": True}
+        ),
     }
 
 
@@ -76,7 +88,7 @@ def test_shipped_fixtures_name_their_wheel():
             assert all(text.strip() for text in fixture.sources.values())
 
 
-@pytest.mark.parametrize("vocab", ["subset", "full"])
+@pytest.mark.parametrize("vocab", ["subset", "full", "eagle3.1", "speculators-norms"])
 def test_speculators_model_class_gives_eaglets_logits_at_every_ttt_step(tmp_path, drafts, vocab):
     out = export_draft(drafts[vocab], "speculators", tmp_path / "spec")
     model, load = speculators.load(out)
@@ -105,7 +117,7 @@ def test_speculators_refuses_the_old_layout(tmp_path, drafts):
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "sglang"])
-@pytest.mark.parametrize("vocab", ["subset", "full"])
+@pytest.mark.parametrize("vocab", ["subset", "full", "eagle3.1", "speculators-norms"])
 def test_both_engines_load_every_tensor_and_read_the_trained_layers(tmp_path, drafts, fmt, vocab):
     out = export_draft(drafts[vocab], fmt, tmp_path / fmt)
     results = _by_engine(check_export(out))
@@ -114,7 +126,23 @@ def test_both_engines_load_every_tensor_and_read_the_trained_layers(tmp_path, dr
         assert result.status == PASS, (engine, result.findings)
         assert "aux layers [1, 3, 6]" in result.findings[0]
     shipped = load_file(str(out / "model.safetensors"))
-    assert ("d2t" in shipped) == (vocab == "subset") and ("t2d" in shipped) == (vocab == "subset")
+    assert ("d2t" in shipped) == (vocab != "full") and ("t2d" in shipped) == (vocab != "full")
+    assert ("fc_norm.2.weight" in shipped) == (vocab == "eagle3.1")
+    assert ("input_norm.weight" in shipped) == (vocab == "speculators-norms")
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
+def test_an_engine_that_would_feed_back_the_unnormed_state_fails_the_check(tmp_path, drafts, fmt):
+    """EAGLE 3.1's norm_output lost from config.json: the engines load every tensor and run the draft on the
+    pre-norm hidden state it was not trained on (the mismatch SpecForge #879 shipped); the check names it."""
+    out = export_draft(drafts["eagle3.1"], fmt, tmp_path / fmt)
+    config = json.loads((out / "config.json").read_text())
+    del config["norm_output"]
+    (out / "config.json").write_text(json.dumps(config))
+    results = _by_engine(check_export(out))
+    for engine in ("vllm",) if fmt == "speculators" else ("vllm", "sglang"):
+        assert results[engine].status == FAIL, results[engine]
+        assert any("un-normed hidden state" in f and "norm_output" in f for f in results[engine].findings)
 
 
 def test_what_the_engines_did_with_eaglets_earlier_exports(tmp_path, drafts):

@@ -66,8 +66,8 @@ def test_train_offline_learns_and_writes_everything(tmp_path, capsys, tiny_store
         assert handle.get_slice("midlayer.self_attn.q_proj.weight").get_shape() == [64, 128]  # takes 2H
         assert handle.get_slice("fc.weight").get_shape() == [64, 192]  # 3H -> H
     evals = [r for r in read_metrics(out) if r["kind"] == "eval"]
-    assert len(evals) == 3 and len(evals[-1]["acc"]) == 7 and evals[-1]["tau"] >= 0
-    assert "held-out simulated acceptance" in stdout
+    assert len(evals) == 3 and len(evals[-1]["acc"]) == 7 and evals[-1]["acceptance_length"] >= 1
+    assert f"held-out τ {evals[-1]['acceptance_length']:.2f} (a 7-token chain" in stdout
 
 
 @pytest.mark.slow
@@ -115,6 +115,56 @@ def test_a_checkpoint_from_before_the_weights_fingerprint_resumes(tmp_path, caps
     code, _, err = run_cli(args, capsys)
     assert code == 0 and "resuming from" in err, err
     assert train_losses(out) == pytest.approx(train_losses(reference), rel=1e-6)
+
+
+def test_an_eagle31_draft_trains_resumes_as_itself_and_is_evaluated_as_trained(
+    tmp_path, capsys, tiny_store, tiny_target
+):
+    """EAGLE 3.1 (a norm per aux feature, the normed state fed back): trained and saved with its norms, its
+    checkpoint refused to an EAGLE-3 resume, and `eaglet eval` of its vLLM export decodes with the draft the same
+    logits as the trained one (the norms travel and are read back)."""
+    out = tmp_path / "run"
+    args = train_args(tiny_store, out, tiny_target, "--max-steps", "6", "--save-every", "3", "--eagle-version", "3.1")
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    config = json.loads((out / "config.json").read_text())
+    assert (config["fc_norm"], config["norm_before_fc"], config["norm_output"]) == (True, False, True)
+    from eaglet.model.draft import load_draft
+
+    trained = load_draft(out)
+    assert [name for name in trained.serving_state_dict() if name.startswith("fc_norm.")] == [
+        f"fc_norm.{i}.weight" for i in range(3)
+    ]
+    assert not torch.equal(trained.fc_norm[0].weight, torch.ones_like(trained.fc_norm[0].weight))  # it trained
+    code, _, err = run_cli(train_args(tiny_store, out, tiny_target, "--max-steps", "9"), capsys)  # version 3
+    assert code == 2 and "eagle_version='3.1', this run has '3'" in err, err
+    export = tmp_path / "export"
+    assert run_cli(["export", "--draft", out, "--format", "vllm", "--out", export], capsys)[0] == 0
+    served = json.loads((export / "config.json").read_text())
+    assert (served["fc_norm"], served["norm_output"]) == (True, True)
+    exported = load_draft(export)
+    aux = torch.randn(5, 3, trained.config.target_hidden_size)
+    assert torch.allclose(exported.fuse(aux), trained.fuse(aux), atol=1e-2)  # bf16 export of a float32 draft
+    assert (
+        run_cli(
+            [
+                "eval",
+                "--draft",
+                export,
+                "--out",
+                tmp_path / "eval",
+                "--max-prompts",
+                "2",
+                "--max-new-tokens",
+                "8",
+                "--target",
+                tiny_target,
+            ],
+            capsys,
+        )[0]
+        == 0
+    )
+    assert json.loads((tmp_path / "eval" / "report.json").read_text())["lossless"] is True
 
 
 def test_online_takes_the_same_steps_as_offline(tmp_path, capsys, tiny_store, tiny_target, tiny_prepared):
@@ -458,9 +508,11 @@ def test_a_figure_is_drawn_once_it_has_two_points(tmp_path):
     from eaglet.train.metrics import plot_run
 
     rows = [{"kind": "train", "step": s, "loss": 3.0 - s / 10} for s in (1, 2, 3)]
-    rows.append({"kind": "eval", "step": 3, "tokens": 384, "tau": 1.2, "acc": [0.4, 0.2]})
+    rows.append({"kind": "eval", "step": 3, "tokens": 384, "acceptance_length": 2.2, "acc": [0.4, 0.2]})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert [p.name for p in plot_run(tmp_path)] == ["loss.png"]
     with (tmp_path / "metrics.jsonl").open("a") as metrics:
-        metrics.write(json.dumps({"kind": "eval", "step": 6, "tokens": 768, "tau": 1.3, "acc": [0.5, 0.3]}) + "\n")
+        metrics.write(
+            json.dumps({"kind": "eval", "step": 6, "tokens": 768, "acceptance_length": 2.3, "acc": [0.5, 0.3]}) + "\n"
+        )
     assert [p.name for p in plot_run(tmp_path)] == ["loss.png", "accuracy.png", "tau.png"]

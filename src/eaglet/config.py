@@ -570,6 +570,11 @@ class TrainConfig(PlacementFields):
     draft_layers: int = Field(
         default=1, ge=1, le=8, description="decoder layers in the draft (1 = EAGLE-3's; SGLang serves 1 only)"
     )
+    eagle_version: Literal["3", "3.1"] = Field(
+        default="3",
+        description="3.1: an RMSNorm on each aux feature before fc and the normed hidden state fed back to the next "
+        "step (arXiv 2605.09992; vLLM, SGLang and speculators serve both)",
+    )
     layers: list[int] | None = Field(
         default=None,
         description="online: aux layer ids, e.g. 2,15,27 (default: 2,N//2,N-3); offline the store's are used",
@@ -606,7 +611,9 @@ class TrainConfig(PlacementFields):
     freeze_lm_head: bool = Field(
         default=False, description="keep the head the target's rows (less to fit on little data)"
     )
-    eval_fraction: float = Field(default=0.05, ge=0, lt=1, description="samples held out for the simulated acceptance")
+    eval_fraction: float = Field(
+        default=0.05, ge=0, lt=1, description="samples held out for the held-out τ (acceptance length)"
+    )
     eval_every: int = Field(default=100, ge=1, description="held-out evaluation every N steps")
     log_every: int = Field(default=10, ge=1, description="metrics every N steps")
     save_every: int = Field(default=200, ge=1, description="checkpoint every N steps")
@@ -659,7 +666,12 @@ class ExportConfig(StrictModel):
         default=None,
         description="the target (default: the one the draft records); the speculators format carries its embedding",
     )
-    speculative_tokens: int = Field(default=3, ge=1, le=16, description="draft tokens per step recorded for serving")
+    speculative_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=16,
+        description="draft tokens per step recorded for serving (default: the chain length --report measured, else 3)",
+    )
     report: str | None = Field(
         default=None, description="an `eaglet eval` report.json whose τ goes into the model card"
     )

@@ -51,6 +51,7 @@ class ExportFacts:
     tensors: dict[str, tuple[int, ...]]  # model.safetensors: name -> shape
     aux_layer_ids: tuple[int, ...] | None  # eaglet's convention (input of layer i), from eaglet_draft.json
     norm_before_residual: bool | None
+    norm_output: bool | None  # eaglet's meaning (eaglet_draft.json); None: not known
     verifier: VerifierFacts
     fmt: ExportFormat  # the format config.json is in, as the engines recognise it
 
@@ -96,6 +97,7 @@ def read_export(directory: Path) -> ExportFacts:
         tensors,
         tuple(ids) if ids else None,
         meant.get("norm_before_residual"),
+        meant.get("norm_output"),
         verifier,
         format_of_directory(config),
     )
@@ -137,6 +139,10 @@ def _serving_fields(config: dict[str, Any]) -> dict[str, Any]:
         "target_hidden_size": config.get("target_hidden_size", hidden),
         "eagle_aux_hidden_state_layer_ids": ids,
     }
+    nested = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
+    # the engines read norm_before_fc from eagle_config first, the others from the top level only
+    fields["norm_before_fc"] = nested.get("norm_before_fc", config.get("norm_before_fc", False))
+    fields |= {name: config.get(name, False) for name in ("fc_norm", "norm_output")}
     return fields
 
 
@@ -200,6 +206,12 @@ def _engine_check(reader: Any, facts: ExportFacts) -> ConsumerResult:
             findings.append(
                 f"runs the first layer with norm_before_residual={residual}; the draft was trained with "
                 f"{facts.norm_before_residual}"
+            )
+        fed_back_normed = reader.norm_output(model)
+        if facts.norm_output is not None and fed_back_normed != facts.norm_output:
+            findings.append(
+                f"feeds the next draft step the {'normed' if fed_back_normed else 'un-normed'} hidden state; the "
+                f"draft was trained on the {'normed' if facts.norm_output else 'un-normed'} one (norm_output)"
             )
     except NotCovered as exc:
         return ConsumerResult(label, UNVERIFIED, [f"eaglet's reader does not follow this release's code: {exc}"])

@@ -120,3 +120,23 @@ def capture_offset(forward: ast.FunctionDef, hook: str) -> int:
             raise NotCovered(f"aux capture labelled `{ast.unparse(label)}`")
         return (1 - shift) if hook_at > layer_at else -shift
     raise NotCovered(f"no layer loop recording aux states through {hook} in {forward.name}")
+
+
+NORM_OUTPUT_FLAG = "norm_output"
+
+
+def feeds_back_normed(model: Namespace, forward: ast.FunctionDef) -> bool:
+    """Whether the engine's draft feeds its next step the hidden state after the final norm (EAGLE 3.1's
+    ``norm_output``): the flag as the engine's own ``__init__`` set it on the built inner model, where the inner
+    model's ``forward`` chooses its fed-back output by it. A forward that never reads the flag returns the pre-norm
+    state beside the logits' input (EAGLE-3's)."""
+    reads_flag = any(
+        isinstance(node, ast.Attribute) and node.attr == NORM_OUTPUT_FLAG and ast.unparse(node.value) == "self"
+        for node in ast.walk(forward)
+    )
+    if not reads_flag:
+        return False
+    inner = getattr(model, "model", None)
+    if not isinstance(inner, Namespace) or NORM_OUTPUT_FLAG not in vars(inner):
+        raise NotCovered(f"the built draft has no model.{NORM_OUTPUT_FLAG} though its forward reads it")
+    return vars(inner)[NORM_OUTPUT_FLAG] is True

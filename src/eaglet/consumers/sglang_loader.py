@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from .findings import LoadReport, Weight, skip_tracer
+from .findings import LoadReport, Weight, feeds_back_normed, skip_tracer
 from .fixtures import Fixture, VerifierFacts
 from .modules import Instance, ModelBuilder, named_parameters
 from .pysubset import ConfigObject, Interpreter, Namespace, NotCovered, Unknown
@@ -212,3 +212,7 @@ class SglangReader:
         if residual is None or normed is None:
             raise NotCovered(f"how {self.fixture.label}'s input layer takes its residual")
         return residual > normed and order[residual] == "residual = hidden_states"
+
+    def norm_output(self, model: Instance) -> bool:
+        """Whether SGLang feeds the next draft step the normed hidden state (its LlamaModel.forward's choice)."""
+        return feeds_back_normed(model, self._method(EAGLE3_MODULE, "LlamaModel", "forward"))

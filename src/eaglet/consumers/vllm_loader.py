@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from .findings import LoadReport, Weight, capture_offset, skip_tracer
+from .findings import LoadReport, Weight, capture_offset, feeds_back_normed, skip_tracer
 from .fixtures import Fixture, VerifierFacts
 from .modules import Instance, ModelBuilder, named_parameters
 from .pysubset import ConfigObject, Interpreter, Namespace, NotCovered, Unknown
@@ -275,3 +275,7 @@ class VllmReader:
         if test is None:
             raise NotCovered(f"how {self.fixture.label} reads norm_before_residual")
         return bool(Interpreter().evaluate(test, {"config": ConfigObject(hf_config)}))
+
+    def norm_output(self, model: Instance) -> bool:
+        """Whether vLLM feeds the next draft step the normed hidden state (its LlamaModel.forward's choice)."""
+        return feeds_back_normed(model, self._function(EAGLE3_MODULE, "LlamaModel.forward"))

@@ -17,7 +17,7 @@ from .. import __version__
 from ..config import EvalConfig
 from ..data.eval_prompts import EvalPrompt, select_prompts
 from ..errors import EagletError
-from ..formats.draft_config import SERVED_BY_VLLM, read_draft_config, require_export
+from ..formats.draft_config import SERVED_BY_VLLM, read_draft_config, require_export, require_fits_target
 from ..formats.eval_report import draft_weights_digest
 from ..formats.files import REPORT_FILE, REPORT_MARKDOWN_FILE
 from ..formats.target_record import other_weights, require_same_target, stage_target
@@ -140,7 +140,9 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
         stop = _stop_ids(tokenizer, generation_eos(resolved.path))
         report = serve_eval(config, resolved.path, info.name, prompts, stop, console)
         return _write_report(config, report)
-    draft = load_draft(config.draft, embed=load_head_weights(resolved.path).embed.float())
+    draft = load_draft(
+        config.draft, embed=load_head_weights(resolved.path).embed.float(), target_layers=info.num_layers
+    )
     layer_ids = tuple(draft_config.eagle_aux_hidden_state_layer_ids)
     dist = init_distributed()  # --placement tp: every rank runs the same decoding; rank 0 reports
     device = dist.device(config.device)
@@ -212,8 +214,12 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
 def _draft_for(config: EvalConfig, info: Any, target: Path, console: Console) -> Any:
     """The draft's config, refused when it was trained for another target (``--backend vllm``: when it is not a
     directory vLLM loads); a warning when trained on other weights of the same target."""
-    stored = require_export(config.draft, *SERVED_BY_VLLM) if config.backend == "vllm" else None
-    draft_config = (stored or read_draft_config(config.draft)).config
+    stored = require_export(config.draft, *SERVED_BY_VLLM, info.num_layers) if config.backend == "vllm" else None
+    stored = stored or read_draft_config(config.draft, info.num_layers)
+    draft_config = stored.config
+    if stored.made_elsewhere:  # no record of its target: what can be known is that it fits this one
+        require_fits_target(draft_config, info.name, info.vocab_size, info.hidden_size, str(config.draft))
+        return draft_config
     require_same_target(
         info.identity,
         draft_config.target,

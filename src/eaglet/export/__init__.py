@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import EagletError
+from ..formats.foreign_draft import exported_format_name
 from . import sglang, speculators, vllm
 from .spec import ExportFormat
 
@@ -25,7 +26,7 @@ def export_format(name: str, where: str = "export format") -> ExportFormat:
 def format_of_directory(config: dict[str, Any]) -> ExportFormat:
     """The format an export directory's config.json is in, as an engine recognises it: ``speculators_config`` only
     the speculators format has; the vLLM and SGLang directories are one."""
-    return FORMATS["speculators"] if "speculators_config" in config else FORMATS["vllm"]
+    return FORMATS[exported_format_name(config)]
 
 
 def verifier_reference(config: dict[str, Any], override: str | None = None) -> tuple[str, str]:

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..formats.draft_config import EAGLE_VARIANTS
 from ..formats.layers import to_sglang_layer_ids
 
 ServingConfig = Callable[[dict[str, Any], str, int], dict[str, Any]]  # (eaglet's config, verifier, k) -> config.json
@@ -94,6 +95,8 @@ def eagle3_fields(config: dict[str, Any]) -> dict[str, Any]:
         "draft_vocab_size": config["draft_vocab_size"],
         "target_hidden_size": config["target_hidden_size"],
         "norm_before_residual": config["norm_before_residual"],
+        # EAGLE 3.1's settings under the names vLLM (top level, and speculators' converter), SGLang and speculators read
+        **{name: config[name] for name in EAGLE_VARIANTS["3"]},
     }
 
 

@@ -13,6 +13,7 @@ from pydantic.dataclasses import dataclass as record_dataclass
 from ..errors import EagletError
 from ..fsio import load_json_file
 from .files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, EXPORTED_DRAFT_CONFIG_FILE, TRAIN_CONFIG_FILE
+from .foreign_draft import exported_format_name, foreign_draft_fields, is_made_elsewhere
 from .layers import AUX_CONVENTION, validate_aux_layer_ids
 from .records import RECORD_CONFIG, Positive, validation_line
 
@@ -24,6 +25,13 @@ def attention_head_dim(text: dict[str, Any]) -> int:
 
 
 DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
+# `train --eagle-version`: the draft's norm settings. 3.1 as its paper and SGLang's ``use_aux_norm`` have it: one norm
+# per aux feature, and the normed hidden state fed back
+EAGLE_VARIANTS: dict[str, dict[str, bool]] = {
+    "3": {"fc_norm": False, "norm_before_fc": False, "norm_output": False},
+    "3.1": {"fc_norm": True, "norm_before_fc": False, "norm_output": True},
+}
+AUX_FEATURES = 3  # EAGLE-3 fuses three target layers' hidden states
 FIRST_LAYER_PREFIX = "midlayer."  # the EAGLE-3 layer's serving name (vLLM's and SGLang's checkpoints)
 TRAINED_WEIGHTS_KEY = "trained_weights_sha256"  # an export's record of the trained draft's weights file
 EXPORT_ONLY_KEYS = ("export_format", TRAINED_WEIGHTS_KEY)  # what an export adds to eaglet's config
@@ -50,6 +58,12 @@ class DraftConfig:
     num_hidden_layers: Positive = 1
     hidden_act: Literal["silu"] = "silu"
     norm_before_residual: bool = False
+    # EAGLE 3.1 (arXiv 2605.09992), as vLLM, SGLang and speculators name it: an RMSNorm on each aux feature before
+    # ``fc`` (fc_norm), or one over their concatenation (norm_before_fc, speculators' default); the hidden state fed
+    # back to the next draft step taken after the final norm instead of before it (norm_output)
+    fc_norm: bool = False
+    norm_before_fc: bool = False
+    norm_output: bool = False
     tie_word_embeddings: bool = False
     architectures: list[str] = field(default_factory=lambda: [DRAFT_ARCHITECTURE])
     model_type: Literal["llama"] = "llama"
@@ -62,6 +76,8 @@ class DraftConfig:
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
+        if self.fc_norm and self.norm_before_fc:
+            raise ValueError("fc_norm and norm_before_fc are two ways to norm the aux features; set one")
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} exceeds vocab_size {self.vocab_size}")
         if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
@@ -78,6 +94,13 @@ class DraftConfig:
             raise ValueError(f"eagle_aux_hidden_state_layer_ids: {exc}") from None
 
     @property
+    def eagle_version(self) -> str:
+        """The variant its norm settings are ("3", "3.1"), or those settings spelled out (a draft made elsewhere)."""
+        settings = {name: getattr(self, name) for name in EAGLE_VARIANTS["3"]}
+        named = [version for version, variant in EAGLE_VARIANTS.items() if variant == settings]
+        return named[0] if named else "3 with " + ", ".join(name for name, on in settings.items() if on)
+
+    @property
     def uses_vocab_mapping(self) -> bool:
         """Whether the draft vocabulary is a subset of the target's (then ``d2t``/``t2d`` travel with it)."""
         return self.draft_vocab_size != self.vocab_size
@@ -90,6 +113,7 @@ class DraftConfig:
         layer_ids: tuple[int, ...],
         target_identity: dict[str, Any] | None = None,
         num_layers: int = 1,
+        variant: str = "3",
     ) -> "DraftConfig":
         heads = int(target_config["num_attention_heads"])
         hidden = int(target_config["hidden_size"])
@@ -111,6 +135,7 @@ class DraftConfig:
             or ({k: v for k, v in rope.items() if k != "rope_theta"} if scaled else None),
             max_position_embeddings=int(target_config.get("max_position_embeddings", 4096)),
             num_hidden_layers=num_layers,
+            **EAGLE_VARIANTS[variant],
             target=dict(target_identity or {}),
         )
 
@@ -148,7 +173,12 @@ def draft_weight_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{prefix}hidden_norm.weight"] = (hidden,)
         return shapes
 
-    shapes = {"fc.weight": (hidden, 3 * config.target_hidden_size), **layer(FIRST_LAYER_PREFIX, 2 * hidden, True)}
+    aux = config.target_hidden_size
+    shapes = {"fc.weight": (hidden, AUX_FEATURES * aux), **layer(FIRST_LAYER_PREFIX, 2 * hidden, True)}
+    if config.fc_norm:
+        shapes |= {f"fc_norm.{index}.weight": (aux,) for index in range(AUX_FEATURES)}
+    if config.norm_before_fc:
+        shapes["input_norm.weight"] = (AUX_FEATURES * aux,)
     for index in range(1, config.num_hidden_layers):
         shapes |= layer(f"layers.{index}.", hidden, False)
     return shapes | {
@@ -181,11 +211,13 @@ class StoredDraft:
     config: DraftConfig
     export_format: str | None  # None: `eaglet train`'s output; else the format an export was written in
     config_file: Path
+    made_elsewhere: bool = False  # not eaglet's (foreign_draft): no target record, its tensors in ``export_format``
 
 
-def read_draft_config(directory: str | Path) -> StoredDraft:
-    """The config of a draft directory (`eaglet train` output or an `eaglet export` directory), refused in one
-    line when the directory holds no eaglet draft."""
+def read_draft_config(directory: str | Path, target_layers: int | None = None) -> StoredDraft:
+    """The config of a draft directory (`eaglet train` output, an `eaglet export` directory, or an EAGLE-3 draft made
+    elsewhere: ``foreign_draft``; ``target_layers``: the target's decoder layers, for one that names no aux layers),
+    refused in one line when the directory holds no draft."""
     directory = Path(directory)
     config_file = directory / EXPORTED_DRAFT_CONFIG_FILE
     if not config_file.is_file():
@@ -198,6 +230,8 @@ def read_draft_config(directory: str | Path) -> StoredDraft:
     fields = load_json_file(config_file, "train (or export) again")
     if not isinstance(fields, dict):
         raise EagletError(f"{config_file}: not an eaglet draft config; train again")
+    if config_file.name == DRAFT_CONFIG_FILE and is_made_elsewhere(fields):
+        return _made_elsewhere(fields, config_file, target_layers)
     export_format = fields.get("export_format")
     if export_format is not None and not isinstance(export_format, str):
         raise EagletError(f"{config_file}: export_format {export_format!r} is not a format name; export again")
@@ -212,6 +246,15 @@ def read_draft_config(directory: str | Path) -> StoredDraft:
     if config_file.name == DRAFT_CONFIG_FILE:
         check_against_training_record(config, config_file)
     return StoredDraft(config, export_format, config_file)
+
+
+def _made_elsewhere(fields: dict[str, Any], config_file: Path, target_layers: int | None) -> StoredDraft:
+    try:
+        config = DraftConfig(**foreign_draft_fields(fields, config_file, target_layers))
+    except (ValidationError, TypeError) as exc:
+        reason = validation_line(exc) if isinstance(exc, ValidationError) else str(exc)
+        raise EagletError(f"{config_file}: a draft made elsewhere that eaglet cannot run ({reason})") from None
+    return StoredDraft(config, exported_format_name(fields), config_file, made_elsewhere=True)
 
 
 def check_against_training_record(config: DraftConfig, config_file: Path) -> None:
@@ -245,10 +288,12 @@ def check_against_training_record(config: DraftConfig, config_file: Path) -> Non
 SERVED_BY_VLLM = ("vllm", "--backend vllm (vLLM's eagle3 loader)")  # the export `eval --backend vllm` serves, and why
 
 
-def require_export(directory: str | Path, export_format: str, needed_by: str) -> StoredDraft:
+def require_export(
+    directory: str | Path, export_format: str, needed_by: str, target_layers: int | None = None
+) -> StoredDraft:
     """The draft at ``directory``, refused in one line unless it is an `eaglet export --format export_format`
-    directory (what ``needed_by`` loads), with the command that makes one."""
-    stored = read_draft_config(directory)
+    directory (or a draft made elsewhere in that layout: what ``needed_by`` loads), with the command that makes one."""
+    stored = read_draft_config(directory, target_layers)
     if stored.export_format != export_format:
         made_by = "`eaglet train`'s output" if stored.export_format is None else f"a {stored.export_format} export"
         raise EagletError(
@@ -256,3 +301,19 @@ def require_export(directory: str | Path, export_format: str, needed_by: str) ->
             f"--draft {directory} --format {export_format} --out DIR` and pass --draft DIR"
         )
     return stored
+
+
+def require_fits_target(config: DraftConfig, name: str, vocab_size: int, hidden_size: int, where: str) -> None:
+    """A draft made elsewhere records no target to compare: refuse, in one line, one whose sizes cannot be this
+    target's (its vocabulary, the width of the features it fuses; its aux layers were checked against the target's
+    depth when it was read)."""
+    if config.vocab_size != vocab_size:
+        raise EagletError(
+            f"{where}: a draft for a {config.vocab_size:,}-token vocabulary; {name} has {vocab_size:,}: pass the "
+            "target it was trained for"
+        )
+    if config.target_hidden_size != hidden_size:
+        raise EagletError(
+            f"{where}: fuses {config.target_hidden_size}-wide features; {name}'s hidden size is {hidden_size}: pass "
+            "the target it was trained for"
+        )

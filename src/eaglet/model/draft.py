@@ -7,10 +7,13 @@ embedding, frozen and not saved (engines share the target's).
 Per position ``t`` (shapes for one packed sequence of T tokens)::
 
     h      = fc(cat(aux_t))                                    [T, H]    (step 0; later steps: the layer's own output)
+             EAGLE 3.1: fc(cat(fc_norm_i(aux_t,i))), one norm per aux feature (or input_norm over the concatenation)
     x      = cat(input_layernorm(embed(token)), hidden_norm(h)) [T, 2H]
     h'     = h + o_proj(attn(q/k/v_proj(x)))                   residual is the un-normed h
     h'     = h' + mlp(post_attention_layernorm(h'))
     logits = lm_head(norm(h'))                                  [T, Vd]
+
+The next step is fed ``h'`` (EAGLE-3) or ``norm(h')`` (``norm_output``, EAGLE 3.1), as vLLM and SGLang feed it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,15 @@ from torch import nn
 
 from ..errors import EagletError
 from ..export import export_format
-from ..formats.draft_config import FIRST_LAYER_PREFIX, DraftConfig, StoredDraft, read_draft_config, weight_problems
+from ..formats.draft_config import (
+    AUX_FEATURES,
+    EMBEDDING_TENSOR,
+    FIRST_LAYER_PREFIX,
+    DraftConfig,
+    StoredDraft,
+    read_draft_config,
+    weight_problems,
+)
 from ..formats.files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE
 from .shared_linear import SharedLinear
 
@@ -276,7 +287,12 @@ class Eagle3Draft(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
-        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        aux_size = config.target_hidden_size
+        self.fc = nn.Linear(AUX_FEATURES * aux_size, config.hidden_size, bias=False)
+        if config.fc_norm:  # EAGLE 3.1: one norm per aux feature
+            self.fc_norm = nn.ModuleList(RMSNorm(aux_size, config.rms_norm_eps) for _ in range(AUX_FEATURES))
+        if config.norm_before_fc:  # one norm over the three together
+            self.input_norm = RMSNorm(AUX_FEATURES * aux_size, config.rms_norm_eps)
         self.midlayer = DraftLayer(config)  # layer 0 (serving name); deeper drafts add layers.1 ...
         self.layers = nn.ModuleDict({str(i): DraftStackLayer(config) for i in range(1, config.num_hidden_layers)})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -288,7 +304,12 @@ class Eagle3Draft(nn.Module):
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [T, 3, H_target] -> [T, H]."""
-        return self.fc(aux.flatten(1))
+        if self.config.fc_norm:
+            aux = torch.stack([norm(aux[:, index]) for index, norm in enumerate(self.fc_norm)], dim=1)
+        fused = aux.flatten(1)  # [T, 3 * H_target]
+        if self.config.norm_before_fc:
+            fused = self.input_norm(fused)
+        return self.fc(fused)
 
     def step(self, *inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step from ``advance``'s inputs: (new hidden [T, H], draft-vocab logits [T, Vd])."""
@@ -309,7 +330,8 @@ class Eagle3Draft(nn.Module):
         hidden = self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, attends[0])
         for index, layer in enumerate(self.layers.values(), start=1):
             hidden = layer(hidden, cos, sin, attends[index])
-        return hidden, self.pointwise.norm(hidden, self.norm.weight, self.norm.eps, autocast_dtype(hidden.device.type))
+        normed = self.pointwise.norm(hidden, self.norm.weight, self.norm.eps, autocast_dtype(hidden.device.type))
+        return (normed if self.config.norm_output else hidden), normed
 
     def compile_pointwise(self, backend: str = "inductor") -> None:
         """Run the elementwise work between the matmuls (norms, RoPE, SwiGLU, residuals) through torch.compile:
@@ -395,11 +417,14 @@ def read_draft_weights(directory: str | Path, stored: StoredDraft | None = None)
     return state
 
 
-def load_draft(directory: str | Path, embed: torch.Tensor | None = None) -> Eagle3Draft:
-    """A draft from `eaglet train`'s output or from any `eaglet export` directory (weights in float32). An
-    export without ``d2t``/``t2d`` has the target's whole vocabulary (the identity mapping)."""
+def load_draft(
+    directory: str | Path, embed: torch.Tensor | None = None, target_layers: int | None = None
+) -> Eagle3Draft:
+    """A draft from `eaglet train`'s output, any `eaglet export` directory or one made elsewhere (weights in
+    float32). An export without ``d2t``/``t2d`` has the target's whole vocabulary (the identity mapping). ``embed``:
+    the target's embedding, unless a draft made elsewhere carries its own (vLLM then runs that one too)."""
     directory = Path(directory)
-    stored = read_draft_config(directory)
+    stored = read_draft_config(directory, target_layers)
     config = stored.config
     model = Eagle3Draft(config)
     state = {k: (v.float() if v.is_floating_point() else v) for k, v in read_draft_weights(directory, stored).items()}
@@ -408,6 +433,7 @@ def load_draft(directory: str | Path, embed: torch.Tensor | None = None) -> Eagl
     with torch.no_grad():
         if full_vocab and "t2d" in missing:
             model.t2d.fill_(True)  # d2t stays zeros: draft id i is target id i
-        if embed is not None:
+        own_embedding = stored.made_elsewhere and EMBEDDING_TENSOR in state
+        if embed is not None and not own_embedding:
             model.embed_tokens.weight.copy_(embed)
     return model

@@ -9,7 +9,13 @@ from typing import Any, Callable
 from ..config import DEFAULT_DRAFT_VOCAB_CAP
 from ..errors import EagletError
 from ..export import FORMATS
-from ..formats.draft_config import SERVED_BY_VLLM, DraftConfig, read_draft_config, require_export
+from ..formats.draft_config import (
+    SERVED_BY_VLLM,
+    DraftConfig,
+    read_draft_config,
+    require_export,
+    require_fits_target,
+)
 from ..formats.files import MANIFEST_FILE, VOCAB_FILE
 from ..formats.layers import default_aux_layer_ids
 from ..formats.store_manifest import keeps_target_top, prepared_path, read_manifest
@@ -421,6 +427,7 @@ def train_checks(cfg: Any) -> list[Check]:
         min(_draft_vocab_size(vocab_file, info.vocab_size), info.vocab_size),
         default_aux_layer_ids(info.num_layers),
         num_layers=cfg.draft_layers,
+        variant=cfg.eagle_version,
     )
     draft_params = draft_parameters(info.hidden_size, draft.draft_vocab_size)
     checks.append(check_disk(Path(cfg.out), draft_params * 4 * (1 + 3 * (cfg.keep_last + 1)), "draft + checkpoints"))
@@ -520,14 +527,21 @@ def eval_checks(cfg: Any) -> list[Check]:
         return checks
     target_checks, found = check_stage_target(cfg, need_template=True)
     checks += target_checks
+    target_layers = found[1].num_layers if found else None
     try:
-        stored = read_draft_config(Path(cfg.draft))
+        stored = read_draft_config(Path(cfg.draft), target_layers)
         if cfg.backend == "vllm":
-            require_export(cfg.draft, *SERVED_BY_VLLM)
+            require_export(cfg.draft, *SERVED_BY_VLLM, target_layers)
+        if found and stored.made_elsewhere:  # no target record: the stage's own size check
+            info = found[1]
+            require_fits_target(stored.config, info.name, info.vocab_size, info.hidden_size, str(cfg.draft))
+            checks.append(
+                Check("draft", PASS, f"made elsewhere ({stored.export_format} layout), its sizes fit {info.name}")
+            )
     except EagletError as exc:
         checks.append(Check("draft", FAIL, exc.message))
         stored = None
-    if stored is not None and found:
+    if stored is not None and found and not stored.made_elsewhere:
         recorded = stored.config.target or {}
         checks.append(
             _target_check(

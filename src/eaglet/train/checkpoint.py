@@ -106,6 +106,10 @@ def damaged_checkpoint(path: Path, what: str) -> EagletError:
     )
 
 
+# what a checkpoint that does not record a setting was trained with (the setting did not exist yet)
+IDENTITY_BEFORE_RECORDED = {"eagle_version": "3"}
+
+
 def load_checkpoint(path: Path, expected_keys: set[str], scheduler: Any, identity: dict[str, Any]) -> LoadedCheckpoint:
     """Read a checkpoint made with the same identity; restores the scheduler and RNG here, and returns the
     model and optimizer states for the caller to load (sharded or not). A damaged one is refused in one line."""
@@ -118,9 +122,9 @@ def load_checkpoint(path: Path, expected_keys: set[str], scheduler: Any, identit
             findings = TargetIdentity.model_validate(value).mismatches(saved.identity.get(key), "checkpoint trained on")
             if findings:
                 raise EagletError(f"{path}: {findings[0]}; use another --out or the same target")
-        elif saved.identity.get(key) != value:
+        elif (trained := saved.identity.get(key, IDENTITY_BEFORE_RECORDED.get(key))) != value:
             raise EagletError(
-                f"{path}: checkpoint was trained with {key}={saved.identity.get(key)!r}, this run has {value!r}; "
+                f"{path}: checkpoint was trained with {key}={trained!r}, this run has {value!r}; "
                 "use another --out or the same settings"
             )
     try:

@@ -123,6 +123,7 @@ def build_setup(config: TrainConfig, device: str) -> Setup:
         "layer_ids": list(layer_ids),
         "draft_vocab_size": vocab.size,
         "draft_layers": config.draft_layers,
+        "eagle_version": config.eagle_version,
         "ttt_steps": config.ttt_steps,
         "token_budget": config.token_budget,
         "seed": config.seed,
@@ -278,7 +279,12 @@ def build_model(config: TrainConfig, setup: Setup, device: torch.device, dist: D
     use_bf16 = config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda")
     head = load_head_weights(setup.target_path)
     draft_config = DraftConfig.from_target(
-        setup.target_config, setup.vocab.size, setup.layer_ids, setup.target_record, num_layers=config.draft_layers
+        setup.target_config,
+        setup.vocab.size,
+        setup.layer_ids,
+        setup.target_record,
+        num_layers=config.draft_layers,
+        variant=config.eagle_version,
     )
     torch.manual_seed(config.seed)
     draft = Eagle3Draft(draft_config)
