@@ -7,9 +7,10 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from conftest import run_cli, write_jsonl
+from conftest import run_cli, small_conversations, write_jsonl
 from test_consumers import CUSTOM_LAYERS, random_draft
 
 from eaglet.export.write import export_draft
@@ -18,9 +19,17 @@ from eaglet.model.target import load_head_weights, read_config
 DRAFT_VOCAB = 300
 
 
-def speculators_save(root: Path, target: Path, norms: dict[str, bool], seed: int = 0) -> Path:
+def speculators_save(
+    root: Path,
+    target: Path,
+    norms: dict[str, bool],
+    seed: int = 0,
+    layers: tuple[int, ...] = CUSTOM_LAYERS,
+    vocab=None,
+) -> Path:
     """A draft as speculators 0.9.0 writes one (``save_pretrained`` of its ``Eagle3DraftModel``), its weights random
-    (seeded), its embedding the target's, a draft vocabulary of the target's first DRAFT_VOCAB token ids."""
+    (seeded), its embedding the target's; its draft vocabulary ``vocab``'s (a DraftVocab), else the target's first
+    DRAFT_VOCAB token ids."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
@@ -39,9 +48,9 @@ def speculators_save(root: Path, target: Path, norms: dict[str, bool], seed: int
     )
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=layer,
-        draft_vocab_size=DRAFT_VOCAB,
+        draft_vocab_size=DRAFT_VOCAB if vocab is None else vocab.size,
         norm_before_residual=True,  # speculators' trainer default
-        eagle_aux_hidden_state_layer_ids=list(CUSTOM_LAYERS),
+        eagle_aux_hidden_state_layer_ids=list(layers),
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3",
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
@@ -59,9 +68,13 @@ def speculators_save(root: Path, target: Path, norms: dict[str, bool], seed: int
             else:
                 parameter.copy_(0.05 * torch.randn(parameter.shape, generator=generator))
         model.embed_tokens.weight.copy_(load_head_weights(target).embed)
-        model.d2t.zero_()  # draft id i is target id i
-        model.t2d.zero_()
-        model.t2d[:DRAFT_VOCAB] = True
+        if vocab is None:
+            model.d2t.zero_()  # draft id i is target id i
+            model.t2d.zero_()
+            model.t2d[:DRAFT_VOCAB] = True
+        else:
+            model.d2t.copy_(torch.from_numpy(vocab.d2t))
+            model.t2d.copy_(torch.from_numpy(vocab.t2d))
     model.save_pretrained(str(root))
     return root
 
@@ -139,3 +152,40 @@ def test_a_draft_made_elsewhere_that_eaglet_cannot_run_is_one_line(tmp_path, cap
     code, err = _eval(foreign, tiny_target, tmp_path / "eval", capsys)
     assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err, err
     assert not (tmp_path / "eval" / "report.json").exists()
+
+
+def test_training_starts_from_a_speculators_save(tmp_path, capsys, tiny_target):
+    """`train --init-from` a speculators save of this run's layers and vocabulary: the run starts from its weights
+    (its EAGLE 3.1 norms kept, though --eagle-version was not given); one with another vocabulary mapping is one line."""
+    from safetensors.torch import load_file
+
+    from eaglet.data.vocab import DraftVocab
+
+    data = write_jsonl(tmp_path / "c.jsonl", small_conversations(8))
+    prepared = tmp_path / "prepared"
+    code, _, err = run_cli(
+        ["prepare", data, "--out", prepared, "--target", tiny_target, "--draft-vocab", "200"], capsys
+    )
+    assert code == 0, err
+    vocab = DraftVocab.load(prepared / "vocab.safetensors")
+    norms = {"fc_norm": True, "norm_output": True}
+    saved = speculators_save(tmp_path / "speculators", tiny_target, norms, layers=(2, 4, 5), vocab=vocab)
+    out = tmp_path / "run"
+    args = ["train", "--prepared", prepared, "--out", out, "--target", tiny_target, "--token-budget", "128"]
+    code, _, err = run_cli([*args, "--max-steps", "1", "--lr", "1e-12", "--init-from", saved], capsys)
+    assert code == 0, err
+    trained, start = load_file(out / "model.safetensors"), load_file(saved / "model.safetensors")
+    assert json.loads((out / "config.json").read_text())["fc_norm"] is True
+    for name in ("fc.weight", "fc_norm.1.weight", "lm_head.weight", "norm.weight"):
+        assert torch.allclose(trained[name], start[name], atol=1e-6), name
+    assert torch.allclose(
+        trained["midlayer.self_attn.q_proj.weight"], start["layers.0.self_attn.q_proj.weight"], atol=1e-6
+    )
+
+    first_ids = np.zeros(len(vocab.t2d), dtype=bool)
+    first_ids[: vocab.size] = True  # as many draft tokens, other target tokens: the target's first ids
+    assert not np.array_equal(first_ids, vocab.t2d)
+    other_vocab = DraftVocab(np.zeros(vocab.size, dtype=np.int64), first_ids, vocab.counts, vocab.coverage)
+    other = speculators_save(tmp_path / "other-vocab", tiny_target, norms, layers=(2, 4, 5), vocab=other_vocab)
+    code, _, err = run_cli([*args, "--out", tmp_path / "refused", "--init-from", other], capsys)
+    assert code == 2 and "d2t differs" in err and err.count("\n") == 1 and "Traceback" not in err, err

@@ -167,6 +167,27 @@ def test_an_eagle31_draft_trains_resumes_as_itself_and_is_evaluated_as_trained(
     assert json.loads((tmp_path / "eval" / "report.json").read_text())["lossless"] is True
 
 
+def test_train_init_from_a_draft_continues_from_its_weights(tmp_path, capsys, tiny_store, tiny_target, tiny_draft):
+    """--init-from a trained draft (or its bf16 export) starts where it ended: a lower first loss than a fresh start
+    with the same seed; a start of other norms than --eagle-version asks for is one line, before anything trains."""
+    losses = {}
+    for name, start in (("fresh", None), ("trained", tiny_draft), ("exported", tmp_path / "export")):
+        if name == "exported":
+            assert run_cli(["export", "--draft", tiny_draft, "--format", "vllm", "--out", start], capsys)[0] == 0
+        extra = ["--init-from", start] if start else []
+        code, _, err = run_cli(train_args(tiny_store, tmp_path / name, tiny_target, "--max-steps", "2", *extra), capsys)
+        assert code == 0, err
+        losses[name] = train_losses(tmp_path / name)[0]
+    assert losses["trained"] < 0.9 * losses["fresh"], losses
+    assert losses["exported"] == pytest.approx(losses["trained"], rel=1e-2)  # the same weights, rounded to bf16
+    args = train_args(
+        tiny_store, tmp_path / "refused", tiny_target, "--init-from", tiny_draft, "--eagle-version", "3.1"
+    )
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and "it is EAGLE 3, --eagle-version asks for 3.1: leave it out" in err, err
+    assert not (tmp_path / "refused").exists()
+
+
 def test_online_takes_the_same_steps_as_offline(tmp_path, capsys, tiny_store, tiny_target, tiny_prepared):
     from eaglet.formats.store_manifest import read_manifest
 

@@ -570,10 +570,15 @@ class TrainConfig(PlacementFields):
     draft_layers: int = Field(
         default=1, ge=1, le=8, description="decoder layers in the draft (1 = EAGLE-3's; SGLang serves 1 only)"
     )
-    eagle_version: Literal["3", "3.1"] = Field(
-        default="3",
+    eagle_version: Literal["3", "3.1"] | None = Field(
+        default=None,
         description="3.1: an RMSNorm on each aux feature before fc and the normed hidden state fed back to the next "
-        "step (arXiv 2605.09992; vLLM, SGLang and speculators serve both)",
+        "step (arXiv 2605.09992; vLLM, SGLang and speculators serve both). Default: 3, or --init-from's",
+    )
+    init_from: str | None = Field(
+        default=None,
+        description="start from this draft's weights: eaglet's, an export, or one made elsewhere (vLLM/SGLang "
+        "layout, a speculators save); its aux layers, vocabulary and depth must be this run's, its norms are kept",
     )
     layers: list[int] | None = Field(
         default=None,

@@ -32,6 +32,14 @@ EAGLE_VARIANTS: dict[str, dict[str, bool]] = {
     "3.1": {"fc_norm": True, "norm_before_fc": False, "norm_output": True},
 }
 AUX_FEATURES = 3  # EAGLE-3 fuses three target layers' hidden states
+
+
+def norms_version(norms: dict[str, bool]) -> str:
+    """The variant these norm settings are ("3", "3.1"), or the settings spelled out (a draft made elsewhere)."""
+    named = [version for version, variant in EAGLE_VARIANTS.items() if variant == norms]
+    return named[0] if named else "3 with " + ", ".join(name for name, on in norms.items() if on)
+
+
 FIRST_LAYER_PREFIX = "midlayer."  # the EAGLE-3 layer's serving name (vLLM's and SGLang's checkpoints)
 TRAINED_WEIGHTS_KEY = "trained_weights_sha256"  # an export's record of the trained draft's weights file
 EXPORT_ONLY_KEYS = ("export_format", TRAINED_WEIGHTS_KEY)  # what an export adds to eaglet's config
@@ -96,9 +104,7 @@ class DraftConfig:
     @property
     def eagle_version(self) -> str:
         """The variant its norm settings are ("3", "3.1"), or those settings spelled out (a draft made elsewhere)."""
-        settings = {name: getattr(self, name) for name in EAGLE_VARIANTS["3"]}
-        named = [version for version, variant in EAGLE_VARIANTS.items() if variant == settings]
-        return named[0] if named else "3 with " + ", ".join(name for name, on in settings.items() if on)
+        return norms_version({name: getattr(self, name) for name in EAGLE_VARIANTS["3"]})
 
     @property
     def uses_vocab_mapping(self) -> bool:
@@ -113,7 +119,7 @@ class DraftConfig:
         layer_ids: tuple[int, ...],
         target_identity: dict[str, Any] | None = None,
         num_layers: int = 1,
-        variant: str = "3",
+        norms: dict[str, bool] | None = None,
     ) -> "DraftConfig":
         heads = int(target_config["num_attention_heads"])
         hidden = int(target_config["hidden_size"])
@@ -135,7 +141,7 @@ class DraftConfig:
             or ({k: v for k, v in rope.items() if k != "rope_theta"} if scaled else None),
             max_position_embeddings=int(target_config.get("max_position_embeddings", 4096)),
             num_hidden_layers=num_layers,
-            **EAGLE_VARIANTS[variant],
+            **(norms or EAGLE_VARIANTS["3"]),
             target=dict(target_identity or {}),
         )
 
@@ -317,3 +323,33 @@ def require_fits_target(config: DraftConfig, name: str, vocab_size: int, hidden_
             f"{where}: fuses {config.target_hidden_size}-wide features; {name}'s hidden size is {hidden_size}: pass "
             "the target it was trained for"
         )
+
+
+def draft_norms(config: DraftConfig) -> dict[str, bool]:
+    """A draft's norm settings (EAGLE_VARIANTS' keys), as a run starting from it keeps them."""
+    return {name: getattr(config, name) for name in EAGLE_VARIANTS["3"]}
+
+
+def start_problems(
+    start: DraftConfig, layer_ids: tuple[int, ...], draft_vocab_size: int, draft_layers: int, version: str | None
+) -> list[str]:
+    """How a draft to start training from (``train --init-from``) cannot be this run's: other aux layers than its
+    features, another draft vocabulary size, another depth, or norms other than --eagle-version asks for. The same
+    rule for preflight and for the run (the vocabulary's mapping itself is compared once the tensors load)."""
+    problems = []
+    if list(start.eagle_aux_hidden_state_layer_ids) != list(layer_ids):
+        problems.append(
+            f"it reads aux layers {start.eagle_aux_hidden_state_layer_ids}, this run's features are of {list(layer_ids)}"
+        )
+    if start.draft_vocab_size != draft_vocab_size:
+        problems.append(
+            f"its draft vocabulary has {start.draft_vocab_size:,} tokens, this run's {draft_vocab_size:,} (prepare "
+            "with --draft-vocab of its size, or pass its vocabulary with --set draft_vocab_file=...)"
+        )
+    if start.num_hidden_layers != draft_layers:
+        problems.append(
+            f"it has {start.num_hidden_layers} decoder layers: pass --draft-layers {start.num_hidden_layers}"
+        )
+    if version is not None and draft_norms(start) != EAGLE_VARIANTS[version]:
+        problems.append(f"it is EAGLE {start.eagle_version}, --eagle-version asks for {version}: leave it out")
+    return problems

@@ -10,6 +10,7 @@ from ..config import DEFAULT_DRAFT_VOCAB_CAP
 from ..errors import EagletError
 from ..export import FORMATS
 from ..formats.draft_config import (
+    EAGLE_VARIANTS,
     SERVED_BY_VLLM,
     DraftConfig,
     read_draft_config,
@@ -17,7 +18,8 @@ from ..formats.draft_config import (
     require_fits_target,
 )
 from ..formats.files import MANIFEST_FILE, VOCAB_FILE
-from ..formats.layers import default_aux_layer_ids
+from ..formats.layers import default_aux_layer_ids, resolve_aux_layer_ids
+from ..formats.start_draft import read_start_draft
 from ..formats.store_manifest import keeps_target_top, prepared_path, read_manifest
 from ..model.sizing import STAGED_BATCHES, draft_parameters, staged_batch_bytes, train_step_bytes
 from ..model.support import compiles_draft_round, draft_compile_problem, static_cache_problem, uses_static_cache
@@ -379,6 +381,7 @@ def train_checks(cfg: Any) -> list[Check]:
             )
         prepared_dir = prepared_path(Path(cfg.store), manifest)
     else:
+        manifest = None
         try:
             prepared = load_prepared(cfg.prepared)
         except EagletError as exc:
@@ -427,8 +430,10 @@ def train_checks(cfg: Any) -> list[Check]:
         min(_draft_vocab_size(vocab_file, info.vocab_size), info.vocab_size),
         default_aux_layer_ids(info.num_layers),
         num_layers=cfg.draft_layers,
-        variant=cfg.eagle_version,
+        norms=EAGLE_VARIANTS[cfg.eagle_version or "3"],
     )
+    if cfg.init_from is not None:
+        checks += guarded("init from", lambda: _start_draft_check(cfg, info, manifest, draft.draft_vocab_size))
     draft_params = draft_parameters(info.hidden_size, draft.draft_vocab_size)
     checks.append(check_disk(Path(cfg.out), draft_params * 4 * (1 + 3 * (cfg.keep_last + 1)), "draft + checkpoints"))
     device, dtype_bytes = _device_bytes(cfg.device)
@@ -440,6 +445,13 @@ def train_checks(cfg: Any) -> list[Check]:
     if not device.startswith("cuda"):
         checks.append(_cpu_step_time(cfg, draft, info))
     return checks
+
+
+def _start_draft_check(cfg: Any, info: Any, manifest: dict[str, Any] | None, draft_vocab_size: int) -> Check:
+    """--init-from by the run's own rule (``read_start_draft``), on this run's layers, vocabulary size and depth."""
+    layer_ids = tuple(manifest["aux_layer_ids"]) if manifest else resolve_aux_layer_ids(cfg.layers, info.num_layers)
+    start = read_start_draft(cfg.init_from, info, layer_ids, draft_vocab_size, cfg.draft_layers, cfg.eagle_version)
+    return Check("init from", PASS, f"an EAGLE {start.config.eagle_version} draft of this run's layers and vocabulary")
 
 
 def train_memory(

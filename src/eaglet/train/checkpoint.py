@@ -107,7 +107,7 @@ def damaged_checkpoint(path: Path, what: str) -> EagletError:
 
 
 # what a checkpoint that does not record a setting was trained with (the setting did not exist yet)
-IDENTITY_BEFORE_RECORDED = {"eagle_version": "3"}
+IDENTITY_BEFORE_RECORDED = {"eagle_version": "3", "init_from": None}
 
 
 def load_checkpoint(path: Path, expected_keys: set[str], scheduler: Any, identity: dict[str, Any]) -> LoadedCheckpoint:

@@ -16,11 +16,21 @@ import torch
 from ..config import TrainConfig
 from ..data.vocab import DraftVocab
 from ..errors import EagletError, shown
-from ..formats.draft_config import DraftConfig
+from ..formats.draft_config import (
+    EAGLE_VARIANTS,
+    EMBEDDING_TENSOR,
+    DraftConfig,
+    StoredDraft,
+    draft_norms,
+    norms_version,
+)
+from ..formats.files import DRAFT_WEIGHTS_FILE
 from ..formats.layers import resolve_aux_layer_ids
 from ..formats.prepared import PreparedSet, load_prepared
+from ..formats.start_draft import read_start_draft
 from ..formats.store_manifest import ShardPlan, check_store_counts, prepared_path, read_manifest, require_complete
 from ..formats.target_record import TargetIdentity, require_same_target, stage_target
+from ..fsio import sha256_file
 from ..model.distributed import Dist
 from ..model.draft import Eagle3Draft
 from ..model.sizing import GIB
@@ -50,6 +60,8 @@ class Setup:
     target_record: dict[str, Any]  # the draft's record of its target: identity + how to find and name it
     target_path: Path
     target_config: dict[str, Any]
+    norms: dict[str, bool]  # the draft's EAGLE norm settings (--eagle-version's, or the start draft's)
+    start: StoredDraft | None  # the draft --init-from names
     eval_source: FeatureSource | None = None  # a separate held-out store, when given
     budget_cut: tuple[str, str] | None = None  # (why, fix) where --token-budget cuts trainable tokens off samples
 
@@ -102,6 +114,12 @@ def build_setup(config: TrainConfig, device: str) -> Setup:
                 "tensor-parallel group; extract a store with `torchrun ... eaglet extract --placement tp`"
                 " and train on it, or use --placement split"
             )
+    start = None
+    if config.init_from is not None:  # before the online target loads: known from files alone
+        start = read_start_draft(
+            config.init_from, info, layer_ids, vocab.size, config.draft_layers, config.eagle_version
+        )
+    norms = draft_norms(start.config) if start else EAGLE_VARIANTS[config.eagle_version or "3"]
     covered = samples_of(source) if config.store else None  # a store made with --max-samples: its first samples
     budget_cut = check_trainable(prepared, config, covered)
     # before the online target loads: a bad eval store is known from files alone
@@ -123,7 +141,8 @@ def build_setup(config: TrainConfig, device: str) -> Setup:
         "layer_ids": list(layer_ids),
         "draft_vocab_size": vocab.size,
         "draft_layers": config.draft_layers,
-        "eagle_version": config.eagle_version,
+        "eagle_version": norms_version(norms),
+        "init_from": sha256_file(Path(config.init_from) / DRAFT_WEIGHTS_FILE) if config.init_from else None,
         "ttt_steps": config.ttt_steps,
         "token_budget": config.token_budget,
         "seed": config.seed,
@@ -140,6 +159,8 @@ def build_setup(config: TrainConfig, device: str) -> Setup:
         identity.to_record() | target_record(resolved, info),
         resolved.path,
         read_config(resolved.path),
+        norms,
+        start,
         eval_source,
         budget_cut,
     )
@@ -284,7 +305,7 @@ def build_model(config: TrainConfig, setup: Setup, device: torch.device, dist: D
         setup.layer_ids,
         setup.target_record,
         num_layers=config.draft_layers,
-        variant=config.eagle_version,
+        norms=setup.norms,
     )
     torch.manual_seed(config.seed)
     draft = Eagle3Draft(draft_config)
@@ -292,6 +313,8 @@ def build_model(config: TrainConfig, setup: Setup, device: torch.device, dist: D
     draft.init_from_target(
         head.embed.float(), head.lm_head.float(), d2t, t2d, None if head.final_norm is None else head.final_norm.float()
     )
+    if setup.start is not None:
+        start_from(draft, setup.start, d2t)
     draft.lm_head.weight.requires_grad_(not config.freeze_lm_head)
     draft.to(device)
     if config.compile_pointwise and device.type == "cuda":  # CPU: eager (compiling needs a C++ toolchain at run time)
@@ -320,6 +343,27 @@ def build_model(config: TrainConfig, setup: Setup, device: torch.device, dist: D
     )
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
     return Model(draft, module, wrapped, parallel, teacher, parameters, optimizer, autocast, graphed)
+
+
+def start_from(draft: Eagle3Draft, start: StoredDraft, d2t: torch.Tensor) -> None:
+    """The start draft's weights into ``draft`` (its embedding stays the target's, frozen), refused in one line when
+    its draft vocabulary maps to other target tokens than this run's."""
+    from ..model.draft import read_draft_weights
+
+    directory = start.config_file.parent
+    state = read_draft_weights(directory, start)
+    own = state.get("d2t", torch.zeros_like(d2t))  # a draft without d2t has the identity mapping
+    if not torch.equal(own.long(), d2t.long()):
+        raise EagletError(
+            f"--init-from {directory}: its draft vocabulary is other target tokens than this run's (d2t differs); "
+            "pass its vocabulary with --set draft_vocab_file=..., or prepare with it"
+        )
+    weights = {name: tensor.float() for name, tensor in state.items() if tensor.is_floating_point()}
+    weights.pop(EMBEDDING_TENSOR, None)
+    with torch.no_grad():
+        for name, parameter in draft.named_parameters():
+            if name in weights:
+                parameter.copy_(weights[name])
 
 
 OPTIMIZER_FLAGS = ("fused", "capturable")  # how AdamW runs: this run's choice, whatever a checkpoint recorded
