@@ -17,20 +17,21 @@ VERSIONS=(3 3.1)
 mkdir -p "$WORK" "$OUT"
 export PYTHONPATH=/tmp/vllm-site:${PYTHONPATH:-} VLLM_USE_FLASHINFER_SAMPLER=0
 eaglet() { python3 -m eaglet.cli "$@"; }
-prompts=(demo mt-bench "$WORK/data/synthesized.jsonl")
+prompts=(--prompts demo --prompts mt-bench --prompts "$WORK/data/synthesized.jsonl")
 case "${1:-}" in
-  data)
-    /usr/bin/time -f "data: %e s" eaglet run benchmarks/configs/eagle31_data.yaml --out "$WORK/data" 2>&1 \
-      | grep -v "it/s\]$" | tail -25
+  data)  # the data stages alone (a run always has train and export; the config sets eval: null)
+    for stage in synthesize regenerate prepare extract; do
+      /usr/bin/time -f "$stage: %e s" python3 -m eaglet.cli run benchmarks/configs/eagle31_data.yaml \
+        --out "$WORK/data" --only "$stage" 2>&1 | grep -v "it/s\]$" | tail -4
+    done
     ;;
-  train)  # both at once: at this size a step is launch-bound, and the two share the GPU as two jobs would
+  train)  # one after the other (two at once: the second ran out of memory beside the first's CUDA graphs)
     for version in "${VERSIONS[@]}"; do
       /usr/bin/time -f "train $version: %e s" python3 -m eaglet.cli train --store "$WORK/data/store" \
         --eval-store "$WORK/data/store_heldout" --out "$WORK/draft-$version" --eagle-version "$version" \
         --token-budget 16384 --lr 0.0005 --max-steps "$STEPS" --attention-kernels one --eval-every 500 \
-        --log-every 50 --seed 0 > "$OUT/train-$version.log" 2>&1 &
+        --log-every 50 --seed 0 > "$OUT/train-$version.log" 2>&1
     done
-    wait
     for version in "${VERSIONS[@]}"; do
       grep -v "it/s\]$" "$OUT/train-$version.log" | tail -8
       cp "$WORK/draft-$version/metrics.jsonl" "$OUT/metrics-$version.jsonl" 2>/dev/null
@@ -40,14 +41,14 @@ case "${1:-}" in
     for version in "${VERSIONS[@]}"; do
       [ -d "$WORK/export-$version" ] || eaglet export --draft "$WORK/draft-$version" --format vllm \
         --out "$WORK/export-$version" 2>&1 | tail -2
-      eaglet eval --draft "$WORK/export-$version" --prompts "${prompts[@]}" --max-prompts "$MAX_PROMPTS" \
+      eaglet eval --draft "$WORK/export-$version" "${prompts[@]}" --max-prompts "$MAX_PROMPTS" \
         --max-new-tokens 128 --mode chain --depth "$DEPTH" --dtype bfloat16 --out "$WORK/eval-$version" 2>&1 | tail -4
       cp "$WORK/eval-$version/report.json" "$OUT/eval-eaglet-$version.json"
     done
     ;;
   vllm)
     for version in "${VERSIONS[@]}"; do
-      eaglet eval --backend vllm --draft "$WORK/export-$version" --prompts "${prompts[@]}" \
+      eaglet eval --backend vllm --draft "$WORK/export-$version" "${prompts[@]}" \
         --max-prompts "$MAX_PROMPTS" --max-new-tokens 128 --depth "$DEPTH" --out "$WORK/vllm-$version" 2>&1 \
         | grep -v "it/s\]$" | tail -6
       cp "$WORK/vllm-$version/report.json" "$OUT/eval-vllm-$version.json"

@@ -43,7 +43,7 @@ def random_draft(
     } | ({"hub_id": hub_id} if hub_id else {})
     vocab = info.vocab_size if draft_vocab is None else draft_vocab
     config = DraftConfig.from_target(read_config(target), vocab, layers, record)
-    config = DraftConfig(**config.to_dict() | (norms or {}))
+    config = DraftConfig(**config.to_dict() | EAGLE_VARIANTS["3"] | (norms or {}))
     torch.manual_seed(seed)
     draft = Eagle3Draft(config)
     used = torch.sort(torch.randperm(info.vocab_size)[:vocab]).values

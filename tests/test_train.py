@@ -136,7 +136,7 @@ def test_an_eagle31_draft_trains_resumes_as_itself_and_is_evaluated_as_trained(
         f"fc_norm.{i}.weight" for i in range(3)
     ]
     assert not torch.equal(trained.fc_norm[0].weight, torch.ones_like(trained.fc_norm[0].weight))  # it trained
-    code, _, err = run_cli(train_args(tiny_store, out, tiny_target, "--max-steps", "9"), capsys)  # version 3
+    code, _, err = run_cli(train_args(tiny_store, out, tiny_target, "--max-steps", "9", "--eagle-version", "3"), capsys)
     assert code == 2 and "eagle_version='3.1', this run has '3'" in err, err
     export = tmp_path / "export"
     assert run_cli(["export", "--draft", out, "--format", "vllm", "--out", export], capsys)[0] == 0
@@ -180,11 +180,9 @@ def test_train_init_from_a_draft_continues_from_its_weights(tmp_path, capsys, ti
         losses[name] = train_losses(tmp_path / name)[0]
     assert losses["trained"] < 0.9 * losses["fresh"], losses
     assert losses["exported"] == pytest.approx(losses["trained"], rel=1e-2)  # the same weights, rounded to bf16
-    args = train_args(
-        tiny_store, tmp_path / "refused", tiny_target, "--init-from", tiny_draft, "--eagle-version", "3.1"
-    )
+    args = train_args(tiny_store, tmp_path / "refused", tiny_target, "--init-from", tiny_draft, "--eagle-version", "3")
     code, _, err = run_cli(args, capsys)
-    assert code == 2 and "it is EAGLE 3, --eagle-version asks for 3.1: leave it out" in err, err
+    assert code == 2 and "it is EAGLE 3.1, --eagle-version asks for 3: leave it out" in err, err
     assert not (tmp_path / "refused").exists()
 
 

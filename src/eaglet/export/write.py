@@ -17,7 +17,13 @@ from typing import Any
 import torch
 
 from ..errors import EagletError
-from ..formats.draft_config import FIRST_LAYER_PREFIX, TRAINED_WEIGHTS_KEY, read_draft_config
+from ..formats.draft_config import (
+    EAGLE_VARIANTS,
+    FIRST_LAYER_PREFIX,
+    TRAINED_WEIGHTS_KEY,
+    norms_version,
+    read_draft_config,
+)
 from ..formats.eval_report import (
     EvalReportRecord,
     chain_depth,
@@ -104,13 +110,14 @@ def model_card(
         if fmt.carries_embedding
         else ""
     )
+    version = norms_version({name: config[name] for name in EAGLE_VARIANTS["3"]})
     source = config.get("target", {}).get("source")
     trained_on = f"\nTrained on the features of {source}.\n" if source else ""
     return (
         card_front_matter(fmt, verifier)
         + f"""# EAGLE-3 draft for {name} ({fmt.name} format)
 
-Trained with eaglet. One Llama-style decoder layer over the target's aux hidden states
+Trained with eaglet: EAGLE {version}. One Llama-style decoder layer over the target's aux hidden states
 (eaglet/vLLM layer ids {ids}: the inputs of those decoder layers), draft vocabulary of
 {config["draft_vocab_size"]:,} of the target's {config["vocab_size"]:,} tokens.
 {embedding}{trained_on}

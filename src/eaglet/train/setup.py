@@ -17,6 +17,7 @@ from ..config import TrainConfig
 from ..data.vocab import DraftVocab
 from ..errors import EagletError, shown
 from ..formats.draft_config import (
+    DEFAULT_EAGLE_VERSION,
     EAGLE_VARIANTS,
     EMBEDDING_TENSOR,
     DraftConfig,
@@ -119,7 +120,7 @@ def build_setup(config: TrainConfig, device: str) -> Setup:
         start = read_start_draft(
             config.init_from, info, layer_ids, vocab.size, config.draft_layers, config.eagle_version
         )
-    norms = draft_norms(start.config) if start else EAGLE_VARIANTS[config.eagle_version or "3"]
+    norms = draft_norms(start.config) if start else EAGLE_VARIANTS[config.eagle_version or DEFAULT_EAGLE_VERSION]
     covered = samples_of(source) if config.store else None  # a store made with --max-samples: its first samples
     budget_cut = check_trainable(prepared, config, covered)
     # before the online target loads: a bad eval store is known from files alone
