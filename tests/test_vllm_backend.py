@@ -193,6 +193,37 @@ def test_extract_with_vllm_where_it_is_not_installed_is_refused_before_any_store
     assert not out.exists()
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_bench_where_vllm_is_not_installed_is_refused_before_anything(tmp_path, capsys, tiny_draft, tiny_target):
+    out, export = tmp_path / "bench", tmp_path / "export"
+    assert run_cli(["export", "--draft", tiny_draft, "--format", "vllm", "--out", export], capsys)[0] == 0
+    code, _, err = run_cli(["bench", "--draft", export, "--target", tiny_target, "--out", out], capsys)
+    assert code == 2 and "vLLM is not installed" in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "option,value,message",
+    [
+        ("--concurrency", "0", "--concurrency '0': Input should be greater than or equal to 1"),
+        ("--temperatures", "-1", "--temperatures '-1': Input should be greater than or equal to 0"),
+        ("--engine", "sglang", "--engine"),
+        ("--depth", "0", "--depth"),
+    ],
+)
+def test_bad_bench_settings_are_one_line(tmp_path, capsys, tiny_draft, option, value, message):
+    code, _, err = run_cli(["bench", "--draft", tiny_draft, "--out", tmp_path / "b", option, value], capsys)
+    assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_a_bench_cell_submits_the_prompts_cycled_to_fill_its_concurrency():
+    from eaglet.decode.vllm_bench import requests_of
+
+    assert [len(s) for s in requests_of(list("abc"), 1)] == [1, 1, 1]
+    assert requests_of(list("abc"), 2) == [["a", "b"], ["c", "a"]]
+    assert requests_of(list("abc"), 8) == [["a", "b", "c", "a", "b", "c", "a", "b"]]
+
+
 def test_a_module_installed_under_another_distributions_name_is_found():
     from eaglet.packages import installed_distribution
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import extract_args, run_cli, tiny_llama_dir, write_jsonl
+from conftest import extract_args, run_cli, small_conversations, tiny_llama_dir, write_jsonl
 
 from eaglet.model.vllm_engine import vllm_runs_on
 
@@ -72,6 +72,69 @@ def _assert_same_features(ours: dict, theirs: dict) -> None:
             assert cosine.min() >= FEATURE_COSINE, (sample, layer, cosine.min())
         cosine = torch.cosine_similarity(tensors["last"], theirs[sample]["last"], dim=-1)
         assert cosine.min() >= FEATURE_COSINE, (sample, "last", cosine.min())
+
+
+@pytest.mark.parametrize("version", ["3", "3.1"])
+def test_vllm_serving_the_draft_accepts_what_eaglets_decoder_accepts(tmp_path, capsys, vllm_target, version):
+    """A trained draft (EAGLE-3, and 3.1 with its per-feature norms and normed feedback) served by vLLM's own
+    engine accepts, greedy, the same tokens at the same draft positions as eaglet's decoder (float32 both): vLLM
+    runs the exported draft as eaglet trained it. Its counters and eaglet's agree to the token."""
+    conversations, prepared, store = tmp_path / "c.jsonl", tmp_path / "prepared", tmp_path / "store"
+    write_jsonl(conversations, small_conversations(40))
+    assert run_cli(["prepare", conversations, "--out", prepared, "--target", vllm_target], capsys)[0] == 0
+    assert run_cli(extract_args(prepared, store, vllm_target, "--dtype", "float32"), capsys)[0] == 0
+    draft, export = tmp_path / "draft", tmp_path / "export"
+    train = ["train", "--store", store, "--out", draft, "--max-steps", "60", "--token-budget", "256", "--lr", "3e-3"]
+    assert run_cli([*train, "--eagle-version", version], capsys)[0] == 0
+    assert run_cli(["export", "--draft", draft, "--out", export, "--format", "vllm"], capsys)[0] == 0
+    prompts = write_jsonl(
+        tmp_path / "p.jsonl", [{"id": str(i), "prompt": f"question {i}", "split": "heldout"} for i in range(3)]
+    )
+    reports = {}
+    for backend in ("hf", "vllm"):
+        out = tmp_path / f"eval-{backend}"
+        args = ["eval", "--draft", export, "--target", vllm_target, "--out", out, "--prompts", prompts]
+        code, _, err = run_cli([*args, "--max-new-tokens", "16", "--depth", "2", "--backend", backend], capsys)
+        assert code == 0, err
+        reports[backend] = json.loads((out / "report.json").read_text())
+    ours, served = reports["hf"], reports["vllm"]
+    assert ours["acceptance_length"] > 1.0  # it drafts tokens the target keeps: the comparison can fail
+    assert served["acceptance_length"] == pytest.approx(ours["acceptance_length"], abs=1e-3)
+    assert served["acceptance_by_position"] == pytest.approx(ours["acceptance_by_position"], abs=1e-3)
+
+
+def test_bench_measures_the_draft_in_vllm_at_each_concurrency_and_temperature(tmp_path, capsys, vllm_target):
+    """`eaglet bench`: both engines over every (temperature, concurrency) cell; greedy cells decode the same tokens
+    with and without the draft; τ and acceptance by position from vLLM's counters; the serve command is the shape
+    measured; bench.json and bench.png written."""
+    conversations, prepared, store = tmp_path / "c.jsonl", tmp_path / "prepared", tmp_path / "store"
+    write_jsonl(conversations, small_conversations(40))
+    assert run_cli(["prepare", conversations, "--out", prepared, "--target", vllm_target], capsys)[0] == 0
+    assert run_cli(extract_args(prepared, store, vllm_target, "--dtype", "float32"), capsys)[0] == 0
+    draft, export, out = tmp_path / "draft", tmp_path / "export", tmp_path / "bench"
+    train = ["train", "--store", store, "--out", draft, "--max-steps", "60", "--token-budget", "256", "--lr", "3e-3"]
+    assert run_cli(train, capsys)[0] == 0
+    assert run_cli(["export", "--draft", draft, "--out", export, "--format", "vllm"], capsys)[0] == 0
+    prompts = write_jsonl(
+        tmp_path / "p.jsonl", [{"id": str(i), "prompt": f"question {i}", "split": "heldout"} for i in range(3)]
+    )
+    args = ["bench", "--draft", export, "--target", vllm_target, "--out", out, "--prompts", prompts, "--depth", "2"]
+    code, stdout, err = run_cli(
+        [*args, "--concurrency", "1,4", "--temperatures", "0,0.7", "--max-new-tokens", "16", "--dtype", "float32"],
+        capsys,
+    )
+    assert code == 0, err
+    report = json.loads((out / "bench.json").read_text())
+    cells = {(c["temperature"], c["concurrency"]): c for c in report["cells"]}
+    assert set(cells) == {(0.0, 1), (0.0, 4), (0.7, 1), (0.7, 4)}
+    for (temperature, concurrency), cell in cells.items():
+        assert cell["acceptance_length"] >= 1.0 and len(cell["acceptance_by_position"]) == 2
+        assert cell["tokens_per_s"] > 0 and cell["baseline_tokens_per_s"] > 0 and cell["ms_per_output_token"] > 0
+        if temperature == 0:
+            assert cell["tokens"] == cell["baseline_tokens"]  # greedy: the same outputs with the draft and without
+    assert cells[(0.0, 1)]["acceptance_length"] > 1.0  # it drafts tokens the target keeps
+    assert '"num_speculative_tokens": 2' in report["serve_command"] and report["settings"]["eagle_version"] == "3.1"
+    assert (out / "bench.png").stat().st_size > 0 and '"num_speculative_tokens": 2' in stdout
 
 
 def test_vllms_engine_stores_what_the_hf_backend_stores(tmp_path, capsys, tiny_prepared, vllm_target):

@@ -573,7 +573,7 @@ class TrainConfig(PlacementFields):
     eagle_version: Literal["3", "3.1"] | None = Field(
         default=None,
         description="3.1: an RMSNorm on each aux feature before fc and the normed hidden state fed back to the next "
-        "step (arXiv 2605.09992; vLLM, SGLang and speculators serve both). Default: 3, or --init-from's",
+        "step (arXiv 2605.09992; vLLM, SGLang and speculators serve both); 3: EAGLE-3's. Default: 3.1, or --init-from's",
     )
     init_from: str | None = Field(
         default=None,
@@ -695,6 +695,11 @@ TUNE_TREES = ((7, 8, 56), (8, 8, 64), (10, 10, 96))
 TREE_LIMITS = {"depth": (1, 16), "topk": (1, 64), "budget": (1, 512)}  # the bounds of a tree's (and chain's) shape
 
 
+def served_context(longest_prompt: int, max_new_tokens: int, depth: int) -> int:
+    """The context vLLM must give a request: the longest prompt, its answer and one draft round past it."""
+    return longest_prompt + max_new_tokens + depth + 1
+
+
 class EvalConfig(VllmFields, PlacementFields):
     draft: str = Field(
         description="a draft directory (`eaglet train` output or an `eaglet export` directory; --backend vllm: "
@@ -775,7 +780,7 @@ class EvalConfig(VllmFields, PlacementFields):
     def served_length(self, longest_prompt: int) -> int:
         """The context `eval --backend vllm` needs of vLLM (unless --max-model-len says): the longest prompt, its
         answer and a draft round past it (vLLM keeps a KV cache for one request of it at start)."""
-        return longest_prompt + self.max_new_tokens + self.depth + 1
+        return served_context(longest_prompt, self.max_new_tokens, self.depth)
 
     def decoding_problem(self) -> str | None:
         """Settings no decoder runs, found from the settings alone (before any stage of a run, any model load)."""
@@ -819,3 +824,46 @@ class EvalConfig(VllmFields, PlacementFields):
         if given:
             return f"{given[0]} is the hf backend's; vLLM compiles and graphs the target and draft itself"
         return None
+
+
+BENCH_CONCURRENCY = [1, 8, 32]  # requests in flight: one user, a small batch, a busy server
+BENCH_TEMPERATURES = [0.0, 0.7]  # greedy, and sampled as chat serving runs
+
+
+class BenchConfig(VllmFields, PlacementFields):
+    """`eaglet bench`: the target served by vLLM with and without the exported draft, at each concurrency and
+    temperature, from vLLM's own counters and clocks."""
+
+    draft: str = Field(description="an `eaglet export --format vllm` directory (or an EAGLE-3 draft in that layout)")
+    engine: Literal["vllm"] = Field(default="vllm", description="the serving engine measured")
+    out: str = Field(description="report directory: bench.json, bench.png")
+    target: str | None = Field(default=None, description=RECORDED_TARGET_HELP)
+    prompts: FileList = Field(
+        default_factory=lambda: ["demo"],
+        description="prompt files; 'demo' = the shipped demo prompts, 'mt-bench' = MT-Bench's 80 questions",
+    )
+    split: Split = Field(default="heldout", description="rows whose `split` field matches")
+    max_prompts: int | None = Field(
+        default=32, ge=1, description="N prompts of each prompt file (each cell decodes them, cycled to fill it)"
+    )
+    depth: int = Field(default=3, ge=1, le=TREE_LIMITS["depth"][1], description="draft tokens a round (k)")
+    concurrency: list[Annotated[int, Field(ge=1, le=MAX_VLLM_SEQUENCES)]] = Field(
+        default_factory=lambda: list(BENCH_CONCURRENCY), min_length=1, description="requests in flight, e.g. 1,8,32"
+    )
+    temperatures: list[Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)]] = Field(
+        default_factory=lambda: list(BENCH_TEMPERATURES), min_length=1, description="0 = greedy, e.g. 0,0.7"
+    )
+    top_p: float = Field(default=1.0, gt=0, le=1, description="sampled cells' nucleus")
+    max_new_tokens: int = Field(default=128, ge=1)
+    seed: int = Field(default=0, description="sampling seed")
+    device: str = Field(default="auto", description="auto, cpu, cuda: where the installed vLLM build must run")
+    dtype: ComputeDtype = Field(default="auto", description="vLLM's serving dtype (auto: the target's)")
+    trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
+
+    @property
+    def backend(self) -> str:  # VllmFields' checks ask which engine holds the target
+        return self.engine
+
+    def served_length(self, longest_prompt: int) -> int:
+        """The context each engine needs: the longest prompt, its answer and a draft round past it."""
+        return served_context(longest_prompt, self.max_new_tokens, self.depth)

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from .. import __version__
 from ..config import (
+    BenchConfig,
     EvalConfig,
     ExportConfig,
     ExtractConfig,
@@ -338,6 +339,30 @@ def eval_cmd(options: StageOptions) -> None:
     )
 
 
+@stage_command(app, BenchConfig, "bench", short={"draft": "-d", "out": "-o", "target": "-t"})
+def bench(options: StageOptions) -> None:
+    """The target served by vLLM with and without the draft at each concurrency and temperature: tok/s, time per
+    output token, τ and acceptance by position from vLLM's counters (bench.json, bench.png)."""
+    from ..decode.vllm_bench import BENCH_FILE, run_bench
+
+    cfg = options.build()
+    report = run_bench(cfg, err_console)
+    table = Table("T", "in flight", "tok/s", "alone", "speedup", "ms/token", "τ", "by position")
+    for cell in report["cells"]:
+        table.add_row(
+            f"{cell['temperature']:g}",
+            str(cell["concurrency"]),
+            f"{cell['tokens_per_s']:.1f}",
+            f"{cell['baseline_tokens_per_s']:.1f}",
+            f"{cell['speedup']:.2f}x",
+            f"{cell['ms_per_output_token']:.2f}",
+            f"{cell['acceptance_length']:.2f}" if cell["acceptance_length"] else "-",
+            " / ".join(f"{p:.2f}" for p in cell["acceptance_by_position"] or []),
+        )
+    out_console.print(table)
+    out_console.print(f"measured as served by:\n{report['serve_command']}\n-> {cfg.out}/{BENCH_FILE}, bench.png")
+
+
 # ---------------------------------------------------------------------------------------------
 # preflight
 
@@ -346,7 +371,7 @@ def eval_cmd(options: StageOptions) -> None:
 def preflight(
     ctx: typer.Context,
     stage: str = typer.Argument(
-        ..., help="prepare, regenerate, extract, train, export, eval; calls (API check of your code); self"
+        ..., help="prepare, regenerate, extract, train, export, eval, bench; calls (API check of your code); self"
     ),
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
     strict: bool = typer.Option(False, "--strict", help="exit 1 on warnings"),

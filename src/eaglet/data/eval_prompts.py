@@ -31,7 +31,8 @@ def context_problem(config: Any, context: int | None, prompt_tokens: int) -> str
     would be run at positions it never saw (a τ and a lossless check of noise)."""
     from ..model.target import past_context
 
-    depth = max([config.depth] + [shape[0] for shape in config.tune_trees] if config.tune else [config.depth])
+    tuned = getattr(config, "tune", False)  # eval times tree shapes; bench drafts chains of --depth
+    depth = max([config.depth] + [shape[0] for shape in config.tune_trees] if tuned else [config.depth])
     return past_context(prompt_tokens, config.max_new_tokens, context, depth)
 
 

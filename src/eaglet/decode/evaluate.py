@@ -14,7 +14,7 @@ import torch
 from rich.console import Console
 
 from .. import __version__
-from ..config import EvalConfig
+from ..config import BenchConfig, EvalConfig
 from ..data.eval_prompts import EvalPrompt, select_prompts
 from ..errors import EagletError
 from ..formats.draft_config import SERVED_BY_VLLM, read_draft_config, require_export, require_fits_target
@@ -131,13 +131,13 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     resolved = resolve_target(stage_target(config), config.trust_remote_code)
     tokenizer = load_tokenizer(resolved.path, config.trust_remote_code)
     info = target_info(resolved, tokenizer)
-    draft_config = _draft_for(config, info, resolved.path, console)
+    draft_config = draft_for(config, info, resolved.path, console)
     context = context_length(resolved.path)
     prompts = select_prompts(config, tokenizer, context)  # before the target loads: a bad prompt file is known now
     if config.backend == "vllm":
         from .vllm_serving import serve_eval
 
-        stop = _stop_ids(tokenizer, generation_eos(resolved.path))
+        stop = stop_ids(tokenizer, generation_eos(resolved.path))
         report = serve_eval(config, resolved.path, info.name, prompts, stop, console)
         return _write_report(config, report)
     draft = load_draft(
@@ -150,7 +150,7 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     device = str(output_device(model))  # the draft runs where the target's logits and features come out
     draft = draft.to(device=device, dtype=next(model.parameters()).dtype).eval()
     greedy = config.temperature <= 0
-    stop = _stop_ids(tokenizer, model.generation_config.eos_token_id)
+    stop = stop_ids(tokenizer, model.generation_config.eos_token_id)
     tuning = None
     if config.tune:
         tune_rows, tuned_on = _tuning_prompts(config, tokenizer, context, prompts)
@@ -211,7 +211,7 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
     return _write_report(config, report, dist.is_main)
 
 
-def _draft_for(config: EvalConfig, info: Any, target: Path, console: Console) -> Any:
+def draft_for(config: EvalConfig | BenchConfig, info: Any, target: Path, console: Console) -> Any:
     """The draft's config, refused when it was trained for another target (``--backend vllm``: when it is not a
     directory vLLM loads); a warning when trained on other weights of the same target."""
     stored = require_export(config.draft, *SERVED_BY_VLLM, info.num_layers) if config.backend == "vllm" else None
@@ -237,7 +237,7 @@ def _draft_for(config: EvalConfig, info: Any, target: Path, console: Console) ->
     return draft_config
 
 
-def _stop_ids(tokenizer: Any, generation_eos: int | list[int] | None) -> list[int]:
+def stop_ids(tokenizer: Any, generation_eos: int | list[int] | None) -> list[int]:
     """Where a decode ends: the tokenizer's end of sequence and the generation config's."""
     ends = generation_eos if isinstance(generation_eos, list) else [generation_eos]
     return sorted({i for i in [tokenizer.eos_token_id, *ends] if i is not None})

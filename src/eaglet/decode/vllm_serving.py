@@ -25,7 +25,7 @@ from typing import Any, Iterator
 from rich.console import Console
 
 from .. import __version__
-from ..config import EvalConfig
+from ..config import BenchConfig, EvalConfig
 from ..data.eval_prompts import EvalPrompt
 from ..errors import EagletError
 from ..progress import progress_bar
@@ -96,7 +96,12 @@ class ServingEngine:
     """vLLM on the target, with the draft or without it, kept only while it decodes (``close``)."""
 
     def __init__(
-        self, config: EvalConfig, target: Path, dtype: str, speculative: dict[str, Any] | None, max_model_len: int
+        self,
+        config: EvalConfig | BenchConfig,
+        target: Path,
+        dtype: str,
+        speculative: dict[str, Any] | None,
+        max_model_len: int,
     ):
         from ..model.vllm_engine import EngineHold, EngineUse, open_llm
 
@@ -110,14 +115,15 @@ class ServingEngine:
             ),
         )
 
-    def decode(self, rows: list[EvalPrompt], stop: list[int]) -> GroupRun:
+    def decode(self, rows: list[EvalPrompt], stop: list[int], temperature: float) -> GroupRun:
+        """``rows`` submitted together (vLLM runs them concurrently), decoded to the end."""
         from vllm import SamplingParams
         from vllm.inputs import tokens_input
 
-        sampling = self.config.temperature > 0
+        sampling = temperature > 0
         params = SamplingParams(
             max_tokens=self.config.max_new_tokens,
-            temperature=self.config.temperature,
+            temperature=temperature,
             top_p=self.config.top_p if sampling else 1.0,
             seed=self.config.seed if sampling else None,
             stop_token_ids=stop,
@@ -152,14 +158,14 @@ def run_engine(
     """One engine over every group (after a warm-up on the first): each group's run and counters' change."""
     engine = ServingEngine(config, target, dtype, speculative, max_model_len)
     try:
-        engine.decode(batches[0][:1], stop)  # warm-up: compilation and CUDA graphs are not timed
+        engine.decode(batches[0][:1], stop, config.temperature)  # warm-up: compilation, CUDA graphs are not timed
         runs, changes = [], []
         label = "eval (vllm, draft)" if speculative else "eval (vllm, target alone)"
         with progress_bar("prompts", console) as progress:
             task = progress.add_task(label, total=sum(len(batch) for batch in batches))
             for batch in batches:
                 before = Counters.read(engine.llm) if speculative else Counters()
-                runs.append(engine.decode(batch, stop))
+                runs.append(engine.decode(batch, stop, config.temperature))
                 changes.append(Counters.read(engine.llm) - before if speculative else Counters())
                 progress.advance(task, len(batch))
         return runs, changes

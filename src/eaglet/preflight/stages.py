@@ -10,6 +10,7 @@ from ..config import DEFAULT_DRAFT_VOCAB_CAP
 from ..errors import EagletError
 from ..export import FORMATS
 from ..formats.draft_config import (
+    DEFAULT_EAGLE_VERSION,
     EAGLE_VARIANTS,
     SERVED_BY_VLLM,
     DraftConfig,
@@ -430,7 +431,7 @@ def train_checks(cfg: Any) -> list[Check]:
         min(_draft_vocab_size(vocab_file, info.vocab_size), info.vocab_size),
         default_aux_layer_ids(info.num_layers),
         num_layers=cfg.draft_layers,
-        norms=EAGLE_VARIANTS[cfg.eagle_version or "3"],
+        norms=EAGLE_VARIANTS[cfg.eagle_version or DEFAULT_EAGLE_VERSION],
     )
     if cfg.init_from is not None:
         checks += guarded("init from", lambda: _start_draft_check(cfg, info, manifest, draft.draft_vocab_size))
@@ -531,12 +532,43 @@ def _cpu_step_time(cfg: Any, draft: Any, info: Any) -> Check:
 
 
 def eval_checks(cfg: Any) -> list[Check]:
-    from ..resources import resolve_input
-
     problem = cfg.decoding_problem()
     checks = [Check("config", FAIL, problem) if problem else Check("config", PASS, "valid"), check_device(cfg.device)]
     if checks[-1].status == FAIL:
         return checks
+    decoded, found, selected = _draft_and_prompt_checks(cfg)
+    checks += decoded
+    if found and cfg.backend == "vllm":  # vLLM holds the target its own way: transformers' load and fit do not apply
+        return checks + _served_checks(cfg, found, selected)
+    if found:
+        checks.append(check_library_api())
+        device, dtype_bytes = _device_bytes(cfg.device, cfg.dtype)
+        checks += check_fit(
+            found[0].path, cfg, device, dtype_bytes, EVAL_FORWARD_TOKENS, PROMPT_TOKENS_GUESS + cfg.max_new_tokens
+        )
+        if not device.startswith("cuda"):
+            checks.append(check_memory(device, found[1].num_parameters * dtype_bytes, "target weights"))
+        if cfg.placement == "one" and uses_static_cache(cfg.cuda_graphs, cfg.batch_size, device):
+            checks.append(
+                check_static_cache(found[0].path, cfg.cuda_graphs, device.startswith("cuda"), cfg.trust_remote_code)
+            )
+            if compiles_draft_round(cfg.compile_draft, True, cfg.temperature == 0, device):
+                checks.append(check_draft_compile(cfg.compile_draft, device))
+    return checks
+
+
+def bench_checks(cfg: Any) -> list[Check]:
+    """`eaglet bench`: eval's checks of the draft, target and prompts, and of vLLM serving them."""
+    checks, found, selected = _draft_and_prompt_checks(cfg)
+    return [Check("config", PASS, "valid"), *checks, *(_served_checks(cfg, found, selected) if found else [])]
+
+
+def _draft_and_prompt_checks(cfg: Any) -> tuple[list[Check], Any, list[Any]]:
+    """The target, the draft against it and the prompts decoded (eval's and bench's): (checks, the target found or
+    None, the prompts selected)."""
+    from ..resources import resolve_input
+
+    checks: list[Check] = []
     target_checks, found = check_stage_target(cfg, need_template=True)
     checks += target_checks
     target_layers = found[1].num_layers if found else None
@@ -570,39 +602,27 @@ def eval_checks(cfg: Any) -> list[Check]:
     selected: list[Any] = []  # the prompts eval decodes, selected once: their check, then vLLM's context
     if found and checks[-1].status != FAIL:
         checks += guarded("prompts", lambda: _evaluated_prompts_check(cfg, found[0].path, selected))
-    if found and cfg.backend == "vllm":  # vLLM holds the target its own way: transformers' load and fit do not apply
-        from ..model.vllm_engine import installed_cpu_draft_problem
+    return checks, found, selected
 
-        needed = cfg.served_length(max(len(row.ids) for row in selected)) if selected else None
-        if needed and cfg.max_model_len is not None and cfg.max_model_len < needed:
-            return checks + [
-                Check(
-                    "max model len",
-                    FAIL,
-                    f"--max-model-len {cfg.max_model_len}: the longest prompt with --max-new-tokens "
-                    f"{cfg.max_new_tokens} and a draft round needs {needed:,}",
-                    "raise it or leave it out (eval sizes it)",
-                )
-            ]
-        served = cfg.max_model_len or needed
-        checks += check_vllm_backend(found[0].path, cfg, captures=False, max_model_len=served)
-        problem = installed_cpu_draft_problem(found[0].path)
-        return checks + ([Check("vllm cpu draft", FAIL, problem)] if problem else [])
-    if found:
-        checks.append(check_library_api())
-        device, dtype_bytes = _device_bytes(cfg.device, cfg.dtype)
-        checks += check_fit(
-            found[0].path, cfg, device, dtype_bytes, EVAL_FORWARD_TOKENS, PROMPT_TOKENS_GUESS + cfg.max_new_tokens
-        )
-        if not device.startswith("cuda"):
-            checks.append(check_memory(device, found[1].num_parameters * dtype_bytes, "target weights"))
-        if cfg.placement == "one" and uses_static_cache(cfg.cuda_graphs, cfg.batch_size, device):
-            checks.append(
-                check_static_cache(found[0].path, cfg.cuda_graphs, device.startswith("cuda"), cfg.trust_remote_code)
+
+def _served_checks(cfg: Any, found: Any, selected: list[Any]) -> list[Check]:
+    """vLLM serving the target with the draft: its context for the prompts, its release and start, its CPU build."""
+    from ..model.vllm_engine import installed_cpu_draft_problem
+
+    needed = cfg.served_length(max(len(row.ids) for row in selected)) if selected else None
+    if needed and cfg.max_model_len is not None and cfg.max_model_len < needed:
+        return [
+            Check(
+                "max model len",
+                FAIL,
+                f"--max-model-len {cfg.max_model_len}: the longest prompt with --max-new-tokens "
+                f"{cfg.max_new_tokens} and a draft round needs {needed:,}",
+                "raise it or leave it out (eval sizes it)",
             )
-            if compiles_draft_round(cfg.compile_draft, True, cfg.temperature == 0, device):
-                checks.append(check_draft_compile(cfg.compile_draft, device))
-    return checks
+        ]
+    checks = check_vllm_backend(found[0].path, cfg, captures=False, max_model_len=cfg.max_model_len or needed)
+    problem = installed_cpu_draft_problem(found[0].path)
+    return checks + ([Check("vllm cpu draft", FAIL, problem)] if problem else [])
 
 
 def eval_early_checks(cfg: Any) -> list[Check]:
@@ -775,6 +795,7 @@ STAGE_CHECKS: dict[str, Callable[[Any], list[Check]]] = {
     "train": train_checks,
     "eval": eval_checks,
     "export": export_checks,
+    "bench": bench_checks,
 }
 
 
