@@ -700,6 +700,22 @@ def served_context(longest_prompt: int, max_new_tokens: int, depth: int) -> int:
     return longest_prompt + max_new_tokens + depth + 1
 
 
+SIZE_IT = "raise it or leave it out (it is sized to the prompts)"
+
+
+def served_model_len(config: Any, longest_prompt: int) -> tuple[int, str | None]:
+    """(the context vLLM gives each request: --max-model-len or what the prompts need, why --max-model-len cannot
+    hold them or None) for eval --backend vllm and bench (vLLM keeps a KV cache for one request of it at start, and
+    Kimi's whole 262,144 tokens take GiBs the answers never use)."""
+    needed = config.served_length(longest_prompt)
+    if config.max_model_len is not None and config.max_model_len < needed:
+        return needed, (
+            f"--max-model-len {config.max_model_len}: the longest prompt with --max-new-tokens "
+            f"{config.max_new_tokens} and a draft round needs {needed:,}"
+        )
+    return config.max_model_len or needed, None
+
+
 class EvalConfig(VllmFields, PlacementFields):
     draft: str = Field(
         description="a draft directory (`eaglet train` output or an `eaglet export` directory; --backend vllm: "

@@ -22,7 +22,7 @@ from typing import Any
 from rich.console import Console
 
 from .. import __version__
-from ..config import BenchConfig
+from ..config import SIZE_IT, BenchConfig, served_model_len
 from ..data.eval_prompts import EvalPrompt, select_prompts
 from ..errors import EagletError
 from ..export import FORMATS, verifier_reference
@@ -103,13 +103,9 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> dict[str, 
 
     stop = stop_ids(tokenizer, generation_eos(resolved.path))
     dtype = str(pick_dtype(config.dtype, vllm_runs_on() or "cuda")).removeprefix("torch.")
-    needed = config.served_length(max(len(row.ids) for row in prompts))
-    if config.max_model_len is not None and config.max_model_len < needed:
-        raise EagletError(
-            f"--max-model-len {config.max_model_len}: the longest prompt with --max-new-tokens {config.max_new_tokens} "
-            f"and a draft round needs {needed:,}; raise it or leave it out (bench sizes it)"
-        )
-    max_model_len = config.max_model_len or needed
+    max_model_len, too_short = served_model_len(config, max(len(row.ids) for row in prompts))
+    if too_short:
+        raise EagletError(f"{too_short}; {SIZE_IT}")
     speculative = {
         "method": "eagle3",
         "model": str(Path(config.draft).resolve()),

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 from rich.console import Console
 
 from .. import __version__
-from ..config import BenchConfig, EvalConfig
+from ..config import SIZE_IT, BenchConfig, EvalConfig, served_model_len
 from ..data.eval_prompts import EvalPrompt
 from ..errors import EagletError
 from ..progress import progress_bar
@@ -215,16 +215,9 @@ def serve_eval(
         "model": str(Path(config.draft).resolve()),
         "num_speculative_tokens": config.depth,
     }
-    # the engines' context: what the prompts need (the longest, its answer and a draft round past it) unless
-    # --max-model-len says; vLLM keeps a KV cache for one request of it at start, and Kimi's whole 262,144 tokens
-    # take GiBs the answers never use
-    needed = config.served_length(max(len(row.ids) for row in prompts))
-    if config.max_model_len is not None and config.max_model_len < needed:
-        raise EagletError(
-            f"--max-model-len {config.max_model_len}: the longest prompt with --max-new-tokens {config.max_new_tokens} "
-            f"and a draft round needs {needed:,}; raise it or leave it out (eval sizes it)"
-        )
-    max_model_len = config.max_model_len or needed
+    max_model_len, too_short = served_model_len(config, max(len(row.ids) for row in prompts))
+    if too_short:
+        raise EagletError(f"{too_short}; {SIZE_IT}")
     plain, _ = run_engine(config, target, dtype, None, batches, stop, console, max_model_len)
     drafted, counters = run_engine(config, target, dtype, speculative, batches, stop, console, max_model_len)
     greedy = config.temperature <= 0

@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
-from ..config import DEFAULT_DRAFT_VOCAB_CAP
+from ..config import DEFAULT_DRAFT_VOCAB_CAP, SIZE_IT, served_model_len
 from ..errors import EagletError
 from ..export import FORMATS
 from ..formats.draft_config import (
@@ -609,18 +609,10 @@ def _served_checks(cfg: Any, found: Any, selected: list[Any]) -> list[Check]:
     """vLLM serving the target with the draft: its context for the prompts, its release and start, its CPU build."""
     from ..model.vllm_engine import installed_cpu_draft_problem
 
-    needed = cfg.served_length(max(len(row.ids) for row in selected)) if selected else None
-    if needed and cfg.max_model_len is not None and cfg.max_model_len < needed:
-        return [
-            Check(
-                "max model len",
-                FAIL,
-                f"--max-model-len {cfg.max_model_len}: the longest prompt with --max-new-tokens "
-                f"{cfg.max_new_tokens} and a draft round needs {needed:,}",
-                "raise it or leave it out (eval sizes it)",
-            )
-        ]
-    checks = check_vllm_backend(found[0].path, cfg, captures=False, max_model_len=cfg.max_model_len or needed)
+    served, too_short = served_model_len(cfg, max(len(row.ids) for row in selected)) if selected else (None, None)
+    if too_short:
+        return [Check("max model len", FAIL, too_short, SIZE_IT)]
+    checks = check_vllm_backend(found[0].path, cfg, captures=False, max_model_len=served)
     problem = installed_cpu_draft_problem(found[0].path)
     return checks + ([Check("vllm cpu draft", FAIL, problem)] if problem else [])
 
