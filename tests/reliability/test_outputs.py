@@ -464,6 +464,46 @@ def test_a_trained_drafts_layer_ids_edited_by_hand(tmp_path, capsys, tiny_draft,
     assert not out.exists()
 
 
+def _duplicate_target_id(tensors: dict) -> None:
+    tensors["d2t"][1] = tensors["d2t"][0] - 1  # draft ids 0 and 1 both become target id d2t[0]
+
+
+def _t2d_off_by_one(tensors: dict) -> None:
+    marked, unmarked = tensors["t2d"].nonzero()[0, 0], (~tensors["t2d"]).nonzero()[0, 0]
+    tensors["t2d"][marked] = False  # a target id d2t maps to, unmarked
+    tensors["t2d"][unmarked] = True  # and another marked in its place
+
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [(_duplicate_target_id, "d2t: maps two draft ids to one target id"), (_t2d_off_by_one, "t2d: marks other")],
+    ids=["two-draft-ids-one-target-id", "t2d-disagrees"],
+)
+def test_a_vocabulary_mapping_that_disagrees_with_itself(tmp_path, capsys, tiny_target, damage, message):
+    """vLLM reads d2t, SGLang and speculators read t2d: a mapping whose halves tell two stories, or that maps two
+    draft ids to one target id, is refused by export and fails `export --check`, instead of serving another draft."""
+    from safetensors.torch import load_file, save_file
+    from test_consumers import random_draft
+
+    draft = random_draft(tmp_path / "draft", tiny_target, 300)
+    tensors = load_file(str(draft / "model.safetensors"))
+    damage(tensors)
+    save_file(tensors, str(draft / "model.safetensors"))
+    out = tmp_path / "out"
+    assert_refused(run_cli(["export", "--draft", draft, "--format", "vllm", "--out", out], capsys), message)
+    assert not out.exists()
+
+    good = random_draft(tmp_path / "good", tiny_target, 300)
+    assert run_cli(["export", "--draft", good, "--format", "sglang", "--out", out], capsys)[0] == 0
+    exported = load_file(str(out / "model.safetensors"))
+    damage(exported)
+    save_file(exported, str(out / "model.safetensors"))
+    code, stdout, err = run_cli(["export", "--check", out, "--json"], capsys)
+    assert code == 2 and "Traceback" not in err, err
+    layout = next(r for r in json.loads(stdout)["results"] if r["consumer"] == "layout")
+    assert layout["status"] == "fail" and any(message in f for f in layout["findings"]), layout
+
+
 def test_draft_weights_of_another_shape_are_refused(tmp_path, capsys, tiny_draft):
     draft = tmp_path / "draft"
     shutil.copytree(tiny_draft, draft)

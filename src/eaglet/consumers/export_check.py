@@ -22,6 +22,7 @@ from ..formats.draft_config import FIRST_LAYER_PREFIX, DraftConfig, read_draft_c
 from ..formats.files import DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE, EXPORTED_DRAFT_CONFIG_FILE
 from ..formats.records import validation_line
 from ..fsio import load_json_file
+from ..model.draft import vocab_mapping_problem
 from .fixtures import VerifierFacts, fixtures
 from .pysubset import EngineRaises, NotCovered
 from .sglang_loader import SglangReader
@@ -54,6 +55,14 @@ class ExportFacts:
     norm_output: bool | None  # eaglet's meaning (eaglet_draft.json); None: not known
     verifier: VerifierFacts
     fmt: ExportFormat  # the format config.json is in, as the engines recognise it
+    weights_file: Path
+
+    def vocab_mapping(self) -> tuple[Any, Any]:
+        """(d2t, t2d or None) as stored."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.weights_file), framework="pt") as handle:
+            return handle.get_tensor("d2t"), handle.get_tensor("t2d") if "t2d" in self.tensors else None
 
 
 EXPORT_AGAIN = "export the draft again with `eaglet export`"
@@ -100,6 +109,7 @@ def read_export(directory: Path) -> ExportFacts:
         meant.get("norm_output"),
         verifier,
         format_of_directory(config),
+        weights_file,
     )
 
 
@@ -160,6 +170,9 @@ def _layout_check(facts: ExportFacts) -> ConsumerResult:
         return ConsumerResult(LAYOUT, FAIL, [f"{DRAFT_CONFIG_FILE}: {exc}"])
     names = {facts.fmt.eaglet_name(name, FIRST_LAYER_PREFIX): shape for name, shape in facts.tensors.items()}
     findings = weight_problems(config, names)
+    if not findings and "d2t" in facts.tensors:  # the shapes fit: the mapping's values next
+        problem = vocab_mapping_problem(*facts.vocab_mapping(), config.vocab_size)
+        findings += [problem] if problem else []
     if facts.verifier.vocab_size is not None and config.vocab_size != facts.verifier.vocab_size:
         findings.append(f"vocab_size {config.vocab_size}, the target's is {facts.verifier.vocab_size}")
     if findings:

@@ -386,6 +386,25 @@ def _eaglet_names(state: dict[str, torch.Tensor], stored: StoredDraft) -> dict[s
     return {fmt.eaglet_name(name, FIRST_LAYER_PREFIX): tensor for name, tensor in state.items()}
 
 
+def vocab_mapping_problem(d2t: torch.Tensor, t2d: torch.Tensor | None, vocab_size: int) -> str | None:
+    """Why a draft vocabulary's mapping cannot be served, or None: ``d2t`` (draft id + d2t = its target id) must
+    give distinct target ids inside the vocabulary, and ``t2d`` mark exactly those (vLLM reads d2t, SGLang and
+    speculators' training read t2d: two stories of one vocabulary would serve another draft than was trained)."""
+    if d2t.is_floating_point():
+        return "d2t: not integer"
+    used = torch.arange(len(d2t)) + d2t.long()  # the target id of each draft id
+    if int(used.min()) < 0 or int(used.max()) >= vocab_size:
+        return "d2t: maps draft ids outside the target's vocabulary"
+    if len(torch.unique(used)) != len(used):
+        return "d2t: maps two draft ids to one target id"
+    if t2d is not None:
+        marked = torch.zeros(vocab_size, dtype=torch.bool)
+        marked[used] = True
+        if t2d.dtype != torch.bool or not torch.equal(t2d, marked):
+            return f"t2d: marks other target ids than d2t maps to ({int(t2d.bool().sum())} marked, {len(d2t)} mapped)"
+    return None
+
+
 def read_draft_weights(directory: str | Path, stored: StoredDraft | None = None) -> dict[str, torch.Tensor]:
     """A draft directory's tensors under eaglet's names, refused in one line unless they are exactly the tensors
     and shapes its config needs (an export may add the target's embedding; one with the full vocabulary may carry
@@ -405,9 +424,8 @@ def read_draft_weights(directory: str | Path, stored: StoredDraft | None = None)
     state = _eaglet_names(raw, stored)
     problems = weight_problems(stored.config, {name: tuple(tensor.shape) for name, tensor in state.items()})
     if not problems and "d2t" in state and len(state["d2t"]):  # of the config's shape: its values next
-        used = torch.arange(len(state["d2t"])) + state["d2t"].long()  # the target id of each draft id
-        if int(used.min()) < 0 or int(used.max()) >= stored.config.vocab_size or state["d2t"].is_floating_point():
-            problems.append("d2t: maps draft ids outside the target's vocabulary (or is not integer)")
+        problem = vocab_mapping_problem(state["d2t"], state.get("t2d"), stored.config.vocab_size)
+        problems += [problem] if problem else []
     if problems:
         raise EagletError(
             f"{weights_file}: does not hold the draft {stored.config_file.name} describes "
