@@ -109,6 +109,16 @@ def layers_edited(draft: Path, copy: Path) -> Path:
     return copy
 
 
+def made_elsewhere_other_vocab(draft: Path, copy: Path) -> Path:
+    """The draft as another trainer would leave it (no eaglet record), for a vocabulary 64 tokens larger."""
+    shutil.copytree(draft, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config.pop("aux_layer_convention")
+    (copy / "config.json").write_text(json.dumps(config | {"vocab_size": config["vocab_size"] + 64}))
+    (copy / "train_config.json").unlink(missing_ok=True)
+    return copy
+
+
 def answered_for_other_prompts(answers: Path, copy: Path) -> Path:
     """A prompts file with the ids of the set-up's answers and other text (the prompts edited since)."""
     rows = [json.loads(line) for line in answers.read_text().splitlines()]
@@ -620,6 +630,26 @@ def cases(w: Path, made: dict[str, Path]) -> list[tuple[str, list, str]]:
         ("regenerate --n 3 at temperature 0", ["regenerate", prompt, "--out", w / "r20.jsonl", "--n", "3"], "refused"),
         ("export without --format", ["export", "--draft", draft, "--out", w / "x20"], "refused"),
         ("export --check a draft not exported", ["export", "--check", draft], "refused"),
+        # issue 59's surfaces: drafts made elsewhere, warm starts, the serving bench
+        (
+            "eval a draft made elsewhere for another vocabulary",
+            [
+                "eval",
+                "--draft",
+                made_elsewhere_other_vocab(Path(draft), w / "elsewhere"),
+                "--target",
+                "embedded",
+                "--out",
+                w / "e30",
+            ],
+            "refused",
+        ),
+        (
+            "train --init-from a folder that holds no draft",
+            ["train", "--store", store, "--out", w / "t30", "--init-from", w],
+            "refused",
+        ),
+        ("bench --concurrency 0", ["bench", "--draft", draft, "--out", w / "b30", "--concurrency", "0"], "refused"),
     ]
 
 
