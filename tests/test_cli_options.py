@@ -110,6 +110,27 @@ def test_a_value_out_of_range_names_the_flag(tmp_path, capsys):
     assert code == 2 and "command line: --lr: Input should be greater than 0 (got -1.0)" in err
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train", "--store", "s", "--out", "run"],
+        ["synthesize", "--out", "s.jsonl"],
+        ["regenerate", "demo", "--out", "r.jsonl"],
+        ["eval", "--draft", "d", "--out", "report"],
+        ["bench", "--draft", "d", "--out", "report"],
+    ],
+    ids=lambda args: args[0],
+)
+def test_a_seed_torch_and_numpy_cannot_take_is_named_before_anything(tmp_path, capsys, monkeypatch, args):
+    """A seed past 2**32 - 1 overflowed torch.manual_seed (a traceback after the stage had started); a negative one
+    numpy's."""
+    monkeypatch.chdir(tmp_path)
+    for seed, message in (("100000000000000000000000", "less than or equal to 4294967295"), ("-1", "greater than")):
+        code, _, err = run_cli([*args, "--seed", seed], capsys)
+        assert code == 2 and f"--seed: Input should be {message}" in err and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_every_list_of_export_formats_is_the_registry():
     assert get_args(ExportConfig.model_fields["format"].annotation) == FORMAT_NAMES
     assert RunConfig().export.formats == list(FORMAT_NAMES)

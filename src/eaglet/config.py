@@ -33,6 +33,8 @@ MAX_SHARD_MB = 1e6  # a terabyte
 MAX_GB = 1e6
 SECONDS_PER_DAY = 86400.0
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]  # an Adam moment's decay
+MAX_SEED = 2**32 - 1  # numpy's legacy seeds and torch's manual_seed (an int64) both take it
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 
 # The vocabularies of the settings, each defined once: the store's storage formats (formats.store), the export
 # formats (eaglet.export's registry), where the target's weights go (eaglet.model.placement), compute dtypes.
@@ -209,7 +211,7 @@ class RegenerateConfig(GenerationFields, VllmFields, PlacementFields):
     temperature: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 = greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, description="answers per prompt")
-    seed: int = 0
+    seed: Seed = 0
     batch_size: int = Field(
         default=0,
         ge=0,
@@ -268,7 +270,7 @@ class SynthesizeConfig(GenerationFields, PlacementFields):
     )
     max_batches: int = Field(default=1000, ge=1, description="give up after this many batches")
     batch_size: int = Field(default=0, ge=0, description="messages per batch (0 = 64 on GPU, 8 on CPU)")
-    seed: int = 0
+    seed: Seed = 0
     device: str = Field(default="auto", description="auto, cpu, cuda, cuda:1 ...")
     dtype: ComputeDtype = "auto"
     trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
@@ -623,7 +625,7 @@ class TrainConfig(PlacementFields):
     log_every: int = Field(default=10, ge=1, description="metrics every N steps")
     save_every: int = Field(default=200, ge=1, description="checkpoint every N steps")
     keep_last: int = Field(default=2, ge=1, description="checkpoints kept")
-    seed: int = Field(default=0, description="data order, init and noise")
+    seed: Seed = Field(default=0, description="data order, init and noise")
     device: str = Field(default="auto", description="auto (this rank's GPU, else cpu), cpu, cuda:1 ...")
     precision: Literal["auto", "bf16", "fp32"] = Field(default="auto", description="auto: bf16 autocast on GPU")
     online_chunk_tokens: int = Field(
@@ -772,7 +774,7 @@ class EvalConfig(VllmFields, PlacementFields):
     batch_size: int = Field(
         default=1, ge=1, le=1024, description="prompts decoded together (greedy chain only when > 1)"
     )
-    seed: int = Field(default=0, description="sampling seed")
+    seed: Seed = Field(default=0, description="sampling seed")
     device: str = Field(default="auto", description="auto, cpu, cuda, cuda:1 ...")
     dtype: ComputeDtype = Field(
         default="float32",
@@ -871,7 +873,7 @@ class BenchConfig(VllmFields, PlacementFields):
     )
     top_p: float = Field(default=1.0, gt=0, le=1, description="sampled cells' nucleus")
     max_new_tokens: int = Field(default=128, ge=1)
-    seed: int = Field(default=0, description="sampling seed")
+    seed: Seed = Field(default=0, description="sampling seed")
     device: str = Field(default="auto", description="auto, cpu, cuda: where the installed vLLM build must run")
     dtype: ComputeDtype = Field(default="auto", description="vLLM's serving dtype (auto: the target's)")
     trust_remote_code: bool = Field(default=False, description=TRUST_HELP)
