@@ -280,3 +280,25 @@ def test_samples_past_the_targets_context(tmp_path, capsys, tiny_target):
         "prepare again with this --target",
     )
     assert not store.exists()
+
+
+def test_a_target_that_names_no_end_of_sequence_cannot_answer(tmp_path, capsys):
+    """No eos in generation_config.json, config.json or the tokenizer, none added by the chat template: answers
+    could never end (the hf engine then had no pad token either: an IndexError). Refused before the weights load."""
+    target = tiny_llama_dir(tmp_path / "target")
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps(config | {"eos_token_id": None, "pad_token_id": None}))
+    generation = target / "generation_config.json"
+    if generation.exists():
+        fields = json.loads(generation.read_text())
+        generation.write_text(
+            json.dumps({k: v for k, v in fields.items() if k not in ("eos_token_id", "pad_token_id")})
+        )
+    tokenizer = json.loads((target / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps(tokenizer | {"eos_token": None, "pad_token": None}))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "hello there"}) + "\n")
+    out = tmp_path / "answers.jsonl"
+    result = run_cli(["regenerate", prompts, "--out", out, "--target", target, "--max-new-tokens", "8"], capsys)
+    assert_refused(result, str(target), "names no end-of-sequence token", "set eos_token_id")
+    assert not out.exists() and not any(p.name.startswith("answers") for p in tmp_path.iterdir())

@@ -108,15 +108,19 @@ def load_generator(config: Any, template_stops: Callable[[Any], set[int]]) -> Ge
     any weight loads and returns the stop tokens it adds beside the model's and tokenizer's end of sequence."""
     from ..model.distributed import init_distributed
     from ..model.placement import input_device
-    from ..model.target import load_model, load_tokenizer, resolve_target
+    from ..model.target import generation_eos, load_model, load_tokenizer, resolve_target
 
     resolved = resolve_target(config.target, config.trust_remote_code)
     tokenizer = load_tokenizer(resolved.path, config.trust_remote_code)
-    stop_ids = set(template_stops(tokenizer))
+    ordered = stop_token_ids(generation_eos(resolved.path), tokenizer, set(template_stops(tokenizer)))
+    if not ordered:  # before the weights load: every answer would run to --max-new-tokens, and nothing pads
+        raise EagletError(
+            f"{resolved.path}: names no end-of-sequence token (generation_config.json, config.json, the tokenizer and "
+            "the chat template give none): answers could not end; set eos_token_id in its generation_config.json"
+        )
     dist = init_distributed()  # --placement tp: every rank generates the same batches; rank 0 writes
     device = dist.device(config.device)
     model = load_model(resolved.path, device, config.dtype, config.trust_remote_code, config, dist.world)
-    ordered = stop_token_ids(model.generation_config.eos_token_id, tokenizer, stop_ids)
     return Generator(
         tokenizer,
         model,
