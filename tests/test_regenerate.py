@@ -114,6 +114,26 @@ def test_torn_last_line_is_dropped_and_redone(tmp_path, capsys, tiny_target):
     assert out.read_bytes() == complete
 
 
+@pytest.mark.parametrize(
+    "mine,message",
+    [
+        (b'{"note": 1}\n{"note": 2}', ":1: not a row written by `eaglet regenerate`"),
+        (b'{"note": 2}', "holds no complete row of `eaglet regenerate` (11 bytes without a newline)"),
+    ],
+    ids=["last-line-without-newline", "one-line-without-newline"],
+)
+def test_a_users_file_as_out_is_refused_untouched(tmp_path, capsys, tiny_target, mine, message):
+    """A file of the user's whose last line has no newline looked like a kill's torn row: it was cut, then refused
+    (issue 60's data loss). Now nothing is written, truncated or renamed before the file is known to be eaglet's."""
+    prompts = prompts_file(tmp_path, 2)
+    out = tmp_path / "notes.jsonl"
+    out.write_bytes(mine)
+    code, _, err = run_cli(regen_args(prompts, out, tiny_target), capsys)
+    assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err, err
+    written = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock"))  # the writers' lock stays
+    assert out.read_bytes() == mine and written == ["notes.jsonl", "prompts.jsonl"]
+
+
 @pytest.mark.parametrize("skip_preflight", [False, True])
 def test_a_prompt_too_long_for_the_target_is_refused_or_skipped_before_the_weights_load(
     tmp_path, capsys, tiny_target, skip_preflight

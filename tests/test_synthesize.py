@@ -190,6 +190,15 @@ def test_a_damaged_raw_file_is_one_line_and_a_torn_last_batch_is_generated_again
     code, _, err = run_cli(["synthesize", "--out", out, "--target", tiny_target, "--device", "cpu"], capsys)
     assert code == 2 and f"{raw_path(out)}:1: not JSON; delete" in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists()
+    for damaged, message in (
+        (b"\xff\xfe" + good.encode() + b"\n", "not UTF-8 text (byte 0)"),
+        (json.dumps({"batch": "0", "settings": settings, "texts": ["a"]}).encode() + b"\n", ":1: not a batch"),
+        (json.dumps({"batch": 0, "settings": settings, "texts": [1, 2]}).encode() + b"\n", ":1: not a batch"),
+    ):
+        raw_path(out).write_bytes(damaged)
+        code, _, err = run_cli(["synthesize", "--out", out, "--target", tiny_target, "--device", "cpu"], capsys)
+        assert code == 2 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert not out.exists() and raw_path(out).read_bytes() == damaged
 
 
 @pytest.mark.parametrize("skip_preflight", [False, True])

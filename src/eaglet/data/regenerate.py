@@ -201,20 +201,17 @@ def output_row(request: Request, answer: Answer, settings: dict[str, Any]) -> di
 
 
 def load_done(out: Path, settings: dict[str, Any], requests: list[Request]) -> dict[tuple[str, int], str]:
-    """Rows already written, keyed by (prompt id, sample); a torn trailing line is cut off. A row that answers
-    another prompt than the request of its id now holds (the prompts edited since) is refused: kept, it would train
-    the draft on an answer to a question nobody asks any more; so is a row no request asks for: finishing would drop
-    an answer that may have cost hours."""
+    """Rows already written, keyed by (prompt id, sample); a torn trailing line is cut off, once every complete line
+    is known to be this stage's (a file of the user's is refused untouched). A row that answers another prompt than
+    the request of its id now holds (the prompts edited since) is refused: kept, it would train the draft on an
+    answer to a question nobody asks any more; so is a row no request asks for: finishing would drop an answer that
+    may have cost hours."""
     asked = {request.key: request for request in requests}
     if not out.exists():
         return {}
     data = out.read_bytes()
-    if data and not data.endswith(b"\n"):
-        cut = data.rfind(b"\n") + 1
-        with open(out, "r+b") as handle:
-            handle.truncate(cut)
-            os.fsync(handle.fileno())
-        data = data[:cut]
+    complete = len(data) if data.endswith(b"\n") else data.rfind(b"\n") + 1  # the torn tail starts here
+    torn, data = data[complete:], data[:complete]
     done: dict[tuple[str, int], str] = {}
     try:
         text = data.decode("utf-8")
@@ -255,6 +252,15 @@ def load_done(out: Path, settings: dict[str, Any], requests: list[Request]) -> d
                 "prompts changed since it was written; use another --out, or delete it to answer them again"
             )
         done[key] = line
+    if torn:
+        if not done:  # nothing shows the file is eaglet's: a kill's first row, or the user's own one-line file
+            raise EagletError(
+                f"{out}: holds no complete row of `eaglet regenerate` ({len(torn)} bytes without a newline); use "
+                "another --out, or delete the file to start over"
+            )
+        with open(out, "r+b") as handle:  # every complete line was this stage's: the torn one is its own too
+            handle.truncate(complete)
+            os.fsync(handle.fileno())
     return done
 
 

@@ -204,17 +204,26 @@ def load_raw(path: Path, settings: dict[str, Any]) -> dict[int, list[str | None]
     if not path.is_file():
         return {}
     batches: dict[int, list[str | None]] = {}
-    lines = path.read_text(encoding="utf-8").splitlines()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise EagletError(f"{path}: not UTF-8 text (byte {exc.start}); delete {path} to start over") from None
     for number, line in enumerate(lines, 1):
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             if number == len(lines):
                 break  # the batch a kill interrupted: generated again
             raise EagletError(f"{path}:{number}: not JSON; delete {path} to start over") from None
         if not isinstance(row, dict) or row.get("settings") != settings or not isinstance(row.get("texts"), list):
             raise EagletError(f"{path}:{number}: made with other settings; delete {path} or use another --out")
-        batches[int(row["batch"])] = row["texts"]
+        batch, texts = row.get("batch"), row["texts"]
+        if type(batch) is not int or batch < 0 or not all(text is None or isinstance(text, str) for text in texts):
+            raise EagletError(
+                f"{path}:{number}: not a batch `eaglet synthesize` wrote (its batch number or texts); delete {path} "
+                "to start over"
+            )
+        batches[batch] = texts
     return batches
 
 
