@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
 
 import pytest
 from conftest import run_cli, write_jsonl
@@ -207,7 +208,14 @@ def test_ctrl_c_says_the_same_command_resumes_and_it_does(tmp_path, capsys, tiny
 class StubServer:
     """A local OpenAI-compatible server: answers with the reversed prompt; fails the first call per prompt."""
 
-    def __init__(self, fail_first: int = 1, blank_marker: str | None = None):
+    def __init__(
+        self,
+        fail_first: int = 1,
+        blank_marker: str | None = None,
+        reply: Callable[[str], object] | None = None,
+        drip_s: float | None = None,
+    ):
+        """``reply(prompt)``: the JSON document to answer with instead; ``drip_s``: send it a byte at a time."""
         self.calls: dict[str, int] = {}
         self.lock = threading.Lock()
         stub = self
@@ -239,12 +247,18 @@ class StubServer:
                     "choices": [{"message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}],
                     "usage": {"completion_tokens": 5},
                 }
-                data = json.dumps(payload).encode()
+                data = json.dumps(reply(prompt) if reply else payload).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                if drip_s is None:
+                    self.wfile.write(data)
+                    return
+                for byte in data:  # a server that never stops sending, never finishes
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                    time.sleep(drip_s)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -307,6 +321,67 @@ def test_blank_answers_are_left_out_listed_and_not_asked_again(tmp_path, capsys,
         assert code == 0 and "wrote 0 answers" in stdout and "(6 already there)" in stdout, err
     code, _, err = run_cli(["prepare", out, "--out", tmp_path / "prepared", "--target", tiny_target], capsys)
     assert code == 0, err
+
+
+def _completion(content: object, usage: object = None) -> dict:
+    return {
+        "choices": [{"message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+        "usage": {"completion_tokens": 3} if usage is None else usage,
+    }
+
+
+@pytest.mark.parametrize(
+    "reply,message",
+    [
+        (lambda p: _completion(7), "is not an OpenAI chat completion (content int"),
+        (lambda p: _completion("ok", usage=["x"]), "is not an OpenAI chat completion"),
+        (lambda p: _completion("ok", usage={"completion_tokens": "many"}), "is not an OpenAI chat completion"),
+        (lambda p: {"choices": []}, "is not an OpenAI chat completion"),
+        (lambda p: _completion("far too long", usage={"completion_tokens": 500}), "with 500 tokens, more than"),
+    ],
+    ids=["content-a-number", "usage-a-list", "tokens-a-text", "no-choice", "longer-than-asked"],
+)
+def test_a_reply_of_another_shape_is_one_line(tmp_path, capsys, reply, message):
+    prompts = prompts_file(tmp_path, 1)
+    out = tmp_path / "a.jsonl"
+    args = ["regenerate", prompts, "--out", out, "--backend", "openai", "--model", "stub", "--max-new-tokens", "64"]
+    with StubServer(fail_first=0, reply=reply) as url:
+        code, _, err = run_cli([*args, "--base-url", url], capsys)
+    last = err.strip().splitlines()[-1]  # after the progress bar
+    assert code == 2 and last.startswith("error:") and message in last and err.count("error:") == 1, err
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_openai_content_parts_are_the_answer(tmp_path, capsys):
+    """Content as OpenAI's parts (valid OpenAI): the text parts joined are the answer."""
+    prompts = prompts_file(tmp_path, 1)
+    out = tmp_path / "a.jsonl"
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": " there"}]
+    with StubServer(fail_first=0, reply=lambda p: _completion(parts)) as url:
+        code, _, err = run_cli(["regenerate", prompts, "--out", out, "--backend", "openai", "--base-url", url], capsys)
+    assert code == 0, err
+    assert json.loads(out.read_text())["messages"][-1]["content"] == "Hello there"
+
+
+def test_a_server_that_drips_its_answer_is_cut_at_the_deadline(tmp_path, capsys):
+    """--timeout-s bounds the whole request: a server sending a byte every 0.05 s (each read well inside the
+    timeout) is cut at it and retried, then given up on in one line, in seconds rather than for ever."""
+    prompts = prompts_file(tmp_path, 1)
+    args = ["regenerate", prompts, "--out", tmp_path / "a.jsonl", "--backend", "openai", "--max-retries", "1"]
+    started = time.monotonic()
+    with StubServer(fail_first=0, drip_s=0.05) as url:
+        code, _, err = run_cli([*args, "--timeout-s", "1", "--base-url", url, "--skip-preflight"], capsys)
+    assert code == 2 and "failed after 2 attempts (ReadTimeout: no whole answer within --timeout-s 1)" in err, err
+    assert time.monotonic() - started < 10
+
+
+def test_a_malformed_base_url_is_one_line(tmp_path, capsys):
+    prompts = prompts_file(tmp_path, 1)
+    args = ["regenerate", prompts, "--out", tmp_path / "a.jsonl", "--backend", "openai", "--base-url", "http://[::1"]
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and "--base-url http://[::1: not a URL" in err and "Traceback" not in err, err
+    code, _, err = run_cli([*args, "--skip-preflight"], capsys)
+    assert code == 2 and "--base-url http://[::1: not a URL" in err and "Traceback" not in err, err
 
 
 def test_openai_backend_gives_up_with_one_line(tmp_path, capsys):

@@ -227,7 +227,9 @@ class RegenerateConfig(GenerationFields, VllmFields, PlacementFields):
     model: str | None = Field(default=None, description="openai: model name sent to the server")
     api_key_env: str = Field(default="OPENAI_API_KEY", description="openai: the environment variable holding the key")
     concurrency: int = Field(default=16, ge=1, description="openai: requests in flight")
-    timeout_s: float = Field(default=120.0, gt=0, le=SECONDS_PER_DAY, description="openai: seconds per request")
+    timeout_s: float = Field(
+        default=120.0, gt=0, le=SECONDS_PER_DAY, description="openai: seconds a request may take in all (then retried)"
+    )
     max_retries: int = Field(default=5, ge=0, description="openai: retries on timeouts, 429 and 5xx")
     on_bad_row: OnBadRow = "error"
     trust_remote_code: bool = Field(default=False, description=TRUST_HELP)

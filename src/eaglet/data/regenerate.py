@@ -430,8 +430,52 @@ class OpenAIBackend:
         headers = {}
         if os.environ.get(config.api_key_env):
             headers["Authorization"] = f"Bearer {os.environ[config.api_key_env]}"
-        self.client = httpx.Client(base_url=config.base_url.rstrip("/"), headers=headers, timeout=config.timeout_s)
+        try:
+            self.client = httpx.Client(base_url=config.base_url.rstrip("/"), headers=headers, timeout=config.timeout_s)
+        except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
+            raise EagletError(f"--base-url {config.base_url}: not a URL httpx can reach ({exc})") from None
         self.httpx = httpx
+
+    def _post(self, payload: dict[str, Any]) -> tuple[int, bytes]:
+        """(status, body) of one request, within --timeout-s in all: each read is bounded by it too, so a server that
+        drips its bytes is cut at the deadline instead of holding the run for ever."""
+        deadline = time.monotonic() + self.config.timeout_s
+        with self.client.stream("POST", "/chat/completions", json=payload) as response:
+            body = bytearray()
+            for chunk in response.iter_bytes():
+                body += chunk
+                if time.monotonic() > deadline:
+                    raise self.httpx.ReadTimeout(f"no whole answer within --timeout-s {self.config.timeout_s:g}")
+            return response.status_code, bytes(body)
+
+    def _answer(self, body: bytes, request: Request) -> Answer:
+        """The answer of an OpenAI chat completion, refused in one line when the reply is of another shape or holds
+        more tokens than --max-new-tokens asked for (a server that ignores max_tokens)."""
+        not_a_completion = (
+            f"{self.config.base_url}: the reply for prompt {request.prompt_id} is not an OpenAI chat completion"
+        )
+        try:
+            reply = json.loads(body)
+            choice = reply["choices"][0]
+            content = choice["message"]["content"]
+            usage = reply.get("usage") or {}
+            tokens = usage.get("completion_tokens") or 0
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError):
+            raise EagletError(not_a_completion) from None
+        if isinstance(content, list):  # OpenAI's content parts: the text ones, in order
+            texts = [
+                part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None for part in content
+            ]
+            content = "".join(texts) if all(isinstance(text, str) for text in texts) else 0
+        if not (content is None or isinstance(content, str)) or type(tokens) is not int or tokens < 0:
+            raise EagletError(f"{not_a_completion} (content {type(content).__name__}, usage {usage!r:.80})")
+        if tokens > self.config.max_new_tokens:
+            raise EagletError(
+                f"{self.config.base_url}: answered prompt {request.prompt_id} with {tokens} tokens, more than "
+                f"--max-new-tokens {self.config.max_new_tokens}: the server ignores max_tokens; check --base-url"
+            )
+        finish = "length" if choice.get("finish_reason") == "length" else "stop"
+        return Answer(content or "", finish, tokens)
 
     def complete(self, request: Request) -> Answer:
         payload = {
@@ -447,26 +491,21 @@ class OpenAIBackend:
             if attempt:
                 time.sleep(min(self.BACKOFF_MAX_S, self.BACKOFF_BASE_S * 2 ** (attempt - 1)))
             try:
-                response = self.client.post("/chat/completions", json=payload)
-            except self.httpx.HTTPError as exc:  # timeouts, refused connections, resets
+                status, body = self._post(payload)
+            except (self.httpx.InvalidURL, self.httpx.UnsupportedProtocol) as exc:
+                raise EagletError(f"--base-url {self.config.base_url}: not a URL httpx can reach ({exc})") from None
+            except self.httpx.HTTPError as exc:  # timeouts (each read, or the whole answer), refused connections
                 last_problem = f"{type(exc).__name__}: {exc}"
                 continue
-            if response.status_code in self.RETRY_STATUS:
-                last_problem = f"HTTP {response.status_code}"
+            if status in self.RETRY_STATUS:
+                last_problem = f"HTTP {status}"
                 continue
-            if response.status_code != 200:
+            if status != 200:
                 raise EagletError(
-                    f"{self.config.base_url}: HTTP {response.status_code} for prompt {request.prompt_id} "
-                    f"({response.text[:200]}); check --base-url and --model"
+                    f"{self.config.base_url}: HTTP {status} for prompt {request.prompt_id} "
+                    f"({body[:200].decode('utf-8', 'replace')}); check --base-url and --model"
                 )
-            try:
-                choice = response.json()["choices"][0]
-                text = choice["message"]["content"]
-                usage = response.json().get("usage") or {}
-            except (ValueError, KeyError, IndexError, TypeError):
-                raise EagletError(f"{self.config.base_url}: response is not an OpenAI chat completion") from None
-            finish = "length" if choice.get("finish_reason") == "length" else "stop"
-            return Answer(text or "", finish, int(usage.get("completion_tokens") or 0))
+            return self._answer(body, request)
         raise EagletError(
             f"{self.config.base_url}: prompt {request.prompt_id} failed after {self.config.max_retries + 1} "
             f"attempts ({last_problem}); is the server up? raise --max-retries or --timeout-s"

@@ -68,6 +68,8 @@ def check_server(base_url: str) -> Check:
 
     try:
         response = httpx.get(base_url.rstrip("/") + "/models", timeout=SERVER_PROBE_TIMEOUT_S)
+    except httpx.InvalidURL as exc:
+        return Check("server", FAIL, f"--base-url {base_url}: not a URL ({exc})", "give it as http://HOST:PORT/v1")
     except httpx.HTTPError as exc:
         return Check(
             "server",
