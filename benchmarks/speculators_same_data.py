@@ -31,7 +31,7 @@ from eaglet.data.vocab import DraftVocab
 from eaglet.formats.files import VOCAB_FILE
 from eaglet.formats.store_manifest import prepared_path, read_manifest
 from eaglet.formats.target_record import target_of_store
-from eaglet.model.shards import decode_features, read_shard
+from eaglet.model.shards import store_samples
 from eaglet.model.sizing import text_config
 from eaglet.model.target import load_head_weights, read_config, resolve_target
 
@@ -39,15 +39,10 @@ HIDDEN_STATES_DIR = "hidden_states"
 CHECK_TOLERANCE = 0.02  # bf16 storage of both sides: |Δ| relative to the state's RMS
 
 
-def store_samples(store: Path):
+def samples(store: Path):
     """(sample index, input ids [T], loss mask [T], aux [T, 3, H], last [T, H]) for every sample, in store order."""
-    for entry in read_manifest(store)["shards"]:
-        tensors = read_shard(store, entry)
-        aux, last = decode_features(tensors)
-        offsets = tensors["offsets"].tolist()
-        for row, sample in enumerate(tensors["sample_index"].tolist()):
-            span = slice(offsets[row], offsets[row + 1])
-            yield sample, tensors["input_ids"][span], tensors["loss_mask"][span], aux[span], last[span]
+    for sample, row in store_samples(store):
+        yield sample, row["input_ids"], row["loss_mask"], row["aux"], row["last"]
 
 
 def final_norm(store: Path) -> tuple[torch.Tensor, float]:
@@ -66,7 +61,7 @@ def convert(store: Path, out: Path) -> dict:
     weight, _ = final_norm(store)
     (out / HIDDEN_STATES_DIR).mkdir(parents=True, exist_ok=False)
     rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
-    for index, (_, ids, mask, aux, last) in enumerate(store_samples(store)):
+    for index, (_, ids, mask, aux, last) in enumerate(samples(store)):
         states = torch.cat([aux, (last / weight)[:, None]], dim=1).to(torch.bfloat16)  # [T, 4, H]
         save_file(
             {"hidden_states": states.contiguous(), "token_ids": ids.long().contiguous()},
@@ -102,7 +97,7 @@ def check(store: Path, data: Path) -> dict:
     with torch.no_grad():
         norm.weight.copy_(weight)
     worst = {"aux": 0.0, "last": 0.0}
-    for index, (_, ids, mask, aux, last) in enumerate(store_samples(store)):
+    for index, (_, ids, mask, aux, last) in enumerate(samples(store)):
         row = dataset[index]
         if not (torch.equal(row["input_ids"], ids.long()) and torch.equal(row["loss_mask"].long(), mask.long())):
             raise SystemExit(f"row {index}: speculators reads other token ids or loss mask than the store holds")

@@ -391,19 +391,13 @@ def compare(store_a: Path, store_b: Path, common: bool = False) -> dict:
     hold (a reference extracted with --max-samples beside a whole store), else the stores must hold the same."""
     import torch
 
-    from eaglet.formats.store_manifest import read_manifest
-    from eaglet.model.shards import decode_features, read_shard
+    from eaglet.model.shards import store_samples
 
     def by_sample(store: Path) -> dict[int, tuple]:
-        rows = {}
-        for entry in read_manifest(store)["shards"]:
-            tensors = read_shard(store, entry)
-            aux, last = decode_features(tensors)
-            offsets = tensors["offsets"].tolist()
-            for row, sample in enumerate(tensors["sample_index"].tolist()):
-                span = slice(offsets[row], offsets[row + 1])
-                rows[sample] = (tensors["input_ids"][span], tensors["loss_mask"][span], aux[span], last[span])
-        return rows
+        return {
+            sample: (row["input_ids"], row["loss_mask"], row["aux"], row["last"])
+            for sample, row in store_samples(store)
+        }
 
     a, b = by_sample(store_a), by_sample(store_b)
     if common:

@@ -555,3 +555,18 @@ def test_unknown_storage_dtype_refused_before_anything(tmp_path, capsys, tiny_pr
     code, _, err = run_cli(extract_args(tiny_prepared, store, tiny_target, "--storage-dtype", "fp9"), capsys)
     assert code == 2 and "--storage-dtype: Input should be 'bf16', 'fp8' or 'fp8-aux' (got 'fp9')" in err
     assert len(err.strip().splitlines()) == 1 and not store.exists()
+
+
+def test_a_store_read_whole_yields_every_sample_once_with_its_features(tiny_store, tiny_prepared):
+    from eaglet.formats.prepared import load_prepared
+    from eaglet.model.shards import store_samples
+
+    prepared = load_prepared(tiny_prepared)
+    seen = {}
+    for sample, row in store_samples(tiny_store):
+        assert sample not in seen
+        tokens = len(row["input_ids"])
+        assert row["loss_mask"].shape == (tokens,) and row["aux"].shape[:2] == (tokens, 3)
+        assert row["last"].shape == (tokens, row["aux"].shape[2]) and row["aux"].dtype == torch.float32
+        seen[sample] = tokens
+    assert seen == {i: int(length) for i, length in enumerate(prepared.lengths)}

@@ -42,23 +42,9 @@ def vllm_target(tmp_path_factory):
 
 
 def _by_sample(store) -> dict[int, dict[str, torch.Tensor]]:
-    from eaglet.formats.store_manifest import read_manifest
-    from eaglet.model.shards import decode_features, read_shard
+    from eaglet.model.shards import store_samples
 
-    samples = {}
-    for entry in read_manifest(store)["shards"]:
-        tensors = read_shard(store, entry)
-        aux, last = decode_features(tensors)  # [tokens, 3, H], [tokens, H]
-        offsets = tensors["offsets"].tolist()
-        for row, sample in enumerate(tensors["sample_index"].tolist()):
-            span = slice(offsets[row], offsets[row + 1])
-            samples[sample] = {
-                "input_ids": tensors["input_ids"][span],
-                "loss_mask": tensors["loss_mask"][span],
-                "aux": aux[span].float(),
-                "last": last[span].float(),
-            }
-    return samples
+    return dict(store_samples(store))
 
 
 def _assert_same_features(ours: dict, theirs: dict) -> None:

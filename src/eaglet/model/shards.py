@@ -10,14 +10,14 @@ import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
 from ..errors import EagletError, shown
 from ..formats.files import record_name, shard_name
-from ..formats.store_manifest import STORAGE_FORMATS, ShardPlan, manifest_keeps_target_top, store_plans
+from ..formats.store_manifest import STORAGE_FORMATS, ShardPlan, manifest_keeps_target_top, read_manifest, store_plans
 from ..fsio import atomic_file, fsync_dir, sha256_mapped, write_json_atomic
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -261,6 +261,26 @@ def read_tensor(path: Path, name: str) -> torch.Tensor:
 # A 512 MB shard in 9 reads: each read and hash gives the GIL up and waits up to 5 ms to have it back beside a busy
 # thread (the training loop's); in 4 MiB chunks such a shard read 3.3x slower there (benchmarks/bench_store_read.py).
 READ_CHUNK_BYTES = 64 << 20
+
+
+def store_samples(store: Path) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """Every sample of a store in shard order, each read shard checked: (sample index, {input_ids [T], loss_mask
+    [T], aux [T, 3, H], last [T, H]} in float32), for tools that look at a store whole (parity checks, converters)."""
+    for entry in read_manifest(store)["shards"]:
+        tensors = read_shard(store, entry)
+        aux, last = decode_features(tensors)
+        offsets = tensors["offsets"].tolist()
+        for row, sample in enumerate(tensors["sample_index"].tolist()):
+            span = slice(offsets[row], offsets[row + 1])
+            yield (
+                sample,
+                {
+                    "input_ids": tensors["input_ids"][span],
+                    "loss_mask": tensors["loss_mask"][span],
+                    "aux": aux[span],
+                    "last": last[span],
+                },
+            )
 
 
 def read_shard(store: Path, entry: dict[str, Any]) -> dict[str, torch.Tensor]:
