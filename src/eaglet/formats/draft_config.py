@@ -107,7 +107,7 @@ class DraftConfig:
     @property
     def eagle_version(self) -> str:
         """The variant its norm settings are ("3", "3.1"), or those settings spelled out (a draft made elsewhere)."""
-        return norms_version({name: getattr(self, name) for name in EAGLE_VARIANTS["3"]})
+        return norms_version(draft_norms(self))
 
     @property
     def uses_vocab_mapping(self) -> bool:
