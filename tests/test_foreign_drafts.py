@@ -189,3 +189,17 @@ def test_training_starts_from_a_speculators_save(tmp_path, capsys, tiny_target):
     other = speculators_save(tmp_path / "other-vocab", tiny_target, norms, layers=(2, 4, 5), vocab=other_vocab)
     code, _, err = run_cli([*args, "--out", tmp_path / "refused", "--init-from", other], capsys)
     assert code == 2 and "d2t differs" in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_vllm_serving_takes_a_speculators_save_and_refuses_a_training_output(tmp_path, tiny_target):
+    """`eval --backend vllm` and `bench` hand vLLM the draft directory: vLLM reads its own layout and, through its
+    speculators config reader, a speculators save (its trainer's, or `eaglet export --format speculators`); the draft
+    directory `eaglet train` writes is neither, refused with the export command that makes one."""
+    from eaglet.errors import EagletError
+    from eaglet.formats.draft_config import SERVED_BY_VLLM, require_export
+
+    save = speculators_save(tmp_path / "speculators", tiny_target, {"fc_norm": True, "norm_output": True})
+    assert require_export(save, SERVED_BY_VLLM).export_format == "speculators"
+    trained = random_draft(tmp_path / "trained", tiny_target, DRAFT_VOCAB)
+    with pytest.raises(EagletError, match="loads a vllm or speculators export: run `eaglet export .* --format vllm"):
+        require_export(trained, SERVED_BY_VLLM)

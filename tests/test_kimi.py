@@ -219,7 +219,7 @@ def test_eval_through_vllm_needs_the_vllm_export(kimi, tmp_path):
     (draft / "config.json").write_text(json.dumps({"architectures": ["x"]}))
     (draft / "model.safetensors").write_bytes(b"")
     with pytest.raises(EagletError):
-        require_export(draft, *SERVED_BY_VLLM)
+        require_export(draft, SERVED_BY_VLLM)
 
 
 @pytest.mark.slow

@@ -64,29 +64,34 @@ def _assert_same_features(ours: dict, theirs: dict) -> None:
 def test_vllm_serving_the_draft_accepts_what_eaglets_decoder_accepts(tmp_path, capsys, vllm_target, version):
     """A trained draft (EAGLE-3, and 3.1 with its per-feature norms and normed feedback) served by vLLM's own
     engine accepts, greedy, the same tokens at the same draft positions as eaglet's decoder (float32 both): vLLM
-    runs the exported draft as eaglet trained it. Its counters and eaglet's agree to the token."""
+    runs the exported draft as eaglet trained it. Its counters and eaglet's agree to the token, for the vLLM export
+    and for the speculators one (what vLLM reads through its speculators config reader, as it reads speculators'
+    trainer's own saves)."""
     conversations, prepared, store = tmp_path / "c.jsonl", tmp_path / "prepared", tmp_path / "store"
     write_jsonl(conversations, small_conversations(40))
     assert run_cli(["prepare", conversations, "--out", prepared, "--target", vllm_target], capsys)[0] == 0
     assert run_cli(extract_args(prepared, store, vllm_target, "--dtype", "float32"), capsys)[0] == 0
-    draft, export = tmp_path / "draft", tmp_path / "export"
+    draft = tmp_path / "draft"
     train = ["train", "--store", store, "--out", draft, "--max-steps", "60", "--token-budget", "256", "--lr", "3e-3"]
     assert run_cli([*train, "--eagle-version", version], capsys)[0] == 0
-    assert run_cli(["export", "--draft", draft, "--out", export, "--format", "vllm"], capsys)[0] == 0
+    for layout in ("vllm", "speculators"):
+        assert run_cli(["export", "--draft", draft, "--out", tmp_path / layout, "--format", layout], capsys)[0] == 0
     prompts = write_jsonl(
         tmp_path / "p.jsonl", [{"id": str(i), "prompt": f"question {i}", "split": "heldout"} for i in range(3)]
     )
     reports = {}
-    for backend in ("hf", "vllm"):
-        out = tmp_path / f"eval-{backend}"
-        args = ["eval", "--draft", export, "--target", vllm_target, "--out", out, "--prompts", prompts]
+    for backend, layout in (("hf", "vllm"), ("vllm", "vllm"), ("vllm", "speculators")):
+        out = tmp_path / f"eval-{backend}-{layout}"
+        args = ["eval", "--draft", tmp_path / layout, "--target", vllm_target, "--out", out, "--prompts", prompts]
         code, _, err = run_cli([*args, "--max-new-tokens", "16", "--depth", "2", "--backend", backend], capsys)
         assert code == 0, err
-        reports[backend] = json.loads((out / "report.json").read_text())
-    ours, served = reports["hf"], reports["vllm"]
+        reports[backend, layout] = json.loads((out / "report.json").read_text())
+    ours = reports["hf", "vllm"]
     assert ours["acceptance_length"] > 1.0  # it drafts tokens the target keeps: the comparison can fail
-    assert served["acceptance_length"] == pytest.approx(ours["acceptance_length"], abs=1e-3)
-    assert served["acceptance_by_position"] == pytest.approx(ours["acceptance_by_position"], abs=1e-3)
+    for layout in ("vllm", "speculators"):
+        served = reports["vllm", layout]
+        assert served["acceptance_length"] == pytest.approx(ours["acceptance_length"], abs=1e-3), layout
+        assert served["acceptance_by_position"] == pytest.approx(ours["acceptance_by_position"], abs=1e-3), layout
 
 
 def test_bench_measures_the_draft_in_vllm_at_each_concurrency_and_temperature(tmp_path, capsys, vllm_target):

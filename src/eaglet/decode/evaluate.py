@@ -214,7 +214,7 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> dict[str, An
 def draft_for(config: EvalConfig | BenchConfig, info: Any, target: Path, console: Console) -> Any:
     """The draft's config, refused when it was trained for another target (``--backend vllm``: when it is not a
     directory vLLM loads); a warning when trained on other weights of the same target."""
-    stored = require_export(config.draft, *SERVED_BY_VLLM, info.num_layers) if config.backend == "vllm" else None
+    stored = require_export(config.draft, SERVED_BY_VLLM, info.num_layers) if config.backend == "vllm" else None
     stored = stored or read_draft_config(config.draft, info.num_layers)
     draft_config = stored.config
     if stored.made_elsewhere:  # no record of its target: what can be known is that it fits this one

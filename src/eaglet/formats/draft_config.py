@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import ValidationError
 from pydantic.dataclasses import dataclass as record_dataclass
@@ -294,20 +294,31 @@ def check_against_training_record(config: DraftConfig, config_file: Path) -> Non
         )
 
 
-SERVED_BY_VLLM = ("vllm", "--backend vllm (vLLM's eagle3 loader)")  # the export `eval --backend vllm` serves, and why
+class ServedLayouts(NamedTuple):
+    """The draft layouts an engine loads (the first is the one eaglet exports for it) and who loads them."""
+
+    formats: tuple[str, ...]
+    loader: str
+
+    @property
+    def exported(self) -> str:
+        return self.formats[0]
 
 
-def require_export(
-    directory: str | Path, export_format: str, needed_by: str, target_layers: int | None = None
-) -> StoredDraft:
-    """The draft at ``directory``, refused in one line unless it is an `eaglet export --format export_format`
-    directory (or a draft made elsewhere in that layout: what ``needed_by`` loads), with the command that makes one."""
+# `eval --backend vllm`: vLLM's eagle3 loader reads its own layout, and a speculators save through its speculators
+# config reader (vllm/transformers_utils/configs/speculators), an eaglet export or speculators' trainer's own.
+SERVED_BY_VLLM = ServedLayouts(("vllm", "speculators"), "--backend vllm (vLLM's eagle3 loader)")
+
+
+def require_export(directory: str | Path, served: ServedLayouts, target_layers: int | None = None) -> StoredDraft:
+    """The draft at ``directory``, refused in one line unless it is in a layout the engine loads (an `eaglet export`
+    directory or a draft made elsewhere in that layout), with the command that makes one."""
     stored = read_draft_config(directory, target_layers)
-    if stored.export_format != export_format:
+    if stored.export_format not in served.formats:
         made_by = "`eaglet train`'s output" if stored.export_format is None else f"a {stored.export_format} export"
         raise EagletError(
-            f"--draft {directory}: {made_by}; {needed_by} loads an {export_format} export: run `eaglet export "
-            f"--draft {directory} --format {export_format} --out DIR` and pass --draft DIR"
+            f"--draft {directory}: {made_by}; {served.loader} loads a {' or '.join(served.formats)} export: run "
+            f"`eaglet export --draft {directory} --format {served.exported} --out DIR` and pass --draft DIR"
         )
     return stored
 

@@ -577,7 +577,7 @@ def _draft_and_prompt_checks(cfg: Any) -> tuple[list[Check], Any, list[Any]]:
     try:
         stored = read_draft_config(Path(cfg.draft), target_layers)
         if cfg.backend == "vllm":
-            require_export(cfg.draft, *SERVED_BY_VLLM, target_layers)
+            require_export(cfg.draft, SERVED_BY_VLLM, target_layers)
         if found and stored.made_elsewhere:  # no target record: the stage's own size check
             info = found[1]
             require_fits_target(stored.config, info.name, info.vocab_size, info.hidden_size, str(cfg.draft))

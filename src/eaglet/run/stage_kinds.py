@@ -235,7 +235,7 @@ def _configure_eval(pipeline: Pipeline) -> tuple[EvalConfig, None]:
         if held_out or evaluate.split != "heldout":
             evaluate = evaluate.model_copy(update={"prompts": [*evaluate.prompts, str(pipeline.path("synthesize"))]})
     if evaluate.backend == "vllm":  # vLLM serves the export the run writes before eval, as a user would serve it
-        served = SERVED_BY_VLLM[0]
+        served = SERVED_BY_VLLM.exported
         if served not in pipeline.config.export.formats:
             raise EagletError(
                 f"config {pipeline.config_path}: eval.backend vllm serves the {served} export; add {served} to "
