@@ -5,12 +5,14 @@
 #   bash scripts/device.sh bash benchmarks/speculators_vs_eaglet_device.sh convert   # the stores as speculators reads them
 #   bash scripts/device.sh bash benchmarks/speculators_vs_eaglet_device.sh train     # eaglet, its recommended settings
 #   bash scripts/device.sh bash benchmarks/speculators_vs_eaglet_device.sh speculators  # speculators, its own
+#   bash scripts/device.sh bash benchmarks/speculators_vs_eaglet_device.sh eaglet-matched  # eaglet with speculators' settings
 #   bash scripts/device.sh bash benchmarks/speculators_vs_eaglet_device.sh matched   # speculators with eaglet's settings
 #   bash scripts/device.sh bash benchmarks/speculators_vs_eaglet_device.sh vllm      # vLLM serves each draft (staged first)
 #   bash scripts/device.sh bash benchmarks/speculators_vs_eaglet_device.sh eval      # eaglet's own decoder on each
 # Both trainers see the same samples for EPOCHS (default 8) epochs: eaglet's recipe (16,384 tokens a step, lr 5e-4,
 # cosine, 7 TTT steps, EAGLE 3.1) and speculators' defaults (8,192 tokens a step, lr 1e-3, linear, 3 TTT steps, one
-# norm over the fused features); `matched` trains speculators with eaglet's settings as far as its flags express them.
+# norm over the fused features); `eaglet-matched` trains eaglet with speculators' settings (EAGLE 3.1's per-feature
+# norms: eaglet has no single norm over the concatenation), `matched` speculators with eaglet's, as far as its flags go.
 # speculators holds out the held-out store's rows as its validation split (speculators_same_data.py --heldout).
 # speculators' wheels travel in .device/specwhl (../shared/anchors/speculators-0.9.0/README.md lists them, plus xxhash
 # and aiohttp's closure for `datasets`). Results (JSON, logs) under $OUT.
@@ -29,7 +31,7 @@ store=$WORK/data/store
 heldout=$WORK/data/store_heldout
 data=$WORK/speculators-data
 prompts=(--prompts demo --prompts mt-bench --prompts "$WORK/data/synthesized.jsonl")
-drafts=(eaglet-own speculators-own speculators-matched)
+drafts=(eaglet-own speculators-own eaglet-matched speculators-matched)
 
 served_dir() {  # the directory each draft is served from: eaglet's vLLM export; speculators' last epoch as it saved it
   case "$1" in
@@ -81,6 +83,16 @@ case "${1:-}" in
   speculators)  # speculators' defaults
     speculators_train speculators-own
     ;;
+  eaglet-matched)  # eaglet's trainer with speculators' defaults: tokens a step, lr, linear schedule, AdamW, 3 TTT steps
+    /usr/bin/time -f "train eaglet-matched: %e s" python3 -m eaglet.cli train --store "$store" --eval-store "$heldout" \
+      --out "$WORK/eaglet-matched" --token-budget 8192 --lr 0.001 --schedule linear --warmup-steps 15 \
+      --min-lr-ratio 0 --weight-decay 0.01 --betas 0.9,0.999 --ttt-steps 3 --loss-decay 1.0 --epochs "$EPOCHS" \
+      --attention-kernels one --eval-every 400 --log-every 100 --seed 0 > "$OUT/train-eaglet-matched.log" 2>&1
+    grep -v "it/s\]$" "$OUT/train-eaglet-matched.log" | tail -3
+    cp "$WORK/eaglet-matched/metrics.jsonl" "$OUT/metrics-eaglet-matched.jsonl" 2>/dev/null
+    [ -d "$(served_dir eaglet-matched)" ] || eaglet export --draft "$WORK/eaglet-matched" --format vllm \
+      --out "$(served_dir eaglet-matched)" 2>&1 | tail -1
+    ;;
   matched)  # speculators' trainer with eaglet's recipe: tokens a step, lr and schedule, TTT steps and decay, 3.1 norms
     speculators_train speculators-matched --total-seq-len 16384 --lr 0.0005 --scheduler-type cosine \
       --ttt-steps 7 --ttt-step-loss-decay 0.8 --weight-decay 0 --fc-norm --no-norm-before-fc --norm-output
@@ -101,5 +113,5 @@ case "${1:-}" in
       cp "$WORK/eval-$name/report.json" "$OUT/eval-$name.json"
     done
     ;;
-  *) echo "usage: $0 data|convert|train|speculators|matched|vllm|eval" >&2; exit 2 ;;
+  *) echo "usage: $0 data|convert|train|speculators|eaglet-matched|matched|vllm|eval" >&2; exit 2 ;;
 esac
