@@ -216,3 +216,18 @@ def test_a_file_synthesize_did_not_write_is_never_replaced(tmp_path, capsys, tin
         error_lines = [line for line in err.strip().splitlines() if line.startswith("error:")]
         assert "use another --out or delete the file" in err and len(error_lines) == 1, err
         assert out.read_text() == '{"id": "mine", "prompt": "a prompt I wrote"}\n' and not raw_path(out).exists()
+
+
+@pytest.mark.parametrize("skip_preflight", [False, True])
+def test_a_batch_whose_cache_cannot_fit_is_refused_before_the_weights_load(
+    tmp_path, capsys, tiny_target, skip_preflight
+):
+    """--batch-size 1e8 allocated 19 GB after preflight passed: a batch's KV cache is counted against the device's free
+    memory first, by preflight and by the stage (synthesize and regenerate share the writer), nothing written."""
+    out = tmp_path / "prompts.jsonl"
+    args = ["synthesize", "--out", out, "--target", tiny_target, "--device", "cpu", "--batch-size", "100000000"]
+    code, _, err = run_cli([*args, *(["--skip-preflight"] if skip_preflight else [])], capsys)
+    assert code == 2 and "Traceback" not in err, err
+    error_lines = [line for line in err.strip().splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and "100,000,000" in error_lines[0] and "KV cache" in error_lines[0], err
+    assert not out.exists() and not raw_path(out).exists()

@@ -88,12 +88,25 @@ def fsync_dir(path: str | Path) -> None:
 SIBLING_NAME_TRIES = 100  # random names tried before a temporary sibling is given up on
 
 
+TEMPORARY_SUFFIXES = (".tmp", ".partial")  # new_sibling's: a file's, a directory's
+
+
+def _host() -> str:
+    return socket.gethostname().replace(".", "_")  # a temporary's name splits at dots
+
+
+def _owner_tag() -> str:
+    """``HOST-PID`` of this process, in every temporary's name: a later run on this host can tell one a killed
+    process left (SIGKILL, a lost node) from one a live process is still writing."""
+    return f"{_host()}-{os.getpid()}"
+
+
 def new_sibling(final: Path, suffix: str, directory: bool = False) -> Path:
-    """A new, empty file or directory beside ``final`` under a random hidden name, made with the permissions the
-    umask gives everything else (tempfile's are owner-only: a draft exported through one could not be read by a
-    server running as another user, nor a shared store by a teammate)."""
+    """A new, empty file or directory beside ``final`` under a hidden name carrying this process's ``HOST-PID``,
+    made with the permissions the umask gives everything else (tempfile's are owner-only: a draft exported through
+    one could not be read by a server running as another user, nor a shared store by a teammate)."""
     for _ in range(SIBLING_NAME_TRIES):
-        candidate = final.parent / f".{final.name}.{secrets.token_hex(4)}{suffix}"
+        candidate = final.parent / f".{final.name}.{_owner_tag()}-{secrets.token_hex(4)}{suffix}"
         try:
             if directory:
                 os.mkdir(candidate, 0o777)
@@ -103,6 +116,39 @@ def new_sibling(final: Path, suffix: str, directory: bool = False) -> Path:
             continue
         return candidate
     raise FileExistsError(errno.EEXIST, "no free temporary name", str(final))
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def sweep_dead_temporaries(directory: Path) -> list[Path]:
+    """Remove the temporaries (``new_sibling``'s) that processes of this host left in ``directory`` when they were
+    killed beyond cleaning up (SIGKILL, the OOM killer): a live process's, another host's and names of any other
+    form are kept. Returns what was removed."""
+    host, removed = _host(), []
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for entry in os.scandir(directory):
+            if not entry.name.startswith(".") or not entry.name.endswith(TEMPORARY_SUFFIXES):
+                continue
+            owner = entry.name.rsplit(".", 1)[0].rsplit(".", 1)[-1]  # .NAME.HOST-PID-HEX.SUFFIX -> HOST-PID-HEX
+            parts = owner.rsplit("-", 2)
+            if len(parts) != 3 or parts[0] != host or not parts[1].isdigit() or _process_alive(int(parts[1])):
+                continue
+            path = Path(entry.path)
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+            removed.append(path)
+    return removed
 
 
 @contextlib.contextmanager
@@ -282,6 +328,7 @@ def atomic_directory(final: str | Path, overwrite: bool = False) -> Iterator[Pat
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
+    sweep_dead_temporaries(final.parent)  # a directory's writes are few (exports, checkpoints): one listing each
     tmp = new_sibling(final, ".partial", directory=True)
     try:
         yield tmp

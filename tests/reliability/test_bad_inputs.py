@@ -111,6 +111,16 @@ def test_a_loss_mask_shorter_than_its_ids(tmp_path, capsys, prepared, tiny_targe
     )
 
 
+def test_a_sample_of_no_tokens(tmp_path, capsys, prepared, tiny_target):
+    """prepare writes none; extract stored it silently, a zero-length sample training then had to step around."""
+    table = pq.read_table(prepared / "samples.parquet")
+    ids, masks = table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()
+    ids[4], masks[4] = [], []
+    table = table.set_column(1, "input_ids", pa.array(ids, type=pa.list_(pa.int32())))
+    rewrite_samples(prepared, table.set_column(2, "loss_mask", pa.array(masks, type=pa.list_(pa.uint8()))))
+    refused_by_extract(tmp_path, prepared, tiny_target, capsys, "row 4: a sample of no tokens", PREPARE_AGAIN)
+
+
 def test_a_token_id_beyond_the_vocabulary(tmp_path, capsys, prepared, tiny_target):
     table = pq.read_table(prepared / "samples.parquet")
     ids = table.column("input_ids").to_pylist()
@@ -193,6 +203,23 @@ def test_a_target_with_a_broken_config(tmp_path, capsys, tiny_prepared, text, me
     (target / "config.json").write_text(text)
     line = refused_by_extract(tmp_path, tiny_prepared, target, capsys, str(target / "config.json"), message)
     assert "tokenizer" not in line and "at at" not in line
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("num_hidden_layers", 1_000_000_000), ("hidden_size", 0), ("vocab_size", 1 << 40), ("num_attention_heads", -1)],
+)
+def test_a_target_config_of_no_models_sizes(tmp_path, capsys, tiny_prepared, field, value):
+    """A config past any model's sizes (a billion layers hung building them, before anything could refuse it) is
+    refused in one line naming the field, by preflight and by the stage itself, before a layer is built."""
+    target = tiny_llama_dir(tmp_path / "target")
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps(config | {field: value}))
+    store, message = tmp_path / "store", f"{field} {value:,} is no model's"
+    for skip in ((), ("--skip-preflight",)):
+        args = extract_args(tiny_prepared, store, target, *skip)
+        assert_refused(run_cli(args, capsys), str(target / "config.json"), message)
+        assert not store.exists()
 
 
 def test_an_eval_fraction_that_holds_out_every_sample(tmp_path, capsys, tiny_prepared, tiny_store, tiny_target):

@@ -64,6 +64,30 @@ def test_extract_killed_at_random_moments_ends_byte_identical(tmp_path, tiny_sto
     final = subprocess.run(cmd, capture_output=True, text=True)
     assert final.returncode == 0, final.stderr
     assert store_bytes(out) == store_bytes(tiny_store)
+    assert _temporaries(out) == []  # what the killed runs were writing, swept by the next
+
+
+def _temporaries(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith((".tmp", ".partial")))
+
+
+def test_sigterm_stops_extract_cleanly_and_the_same_command_resumes(tmp_path, tiny_store, tiny_prepared, tiny_target):
+    """SIGTERM (what `timeout`, Slurm and `docker stop` send) mid-extraction: the shard being written is removed as
+    Ctrl-C removes it, the exit code says SIGTERM (143), and the same command finishes the same store."""
+    out = tmp_path / "store"
+    cmd = [sys.executable, "-m", "eaglet.cli", *map(str, extract_args(tiny_prepared, out, tiny_target))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None and not list(out.glob("shard-*.json")):
+        time.sleep(0.002)
+    assert proc.poll() is None, "extract ended before a shard landed: nothing to stop"
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM and "stopped by SIGTERM" in err and "Traceback" not in err, err
+    assert _temporaries(out) == []
+    final = subprocess.run(cmd, capture_output=True, text=True)
+    assert final.returncode == 0, final.stderr
+    assert store_bytes(out) == store_bytes(tiny_store)
 
 
 def _steps(run: Path) -> list[int]:
@@ -123,3 +147,33 @@ def test_metrics_row_cut_by_a_kill_is_left_out_and_dropped_on_resume(tmp_path):
     assert _steps(tmp_path) == [1, 2]
     MetricsLog(tmp_path, enabled=True, tensorboard=False, resumed_step=1).log({"kind": "train", "step": 2, "loss": 1.4})
     assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 2.0), (2, 1.4)]
+
+
+def test_an_export_killed_mid_write_leaves_nothing_the_next_write_keeps(tmp_path):
+    """SIGKILL runs no handler: the export directory it was filling stays behind, named for its process. The next
+    write beside it removes it once that process is gone; a live process's, another host's and a user's own hidden
+    files are kept."""
+    from eaglet.fsio import atomic_directory, new_sibling
+
+    out = tmp_path / "export"
+    cmd = [
+        sys.executable,
+        "-c",
+        "import time; from pathlib import Path; from eaglet.fsio import new_sibling; "
+        f"print(new_sibling(Path({str(out)!r}), '.partial', directory=True), flush=True); time.sleep(60)",
+    ]
+    writer = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    left = Path(writer.stdout.readline().strip())
+    live = new_sibling(tmp_path / "other", ".partial", directory=True)  # this process's: alive
+    foreign = tmp_path / ".export.elsewhere-1-00000000.partial"  # another host's
+    mine = tmp_path / ".export.notes.tmp"  # a user's own hidden file: not a temporary of eaglet's form
+    foreign.mkdir()
+    mine.write_text("kept")
+    with atomic_directory(tmp_path / "first") as tmp:  # the writer still runs: its directory is kept
+        (tmp / "a").write_text("a")
+    assert left.is_dir()
+    writer.kill()
+    writer.wait()
+    with atomic_directory(out) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert not left.exists() and live.is_dir() and foreign.is_dir() and mine.read_text() == "kept"

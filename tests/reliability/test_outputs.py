@@ -320,6 +320,72 @@ def test_a_damaged_checkpoint_at_resume(tmp_path, capsys, trained, tiny_store, t
     assert tree_digest(trained) == before
 
 
+def _rewrite_optimizer(checkpoint: Path, edit) -> None:
+    """The optimizer's tensors edited by ``edit(tensors)`` and the file's checksum recorded anew: state as a faulty
+    eaglet (or a careful hand) would have written it, so that only the state's own checks can refuse it."""
+    from safetensors.torch import load_file, save_file
+
+    from eaglet.fsio import sha256_file
+
+    path = checkpoint / "optimizer.safetensors"
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path))
+    trainer = json.loads((checkpoint / "trainer.json").read_text())
+    trainer["files"]["optimizer.safetensors"] = sha256_file(path)
+    (checkpoint / "trainer.json").write_text(json.dumps(trainer))
+
+
+def _first_moment(tensors):
+    return next(name for name in sorted(tensors) if name.endswith("/exp_avg"))
+
+
+def _nan_moment(tensors):
+    tensors[_first_moment(tensors)][0] = float("nan")
+
+
+def _reshaped_moment(tensors):
+    name = _first_moment(tensors)
+    tensors[name] = tensors[name].reshape(-1)[:-1].clone()
+
+
+def _stranger_state(checkpoint: Path) -> None:
+    document = json.loads((checkpoint / "optimizer.json").read_text())
+    document["state"]["draft.extra.weight"] = next(iter(document["state"].values()))
+    (checkpoint / "optimizer.json").write_text(json.dumps(document))
+
+
+def _emptied_state(checkpoint: Path) -> None:
+    document = json.loads((checkpoint / "optimizer.json").read_text())
+    document["state"] = {}
+    (checkpoint / "optimizer.json").write_text(json.dumps(document))
+
+
+def _flipped_byte(checkpoint: Path) -> None:
+    path = checkpoint / "optimizer.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40  # inside the last tensor's data: still a readable file
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (_flipped_byte, "optimizer.safetensors changed since it was written"),
+        (lambda c: _rewrite_optimizer(c, _nan_moment), "holds NaN or infinite values"),
+        (lambda c: _rewrite_optimizer(c, _reshaped_moment), "optimizer state exp_avg of draft."),
+        (_stranger_state, "state for draft.extra.weight, a parameter none of its groups has"),
+        (_emptied_state, "no optimizer state for draft."),
+    ],
+    ids=["a flipped byte", "a NaN moment", "a moment of another shape", "state for no parameter", "emptied state"],
+)
+def test_resume_state_is_checked_like_any_artifact(tmp_path, capsys, trained, tiny_store, tiny_target, damage, message):
+    """The optimizer state a resume reads: checksummed, finite, one entry per parameter of the draft and shaped
+    like it — refused in one line with nothing changed, where before each resumed silently (Adam from zero, a NaN
+    draft) or failed with a traceback at the first step."""
+    test_a_damaged_checkpoint_at_resume(tmp_path, capsys, trained, tiny_store, tiny_target, damage, message)
+
+
 @pytest.mark.parametrize("damage", ["cut", "cut in its data", "directory"])
 def test_unreadable_target_weights(tmp_path, capsys, tiny_prepared, tiny_target, damage):
     """Known from the headers before the load: the load would fail at this file, after the files before it."""

@@ -23,7 +23,7 @@ from ..config import (
     SynthesizeConfig,
     TrainConfig,
 )
-from ..errors import EagletError, Interrupted
+from ..errors import SIGNAL_EXIT_BASE, EagletError, Interrupted
 from .console import err_console, out_console
 from .stage_options import StageOptions, stage_command
 
@@ -619,8 +619,28 @@ def _print_error(message: str) -> None:
     err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`timeout`, Slurm, `docker stop`) raised where the program is, as Ctrl-C's KeyboardInterrupt is: the
+    code that keeps a stage's work and removes its temporaries on Ctrl-C does so on SIGTERM too (before, SIGTERM's
+    default ended the process where it stood and left them behind)."""
+
+
+def _stop_on_sigterm(received: list[int]) -> None:
+    """SIGTERM raises Terminated in the main thread; ``received`` records that it came (click turns any
+    KeyboardInterrupt into its own Abort, losing which signal it was). ``train`` installs its own handler for its
+    run (a checkpoint at the next step) and puts this one back after."""
+
+    def handle(number: int, frame: object) -> None:
+        received.append(number)
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, handle)
+
+
 def main() -> None:
     """Console entry point: user errors become one line and a non-zero exit code, never a traceback."""
+    terminated: list[int] = []
+    _stop_on_sigterm(terminated)
     try:
         code = app(
             prog_name="eaglet", standalone_mode=False
@@ -646,6 +666,9 @@ def main() -> None:
         sys.exit(EagletError.exit_code)
     except KeyboardInterrupt:  # before typer's own handling (which returns its exit code, below)
         code = INTERRUPTED_EXIT
+    if code == INTERRUPTED_EXIT and terminated:
+        err_console.print(f"[yellow]stopped by SIGTERM; {INTERRUPTED_LINE}[/]", highlight=False, soft_wrap=True)
+        sys.exit(SIGNAL_EXIT_BASE + signal.SIGTERM)
     if code == INTERRUPTED_EXIT:
         err_console.print(f"[yellow]{INTERRUPTED_LINE}[/]", highlight=False, soft_wrap=True)
     if isinstance(code, int) and code:  # typer.Exit(code) of a command

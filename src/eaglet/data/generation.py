@@ -4,10 +4,12 @@ stop tokens, one batch size rule, one cut at the first stop token."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from ..config import CPU_GENERATE_BATCH, GPU_GENERATE_BATCH
 from ..errors import EagletError
+from ..fsio import GIB
 
 SAMPLER_ROW_STEP = 8  # the static engine's rows are rounded up to this, so batches a row apart share its graphs
 
@@ -120,18 +122,38 @@ def load_generator(config: Any, template_stops: Callable[[Any], set[int]]) -> Ge
         )
     dist = init_distributed()  # --placement tp: every rank generates the same batches; rank 0 writes
     device = dist.device(config.device)
+    batch_size = config.batch_size or (GPU_GENERATE_BATCH if device.startswith("cuda") else CPU_GENERATE_BATCH)
+    require_batch_fits(resolved.path, config, device, batch_size)
     model = load_model(resolved.path, device, config.dtype, config.trust_remote_code, config, dist.world)
     return Generator(
         tokenizer,
         model,
         input_device(model),
-        config.batch_size or (GPU_GENERATE_BATCH if device.startswith("cuda") else CPU_GENERATE_BATCH),
+        batch_size,
         ordered,
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ordered[0],
         dist.is_main,
         config.hf_engine,
         dist.world > 1,
     )
+
+
+def require_batch_fits(target: Path, config: Any, device: str, batch_size: int) -> None:
+    """A batch whose KV cache alone passes the device's free memory is refused before the weights load (a
+    --batch-size of 1e8 allocated 19 GB before failing); what preflight's memory check counts, without its margin."""
+    from ..model.sizing import PROMPT_TOKENS_GUESS, available_memory, generation_batch_bytes
+    from ..model.target import pick_dtype, read_config
+
+    dtype_bytes = pick_dtype(config.dtype, device).itemsize
+    needed = generation_batch_bytes(
+        read_config(target), batch_size, PROMPT_TOKENS_GUESS + config.max_new_tokens, dtype_bytes
+    )
+    available, measured = available_memory(device)
+    if needed > available:
+        raise EagletError(
+            f"--batch-size {batch_size:,}: a batch's KV cache needs ~{needed / GIB:,.1f} GiB, {available / GIB:.1f} GiB "
+            f"{measured}; lower --batch-size"
+        )
 
 
 def stop_token_ids(generation_eos: int | list[int] | None, tokenizer: Any, template_stops: set[int]) -> list[int]:

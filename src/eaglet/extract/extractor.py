@@ -37,7 +37,14 @@ from ..formats.store_manifest import (
     resume_problem,
 )
 from ..formats.target_record import require_same_target, stage_target, target_source
-from ..fsio import check_output_apart, check_output_dir, free_disk_bytes, output_lock, write_json_atomic
+from ..fsio import (
+    check_output_apart,
+    check_output_dir,
+    free_disk_bytes,
+    output_lock,
+    sweep_dead_temporaries,
+    write_json_atomic,
+)
 from ..model.capture import FeatureCapture, batches_by_length, right_padded, target_argmax
 from ..model.distributed import init_distributed
 from ..model.final_norm import load_final_norm
@@ -399,6 +406,7 @@ def _extract(
     problem = resume_problem(store, identity)
     if problem:
         raise EagletError(problem)
+    sweep_dead_temporaries(store)  # shards a killed run was writing (its finished ones are kept and resumed)
     todo_all = [
         p for p in plans if read_record(store, p.index) is None and (only_shards is None or p.index in only_shards)
     ]

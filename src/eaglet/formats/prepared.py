@@ -134,6 +134,9 @@ def _check_rows(samples: Path, table: pa.Table, vocab_size: int) -> tuple[np.nda
             f"{samples}: row {row}: loss_mask has {int(mask_offsets[row + 1] - mask_offsets[row])} entries "
             f"for {int(offsets[row + 1] - offsets[row])} tokens; {PREPARE_AGAIN}"
         )
+    empty = np.flatnonzero(np.diff(offsets) == 0)
+    if len(empty):  # prepare writes none: a sample is its rendered conversation, template tokens at the least
+        raise EagletError(f"{samples}: row {int(empty[0])}: a sample of no tokens; {PREPARE_AGAIN}")
     tokens = np.asarray(ids_column.flatten(), dtype=np.int32)
     mask = np.asarray(mask_column.flatten(), dtype=np.uint8)
     bad = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))

@@ -11,8 +11,10 @@ bound of one layer's live tensors (layers run one after another under inference 
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..errors import EagletError
@@ -512,3 +514,31 @@ def measured_cpu_flops() -> float:
     for _ in range(PROBE_REPEATS):
         a @ a
     return PROBE_REPEATS * 2 * PROBE_SIZE**3 / (time.perf_counter() - started)
+
+
+# a prompt's tokens, for KV cache estimates before the prompts are rendered
+PROMPT_TOKENS_GUESS = 512
+FLOAT32_BYTES = 4
+
+
+def generation_batch_bytes(config: dict[str, Any], rows: int, tokens_per_row: int, dtype_bytes: int) -> int:
+    """Memory a batch of ``rows`` sequences of ``tokens_per_row`` tokens holds while it is written: their KV cache, and
+    one position's float32 logits per row."""
+    vocab = int(text_config(config)["vocab_size"])
+    return rows * (kv_bytes_per_token(config, dtype_bytes=dtype_bytes) * tokens_per_row + FLOAT32_BYTES * vocab)
+
+
+def available_memory(device: str) -> tuple[int, str]:
+    """(bytes available, what was measured) on the device a stage will use."""
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        index = int(device.split(":")[1]) if ":" in device else 0
+        free, _ = torch.cuda.mem_get_info(index)
+        return free, f"GPU {index} free"
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, "CPU MemAvailable"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "CPU available pages"

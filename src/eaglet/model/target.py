@@ -263,6 +263,15 @@ def config_identity(config: dict[str, Any]) -> str:
 
 
 REQUIRED_CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")
+# The largest each can be in any causal LM (the largest published: 126 layers, 25,600 wide, 262,144 tokens, 128
+# heads), with room to grow: a config past them is damaged or hostile, and would hang building layers (meta tensors
+# too take time per module) or size buffers to match before anything else could refuse it.
+CONFIG_FIELD_BOUNDS = {
+    "hidden_size": 1 << 17,
+    "num_hidden_layers": 1 << 10,
+    "vocab_size": 1 << 23,
+    "num_attention_heads": 1 << 12,
+}
 
 
 def raw_config(path: Path) -> dict[str, Any]:
@@ -300,6 +309,12 @@ def read_config(path: Path) -> dict[str, Any]:
             f"target {file}: no integer '{missing[0]}' (not a decoder-only model's config); pass an HF "
             "causal LM directory"
         )
+    for key, bound in CONFIG_FIELD_BOUNDS.items():
+        if not 1 <= text[key] <= bound:
+            raise EagletError(
+                f"target {file}: {key} {text[key]:,} is no model's (1 to {bound:,}); fix config.json or pass the "
+                "model's own"
+            )
     quantization = config.get("quantization_config") or text.get("quantization_config")
     return (
         text

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 
 from ..errors import EagletError
 from ..fsio import free_disk_bytes
-from ..model.sizing import GIB
+from ..model.sizing import GIB, available_memory
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 DATA_ROWS_CHECKED = 100
@@ -46,22 +46,6 @@ def guarded(name: str, fn: Callable[[], Check | list[Check]]) -> list[Check]:
     except EagletError as exc:
         return [Check(name, FAIL, exc.message)]  # eaglet's errors carry their fix
     return result if isinstance(result, list) else [result]
-
-
-def available_memory(device: str) -> tuple[int, str]:
-    """(bytes available, what was measured) on the device a stage will use."""
-    import torch
-
-    if device.startswith("cuda") and torch.cuda.is_available():
-        index = int(device.split(":")[1]) if ":" in device else 0
-        free, _ = torch.cuda.mem_get_info(index)
-        return free, f"GPU {index} free"
-    meminfo = Path("/proc/meminfo")
-    if meminfo.is_file():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024, "CPU MemAvailable"
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "CPU available pages"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,15 +272,18 @@ def check_disk(out: Path, needed: int, what: str) -> Check:
     )
 
 
-def check_memory(device: str, needed: int, what: str) -> Check:
+MEMORY_FIX = "use a bigger device, fewer --batch-tokens / --token-budget, or fp8"
+
+
+def check_memory(device: str, needed: int, what: str, fix: str = MEMORY_FIX) -> Check:
     available, measured = available_memory(device)
     return _capacity(
         "memory",
         needed,
         available,
-        f"{what}: ~{needed / GIB:.2f} GiB needed, {available / GIB:.1f} GiB {measured}",
+        f"{what}: ~{needed / GIB:,.2f} GiB needed, {available / GIB:.1f} GiB {measured}",
         MEMORY_WARN_SHARE,
-        "use a bigger device, fewer --batch-tokens / --token-budget, or fp8",
+        fix,
         "little headroom left",
     )
 

@@ -22,7 +22,14 @@ from ..formats.files import MANIFEST_FILE, VOCAB_FILE
 from ..formats.layers import default_aux_layer_ids, resolve_aux_layer_ids
 from ..formats.start_draft import read_start_draft
 from ..formats.store_manifest import keeps_target_top, prepared_path, read_manifest
-from ..model.sizing import STAGED_BATCHES, draft_parameters, staged_batch_bytes, train_step_bytes
+from ..model.sizing import (
+    PROMPT_TOKENS_GUESS,
+    STAGED_BATCHES,
+    draft_parameters,
+    generation_batch_bytes,
+    staged_batch_bytes,
+    train_step_bytes,
+)
 from ..model.support import compiles_draft_round, draft_compile_problem, static_cache_problem, uses_static_cache
 from .checks import (
     ACTIVATION_FACTOR,
@@ -49,7 +56,6 @@ from .checks import (
 )
 
 BYTES_PER_GENERATED_TOKEN = 8  # JSON text of an answer, generously
-PROMPT_TOKENS_GUESS = 512  # a prompt's tokens, for KV cache estimates before prompts are rendered
 EVAL_FORWARD_TOKENS = 128  # the largest verification forward eval runs (a tree's budget + 1, padded)
 # share of the measured matrix-multiply rate a CPU training step reaches: 85.8 s for a 4,096-token step of the
 # embedded target's draft (benchmarks/results/online_cpu.json) where 1024^3 products ran at 187 GFLOP/s
@@ -133,6 +139,7 @@ def _writing_target_checks(cfg: Any) -> tuple[list[Check], Any]:
     template, transformers' API, and its weights plus a batch's KV cache fitting here. Also the target found
     (``check_stage_target``'s), or None."""
     from ..config import CPU_GENERATE_BATCH, GPU_GENERATE_BATCH
+    from ..model.target import read_config
 
     checks = [check_device(cfg.device)]
     if checks[-1].status == FAIL:
@@ -146,8 +153,13 @@ def _writing_target_checks(cfg: Any) -> tuple[list[Check], Any]:
         checks += check_fit(
             found[0].path, cfg, device, dtype_bytes, batch, batch * (PROMPT_TOKENS_GUESS + cfg.max_new_tokens)
         )
-        if not device.startswith("cuda"):
-            checks.append(check_memory(device, found[1].num_parameters * dtype_bytes, "target weights"))
+        if not device.startswith("cuda"):  # a GPU's: check_fit's cached tokens above
+            cache = generation_batch_bytes(
+                read_config(found[0].path), batch, PROMPT_TOKENS_GUESS + cfg.max_new_tokens, dtype_bytes
+            )
+            weights = found[1].num_parameters * dtype_bytes
+            what = f"target weights + a {batch:,}-row batch's KV cache"
+            checks.append(check_memory(device, weights + cache, what, "lower --batch-size, or use a bigger device"))
         checks += guarded("hf engine", lambda: check_hf_engine(found[0].path, cfg, device))
     return checks, found
 

@@ -28,7 +28,14 @@ from ..model.distributed import Dist, all_reduce_sum, any_rank, init_distributed
 from ..model.draft import FROZEN_PREFIX, save_draft
 from ..model.sizing import PREFETCH_STEPS, draft_train_flops_per_token
 from ..progress import progress_bar
-from .checkpoint import TrainerState, damaged_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import (
+    TrainerState,
+    damaged_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    unloaded_optimizer_state,
+)
 from .data import FeatureBatch, kept_length, non_finite_samples, pad_to_budget
 from .graphed import StagedBatch, Stager, step_function
 from .heldout import evaluate
@@ -293,6 +300,8 @@ def _resume(run: Path, model: Model, scheduler, setup: Setup, console: Console) 
         )
     except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # shapes or optimizer entries of another draft
         raise damaged_checkpoint(checkpoint, str(exc).splitlines()[0]) from None
+    if loaded.state.step and (problem := unloaded_optimizer_state(model.module, model.optimizer)):
+        raise damaged_checkpoint(checkpoint, problem)
     restore_optimizer_flags(model.optimizer, flags)
     console.print(f"resuming from {checkpoint} (step {loaded.state.step})")
     return loaded.state
