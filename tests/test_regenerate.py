@@ -214,8 +214,10 @@ class StubServer:
         blank_marker: str | None = None,
         reply: Callable[[str], object] | None = None,
         drip_s: float | None = None,
+        drips: Callable[[str], bool] = lambda prompt: True,
     ):
-        """``reply(prompt)``: the JSON document to answer with instead; ``drip_s``: send it a byte at a time."""
+        """``reply(prompt)``: the JSON document to answer with instead; ``drip_s``: send it a byte at a time (the
+        prompts ``drips`` says, the others at once)."""
         self.calls: dict[str, int] = {}
         self.lock = threading.Lock()
         stub = self
@@ -252,7 +254,7 @@ class StubServer:
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                if drip_s is None:
+                if drip_s is None or not drips(prompt):
                     self.wfile.write(data)
                     return
                 for byte in data:  # a server that never stops sending, never finishes
@@ -373,6 +375,37 @@ def test_a_server_that_drips_its_answer_is_cut_at_the_deadline(tmp_path, capsys)
         code, _, err = run_cli([*args, "--timeout-s", "1", "--base-url", url, "--skip-preflight"], capsys)
     assert code == 2 and "failed after 2 attempts (ReadTimeout: no whole answer within --timeout-s 1)" in err, err
     assert time.monotonic() - started < 10
+
+
+def test_ctrl_c_with_slow_requests_in_flight_stops_at_once_and_keeps_what_arrived(tmp_path):
+    """Ctrl-C while requests drip from a slow server (each would take ~20 s, retried up to 3 times): the run stops
+    within seconds, not after every request in flight and its retries; the answer that arrived is in the file; the
+    same command against a healthy server finishes the rest."""
+    prompts = prompts_file(tmp_path, 6)
+    first = json.loads(prompts.read_text().splitlines()[0])["prompt"]
+    out = tmp_path / "a.jsonl"
+    with StubServer(fail_first=0, drip_s=0.1, drips=lambda prompt: prompt != first) as url:
+        args = ["regenerate", prompts, "--out", out, "--backend", "openai", "--base-url", url, "--model", "stub"]
+        cmd = [sys.executable, "-m", "eaglet.cli", *map(str, args), "--concurrency", "4", "--max-retries", "2"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (out.exists() and out.read_text().strip()):
+            time.sleep(0.01)
+        assert proc.poll() is None, "the run ended before the slow requests were in flight"
+        time.sleep(0.3)  # the slow requests mid-answer
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert time.monotonic() - stopped < 5, err
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["messages"][0]["content"] for row in rows] == [first]
+    with StubServer(fail_first=0) as url:
+        args = ["regenerate", prompts, "--out", out, "--backend", "openai", "--base-url", url, "--model", "stub"]
+        assert (
+            subprocess.run([sys.executable, "-m", "eaglet.cli", *map(str, args)], capture_output=True).returncode == 0
+        )
+    assert len(out.read_text().splitlines()) == 6
 
 
 def test_a_malformed_base_url_is_one_line(tmp_path, capsys):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -416,8 +417,14 @@ class VllmBackend:
         return Answer(text, "stop" if stopped else "length", len(kept) + stopped)
 
 
+class RequestCancelled(Exception):
+    """A request given up because the run is stopping (Ctrl-C, SIGTERM), between two chunks or two attempts."""
+
+
 class OpenAIBackend:
-    """Any OpenAI-compatible server (vLLM, SGLang, llama.cpp): concurrent requests, retries, timeouts."""
+    """Any OpenAI-compatible server (vLLM, SGLang, llama.cpp): concurrent requests, retries, timeouts. ``cancel()``
+    makes every request in flight give up at its next chunk and every retry at once: a stopped run does not wait
+    for slow requests (up to --timeout-s × attempts each) to end."""
 
     RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
     BACKOFF_BASE_S = 0.5
@@ -435,6 +442,10 @@ class OpenAIBackend:
         except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
             raise EagletError(f"--base-url {config.base_url}: not a URL httpx can reach ({exc})") from None
         self.httpx = httpx
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
 
     def _post(self, payload: dict[str, Any]) -> tuple[int, bytes]:
         """(status, body) of one request, within --timeout-s in all: each read is bounded by it too, so a server that
@@ -444,6 +455,8 @@ class OpenAIBackend:
             body = bytearray()
             for chunk in response.iter_bytes():
                 body += chunk
+                if self.cancelled.is_set():
+                    raise RequestCancelled()
                 if time.monotonic() > deadline:
                     raise self.httpx.ReadTimeout(f"no whole answer within --timeout-s {self.config.timeout_s:g}")
             return response.status_code, bytes(body)
@@ -488,8 +501,8 @@ class OpenAIBackend:
         }
         last_problem = ""
         for attempt in range(self.config.max_retries + 1):
-            if attempt:
-                time.sleep(min(self.BACKOFF_MAX_S, self.BACKOFF_BASE_S * 2 ** (attempt - 1)))
+            if self.cancelled.wait(min(self.BACKOFF_MAX_S, self.BACKOFF_BASE_S * 2 ** (attempt - 1)) if attempt else 0):
+                raise RequestCancelled()
             try:
                 status, body = self._post(payload)
             except (self.httpx.InvalidURL, self.httpx.UnsupportedProtocol) as exc:
@@ -529,6 +542,13 @@ class RegenerateResult:
     new_tokens: int
     seconds: float
     manifest: dict[str, Any]
+
+
+def _answered(futures: dict[Any, Request]) -> Iterator[tuple[list[Request], list[Answer]]]:
+    """The answers of the requests that finished (stopped runs: those that arrived while the rest were cancelled)."""
+    for future, request in futures.items():
+        if future.done() and not future.cancelled() and future.exception() is None:
+            yield [request], [future.result()]
 
 
 def _write_answers(
@@ -603,8 +623,10 @@ def _regenerate(config: RegenerateConfig, out: Path, console: Console) -> Regene
                     arrived = (([futures[f]], [f.result()]) for f in as_completed(futures))
                     try:
                         new_tokens = _write_answers(arrived, settings, out, done, advance)
-                    except BaseException:
-                        pool.shutdown(wait=False, cancel_futures=True)
+                    except BaseException:  # Ctrl-C, SIGTERM, a request that failed for good
+                        client.cancel()  # requests in flight give up at their next chunk, retries at once
+                        pool.shutdown(wait=True, cancel_futures=True)
+                        _write_answers(_answered(futures), settings, out, done, advance)  # kept, not asked again
                         raise
     seconds = time.perf_counter() - started
     if backend is not None and not backend.writes:
