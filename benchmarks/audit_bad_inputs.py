@@ -153,6 +153,55 @@ def prepared_past_context(w: Path) -> Path:
     return out
 
 
+def checkpoint_with_nan_moment(draft: Path, copy: Path) -> Path:
+    """A copy of the trained draft whose latest checkpoint holds a NaN Adam moment, its checksum recorded anew (as a
+    faulty writer would have left it)."""
+    import hashlib
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(draft, copy)
+    checkpoint = sorted((copy / "checkpoints").glob("step-*"))[-1]
+    tensors = load_file(checkpoint / "optimizer.safetensors")
+    moment = next(name for name in sorted(tensors) if name.endswith("/exp_avg"))
+    tensors[moment].view(-1)[0] = float("nan")
+    save_file(tensors, checkpoint / "optimizer.safetensors")
+    trainer = json.loads((checkpoint / "trainer.json").read_text())
+    digest = hashlib.sha256((checkpoint / "optimizer.safetensors").read_bytes()).hexdigest()
+    trainer.setdefault("files", {})["optimizer.safetensors"] = digest
+    (checkpoint / "trainer.json").write_text(json.dumps(trainer))
+    return copy
+
+
+def target_of_a_billion_layers(copy: Path) -> Path:
+    """A copy of the embedded target whose config.json claims a billion layers (it hung building them)."""
+    shutil.copytree(embedded_dir(), copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 1_000_000_000}))
+    return copy
+
+
+def prepared_with_an_empty_sample(prepared: Path, copy: Path) -> Path:
+    """A copy of the prepared set whose fifth sample has no tokens, its checksum recorded anew."""
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    shutil.copytree(prepared, copy)
+    table = pq.read_table(copy / "samples.parquet")
+    ids, masks = table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()
+    ids[-1], masks[-1] = [], []
+    table = table.set_column(1, "input_ids", pa.array(ids, type=pa.list_(pa.int32())))
+    pq.write_table(
+        table.set_column(2, "loss_mask", pa.array(masks, type=pa.list_(pa.uint8()))), copy / "samples.parquet"
+    )
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["files"]["samples.parquet"] = hashlib.sha256((copy / "samples.parquet").read_bytes()).hexdigest()
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
 def project_with_eval_folder(w: Path) -> Path:
     """A user's project directory with an eval/ folder of their own."""
     (w / "project" / "eval").mkdir(parents=True)
@@ -650,6 +699,28 @@ def cases(w: Path, made: dict[str, Path]) -> list[tuple[str, list, str]]:
             "refused",
         ),
         ("bench --concurrency 0", ["bench", "--draft", draft, "--out", w / "b30", "--concurrency", "0"], "refused"),
+        # issue 60's surfaces: resume state, sizes, a prepared sample of no tokens
+        (
+            "train resumes a checkpoint holding a NaN Adam moment",
+            ["train", "--store", store, "--out", checkpoint_with_nan_moment(Path(draft), w / "nan_draft")]
+            + ["--max-steps", "3", "--token-budget", str(SET_UP_TOKEN_BUDGET), "--eval-fraction", "0"],
+            "refused",
+        ),
+        (
+            "extract with a target config of a billion layers",
+            ["extract", "--prepared", prepared, "--out", w / "s40", "--target", target_of_a_billion_layers(w / "t1e9")],
+            "refused",
+        ),
+        (
+            "synthesize --batch-size 1e8",
+            ["synthesize", "--out", w / "s41.jsonl", "--count", "3", "--batch-size", "100000000"],
+            "refused",
+        ),
+        (
+            "extract a prepared sample of no tokens",
+            ["extract", "--prepared", prepared_with_an_empty_sample(Path(prepared), w / "p40"), "--out", w / "s42"],
+            "refused",
+        ),
     ]
 
 
