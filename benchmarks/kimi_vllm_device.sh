@@ -5,7 +5,7 @@
 # exported draft's rope against the installed vLLM's get_rope. One part per device call (each well under 10 minutes;
 # the run resumes where the last call stopped):
 #   bash benchmarks/kimi_vllm_device.sh build|run|reference|evalhf|rope
-# vLLM staged first (scripts/device/vllm_install.sh; README "GPU checks"), eaglet's missing wheels in .device/whl.
+# vLLM staged first (scripts/device/vllm_install.sh; docs/serving.md "GPU checks"), eaglet's missing wheels in .device/whl.
 # Results: JSON under $OUT (kimi_*.json) and the run's report files copied there.
 set -euo pipefail
 export PYTHONPATH=/tmp/vllm-site:/tmp/site:$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}

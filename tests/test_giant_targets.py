@@ -274,7 +274,7 @@ def assert_the_same_store(store: Path, reference_store: Path) -> None:
 def test_two_tensor_parallel_replicas_share_one_store_and_write_the_one_device_store(
     tmp_path, capsys, targets, conversations
 ):
-    """README's data parallel over TP groups: two torchrun jobs (two gloo ranks each, --replica 0/2 and 1/2) run at
+    """docs/scaling.md's data parallel over TP groups: two torchrun jobs (two gloo ranks each, --replica 0/2 and 1/2) run at
     once into one store; each computes its half of the shards, and the finished store is the one-device store."""
     target = targets("llama")
     prepared = tmp_path / "prepared"
@@ -760,7 +760,7 @@ def test_a_regenerate_refused_by_transformers_names_its_vllm_backend(tmp_path):
 
 
 def test_the_readme_kimi_example_plan_tells_why_transformers_cannot_load_it(tmp_path, capsys):
-    """examples/kimi_8xh200.yaml, the README's giant-target plan, stays valid, and its refusal names each reason."""
+    """examples/kimi_8xh200.yaml, docs/scaling.md's giant-target plan, stays valid, and its refusal names each reason."""
     example = Path(__file__).parent.parent / "examples" / "kimi_8xh200.yaml"
     config = tmp_path / "kimi.yaml"
     config.write_text(

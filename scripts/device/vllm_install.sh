@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the device: join the staged vLLM wheel (copied part by part into /tmp/vllm-parts by earlier calls), check its
 # sha256, install it and the runtime wheels with --no-deps into /tmp/vllm-site, then a smoke import.
-#   cp .device/vllm/parts/vllm.whl.part.aa /tmp/vllm-parts/   (one call per part, back to back; see ../README "GPU checks")
+#   cp .device/vllm/parts/vllm.whl.part.aa /tmp/vllm-parts/   (one call per part, back to back; see docs/serving.md "GPU checks")
 #   bash scripts/device/vllm_install.sh                         (carry .device/vllm/runtime-a, later runtime-b)
 set -euo pipefail
 site=/tmp/vllm-site
