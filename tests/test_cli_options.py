@@ -249,3 +249,21 @@ def test_progress_rates_keep_three_significant_digits_or_say_seconds_per_item(pe
     from eaglet.progress import format_rate
 
     assert format_rate(per_second, unit) == shown
+
+
+def test_a_bar_finished_in_one_update_shows_its_rate():
+    """A stage whose work lands in one update (a small extraction: one shard) showed "-- tok/s" at its end: rich
+    keeps no speed from a single sample. The rate is then the work over the time it took."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    from eaglet.progress import RateColumn, progress_bar
+
+    with progress_bar("tok", Console(file=io.StringIO())) as progress:
+        task = progress.add_task("extract", total=2526)
+        time.sleep(0.05)
+        progress.advance(task, 2526)
+    shown = RateColumn("tok").render(progress.tasks[task]).plain
+    assert shown.endswith(" tok/s") and not shown.startswith("--"), shown

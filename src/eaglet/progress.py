@@ -25,6 +25,8 @@ class RateColumn(ProgressColumn):
 
     def render(self, task: Task) -> Text:
         speed = task.finished_speed or task.speed
+        if speed is None and task.completed and task.elapsed:  # work done in one update: rich has no two samples
+            speed = task.completed / task.elapsed
         if speed is None:
             return Text(f"-- {self.unit}/s", style="progress.data.speed")
         return Text(format_rate(speed, self.unit), style="progress.data.speed")
