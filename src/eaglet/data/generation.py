@@ -141,13 +141,11 @@ def load_generator(config: Any, template_stops: Callable[[Any], set[int]]) -> Ge
 def require_batch_fits(target: Path, config: Any, device: str, batch_size: int) -> None:
     """A batch whose KV cache alone passes the device's free memory is refused before the weights load (a
     --batch-size of 1e8 allocated 19 GB before failing); what preflight's memory check counts, without its margin."""
-    from ..model.sizing import PROMPT_TOKENS_GUESS, available_memory, generation_batch_bytes
+    from ..model.sizing import available_memory, generation_batch_bytes
     from ..model.target import pick_dtype, read_config
 
     dtype_bytes = pick_dtype(config.dtype, device).itemsize
-    needed = generation_batch_bytes(
-        read_config(target), batch_size, PROMPT_TOKENS_GUESS + config.max_new_tokens, dtype_bytes
-    )
+    needed = generation_batch_bytes(read_config(target), batch_size, config.max_new_tokens, dtype_bytes)
     available, measured = available_memory(device)
     if needed > available:
         raise EagletError(

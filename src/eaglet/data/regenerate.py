@@ -437,12 +437,16 @@ class OpenAIBackend:
         headers = {}
         if os.environ.get(config.api_key_env):
             headers["Authorization"] = f"Bearer {os.environ[config.api_key_env]}"
+        self.httpx = httpx
         try:
             self.client = httpx.Client(base_url=config.base_url.rstrip("/"), headers=headers, timeout=config.timeout_s)
         except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
-            raise EagletError(f"--base-url {config.base_url}: not a URL httpx can reach ({exc})") from None
-        self.httpx = httpx
+            raise self._unreachable_url(exc) from None
         self.cancelled = threading.Event()
+
+    def _unreachable_url(self, exc: Exception) -> EagletError:
+        """--base-url refused by httpx: when the client is made, or (some malformed hosts) at the first request."""
+        return EagletError(f"--base-url {self.config.base_url}: not a URL httpx can reach ({exc})")
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -506,7 +510,7 @@ class OpenAIBackend:
             try:
                 status, body = self._post(payload)
             except (self.httpx.InvalidURL, self.httpx.UnsupportedProtocol) as exc:
-                raise EagletError(f"--base-url {self.config.base_url}: not a URL httpx can reach ({exc})") from None
+                raise self._unreachable_url(exc) from None
             except self.httpx.HTTPError as exc:  # timeouts (each read, or the whole answer), refused connections
                 last_problem = f"{type(exc).__name__}: {exc}"
                 continue

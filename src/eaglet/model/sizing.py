@@ -521,11 +521,12 @@ PROMPT_TOKENS_GUESS = 512
 FLOAT32_BYTES = 4
 
 
-def generation_batch_bytes(config: dict[str, Any], rows: int, tokens_per_row: int, dtype_bytes: int) -> int:
-    """Memory a batch of ``rows`` sequences of ``tokens_per_row`` tokens holds while it is written: their KV cache, and
-    one position's float32 logits per row."""
+def generation_batch_bytes(config: dict[str, Any], rows: int, max_new_tokens: int, dtype_bytes: int) -> int:
+    """Memory a batch of ``rows`` answers of up to ``max_new_tokens`` holds while it is written (each after a prompt
+    of PROMPT_TOKENS_GUESS): their KV cache, and one position's float32 logits per row."""
     vocab = int(text_config(config)["vocab_size"])
-    return rows * (kv_bytes_per_token(config, dtype_bytes=dtype_bytes) * tokens_per_row + FLOAT32_BYTES * vocab)
+    per_token = kv_bytes_per_token(config, dtype_bytes=dtype_bytes)
+    return rows * (per_token * (PROMPT_TOKENS_GUESS + max_new_tokens) + FLOAT32_BYTES * vocab)
 
 
 def available_memory(device: str) -> tuple[int, str]:

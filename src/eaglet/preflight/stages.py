@@ -154,9 +154,7 @@ def _writing_target_checks(cfg: Any) -> tuple[list[Check], Any]:
             found[0].path, cfg, device, dtype_bytes, batch, batch * (PROMPT_TOKENS_GUESS + cfg.max_new_tokens)
         )
         if not device.startswith("cuda"):  # a GPU's: check_fit's cached tokens above
-            cache = generation_batch_bytes(
-                read_config(found[0].path), batch, PROMPT_TOKENS_GUESS + cfg.max_new_tokens, dtype_bytes
-            )
+            cache = generation_batch_bytes(read_config(found[0].path), batch, cfg.max_new_tokens, dtype_bytes)
             weights = found[1].num_parameters * dtype_bytes
             what = f"target weights + a {batch:,}-row batch's KV cache"
             checks.append(check_memory(device, weights + cache, what, "lower --batch-size, or use a bigger device"))
